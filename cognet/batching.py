@@ -1,0 +1,71 @@
+"""Batches of whole patients as tensors: every visit is encoded once and decoded with the
+ground-truth medications of the patient's earlier visits as history."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from cognet.history import Visit, history_index, pad
+from cognet.vocab import Vocab
+
+IGNORE = -100  # target padding, skipped by the loss
+
+
+def make_batch(patients: Sequence[Sequence[Visit]], vocab: Vocab,
+               max_history: int | None = None, targets: bool = True) -> dict[str, torch.Tensor]:
+    """Batch of all visits of `patients` (each decoded with its known-medication history).
+
+    Returns encoder inputs [V, L*], `target` [N] (rows being decoded, here every visit),
+    history indexes (see `cognet.history.history_index`) and, when `targets`, `dec_input`
+    (START + medications) and `dec_target` (medications + END) [N, L].
+    """
+    visits = [v for p in patients for v in p]
+    histories, row = [], 0
+    for p in patients:
+        known: list[int] = []
+        for v in p:
+            h = known if max_history is None else known[len(known) - max_history:]
+            histories.append(list(h) if max_history != 0 else [])
+            if v.meds is not None:
+                known.append(row)
+            row += 1
+    med_ids = [v.meds or () for v in visits]
+    batch = {
+        "diagnoses": pad([v.diag for v in visits], vocab.diag_pad),
+        "procedures": pad([v.proc for v in visits], vocab.proc_pad),
+        "medications": pad(med_ids, vocab.med_pad),
+        "target": np.arange(len(visits), dtype=np.int64),
+    }
+    index = history_index(histories, med_ids)
+    index["slot_visit_row"] = index.pop("slot_row")
+    batch.update(index)
+    if targets:
+        meds = [list(v.meds or ()) for v in visits]
+        batch["dec_input"] = pad([[vocab.start, *m] for m in meds], vocab.med_pad)
+        batch["dec_target"] = pad([[*m, vocab.end] for m in meds], IGNORE)
+    return {k: torch.from_numpy(np.ascontiguousarray(a)) for k, a in batch.items()}
+
+
+def ehr_adjacency(patients: Sequence[Sequence[Visit]], n_med: int) -> np.ndarray:
+    """Co-prescription graph of the training visits: A[i, j] = 1 if i and j share a visit."""
+    adj = np.zeros((n_med, n_med), np.float32)
+    for p in patients:
+        for v in p:
+            if v.meds:
+                ids = np.asarray(v.meds)
+                adj[np.ix_(ids, ids)] = 1.0
+    np.fill_diagonal(adj, 0.0)
+    return adj
+
+
+def ddi_adjacency(pairs: Sequence[tuple[str, str]], vocab: Vocab) -> np.ndarray:
+    """Symmetric DDI graph over the vocabulary's medications (unknown codes ignored)."""
+    adj = np.zeros((vocab.n_med, vocab.n_med), np.float32)
+    for a, b in pairs:
+        ids, unknown = vocab.encode("medications", [a, b])
+        if not unknown and len(ids) == 2:
+            adj[ids[0], ids[1]] = adj[ids[1], ids[0]] = 1.0
+    return adj

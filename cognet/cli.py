@@ -1,0 +1,30 @@
+"""The `cognet` command line: data preparation, training and evaluation.
+
+Each command is a thin layer over a library function; the commands live beside the
+code they drive and are registered here.
+"""
+
+from __future__ import annotations
+
+import click
+
+from cognet.cli_data import data
+from cognet.cli_model import evaluate, train
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="cognet")
+def main() -> None:
+    """cognet: train and evaluate COGNet medication recommenders.
+
+    \b
+    Example:
+      cognet data synth --out data --patients 2000 --seed 0
+      cognet train --data data --out ckpt --epochs 5
+      cognet evaluate --checkpoint ckpt --data data
+    """
+
+
+main.add_command(data)
+main.add_command(train)
+main.add_command(evaluate)

@@ -1,0 +1,68 @@
+"""Helpers shared by the cognet command lines: error mapping and progress bars."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import sys
+from collections.abc import Callable, Iterable
+from typing import TypeVar
+
+import click
+
+from cognet.errors import InputError
+
+T = TypeVar("T")
+
+
+def handle_errors(func: Callable) -> Callable:
+    """Turn library exceptions into exit codes: InputError -> 2, anything else -> 1.
+
+    Click's own usage errors keep their exit code 2. A user mistake never prints a
+    traceback; unexpected errors print one line unless COGNET_DEBUG is set.
+    """
+
+    @functools.wraps(func)
+    def wrapper(*args, **kwargs):
+        try:
+            return func(*args, **kwargs)
+        except (click.ClickException, click.exceptions.Exit, click.exceptions.Abort):
+            raise
+        except InputError as exc:
+            click.echo(f"Error: {exc}", err=True)
+            sys.exit(2)
+        except FileNotFoundError as exc:
+            click.echo(f"Error: {exc.filename or exc}: file not found", err=True)
+            sys.exit(2)
+        except KeyboardInterrupt:
+            click.echo("Interrupted", err=True)
+            sys.exit(130)
+        except Exception as exc:  # noqa: BLE001 - the CLI boundary
+            import os
+
+            if os.environ.get("COGNET_DEBUG"):
+                raise
+            click.echo(f"Error: {type(exc).__name__}: {exc}", err=True)
+            sys.exit(1)
+
+    return wrapper
+
+
+def setup_logging(verbose: bool = False) -> None:
+    logging.basicConfig(
+        level=logging.INFO if verbose else logging.WARNING,
+        format="%(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+
+
+def progress(
+    iterable: Iterable[T] | None = None, *, total: int | None = None, desc: str = "",
+    unit: str = "it", quiet: bool = False,
+):
+    """A tqdm bar on stderr, silent when stderr is not a terminal or when quiet."""
+    from tqdm.auto import tqdm
+
+    disable = quiet or not sys.stderr.isatty()
+    return tqdm(iterable, total=total, desc=desc, unit=unit, disable=disable, file=sys.stderr,
+                dynamic_ncols=True, leave=False)

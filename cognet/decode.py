@@ -1,0 +1,118 @@
+"""Reference decoding in torch: batched beam search (and greedy = beam 1) with the KV-cached
+decoder step. The runtime re-implements exactly these semantics in numpy; see
+docs/INTERNALS.md "Beam search" for the rules both follow."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from cognet.model import COGNet, history_inputs
+
+MAX_LEN = 45
+BEAM = 4
+
+
+@dataclass(frozen=True)
+class Decoded:
+    meds: tuple[int, ...]  # generation order, END excluded
+    score: float  # sum of log-probabilities, END included
+    med_probs: tuple[float, ...]  # probability of each medication at the step it was emitted
+    scores: np.ndarray  # [M] PRAUC scores: emission probability, or mean over the steps
+    gates: tuple[float, ...] = ()  # w_g at each emitted medication's step
+    copy_slots: tuple[np.ndarray, ...] = ()  # copy distribution over slots at each step
+
+
+def _select(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """Per-visit gather along the beam axis: x [n, B, ...], index [n, B]."""
+    view = index.view(*index.shape, *([1] * (x.dim() - 2))).expand(*index.shape, *x.shape[2:])
+    return x.gather(1, view)
+
+
+@torch.no_grad()
+def beam_search(model: COGNet, batch: dict[str, torch.Tensor], beam: int = BEAM,
+                max_len: int = MAX_LEN, rows: torch.Tensor | None = None) -> list[Decoded]:
+    """Decode the visits `rows` (default: every `target`) of a batch from `make_batch`."""
+    model.eval()
+    cfg = model.cfg
+    if rows is not None:
+        batch = dict(batch, target=batch["target"][rows])
+        for k in ("hist_index", "hist_mask", "slot_visit_row", "slot_pos", "slot_visit",
+                  "slot_med", "slot_mask"):
+            batch[k] = batch[k][rows]
+    enc = model.encode_visits(batch["diagnoses"], batch["procedures"], batch["medications"])
+    memories = model.decoder_init(*history_inputs(batch, *enc, cfg))
+    graph = model.graph_embeddings()
+    n, b, v1, end = len(batch["target"]), beam, cfg.out_size, cfg.n_med
+    neg_inf = float("-inf")
+
+    alive = torch.arange(n)  # visits still decoding, in memory order
+    scores = torch.full((n, b), neg_inf)
+    scores[:, 0] = 0.0
+    finished = torch.zeros(n, b, dtype=torch.bool)
+    tokens = torch.full((n, b), cfg.n_med + 1)  # START
+    parent = torch.arange(b).repeat(n, 1)
+    past_key, past_value = model.empty_cache(n, b)
+    seqs = torch.full((n, b, max_len), -1)
+    emit_prob = torch.zeros(n, b, max_len)
+    used = torch.zeros(n, b, v1, dtype=torch.bool)
+    prob_sum = torch.zeros(n, b, v1)
+    steps = torch.zeros(n, b)
+    results: dict[int, Decoded] = {}
+
+    def record(local: torch.Tensor) -> None:
+        for i in local.tolist():
+            length = int((seqs[i, 0] >= 0).sum())
+            toks = seqs[i, 0, :length].tolist()
+            meds = tuple(t for t in toks if t != end)
+            probs = emit_prob[i, 0, :length].tolist()
+            mean = (prob_sum[i, 0, : cfg.n_med] / steps[i, 0].clamp_min(1)).numpy().copy()
+            med_probs = tuple(p for t, p in zip(toks, probs) if t != end)
+            mean[list(meds)] = med_probs
+            results[int(alive[i])] = Decoded(meds, float(scores[i, 0]), med_probs, mean)
+
+    for t in range(max_len):
+        log_probs, _, _, past_key, past_value = model.decoder_step(
+            tokens, parent, past_key, past_value, *memories, graph=graph)
+        raw = log_probs
+        logp = raw.masked_fill(used, neg_inf)
+        frozen = torch.full_like(logp, neg_inf)
+        frozen[..., end] = 0.0
+        logp = torch.where(finished.unsqueeze(-1), frozen, logp)
+        cand = (scores.unsqueeze(-1) + logp).view(len(alive), b * v1)
+        order = torch.sort(cand, dim=1, descending=True, stable=True).indices[:, :b]
+        scores = cand.gather(1, order)
+        parent, tokens = order // v1, order % v1
+        was_finished = _select(finished, parent)
+        live = ~was_finished
+        raw = _select(raw, parent)
+        seqs = _select(seqs, parent)
+        seqs[:, :, t] = torch.where(live, tokens, -1)
+        emit_prob = _select(emit_prob, parent)
+        emit_prob[:, :, t] = raw.gather(2, tokens.unsqueeze(-1)).squeeze(-1).exp() * live
+        used = _select(used, parent)
+        used.scatter_(2, tokens.unsqueeze(-1), True)
+        prob_sum = _select(prob_sum, parent) + raw.exp() * live.unsqueeze(-1)
+        steps = _select(steps, parent) + live.float()
+        finished = was_finished | (tokens == end)
+
+        done = finished[:, 0] if t < max_len - 1 else torch.ones(len(alive), dtype=torch.bool)
+        if bool(done.any()):
+            record(done.nonzero().squeeze(1))
+            keep = (~done).nonzero().squeeze(1)
+            if len(keep) == 0:
+                break
+            alive = alive[keep]
+            scores, finished, tokens, parent = (x[keep] for x in (scores, finished, tokens,
+                                                                  parent))
+            past_key, past_value, seqs, emit_prob, used, prob_sum, steps = (
+                x[keep] for x in (past_key, past_value, seqs, emit_prob, used, prob_sum, steps))
+            memories = tuple(m[keep] for m in memories)
+    return [results[i] for i in range(n)]
+
+
+def greedy(model: COGNet, batch: dict[str, torch.Tensor], max_len: int = MAX_LEN,
+           rows: torch.Tensor | None = None) -> list[Decoded]:
+    return beam_search(model, batch, beam=1, max_len=max_len, rows=rows)

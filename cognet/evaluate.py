@@ -1,0 +1,151 @@
+"""Evaluation of a checkpoint (or a baseline) on a split: beam search over whole patients,
+then the metrics of DESIGN.md §4 with seeded bootstrap rounds."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow as pa
+import torch
+
+from cognet.batching import ddi_adjacency, make_batch
+from cognet.decode import MAX_LEN, Decoded, beam_search
+from cognet.history import Visit, patients_from_table
+from cognet.metrics import VisitResult, bootstrap_report, ddi_rate_of_sets
+from cognet.model import COGNet
+from cognet.vocab import Vocab
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class SplitData:
+    patients: list[list[Visit]]
+    unknown_codes: int  # codes of the split that the vocabulary does not know (dropped)
+    unlabeled_visits: int  # visits without medications, neither decoded nor used as history
+
+
+def split_table(visits: pa.Table, split: str) -> pa.Table:
+    import pyarrow.compute as pc
+
+    return visits.filter(pc.equal(visits.column("split"), split))
+
+
+def load_split(visits: pa.Table, vocab: Vocab, split: str) -> SplitData:
+    """The labelled visits of a split grouped into patients (unknown codes dropped)."""
+    patients, unknown, unlabeled = [], 0, 0
+    for p in patients_from_table(split_table(visits, split), vocab):
+        unknown += sum(v.unknown_codes for v in p)
+        kept = [v for v in p if v.meds is not None]
+        unlabeled += len(p) - len(kept)
+        if kept:
+            patients.append(kept)
+    return SplitData(patients, unknown, unlabeled)
+
+
+def decode_patients(model: COGNet, vocab: Vocab, patients: Sequence[Sequence[Visit]],
+                    beam: int = 4, max_len: int = MAX_LEN, batch_patients: int = 128,
+                    on_batch: Callable[[int], None] | None = None) -> list[Decoded]:
+    """Decode every visit of `patients` (history: the earlier visits' true medications)."""
+    out: list[Decoded] = []
+    with torch.no_grad():
+        for i in range(0, len(patients), batch_patients):
+            chunk = patients[i : i + batch_patients]
+            batch = make_batch(chunk, vocab, targets=False)
+            out.extend(beam_search(model, batch, beam=beam, max_len=max_len))
+            if on_batch:
+                on_batch(sum(map(len, chunk)))
+    return out
+
+
+def visit_results(patients: Sequence[Sequence[Visit]], decoded: Sequence[Decoded]
+                  ) -> list[VisitResult]:
+    visits = [v for p in patients for v in p]
+    return [VisitResult(v.patient_id, d.meds, tuple(v.meds or ()), d.scores)
+            for v, d in zip(visits, decoded, strict=True)]
+
+
+def report(results: Sequence[VisitResult], ddi_adj: np.ndarray, rounds: int = 10,
+           seed: int = 0) -> dict:
+    if rounds <= 1:
+        return bootstrap_report(results, ddi_adj, rounds=1, fraction=1.0, seed=seed)
+    return bootstrap_report(results, ddi_adj, rounds=rounds, fraction=0.8, seed=seed)
+
+
+def ground_truth_ddi(patients: Sequence[Sequence[Visit]], ddi_adj: np.ndarray) -> float:
+    return float(ddi_rate_of_sets([v.meds or () for p in patients for v in p], ddi_adj))
+
+
+def predictions_table(patients: Sequence[Sequence[Visit]], predicted: Sequence[Sequence[int]],
+                      scores: Sequence[float], vocab: Vocab) -> pa.Table:
+    """The `cognet-batch score` output schema: patient_id, visit_id, medications, score."""
+    visits = [v for p in patients for v in p]
+    return pa.table({
+        "patient_id": pa.array([v.patient_id for v in visits], pa.string()),
+        "visit_id": pa.array([v.visit_id for v in visits], pa.string()),
+        "medications": pa.array([vocab.med_codes(m) for m in predicted], pa.list_(pa.string())),
+        "score": pa.array(scores, pa.float32()),
+    })
+
+
+def ddi_matrix(vocab: Vocab, pairs) -> np.ndarray:
+    return ddi_adjacency([tuple(p) for p in pairs], vocab) > 0
+
+
+def run_evaluation(ckpt, data_dir, split: str = "test", beam: int = 4, rounds: int = 10,
+                   seed: int = 0, predictions=None, baseline: str | None = None,
+                   quiet: bool = True) -> dict:
+    """What `cognet evaluate` does: returns {"report": dict, "table": str}."""
+    from cognet import checkpoint
+    from cognet.clitools import progress
+    from cognet.metrics import format_table
+    from cognet.schema import read_dataset
+
+    dataset = read_dataset(data_dir)
+    if ckpt:
+        model, vocab, _ = checkpoint.load(ckpt)
+    else:
+        train_rows = split_table(dataset.visits, "train")
+        vocab = Vocab.build(*(train_rows.column(c).to_pylist()
+                              for c in ("diagnoses", "procedures", "medications")))
+    data = load_split(dataset.visits, vocab, split)
+    if not data.patients:
+        from cognet.errors import InputError
+
+        raise InputError(f"{data_dir}: the {split} split has no labelled visit")
+    ddi_adj = ddi_matrix(vocab, dataset.ddi_pairs)
+    if baseline:
+        from cognet.baselines import run_baseline
+
+        results = run_baseline(baseline, vocab, dataset.visits, split=split, seed=seed)
+        name = baseline
+    else:
+        n_visits = sum(map(len, data.patients))
+        with progress(total=n_visits, desc="decoding", unit="visit", quiet=quiet) as bar:
+            decoded = decode_patients(model, vocab, data.patients, beam=beam,
+                                      on_batch=bar.update)
+        results = visit_results(data.patients, decoded)
+        name = f"COGNet (beam {beam})" if beam > 1 else "COGNet (greedy)"
+        if predictions:
+            _write_parquet(predictions, predictions_table(
+                data.patients, [d.meds for d in decoded], [d.score for d in decoded], vocab))
+    rep = report(results, ddi_adj, rounds=rounds, seed=seed)
+    rep.update(model=name, split=split, ground_truth_ddi=ground_truth_ddi(data.patients, ddi_adj),
+               unknown_codes=data.unknown_codes, unlabeled_visits=data.unlabeled_visits)
+    table = (format_table({name: rep}) + f"\nground-truth DDI rate of the {split} split: "
+             f"{rep['ground_truth_ddi']:.4f}  ({rep['n_patients']} patients, "
+             f"{rep['n_visits']} visits, {data.unknown_codes} unknown codes dropped)")
+    return {"report": rep, "table": table}
+
+
+def _write_parquet(path, table: pa.Table) -> None:
+    import os
+
+    import pyarrow.parquet as pq
+
+    tmp = f"{path}.tmp"
+    pq.write_table(table, tmp)
+    os.replace(tmp, path)

@@ -1,0 +1,63 @@
+"""Names and order of the inputs and outputs of the three model graphs (torch-free).
+
+Defined once and shared by the torch model (`cognet.model`), the exporter and the runtime.
+Shapes: N visits, B beams, H heads, dh = dim / H, T generated positions, Ld / Lp / Lm code
+lengths, J history visits, S history medication slots, V1 = medications + END.
+"""
+
+ENCODER_INPUTS = ("diagnoses", "procedures", "medications")  # int64 [N, L*], padded with PAD ids
+ENCODER_OUTPUTS = (
+    "diag_enc",  # [N, Ld, s]
+    "proc_enc",  # [N, Lp, s]
+    "v_d",  # [N, s]
+    "v_p",  # [N, s]
+    "med_enc",  # [N, Lm, s]
+)
+
+INIT_INPUTS = (
+    "diag_enc",  # [N, Ld, s]
+    "diag_mask",  # float [N, Ld], 1 = code, 0 = padding
+    "proc_enc",  # [N, Lp, s]
+    "proc_mask",  # float [N, Lp]
+    "v_d",  # [N, s]
+    "v_p",  # [N, s]
+    "hist_v_d",  # [N, J, s]   visit vectors of the past visits
+    "hist_v_p",  # [N, J, s]
+    "hist_mask",  # float [N, J]
+    "slot_enc",  # [N, S, s]   medication-set encodings of every past medication slot
+    "slot_mask",  # float [N, S]
+    "slot_visit",  # int64 [N, S] index j of the past visit holding the slot
+    "slot_med",  # int64 [N, S] medication id of the slot
+)
+
+# Per-visit memories: outputs of the decoder init, inputs of every decoder step.
+MEMORIES = (
+    "cross_key_d",  # [N, H, dh, Ld]  keys, transposed and pre-scaled by 1/sqrt(dh)
+    "cross_value_d",  # [N, H, Ld, dh]
+    "cross_bias_d",  # [N, Ld]        0 for codes, NEG for padding
+    "cross_flag_d",  # [N]            1 if the visit has a diagnosis (and D is used)
+    "cross_key_p",  # [N, H, dh, Lp]
+    "cross_value_p",  # [N, H, Lp, dh]
+    "cross_bias_p",  # [N, Lp]
+    "cross_flag_p",  # [N]
+    "copy_key",  # [N, s, S]   slot encodings, transposed and pre-scaled by 1/sqrt(s)
+    "copy_bias",  # [N, S]      log c_j of the slot's visit, NEG for padding
+    "copy_onehot",  # [N, S, V1]  slot -> medication id
+    "has_history",  # [N]         1 if the copy distribution is used
+)
+INIT_OUTPUTS = MEMORIES
+
+STEP_CACHE_INPUTS = ("past_key", "past_value")  # [N, B, H, dh, T] and [N, B, H, T, dh]
+STEP_INPUTS = ("tokens", "parent", *STEP_CACHE_INPUTS, *MEMORIES)  # tokens/parent int64 [N, B]
+STEP_OUTPUTS = (
+    "log_probs",  # [N, B, V1] log of the copy-or-predict mixture
+    "gate",  # [N, B]     w_g, the weight of the generated distribution
+    "copy_probs",  # [N, B, S]  copy distribution over the history slots
+    "present_key",  # [N, B, H, dh, T + 1]
+    "present_value",  # [N, B, H, T + 1, dh]
+)
+
+# Additive bias of padded attention positions: finite so fp16 and all-padding rows stay safe.
+NEG = -1.0e4
+# Floor of the mixture probability before the log.
+PROB_FLOOR = 1.0e-20

@@ -1,0 +1,244 @@
+"""Medication-recommendation metrics of the COGNet paper (appendix), torch-free.
+
+The reference model, the baselines and the runtime all report through this module, so
+every number in a comparison is computed the same way.
+
+Per visit, on medication-id sets (predicted P, truth T):
+- jaccard = |P & T| / |P | T|, precision = |P & T| / |P|, recall = |P & T| / |T|,
+  f1 = 2 p r / (p + r). Edge cases: when P and T are both empty the visit is a correct
+  abstention and all four are 1.0; otherwise any 0/0 is 0.0 (an empty prediction scores 0;
+  a non-empty prediction for an empty truth scores 0).
+- prauc = average precision of per-medication scores against the truth (sklearn's
+  `average_precision_score`: one operating point per distinct score, so tied scores enter
+  together); 0.0 when the truth is empty (no positive class, as sklearn returns).
+- avg_drugs = |P|.
+Averages: jaccard, precision, recall, f1, prauc, avg_drugs are averaged over a patient's
+visits, then over patients. The DDI rate is a pooled ratio instead, as in the SafeDrug /
+COGNet reference code: interacting pairs / all unordered pairs, each summed over every
+evaluated visit (single-drug and empty sets add no pair); 0.0 when there is no pair at all.
+
+Test figures (`bootstrap_report`) are the mean and std (ddof=0, as numpy's default used by
+the reference code) over seeded rounds that each draw 80% of the patients *without*
+replacement (the reference code draws with replacement; without it a round never counts a
+patient twice).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+# Metrics averaged per patient then over patients, in the order reports list them.
+AVERAGED = ("jaccard", "precision", "recall", "f1", "prauc", "avg_drugs")
+METRICS = (*AVERAGED, "ddi")
+# Columns of the paper's Table 2: (report key, header).
+TABLE_COLUMNS = (
+    ("jaccard", "Jaccard"), ("f1", "F1"), ("prauc", "PRAUC"), ("ddi", "DDI"),
+    ("avg_drugs", "Avg #Drugs"),
+)
+
+
+@dataclass(frozen=True)
+class VisitResult:
+    """One evaluated visit: the recommendation and the ground truth (medication ids)."""
+
+    patient_id: str
+    predicted: tuple[int, ...]  # generation order
+    truth: tuple[int, ...]
+    # float [M]: probability of each medication (for PRAUC); None -> the binary prediction.
+    scores: np.ndarray | None = None
+
+
+# -- per visit ------------------------------------------------------------------------------
+
+
+def jaccard(predicted: Iterable[int], truth: Iterable[int]) -> float:
+    p, t = set(predicted), set(truth)
+    if not p and not t:
+        return 1.0
+    return len(p & t) / len(p | t)
+
+
+def precision(predicted: Iterable[int], truth: Iterable[int]) -> float:
+    p, t = set(predicted), set(truth)
+    if not p:
+        return 1.0 if not t else 0.0
+    return len(p & t) / len(p)
+
+
+def recall(predicted: Iterable[int], truth: Iterable[int]) -> float:
+    p, t = set(predicted), set(truth)
+    if not t:
+        return 1.0 if not p else 0.0
+    return len(p & t) / len(t)
+
+
+def f1(predicted: Iterable[int], truth: Iterable[int]) -> float:
+    p, r = precision(predicted, truth), recall(predicted, truth)
+    return 0.0 if p + r == 0 else 2 * p * r / (p + r)
+
+
+def average_precision(scores: np.ndarray, truth_multi_hot: np.ndarray) -> float:
+    """Area under the precision-recall curve as sklearn's `average_precision_score`.
+
+    scores: float [M]; truth_multi_hot: 0/1 or bool [M]. AP = sum_k (R_k - R_{k-1}) P_k over
+    the distinct score values in descending order (tied scores form one threshold).
+    """
+    scores = np.asarray(scores, dtype=np.float64).ravel()
+    y = np.asarray(truth_multi_hot).ravel().astype(bool)
+    if scores.shape != y.shape:
+        raise ValueError(f"scores {scores.shape} and truth {y.shape} differ in shape")
+    n_pos = int(y.sum())
+    if n_pos == 0:
+        return 0.0
+    order = np.argsort(-scores, kind="stable")
+    s, y = scores[order], y[order]
+    # last index of each run of equal scores = one threshold
+    cut = np.r_[np.flatnonzero(np.diff(s)), s.size - 1]
+    tps = np.cumsum(y)[cut]
+    prec = tps / (cut + 1)
+    rec = tps / n_pos
+    return float(np.sum(np.diff(rec, prepend=0.0) * prec))
+
+
+def ddi_pairs_count(meds: Iterable[int], ddi_adj: np.ndarray) -> tuple[int, int]:
+    """(interacting pairs, all unordered pairs) among a set of medication ids.
+
+    ddi_adj: bool [M, M]; a pair interacts when either direction is marked.
+    """
+    ids = np.fromiter(set(meds), dtype=np.int64)
+    n = ids.size
+    if n < 2:
+        return 0, 0
+    sub = np.asarray(ddi_adj, dtype=bool)[np.ix_(ids, ids)]
+    sub = sub | sub.T
+    return int(np.triu(sub, k=1).sum()), n * (n - 1) // 2
+
+
+def ddi_rate_of_sets(med_sets: Iterable[Iterable[int]], ddi_adj: np.ndarray) -> float:
+    """Pooled DDI rate of many medication sets (e.g. the ground truth of a split)."""
+    hit = total = 0
+    for meds in med_sets:
+        h, t = ddi_pairs_count(meds, ddi_adj)
+        hit += h
+        total += t
+    return hit / total if total else 0.0
+
+
+def _multi_hot(ids: Iterable[int], size: int) -> np.ndarray:
+    out = np.zeros(size, dtype=bool)
+    out[list(ids)] = True
+    return out
+
+
+def visit_metrics(result: VisitResult, ddi_adj: np.ndarray) -> dict[str, float]:
+    """Every per-visit metric of one result, plus its DDI pair counts (`ddi_hit`,
+    `ddi_pairs`)."""
+    m = ddi_adj.shape[0]
+    for name in ("predicted", "truth"):
+        ids = getattr(result, name)
+        if any(not 0 <= i < m for i in ids):
+            raise ValueError(f"patient {result.patient_id}: {name} id out of range 0..{m - 1}")
+    scores = result.scores
+    if scores is None:
+        scores = _multi_hot(result.predicted, m).astype(np.float64)
+    elif np.shape(scores) != (m,):
+        raise ValueError(f"patient {result.patient_id}: scores shape {np.shape(scores)} != ({m},)")
+    hit, pairs = ddi_pairs_count(result.predicted, ddi_adj)
+    p, t = result.predicted, result.truth
+    return {
+        "jaccard": jaccard(p, t), "precision": precision(p, t), "recall": recall(p, t),
+        "f1": f1(p, t), "prauc": average_precision(scores, _multi_hot(t, m)),
+        "avg_drugs": float(len(set(p))), "ddi_hit": float(hit), "ddi_pairs": float(pairs),
+    }
+
+
+# -- over visits and patients -----------------------------------------------------------------
+
+
+def _per_patient(results: Sequence[VisitResult], ddi_adj: np.ndarray) -> np.ndarray:
+    """float [n_patients, len(AVERAGED) + 2]: per-patient means of the averaged metrics,
+    then the patient's summed DDI hits and pairs. Patients in order of first appearance."""
+    if not results:
+        raise ValueError("no visit to evaluate")
+    rows: dict[str, list[np.ndarray]] = {}
+    for r in results:
+        vm = visit_metrics(r, ddi_adj)
+        rows.setdefault(r.patient_id, []).append(
+            np.array([vm[k] for k in AVERAGED] + [vm["ddi_hit"], vm["ddi_pairs"]])
+        )
+    out = np.empty((len(rows), len(AVERAGED) + 2))
+    for i, visits in enumerate(rows.values()):
+        v = np.stack(visits)
+        out[i, :-2] = v[:, :-2].mean(axis=0)
+        out[i, -2:] = v[:, -2:].sum(axis=0)
+    return out
+
+
+def _summary_of(per_patient: np.ndarray) -> dict[str, float]:
+    means = per_patient[:, :-2].mean(axis=0)
+    hit, pairs = per_patient[:, -2:].sum(axis=0)
+    out = {k: float(v) for k, v in zip(AVERAGED, means)}
+    out["ddi"] = float(hit / pairs) if pairs else 0.0
+    return out
+
+
+def summarize(results: Sequence[VisitResult], ddi_adj: np.ndarray) -> dict[str, float]:
+    """jaccard, precision, recall, f1, prauc, avg_drugs (per patient, then over patients) and
+    the pooled ddi rate of all results; ddi_adj: bool [M, M]."""
+    return _summary_of(_per_patient(results, np.asarray(ddi_adj, dtype=bool)))
+
+
+def bootstrap_report(
+    results: Sequence[VisitResult], ddi_adj: np.ndarray, rounds: int = 10,
+    fraction: float = 0.8, seed: int = 0,
+) -> dict:
+    """Mean and std of every metric over `rounds` draws of `fraction` of the patients
+    (without replacement, numpy Generator seeded with `seed`).
+
+    Returns {metric: {"mean", "std"}, "n_patients", "n_visits", "rounds"}; rounds=1 with
+    fraction=1.0 reproduces `summarize` exactly.
+    """
+    if rounds < 1 or not 0 < fraction <= 1:
+        raise ValueError("rounds must be >= 1 and fraction in (0, 1]")
+    per_patient = _per_patient(results, np.asarray(ddi_adj, dtype=bool))
+    n = per_patient.shape[0]
+    size = max(1, round(fraction * n))
+    rng = np.random.default_rng(seed)
+    draws = [
+        _summary_of(per_patient[np.sort(rng.choice(n, size=size, replace=False))])
+        for _ in range(rounds)
+    ]
+    report: dict = {}
+    for k in METRICS:
+        values = np.array([d[k] for d in draws])
+        report[k] = {"mean": float(values.mean()), "std": float(values.std())}
+    report.update(n_patients=n, n_visits=len(results), rounds=rounds)
+    return report
+
+
+def format_table(reports: dict[str, dict]) -> str:
+    """A text table like the paper's Table 2: one row per model, `mean ± std` per column.
+
+    A report may be a `bootstrap_report` ({"mean", "std"} per metric) or a plain `summarize`
+    dict (floats, shown without a std).
+    """
+
+    def cell(value) -> str:
+        if isinstance(value, dict):
+            return f"{value['mean']:.4f} ± {value['std']:.4f}"
+        return f"{value:.4f}"
+
+    header = ["Model", *(title for _, title in TABLE_COLUMNS)]
+    rows = [[name, *(cell(rep[k]) for k, _ in TABLE_COLUMNS)] for name, rep in reports.items()]
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+
+    def line(cells: list[str]) -> str:
+        first = cells[0].ljust(widths[0])
+        rest = (c.rjust(w) for c, w in zip(cells[1:], widths[1:]))
+        return "  ".join([first, *rest]).rstrip()
+
+    rule = "-" * len(line(header))
+    return "\n".join([line(header), rule, *(line(r) for r in rows)])

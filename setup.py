@@ -1,0 +1,43 @@
+"""cognet: COGNet medication recommendation, trained in PyTorch and served from ONNX."""
+
+from setuptools import setup
+
+setup(
+    name="cognet",
+    version="0.1.0",
+    description="COGNet (copy-or-predict medication recommendation) training, ONNX export "
+    "and a torch-free batch inference runtime",
+    python_requires=">=3.10",
+    packages=["cognet", "cognet.export", "cognet.runtime", "cognet.benchmarks"],
+    package_dir={
+        "cognet": "cognet",
+        "cognet.export": "export",
+        "cognet.runtime": "runtime",
+        "cognet.benchmarks": "benchmarks",
+    },
+    install_requires=[
+        "numpy>=1.24",
+        "pyarrow>=14",
+        "pandas>=2.0",
+        "click>=8.1",
+        "tqdm>=4.60",
+    ],
+    extras_require={
+        # Training and export side. torch is not pinned here: the Makefile pins the CPU wheel.
+        "train": ["torch>=2.4", "safetensors>=0.4", "onnx>=1.16", "onnxscript>=0.1"],
+        # Mutually exclusive: onnxruntime and onnxruntime-gpu overwrite each other's module.
+        "cpu": ["onnxruntime>=1.17"],
+        "gpu": ["onnxruntime-gpu>=1.17"],
+        "bench": ["matplotlib>=3.7"],
+        "ray": ["ray[data]>=2.9"],
+        "dev": ["pytest>=7.4", "ruff>=0.4", "matplotlib>=3.7"],
+    },
+    entry_points={
+        "console_scripts": [
+            "cognet=cognet.cli:main",
+            "cognet-export=cognet.export.cli:main",
+            "cognet-batch=cognet.runtime.cli:main",
+            "cognet-bench=cognet.benchmarks.cli:main",
+        ]
+    },
+)
