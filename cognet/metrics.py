@@ -35,7 +35,10 @@ AVERAGED = ("jaccard", "precision", "recall", "f1", "prauc", "avg_drugs")
 METRICS = (*AVERAGED, "ddi")
 # Columns of the paper's Table 2: (report key, header).
 TABLE_COLUMNS = (
-    ("jaccard", "Jaccard"), ("f1", "F1"), ("prauc", "PRAUC"), ("ddi", "DDI"),
+    ("jaccard", "Jaccard"),
+    ("f1", "F1"),
+    ("prauc", "PRAUC"),
+    ("ddi", "DDI"),
     ("avg_drugs", "Avg #Drugs"),
 )
 
@@ -136,6 +139,7 @@ def _multi_hot(ids: Iterable[int], size: int) -> np.ndarray:
 def visit_metrics(result: VisitResult, ddi_adj: np.ndarray) -> dict[str, float]:
     """Every per-visit metric of one result, plus its DDI pair counts (`ddi_hit`,
     `ddi_pairs`)."""
+    ddi_adj = np.asarray(ddi_adj, dtype=bool)
     m = ddi_adj.shape[0]
     for name in ("predicted", "truth"):
         ids = getattr(result, name)
@@ -149,9 +153,14 @@ def visit_metrics(result: VisitResult, ddi_adj: np.ndarray) -> dict[str, float]:
     hit, pairs = ddi_pairs_count(result.predicted, ddi_adj)
     p, t = result.predicted, result.truth
     return {
-        "jaccard": jaccard(p, t), "precision": precision(p, t), "recall": recall(p, t),
-        "f1": f1(p, t), "prauc": average_precision(scores, _multi_hot(t, m)),
-        "avg_drugs": float(len(set(p))), "ddi_hit": float(hit), "ddi_pairs": float(pairs),
+        "jaccard": jaccard(p, t),
+        "precision": precision(p, t),
+        "recall": recall(p, t),
+        "f1": f1(p, t),
+        "prauc": average_precision(scores, _multi_hot(t, m)),
+        "avg_drugs": float(len(set(p))),
+        "ddi_hit": float(hit),
+        "ddi_pairs": float(pairs),
     }
 
 
@@ -180,7 +189,7 @@ def _per_patient(results: Sequence[VisitResult], ddi_adj: np.ndarray) -> np.ndar
 def _summary_of(per_patient: np.ndarray) -> dict[str, float]:
     means = per_patient[:, :-2].mean(axis=0)
     hit, pairs = per_patient[:, -2:].sum(axis=0)
-    out = {k: float(v) for k, v in zip(AVERAGED, means)}
+    out = {k: float(v) for k, v in zip(AVERAGED, means, strict=True)}
     out["ddi"] = float(hit / pairs) if pairs else 0.0
     return out
 
@@ -192,8 +201,11 @@ def summarize(results: Sequence[VisitResult], ddi_adj: np.ndarray) -> dict[str, 
 
 
 def bootstrap_report(
-    results: Sequence[VisitResult], ddi_adj: np.ndarray, rounds: int = 10,
-    fraction: float = 0.8, seed: int = 0,
+    results: Sequence[VisitResult],
+    ddi_adj: np.ndarray,
+    rounds: int = 10,
+    fraction: float = 0.8,
+    seed: int = 0,
 ) -> dict:
     """Mean and std of every metric over `rounds` draws of `fraction` of the patients
     (without replacement, numpy Generator seeded with `seed`).
@@ -237,7 +249,7 @@ def format_table(reports: dict[str, dict]) -> str:
 
     def line(cells: list[str]) -> str:
         first = cells[0].ljust(widths[0])
-        rest = (c.rjust(w) for c, w in zip(cells[1:], widths[1:]))
+        rest = (c.rjust(w) for c, w in zip(cells[1:], widths[1:], strict=True))
         return "  ".join([first, *rest]).rstrip()
 
     rule = "-" * len(line(header))

@@ -49,34 +49,16 @@ from pathlib import Path
 import click
 import pandas as pd
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from cognet.clitools import handle_errors, setup_logging
 from cognet.errors import InputError, where
+from cognet.schema import DDI_FILE, VISITS_FILE, VISITS_SCHEMA, write_ddi, write_visits
 
 log = logging.getLogger(__name__)
 
 DDI_TYPES = ("top40", "reference")
 KEY = ["SUBJECT_ID", "HADM_ID"]
 SIDE_EFFECT = "Polypharmacy Side Effect"
-
-# DESIGN.md §2, kept here until cognet.schema lands.
-VISITS_SCHEMA = pa.schema(
-    [
-        pa.field("patient_id", pa.string(), nullable=False),
-        pa.field("visit_id", pa.string(), nullable=False),
-        pa.field("visit_seq", pa.int32(), nullable=False),
-        pa.field("diagnoses", pa.list_(pa.string()), nullable=False),
-        pa.field("procedures", pa.list_(pa.string()), nullable=False),
-        pa.field("medications", pa.list_(pa.string()), nullable=True),
-    ]
-)
-DDI_SCHEMA = pa.schema(
-    [
-        pa.field("drug_a", pa.string(), nullable=False),
-        pa.field("drug_b", pa.string(), nullable=False),
-    ]
-)
 
 
 @dataclass(frozen=True)
@@ -112,13 +94,18 @@ def build_mimic3(
     """
     if ddi_types not in DDI_TYPES:
         raise InputError(f"ddi_types must be one of {', '.join(DDI_TYPES)}, not {ddi_types!r}")
-    for name, k in (("top_medications", top_medications), ("top_diagnoses", top_diagnoses),
-                    ("ddi_top_k", ddi_top_k)):
+    for name, k in (
+        ("top_medications", top_medications),
+        ("top_diagnoses", top_diagnoses),
+        ("ddi_top_k", ddi_top_k),
+    ):
         if k < 1:
             raise InputError(f"{name} must be at least 1, not {k}")
     mimic_dir = Path(mimic_dir)
-    tables = {name: find_table(mimic_dir, name)
-              for name in ("PRESCRIPTIONS", "DIAGNOSES_ICD", "PROCEDURES_ICD", "ADMISSIONS")}
+    tables = {
+        name: find_table(mimic_dir, name)
+        for name in ("PRESCRIPTIONS", "DIAGNOSES_ICD", "PROCEDURES_ICD", "ADMISSIONS")
+    }
     ndc_rxnorm, rxnorm_atc, drug_atc, ddi = map(Path, (ndc_rxnorm, rxnorm_atc, drug_atc, ddi))
     for path in (ndc_rxnorm, rxnorm_atc, drug_atc, ddi):
         _require_file(path)
@@ -126,25 +113,31 @@ def build_mimic3(
     prescriptions = keep_multi_admission_patients(load_prescriptions(tables["PRESCRIPTIONS"]))
     log.info("prescriptions: %d rows of patients with 2+ admissions", len(prescriptions))
     medications = prescriptions_to_atc3(
-        prescriptions, read_ndc_rxnorm(ndc_rxnorm), read_rxnorm_atc4(rxnorm_atc))
+        prescriptions, read_ndc_rxnorm(ndc_rxnorm), read_rxnorm_atc4(rxnorm_atc)
+    )
     medications = medications[
-        medications["ATC3"].isin(ranked_codes(medications["ATC3"])[:top_medications])]
+        medications["ATC3"].isin(ranked_codes(medications["ATC3"])[:top_medications])
+    ]
     diagnoses = load_diagnoses(tables["DIAGNOSES_ICD"], top_diagnoses)
     procedures = load_procedures(tables["PROCEDURES_ICD"])
-    visits = combine(medications, diagnoses, procedures,
-                     load_admit_times(tables["ADMISSIONS"]), tables["ADMISSIONS"])
+    visits = combine(
+        medications,
+        diagnoses,
+        procedures,
+        load_admit_times(tables["ADMISSIONS"]),
+        tables["ADMISSIONS"],
+    )
     if visits.empty:
         raise InputError(
             f"{mimic_dir}: no admission has diagnoses, procedures and mapped medications "
-            f"(check that the NDC keys of {ndc_rxnorm} match PRESCRIPTIONS.NDC)")
+            f"(check that the NDC keys of {ndc_rxnorm} match PRESCRIPTIONS.NDC)"
+        )
     vocab = {code for codes in visits["medications"] for code in codes}
     pairs = ddi_pairs(ddi, read_cid_atc3(drug_atc, vocab), ddi_types, ddi_top_k)
 
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    _write_parquet(_visits_table(visits), out / "visits.parquet")
-    _write_parquet(pa.Table.from_pylist(
-        [{"drug_a": a, "drug_b": b} for a, b in pairs], schema=DDI_SCHEMA), out / "ddi.parquet")
+    write_visits(out / VISITS_FILE, _visits_table(visits))
+    write_ddi(out / DDI_FILE, pairs)
     summary = Mimic3Summary(
         patients=visits["SUBJECT_ID"].nunique(),
         visits=len(visits),
@@ -192,8 +185,7 @@ def read_csv_columns(path: Path, columns: Sequence[str]) -> pd.DataFrame:
         if missing:
             raise InputError(f"{where(path, missing[0])}: missing column")
         usecols = [actual[c.upper()] for c in columns]
-        frame = pd.read_csv(path, usecols=usecols, dtype=str, keep_default_na=False,
-                            na_values=[""])
+        frame = pd.read_csv(path, usecols=usecols, dtype=str, keep_default_na=False, na_values=[""])
     except (pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError, OSError) as exc:
         raise InputError(f"{path}: not a readable CSV ({_one_line(exc)})") from None
     frame = frame.rename(columns={actual[c.upper()]: c for c in columns})[list(columns)]
@@ -213,8 +205,10 @@ def _int_ids(frame: pd.DataFrame, column: str, path: Path) -> pd.Series:
     bad = values.isna() | (values != values.round())
     if bad.any():
         row = bad.idxmax()
-        raise InputError(f"{where(path, column)}, line {_line(row)}: "
-                         f"{frame.at[row, column]!r} is not an integer id")
+        raise InputError(
+            f"{where(path, column)}, line {_line(row)}: "
+            f"{frame.at[row, column]!r} is not an integer id"
+        )
     return values.astype("int64")
 
 
@@ -222,8 +216,10 @@ def _timestamps(frame: pd.DataFrame, column: str, path: Path) -> pd.Series:
     values = pd.to_datetime(frame[column], errors="coerce", format="ISO8601")
     if values.isna().any():
         row = values.isna().idxmax()
-        raise InputError(f"{where(path, column)}, line {_line(row)}: "
-                         f"{frame.at[row, column]!r} is not a date-time")
+        raise InputError(
+            f"{where(path, column)}, line {_line(row)}: "
+            f"{frame.at[row, column]!r} is not a date-time"
+        )
     return values
 
 
@@ -261,8 +257,7 @@ def keep_multi_admission_patients(prescriptions: pd.DataFrame) -> pd.DataFrame:
 
 def _rxcui(value: object) -> str:
     """One spelling for an RxCUI read from text, JSON or a float-typed CSV column."""
-    text = str(value).strip()
-    return text[:-2] if text.endswith(".0") else text
+    return str(value).strip().removesuffix(".0")
 
 
 def read_ndc_rxnorm(path: Path) -> dict[str, str]:
@@ -274,23 +269,26 @@ def read_ndc_rxnorm(path: Path) -> dict[str, str]:
         try:
             mapping = ast.literal_eval(text)  # literals only: the file is never executed
         except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError) as exc:
-            raise InputError(f"{path}: not a dict literal of NDC -> RxCUI "
-                             f"({type(exc).__name__}: {_one_line(exc)})") from None
+            raise InputError(
+                f"{path}: not a dict literal of NDC -> RxCUI "
+                f"({type(exc).__name__}: {_one_line(exc)})"
+            ) from None
     if not isinstance(mapping, dict):
         raise InputError(f"{path}: expected a dict of NDC -> RxCUI, got {type(mapping).__name__}")
-    return {str(ndc).strip(): _rxcui(rxcui) for ndc, rxcui in mapping.items()
-            if rxcui is not None and _rxcui(rxcui)}
+    pairs = ((str(ndc).strip(), _rxcui(rxcui)) for ndc, rxcui in mapping.items() if rxcui)
+    return {ndc: rxcui for ndc, rxcui in pairs if rxcui}
 
 
 def read_rxnorm_atc4(path: Path) -> dict[str, str]:
     """RxCUI -> ATC-4 from the RXCUI and ATC4 columns; the first row of each RxCUI wins."""
     frame = read_csv_columns(path, ["RXCUI", "ATC4"]).dropna()
     frame = frame.assign(RXCUI=frame["RXCUI"].map(_rxcui)).drop_duplicates("RXCUI")
-    return dict(zip(frame["RXCUI"], frame["ATC4"]))
+    return dict(zip(frame["RXCUI"], frame["ATC4"], strict=True))
 
 
-def prescriptions_to_atc3(prescriptions: pd.DataFrame, ndc_rxcui: dict[str, str],
-                          rxcui_atc4: dict[str, str]) -> pd.DataFrame:
+def prescriptions_to_atc3(
+    prescriptions: pd.DataFrame, ndc_rxcui: dict[str, str], rxcui_atc4: dict[str, str]
+) -> pd.DataFrame:
     """Distinct (SUBJECT_ID, HADM_ID, STARTDATE, ATC3) rows; unmapped NDCs are dropped, step 3."""
     atc4 = prescriptions["NDC"].map(ndc_rxcui).map(rxcui_atc4)
     frame = prescriptions[[*KEY, "STARTDATE"]].assign(ATC3=atc4.str[:4])
@@ -310,7 +308,8 @@ def load_diagnoses(path: Path, top_k: int) -> pd.DataFrame:
 def load_procedures(path: Path) -> pd.DataFrame:
     """Distinct (SUBJECT_ID, HADM_ID, ICD9_CODE) rows in SEQ_NUM order, step 6."""
     frame = read_csv_columns(path, [*KEY, "SEQ_NUM", "ICD9_CODE"]).dropna(
-        subset=[*KEY, "ICD9_CODE"])
+        subset=[*KEY, "ICD9_CODE"]
+    )
     frame = _ids(frame, path).assign(SEQ_NUM=pd.to_numeric(frame["SEQ_NUM"], errors="coerce"))
     frame = frame.sort_values([*KEY, "SEQ_NUM"])
     return frame[[*KEY, "ICD9_CODE"]].drop_duplicates()
@@ -329,8 +328,13 @@ def _code_lists(frame: pd.DataFrame, column: str, name: str) -> pd.DataFrame:
     return frame.groupby(KEY, sort=False)[column].agg(list).rename(name).reset_index()
 
 
-def combine(medications: pd.DataFrame, diagnoses: pd.DataFrame, procedures: pd.DataFrame,
-            admissions: pd.DataFrame, admissions_path: Path) -> pd.DataFrame:
+def combine(
+    medications: pd.DataFrame,
+    diagnoses: pd.DataFrame,
+    procedures: pd.DataFrame,
+    admissions: pd.DataFrame,
+    admissions_path: Path,
+) -> pd.DataFrame:
     """Visits with all three code kinds, ordered by patient then admission time, step 7.
 
     Columns: SUBJECT_ID, HADM_ID, visit_seq, diagnoses, procedures, medications.
@@ -342,13 +346,17 @@ def combine(medications: pd.DataFrame, diagnoses: pd.DataFrame, procedures: pd.D
     unknown = visits["ADMITTIME"].isna()
     if unknown.any():
         first = visits[unknown].iloc[0]
-        raise InputError(f"{where(admissions_path, 'HADM_ID')}: no admission row for "
-                         f"HADM_ID {first['HADM_ID']} of SUBJECT_ID {first['SUBJECT_ID']}")
+        raise InputError(
+            f"{where(admissions_path, 'HADM_ID')}: no admission row for "
+            f"HADM_ID {first['HADM_ID']} of SUBJECT_ID {first['SUBJECT_ID']}"
+        )
     visits = visits.sort_values(["SUBJECT_ID", "ADMITTIME", "HADM_ID"]).reset_index(drop=True)
     visits["visit_seq"] = visits.groupby("SUBJECT_ID").cumcount().astype("int32")
-    for frame, column, name in ((diagnoses, "ICD9_CODE", "diagnoses"),
-                                (procedures, "ICD9_CODE", "procedures"),
-                                (medications, "ATC3", "medications")):
+    for frame, column, name in (
+        (diagnoses, "ICD9_CODE", "diagnoses"),
+        (procedures, "ICD9_CODE", "procedures"),
+        (medications, "ATC3", "medications"),
+    ):
         visits = visits.merge(_code_lists(frame, column, name), on=KEY, how="left")
     return visits[[*KEY, "visit_seq", "diagnoses", "procedures", "medications"]]
 
@@ -376,8 +384,9 @@ def select_side_effects(types: pd.Series, ddi_types: str, top_k: int) -> list[st
     return ranked[:top_k] if ddi_types == "top40" else ranked[-top_k:]
 
 
-def ddi_pairs(path: Path, cid_atc3: pd.DataFrame, ddi_types: str,
-              top_k: int) -> list[tuple[str, str]]:
+def ddi_pairs(
+    path: Path, cid_atc3: pd.DataFrame, ddi_types: str, top_k: int
+) -> list[tuple[str, str]]:
     """Sorted unordered ATC-3 pairs (a < b) from TWOSIDES rows of the selected side effects."""
     frame = read_csv_columns(path, ["STITCH 1", "STITCH 2", SIDE_EFFECT]).dropna()
     chosen = select_side_effects(frame[SIDE_EFFECT], ddi_types, top_k)
@@ -385,60 +394,89 @@ def ddi_pairs(path: Path, cid_atc3: pd.DataFrame, ddi_types: str,
     for side, drug in (("STITCH 1", "drug_a"), ("STITCH 2", "drug_b")):
         frame = frame.merge(cid_atc3.rename(columns={"CID": side, "ATC3": drug}), on=side)
     frame = frame[["drug_a", "drug_b"]].drop_duplicates()
-    return sorted({(min(a, b), max(a, b)) for a, b in zip(frame["drug_a"], frame["drug_b"])
-                   if a != b})
+    pairs = zip(frame["drug_a"], frame["drug_b"], strict=True)
+    return sorted({(min(a, b), max(a, b)) for a, b in pairs if a != b})
 
 
 # ---------------------------------------------------------------- writing
 
 
 def _visits_table(visits: pd.DataFrame) -> pa.Table:
-    return pa.Table.from_pydict(
-        {
-            "patient_id": visits["SUBJECT_ID"].astype(str).tolist(),
-            "visit_id": visits["HADM_ID"].astype(str).tolist(),
-            "visit_seq": visits["visit_seq"].tolist(),
-            "diagnoses": visits["diagnoses"].tolist(),
-            "procedures": visits["procedures"].tolist(),
-            "medications": visits["medications"].tolist(),
-        },
-        schema=VISITS_SCHEMA,
-    )
-
-
-def _write_parquet(table: pa.Table, path: Path) -> None:
-    """Write atomically: a reader never sees half a file."""
-    partial = path.with_name(path.name + ".partial")
-    pq.write_table(table, partial)
-    os.replace(partial, path)
+    """The contract columns, without split (the dataset reader splits by patient, seeded)."""
+    columns = {
+        "patient_id": visits["SUBJECT_ID"].astype(str).tolist(),
+        "visit_id": visits["HADM_ID"].astype(str).tolist(),
+        "visit_seq": visits["visit_seq"].tolist(),
+        "diagnoses": visits["diagnoses"].tolist(),
+        "procedures": visits["procedures"].tolist(),
+        "medications": visits["medications"].tolist(),
+    }
+    schema = pa.schema([VISITS_SCHEMA.field(name) for name in columns])
+    return pa.Table.from_pydict(columns, schema=schema)
 
 
 # ---------------------------------------------------------------- command line
 
 
 @click.command("mimic3", context_settings={"help_option_names": ["-h", "--help"]})
-@click.option("--mimic-dir", required=True, type=click.Path(path_type=Path),
-              help="MIMIC-III v1.4 folder: PRESCRIPTIONS, DIAGNOSES_ICD, PROCEDURES_ICD, "
-                   "ADMISSIONS (.csv or .csv.gz).")
-@click.option("--ndc-rxnorm", required=True, type=click.Path(path_type=Path),
-              help="ndc2rxnorm_mapping.txt: a dict literal NDC -> RxCUI (parsed, never run).")
-@click.option("--rxnorm-atc", required=True, type=click.Path(path_type=Path),
-              help="RXCUI2atc4.csv / ndc2atc_level4.csv with columns RXCUI and ATC4.")
-@click.option("--drug-atc", required=True, type=click.Path(path_type=Path),
-              help="drug-atc.csv: lines 'STITCH CID,ATC,ATC,...'.")
-@click.option("--ddi", required=True, type=click.Path(path_type=Path),
-              help="TWOSIDES drug-DDI.csv with columns 'STITCH 1', 'STITCH 2', "
-                   "'Polypharmacy Side Effect'.")
-@click.option("--out", required=True, type=click.Path(path_type=Path),
-              help="Dataset folder to write (visits.parquet, ddi.parquet).")
-@click.option("--ddi-types", type=click.Choice(DDI_TYPES), default="top40", show_default=True,
-              help="top40: pairs of the 40 most frequent side-effect types. reference: the "
-                   "40 least frequent, as the SafeDrug/COGNet script keeps because of a sort "
-                   "bug (bug-compatible, to compare with published numbers).")
+@click.option(
+    "--mimic-dir",
+    required=True,
+    type=click.Path(path_type=Path),
+    help="MIMIC-III v1.4 folder: PRESCRIPTIONS, DIAGNOSES_ICD, PROCEDURES_ICD, "
+    "ADMISSIONS (.csv or .csv.gz).",
+)
+@click.option(
+    "--ndc-rxnorm",
+    required=True,
+    type=click.Path(path_type=Path),
+    help="ndc2rxnorm_mapping.txt: a dict literal NDC -> RxCUI (parsed, never run).",
+)
+@click.option(
+    "--rxnorm-atc",
+    required=True,
+    type=click.Path(path_type=Path),
+    help="RXCUI2atc4.csv / ndc2atc_level4.csv with columns RXCUI and ATC4.",
+)
+@click.option(
+    "--drug-atc",
+    required=True,
+    type=click.Path(path_type=Path),
+    help="drug-atc.csv: lines 'STITCH CID,ATC,ATC,...'.",
+)
+@click.option(
+    "--ddi",
+    required=True,
+    type=click.Path(path_type=Path),
+    help="TWOSIDES drug-DDI.csv with columns 'STITCH 1', 'STITCH 2', 'Polypharmacy Side Effect'.",
+)
+@click.option(
+    "--out",
+    required=True,
+    type=click.Path(path_type=Path),
+    help="Dataset folder to write (visits.parquet, ddi.parquet).",
+)
+@click.option(
+    "--ddi-types",
+    type=click.Choice(DDI_TYPES),
+    default="top40",
+    show_default=True,
+    help="top40: pairs of the 40 most frequent side-effect types. reference: the "
+    "40 least frequent, as the SafeDrug/COGNet script keeps because of a sort "
+    "bug (bug-compatible, to compare with published numbers).",
+)
 @click.option("-v", "--verbose", is_flag=True, help="Log each step.")
 @handle_errors
-def mimic3_command(mimic_dir: Path, ndc_rxnorm: Path, rxnorm_atc: Path, drug_atc: Path,
-                   ddi: Path, out: Path, ddi_types: str, verbose: bool) -> None:
+def mimic3_command(
+    mimic_dir: Path,
+    ndc_rxnorm: Path,
+    rxnorm_atc: Path,
+    drug_atc: Path,
+    ddi: Path,
+    out: Path,
+    ddi_types: str,
+    verbose: bool,
+) -> None:
     """Build a dataset from MIMIC-III CSVs with the SafeDrug / COGNet preprocessing.
 
     Keeps patients with 2+ admissions, maps NDC -> RxCUI -> ATC-3 (300 commonest), the 2000

@@ -55,6 +55,31 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def train_epoch(model: COGNet, optim: torch.optim.Optimizer, patients: list, vocab: Vocab,
+                cfg: TrainConfig, rng: random.Random, bar=None) -> float:
+    """One pass over the patients (shuffled in place) with teacher forcing; mean loss."""
+    model.train()
+    rng.shuffle(patients)
+    total, count = 0.0, 0
+    for i in range(0, len(patients), cfg.batch_size):
+        batch = make_batch(patients[i : i + cfg.batch_size], vocab, cfg.max_history)
+        batch = {k: v.to(cfg.device) for k, v in batch.items()}
+        log_probs = model(batch)
+        loss = F.nll_loss(log_probs.flatten(0, 1), batch["dec_target"].flatten(),
+                          ignore_index=IGNORE)
+        optim.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        optim.step()
+        total, count = total + float(loss.detach()), count + 1
+        if bar is not None:
+            bar.update(1)
+            bar.set_postfix(loss=f"{total / count:.4f}")
+    if bar is not None:
+        bar.close()
+    return total / max(count, 1)
+
+
 def train(data_dir: str | Path, out: str | Path, cfg: TrainConfig = TrainConfig(),
           on_epoch: Callable[[dict], None] | None = None, progress=None) -> dict:
     """Train on the dataset directory's train split, select on val, save to `out`.
@@ -90,32 +115,14 @@ def train(data_dir: str | Path, out: str | Path, cfg: TrainConfig = TrainConfig(
     patients = list(train_data.patients)
     for epoch in range(1, cfg.epochs + 1):
         start = time.perf_counter()
-        model.train()
-        rng.shuffle(patients)
-        steps = range(0, len(patients), cfg.batch_size)
-        bar = progress(total=len(steps), desc=f"epoch {epoch}") if progress else None
-        total, count = 0.0, 0
-        for i in steps:
-            batch = make_batch(patients[i : i + cfg.batch_size], vocab, cfg.max_history)
-            batch = {k: v.to(cfg.device) for k, v in batch.items()}
-            log_probs = model(batch)
-            loss = F.nll_loss(log_probs.flatten(0, 1), batch["dec_target"].flatten(),
-                              ignore_index=IGNORE)
-            optim.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-            optim.step()
-            total, count = total + float(loss), count + 1
-            if bar is not None:
-                bar.update(1)
-                bar.set_postfix(loss=f"{total / count:.4f}")
-        if bar is not None:
-            bar.close()
+        bar = progress(total=-(-len(patients) // cfg.batch_size), desc=f"epoch {epoch}") \
+            if progress else None
+        loss = train_epoch(model, optim, patients, vocab, cfg, rng, bar)
         train_s = time.perf_counter() - start
         model.eval()
         decoded = decode_patients(model, vocab, val_patients, beam=1)
         val = report(visit_results(val_patients, decoded), ddi_bool, rounds=1)
-        record = {"epoch": epoch, "loss": total / max(count, 1), "train_s": train_s,
+        record = {"epoch": epoch, "loss": loss, "train_s": train_s,
                   "epoch_s": time.perf_counter() - start,
                   **{f"val_{k}": val[k]["mean"] for k in ("jaccard", "f1", "prauc", "ddi",
                                                          "avg_drugs")}}

@@ -209,15 +209,17 @@ def test_bootstrap_rejects_bad_arguments():
         metrics.bootstrap_report(many_results(), NO_DDI, fraction=1.5)
 
 
-# -- table ------------------------------------------------------------------------------------------
+# -- table ----------------------------------------------------------------------------------
 
 
 def test_format_table_rows_and_columns():
     results, adj = many_results(), ddi((0, 1))
-    table = metrics.format_table({
-        "COGNet": metrics.bootstrap_report(results, adj),
-        "copy-last": metrics.summarize(results, adj),
-    })
+    table = metrics.format_table(
+        {
+            "COGNet": metrics.bootstrap_report(results, adj),
+            "copy-last": metrics.summarize(results, adj),
+        }
+    )
     lines = table.splitlines()
     assert lines[0].split() == ["Model", "Jaccard", "F1", "PRAUC", "DDI", "Avg", "#Drugs"]
     assert set(lines[1]) == {"-"}

@@ -1,0 +1,48 @@
+# The two set-up commands of the README: `make demo` and `make test`.
+# CPU by default: torch is pinned to the CPU wheel that pip finds on this kind of machine.
+# GPU machines: see README "Using a GPU" (the [gpu] extra and an unpinned torch).
+
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+TORCH ?= torch==2.13.0
+EXTRAS ?= train,cpu,dev,bench
+DEMO_DIR ?= demo
+DEMO_PATIENTS ?= 2000
+DEMO_EPOCHS ?= 8
+
+.PHONY: demo test bench lint install clean
+
+$(VENV)/.installed: setup.py
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q "$(TORCH)"
+	$(PIP) install -q -e ".[$(EXTRAS)]"
+	touch $@
+
+install: $(VENV)/.installed
+
+demo: install
+	$(VENV)/bin/cognet data synth --out $(DEMO_DIR)/data --patients $(DEMO_PATIENTS) --seed 0
+	$(VENV)/bin/cognet data stats $(DEMO_DIR)/data
+	$(VENV)/bin/cognet train --data $(DEMO_DIR)/data --out $(DEMO_DIR)/ckpt --epochs $(DEMO_EPOCHS) --seed 0
+	$(VENV)/bin/cognet evaluate --checkpoint $(DEMO_DIR)/ckpt --data $(DEMO_DIR)/data --rounds 3
+	$(VENV)/bin/cognet-export --checkpoint $(DEMO_DIR)/ckpt --out $(DEMO_DIR)/model
+	$(PY) -m cognet.demo input $(DEMO_DIR)/data $(DEMO_DIR)/to_score.parquet
+	$(VENV)/bin/cognet-batch score $(DEMO_DIR)/to_score.parquet --model $(DEMO_DIR)/model \
+		--out $(DEMO_DIR)/recommendations.parquet --explain --summary-json $(DEMO_DIR)/summary.json
+	$(PY) -m cognet.demo report $(DEMO_DIR)/summary.json $(DEMO_DIR)/recommendations.parquet
+
+test: install
+	$(PY) -m pytest -q
+
+bench: install
+	$(VENV)/bin/cognet-bench --out bench
+
+lint: install
+	$(VENV)/bin/ruff check cognet export runtime benchmarks tests
+	$(VENV)/bin/ruff format --check cognet export runtime benchmarks tests
+
+clean:
+	rm -rf $(DEMO_DIR) bench

@@ -1,0 +1,68 @@
+"""Pieces of `make demo`: the file to score, and the closing report.
+
+`python -m cognet.demo input DATA OUT.parquet` writes the test split with the medications of
+each patient's last visit removed (null = to be recommended); `python -m cognet.demo report
+SUMMARY.json RECS.parquet` prints the scoring summary and a few recommendations.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+
+def make_input(data_dir: str, out: str, split: str = "test") -> int:
+    from cognet.schema import read_dataset
+
+    visits = read_dataset(data_dir).visits
+    visits = visits.filter(pc.equal(visits.column("split"), split)).drop_columns(["split"])
+    pids = visits.column("patient_id").to_pylist()
+    last = [i + 1 == len(pids) or pids[i + 1] != p for i, p in enumerate(pids)]
+    meds = visits.column("medications").to_pylist()
+    masked = pa.array([None if is_last else m for m, is_last in zip(meds, last)],
+                      pa.list_(pa.string()))
+    visits = visits.set_column(visits.schema.get_field_index("medications"), "medications",
+                               masked)
+    pq.write_table(visits, out)
+    return sum(last)
+
+
+def report(summary_path: str, recs_path: str, n: int = 5) -> str:
+    summary = json.loads(open(summary_path).read())
+    recs = pq.read_table(recs_path).slice(0, n).to_pylist()
+    lines = ["", "== cognet demo ==",
+             f"rows read {summary['rows_read']}, scored {summary['rows_scored']}, "
+             f"rejected {summary['rows_rejected']}, skipped {summary['rows_skipped']}, "
+             f"{summary['visits_per_s']:.0f} visits/s on {', '.join(summary['providers'])}",
+             "", "A few recommendations (medication: probability, copy share, source visit):"]
+    for r in recs:
+        lines.append(f"- patient {r['patient_id']} visit {r['visit_id']} "
+                     f"(beam score {r['score']:.2f}):")
+        explain = r.get("explanations") or [None] * len(r["medications"])
+        for med, prob, ex in zip(r["medications"], r["probabilities"], explain):
+            detail = ""
+            if ex:
+                detail = (f", copied {ex.get('copy_share', 0):.0%}"
+                          f"{' from visit ' + ex['source_visit'] if ex.get('source_visit') else ''}")
+            lines.append(f"    {med}: {prob:.3f}{detail}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) == 3 and argv[0] == "input":
+        n = make_input(argv[1], argv[2])
+        print(f"wrote {argv[2]}: {n} visits to recommend for")
+        return 0
+    if len(argv) == 3 and argv[0] == "report":
+        print(report(argv[1], argv[2]))
+        return 0
+    print(__doc__, file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
