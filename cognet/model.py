@@ -82,13 +82,16 @@ def _bias(mask: Tensor) -> Tensor:
 
 
 class Attention(nn.Module):
-    """Multi-head attention with an additive key bias; queries [N, Q, s], keys [N, K, s]."""
+    """Multi-head attention with an additive key bias; queries [N, Q, s], keys [N, K, s].
 
-    def __init__(self, dim: int, heads: int, dropout: float):
+    No dropout on the attention weights: it cost a quarter of a CPU training step and
+    the residual dropouts regularise enough (measured on the synthetic validation split).
+    """
+
+    def __init__(self, dim: int, heads: int):
         super().__init__()
         self.heads, self.head_dim = heads, dim // heads
         self.q, self.k, self.v, self.out = (nn.Linear(dim, dim) for _ in range(4))
-        self.drop = nn.Dropout(dropout)
 
     def split(self, x: Tensor) -> Tensor:  # [N, L, s] -> [N, H, L, dh]
         n, length, _ = x.shape
@@ -98,7 +101,7 @@ class Attention(nn.Module):
         """bias: [N, 1 or Q, K] additive."""
         q, k, v = self.split(self.q(x)), self.split(self.k(memory)), self.split(self.v(memory))
         att = q @ k.transpose(-1, -2) / math.sqrt(self.head_dim) + bias.unsqueeze(1)
-        att = self.drop(att.softmax(-1))
+        att = att.softmax(-1)
         y = (att @ v).transpose(1, 2).reshape(x.shape)  # [N, Q, s]
         return self.out(y)
 
@@ -114,7 +117,7 @@ class EncoderLayer(nn.Module):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.attn = Attention(cfg.dim, cfg.heads, cfg.dropout)
+        self.attn = Attention(cfg.dim, cfg.heads)
         self.ffn = FeedForward(cfg.dim, cfg.ffn, cfg.dropout)
         self.norm1, self.norm2 = nn.LayerNorm(cfg.dim), nn.LayerNorm(cfg.dim)
         self.drop = nn.Dropout(cfg.dropout)
@@ -171,9 +174,9 @@ class COGNet(nn.Module):
         self.ddi_gcn = GCN(m, s, ddi_adj, cfg.dropout)
         self.ddi_lambda = nn.Parameter(torch.tensor(cfg.lambda_init))
         # decoder layer
-        self.self_attn = Attention(s, cfg.heads, cfg.dropout)
-        self.cross_d = Attention(s, cfg.heads, cfg.dropout)
-        self.cross_p = Attention(s, cfg.heads, cfg.dropout)
+        self.self_attn = Attention(s, cfg.heads)
+        self.cross_d = Attention(s, cfg.heads)
+        self.cross_p = Attention(s, cfg.heads)
         self.ffn = FeedForward(s, cfg.ffn, cfg.dropout)
         self.norm1, self.norm2, self.norm3 = (nn.LayerNorm(s) for _ in range(3))
         self.drop = nn.Dropout(cfg.dropout)
@@ -242,10 +245,10 @@ class COGNet(nn.Module):
                flag: Tensor) -> Tensor:
         """x [N, Q, s] against one visit's memory: key [N, H, dh, L], value [N, H, L, dh]."""
         n, length, _ = x.shape
-        q = attn.q(x).view(n, length, attn.heads, 1, attn.head_dim)  # [N, Q, H, 1, dh]
-        att = q @ key.unsqueeze(1) + bias.view(n, 1, 1, 1, -1)  # [N, Q, H, 1, L]
-        y = attn.drop(att.softmax(-1)) @ value.unsqueeze(1)  # [N, Q, H, 1, dh]
-        return attn.out(y.view(n, length, -1)) * flag.view(n, 1, 1)
+        q = attn.q(x).view(n, length, attn.heads, attn.head_dim).transpose(1, 2)  # [N, H, Q, dh]
+        att = q @ key + bias.view(n, 1, 1, -1)  # [N, H, Q, L]
+        y = (att.softmax(-1) @ value).transpose(1, 2)  # [N, Q, H, dh]
+        return attn.out(y.reshape(n, length, -1)) * flag.view(n, 1, 1)
 
     def _finish(self, x: Tensor, attn_out: Tensor, memories) -> tuple[Tensor, Tensor, Tensor]:
         """Everything after self-attention: x, attn_out [N, Q, s] -> log_probs, gate, copy."""

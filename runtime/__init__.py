@@ -1,1 +1,9 @@
-"""x."""
+"""cognet.runtime: torch-free batch scoring of visits with an exported COGNet model.
+
+Imports numpy, pyarrow, onnxruntime and the torch-free cognet modules only. Entry points:
+`Scorer` (Python API) and `cognet-batch score` (`cognet.runtime.cli`).
+"""
+
+from cognet.runtime.scorer import OUTPUT_SCHEMA, REJECTS_SCHEMA, ScoredChunk, Scorer
+
+__all__ = ["OUTPUT_SCHEMA", "REJECTS_SCHEMA", "ScoredChunk", "Scorer"]

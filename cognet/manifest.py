@@ -1,0 +1,273 @@
+"""The model-directory format shared by `cognet-export` and the runtime (torch-free).
+
+A model directory holds `manifest.json` and the ONNX graphs it names; nothing else is
+needed to score. Graph I/O names and their order come from `cognet.graphspec`.
+
+API (stable; the runtime codes against it):
+
+- `load_manifest(model_dir, verify=True) -> Manifest`: read `model_dir/manifest.json`.
+  Raises `cognet.errors.InputError` (one line naming the file) when the directory or the
+  manifest is missing or malformed, when `format_version` is not `FORMAT_VERSION`, or - with
+  `verify` - when a graph file (of the main graphs and of every variant) is missing or its
+  sha256 differs from the manifest's.
+- `write_manifest(model_dir, manifest) -> Path`: write `manifest.json` atomically.
+- `file_sha256(path) -> str`: the hex sha256 of a file, as stored in the manifest.
+- `Manifest` (frozen dataclass) and its parts `Dims`, `Special`, `TensorSpec`, `GraphSpec`:
+    - `manifest.graph_spec(name, variant=None) -> GraphSpec` and
+      `manifest.graph_path(name, variant=None) -> Path` for `name` in `GRAPHS`
+      ("encoder", "decoder_init", "decoder_step") and `variant` None (float32) or a key of
+      `manifest.variants` (e.g. "fp16");
+    - `manifest.vocabulary() -> cognet.vocab.Vocab`;
+    - `manifest.to_json()` / `Manifest.from_json(obj, model_dir=None)`.
+
+`manifest.json` fields: `format_version`, `opset`, `dims` (dim, heads, head_dim, n_diag,
+n_proc, n_med, out_size), `special` (end, start, med_pad, diag_pad, proc_pad), `vocab`
+(`Vocab.to_json()`), `max_len`, `beam`, `ablation`, `ddi_pairs` (medication code pairs),
+`graphs` ({name: {file, sha256, inputs, outputs}}, every tensor as {name, dtype, shape}
+with symbolic axis names such as "N", "B", "T", "T+1" and integers for fixed axes),
+`variants` ({variant: {name: graph}}, e.g. "fp16" whose float tensors are float16),
+`checkpoint_sha256`, `versions` (torch, onnx, onnxruntime, cognet), `parity` (the
+exporter's validation report, or null when validation was skipped) and `tensorrt` (null, or
+the engine cache folder and min/opt/max shape profiles of `cognet-export --tensorrt`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from cognet.errors import InputError
+from cognet.vocab import Vocab
+
+FORMAT_VERSION = 1
+MANIFEST_FILE = "manifest.json"
+GRAPHS = ("encoder", "decoder_init", "decoder_step")
+DTYPES = ("int64", "float32", "float16")
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    dtype: str  # one of DTYPES
+    shape: tuple[str | int, ...]  # symbolic axis names (str) or fixed sizes (int)
+
+    def to_json(self) -> dict:
+        return {"name": self.name, "dtype": self.dtype, "shape": list(self.shape)}
+
+    @classmethod
+    def from_json(cls, obj: dict) -> TensorSpec:
+        if obj["dtype"] not in DTYPES:
+            raise ValueError(f"unknown dtype {obj['dtype']!r}")
+        return cls(str(obj["name"]), obj["dtype"], tuple(obj["shape"]))
+
+
+@dataclass(frozen=True)
+class GraphSpec:
+    file: str  # relative to the model directory
+    sha256: str
+    inputs: tuple[TensorSpec, ...]
+    outputs: tuple[TensorSpec, ...]
+
+    @property
+    def input_names(self) -> tuple[str, ...]:
+        return tuple(t.name for t in self.inputs)
+
+    @property
+    def output_names(self) -> tuple[str, ...]:
+        return tuple(t.name for t in self.outputs)
+
+    def to_json(self) -> dict:
+        return {
+            "file": self.file,
+            "sha256": self.sha256,
+            "inputs": [t.to_json() for t in self.inputs],
+            "outputs": [t.to_json() for t in self.outputs],
+        }
+
+    @classmethod
+    def from_json(cls, obj: dict) -> GraphSpec:
+        return cls(
+            str(obj["file"]),
+            str(obj["sha256"]),
+            tuple(TensorSpec.from_json(t) for t in obj["inputs"]),
+            tuple(TensorSpec.from_json(t) for t in obj["outputs"]),
+        )
+
+
+@dataclass(frozen=True)
+class Dims:
+    dim: int  # s
+    heads: int  # H
+    head_dim: int  # dh = s / H
+    n_diag: int
+    n_proc: int
+    n_med: int  # M
+    out_size: int  # V1 = M + 1 (medications + END)
+
+
+@dataclass(frozen=True)
+class Special:
+    end: int  # M
+    start: int  # M + 1
+    med_pad: int  # M + 2
+    diag_pad: int  # n_diag
+    proc_pad: int  # n_proc
+
+
+@dataclass(frozen=True)
+class Manifest:
+    opset: int
+    dims: Dims
+    special: Special
+    vocab: dict  # Vocab.to_json()
+    max_len: int
+    beam: int
+    ablation: str
+    ddi_pairs: tuple[tuple[str, str], ...]
+    graphs: dict[str, GraphSpec]
+    checkpoint_sha256: str
+    versions: dict[str, str]
+    parity: dict | None = None
+    variants: dict[str, dict[str, GraphSpec]] = field(default_factory=dict)
+    tensorrt: dict | None = None  # engine cache dir and shape profiles, when built
+    format_version: int = FORMAT_VERSION
+    # Where the manifest was loaded from (not serialised); graph paths are relative to it.
+    model_dir: Path | None = field(default=None, compare=False)
+
+    def __post_init__(self) -> None:
+        missing = [g for g in GRAPHS if g not in self.graphs]
+        if missing:
+            raise ValueError(f"manifest lacks graphs {missing}")
+        for name, graphs in self.variants.items():
+            if sorted(graphs) != sorted(GRAPHS):
+                raise ValueError(f"variant {name!r} must hold the graphs {GRAPHS}")
+
+    def graph_spec(self, name: str, variant: str | None = None) -> GraphSpec:
+        if variant is None:
+            return self.graphs[name]
+        if variant not in self.variants:
+            raise InputError(
+                f"{self._file()}: no {variant!r} variant "
+                f"(available: {sorted(self.variants) or 'none'})"
+            )
+        return self.variants[variant][name]
+
+    def graph_path(self, name: str, variant: str | None = None) -> Path:
+        return Path(self.model_dir or ".") / self.graph_spec(name, variant).file
+
+    def vocabulary(self) -> Vocab:
+        return Vocab.from_json(self.vocab)
+
+    def _file(self) -> Path:
+        return Path(self.model_dir or ".") / MANIFEST_FILE
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "format_version": self.format_version,
+            "opset": self.opset,
+            "dims": vars(self.dims).copy(),
+            "special": vars(self.special).copy(),
+            "vocab": self.vocab,
+            "max_len": self.max_len,
+            "beam": self.beam,
+            "ablation": self.ablation,
+            "ddi_pairs": [list(p) for p in self.ddi_pairs],
+            "graphs": {k: g.to_json() for k, g in self.graphs.items()},
+            "variants": {
+                v: {k: g.to_json() for k, g in gs.items()} for v, gs in self.variants.items()
+            },
+            "checkpoint_sha256": self.checkpoint_sha256,
+            "versions": dict(self.versions),
+            "parity": self.parity,
+            "tensorrt": self.tensorrt,
+        }
+
+    @classmethod
+    def from_json(cls, obj: dict, model_dir: str | Path | None = None) -> Manifest:
+        """Parse a manifest; raises ValueError/KeyError/TypeError on malformed content."""
+        return cls(
+            format_version=int(obj["format_version"]),
+            opset=int(obj["opset"]),
+            dims=Dims(**obj["dims"]),
+            special=Special(**obj["special"]),
+            vocab=obj["vocab"],
+            max_len=int(obj["max_len"]),
+            beam=int(obj["beam"]),
+            ablation=str(obj["ablation"]),
+            ddi_pairs=tuple((str(a), str(b)) for a, b in obj["ddi_pairs"]),
+            graphs={k: GraphSpec.from_json(g) for k, g in obj["graphs"].items()},
+            variants={
+                v: {k: GraphSpec.from_json(g) for k, g in gs.items()}
+                for v, gs in obj.get("variants", {}).items()
+            },
+            checkpoint_sha256=str(obj["checkpoint_sha256"]),
+            versions=dict(obj.get("versions", {})),
+            parity=obj.get("parity"),
+            tensorrt=obj.get("tensorrt"),
+            model_dir=None if model_dir is None else Path(model_dir),
+        )
+
+
+def file_sha256(path: str | Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def load_manifest(model_dir: str | Path, verify: bool = True) -> Manifest:
+    """Read and check a model directory's manifest (see the module docstring)."""
+    model_dir = Path(model_dir)
+    path = model_dir / MANIFEST_FILE
+    if not path.is_file():
+        raise InputError(f"{path}: not a cognet model directory (missing {MANIFEST_FILE})")
+    try:
+        obj = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise InputError(f"{path}: unreadable manifest ({_one_line(exc)})") from None
+    if not isinstance(obj, dict) or obj.get("format_version") != FORMAT_VERSION:
+        found = obj.get("format_version") if isinstance(obj, dict) else None
+        raise InputError(
+            f"{path}: unsupported model format version {found!r} "
+            f"(expected {FORMAT_VERSION}); re-export the model with cognet-export"
+        )
+    try:
+        manifest = Manifest.from_json(obj, model_dir)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise InputError(f"{path}: malformed manifest ({_one_line(exc)})") from None
+    if verify:
+        verify_graphs(manifest)
+    return manifest
+
+
+def verify_graphs(manifest: Manifest) -> None:
+    """Check that every graph file (all variants) exists and matches its sha256."""
+    specs = [manifest.graphs[g] for g in GRAPHS]
+    specs += [gs[g] for gs in manifest.variants.values() for g in GRAPHS]
+    for spec in specs:
+        path = Path(manifest.model_dir or ".") / spec.file
+        if not path.is_file():
+            raise InputError(f"{path}: graph file missing (named in {MANIFEST_FILE})")
+        if file_sha256(path) != spec.sha256:
+            raise InputError(
+                f"{path}: sha256 does not match {MANIFEST_FILE} "
+                "(file corrupted or modified); re-export the model"
+            )
+
+
+def write_manifest(model_dir: str | Path, manifest: Manifest) -> Path:
+    """Write `model_dir/manifest.json` atomically; returns its path."""
+    path = Path(model_dir) / MANIFEST_FILE
+    tmp = path.with_name(MANIFEST_FILE + ".tmp")
+    tmp.write_text(json.dumps(manifest.to_json(), indent=1) + "\n")
+    os.replace(tmp, path)
+    return path
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split()) or type(exc).__name__

@@ -1,0 +1,70 @@
+"""The `cognet-export` command: a checkpoint -> a model directory for `cognet-batch`."""
+
+from __future__ import annotations
+
+import sys
+
+import click
+
+from cognet.clitools import handle_errors, setup_logging
+from cognet.errors import ParityError
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option(
+    "--checkpoint",
+    "checkpoint",
+    required=True,
+    metavar="CKPT",
+    help="Checkpoint directory written by `cognet train`.",
+)
+@click.option("--out", required=True, metavar="MODEL", help="Model directory to write.")
+@click.option(
+    "--validate/--no-validate",
+    default=True,
+    show_default=True,
+    help="Check ONNX Runtime against torch (outputs and decoding) before writing the manifest.",
+)
+@click.option("--fp16", is_flag=True, help="Also write float16 graphs (validated too).")
+@click.option(
+    "--tensorrt", is_flag=True, help="Also build TensorRT engines (needs TensorRT and a GPU)."
+)
+@click.option("-v", "--verbose", is_flag=True, help="Log progress to stderr.")
+@handle_errors
+def main(
+    checkpoint: str, out: str, validate: bool, fp16: bool, tensorrt: bool, verbose: bool
+) -> None:
+    """Export a trained COGNet checkpoint to ONNX graphs plus manifest.json.
+
+    Exit codes: 0 ok; 1 parity failure (report in MODEL/parity_report.json) or other
+    error; 2 bad checkpoint, usage error, or --tensorrt without TensorRT/GPU.
+
+    \b
+    Example:
+      cognet-export --checkpoint ckpt --out model
+      cognet-export --checkpoint ckpt --out model --fp16
+    """
+    from cognet.export import export
+
+    setup_logging(verbose)
+    try:
+        manifest = export(checkpoint, out, validate=validate, fp16=fp16, tensorrt=tensorrt)
+    except ParityError as exc:
+        click.echo(f"Error: {exc}", err=True)
+        sys.exit(1)
+    parity = manifest.parity
+    if parity is None:
+        click.echo(f"exported {out} (not validated)")
+        return
+    decoding = parity["decoding"]
+    line = (
+        f"exported {out}: float32 max abs diff {parity['float32']['max_abs_diff']:.2g}, "
+        f"beam-4 lists identical {decoding['beam4']['identical']}/"
+        f"{decoding['beam4']['visits']}"
+    )
+    if "float16" in parity:
+        line += (
+            f"; float16 max diff {parity['float16']['max_abs_diff']:.2g}, "
+            f"top-1 agreement {parity['float16']['top1_agreement']:.3f}"
+        )
+    click.echo(line)

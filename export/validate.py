@@ -1,0 +1,366 @@
+"""Parity of the exported graphs with the torch model.
+
+Two checks, both run by `cognet.export.export` unless `validate=False`:
+
+1. Outputs: ONNX Runtime (all graph optimisations on, as the runtime runs it) against torch
+   on the same inputs, graph by graph, for every output, at `SHAPE_CASES` (one visit and
+   greedy; a padded batch; a long history; the step at every cache length T = 0..45).
+   Float32 must match within `FLOAT32_ATOL`; the float16 variant within `FLOAT16_ATOL`
+   (its `log_probs` compared as probabilities, see below) with `FLOAT16_MIN_TOP1` of the
+   step rows choosing the same top-1 token.
+2. Decoding: greedy and beam-4 search driven through the exported graphs by the runtime's
+   numpy beam search (`cognet.runtime.beam`) must return the medication lists of the torch
+   reference `cognet.decode.beam_search` on every visit.
+
+`copy_probs` are compared on visits with a history only: without one every slot has the
+bias NEG and the distribution (unused: the gate is 1) is float rounding noise.
+float16 `log_probs` are compared as probabilities (exp of both sides): float16 has no
+numbers below 6e-8, so the log of a near-impossible medication is not comparable, while the
+probability error is what decides the beam.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+import torch
+from cognet.export.graphs import GRAPH_IO, WRAPPERS, Sizes, example_inputs
+
+from cognet.decode import BEAM, MAX_LEN, beam_search
+from cognet.errors import ParityError
+from cognet.graphspec import ENCODER_INPUTS, INIT_INPUTS
+from cognet.history import Visit
+from cognet.manifest import GRAPHS
+from cognet.model import COGNet
+from cognet.vocab import Vocab
+
+FLOAT32_ATOL = 1e-4
+# float16 (CPU provider), measured over the shape cases: worst abs diff 4.2e-3 on a checkpoint
+# trained on the synthetic data (dim 64), 2.5e-3 / 5.1e-3 on random real-size / tiny ones
+# (always on encodings; probabilities <= 6e-4); top-1 agreement >= 0.998. Bound: ~2x that.
+FLOAT16_ATOL = 1e-2
+FLOAT16_MIN_TOP1 = 0.98
+
+SHAPE_CASES: dict[str, tuple[Sizes, Sequence[int]]] = {
+    # name: (sizes, cache lengths T at which the step runs)
+    "batch1_greedy": (Sizes(N=1, B=1, Ld=6, Lp=3, Lm=5, J=1, S=4), (0, 1, 2)),
+    "padded_batch": (Sizes(N=8, B=4, Ld=16, Lp=8, Lm=12, J=4, S=24), (0, 3, 7)),
+    "long_history": (Sizes(N=3, B=4, Ld=10, Lp=5, Lm=20, J=40, S=400), (0, 5)),
+    "T_0_to_45": (Sizes(N=4, B=4, Ld=8, Lp=4, Lm=8, J=3, S=12), tuple(range(MAX_LEN + 1))),
+}
+
+
+@contextmanager
+def _one_torch_thread():
+    """Torch and ONNX Runtime take turns on the same cores here; one torch thread avoids the
+    OpenMP spin-wait that made torch ~8x slower on a busy 2-core machine (tiny tensors gain
+    nothing from threads anyway)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+@dataclass
+class Graphs:
+    """ONNX Runtime sessions of the three graphs of one variant."""
+
+    sessions: dict[str, ort.InferenceSession]
+
+    @classmethod
+    def load(cls, paths: dict[str, Path], threads: int = 0) -> Graphs:
+        opts = ort.SessionOptions()
+        opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        opts.intra_op_num_threads = threads
+        opts.log_severity_level = 3
+        # no busy-waiting between runs: torch shares the cores during validation
+        opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        return cls(
+            {
+                name: ort.InferenceSession(
+                    str(paths[name]), opts, providers=["CPUExecutionProvider"]
+                )
+                for name in GRAPHS
+            }
+        )
+
+    def run(self, graph: str, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Run one graph; float inputs are cast to the graph's float type, outputs to float32."""
+        session = self.sessions[graph]
+        inputs = {}
+        for spec in session.get_inputs():
+            x = np.asarray(feeds[spec.name])
+            if x.dtype.kind == "f":
+                x = x.astype(np.float16 if spec.type == "tensor(float16)" else np.float32)
+            inputs[spec.name] = x
+        names = [o.name for o in session.get_outputs()]
+        outs = session.run(names, inputs)
+        return {
+            n: o.astype(np.float32) if o.dtype == np.float16 else o
+            for n, o in zip(names, outs, strict=True)
+        }
+
+
+# -- 1. outputs -------------------------------------------------------------------------------
+@_one_torch_thread()
+def compare_outputs(model: COGNet, graphs: Graphs, fp16: bool = False) -> dict:
+    """Max abs diff of every output of every graph at every shape case, and top-1 agreement."""
+    modules = {name: WRAPPERS[name](model).eval() for name in GRAPHS}
+    cases, top1_same, top1_rows = {}, 0, 0
+    for name, (sizes, lengths) in SHAPE_CASES.items():
+        case: dict[str, float] = {}
+        full = example_inputs(model, replace(sizes, T=max(lengths)))
+        for t in lengths:
+            # the step at cache length t: a prefix of the longest cache
+            inputs = dict(
+                full, past_key=full["past_key"][..., :t], past_value=full["past_value"][..., :t, :]
+            )
+            graph_names = GRAPHS if t == lengths[0] else ("decoder_step",)
+            for graph in graph_names:
+                ins, outs = GRAPH_IO[graph]
+                with torch.no_grad():
+                    ref = modules[graph](*(inputs[k] for k in ins))
+                got = graphs.run(graph, {k: inputs[k].numpy() for k in ins})
+                for out, r in zip(outs, ref, strict=True):
+                    r, g = r.numpy(), got[out]
+                    if fp16 and out == "log_probs":
+                        r, g = np.exp(r), np.exp(g)
+                    if out == "copy_probs":  # defined only for visits with a history
+                        used = inputs["has_history"].numpy()[:, None, None] > 0
+                        r, g = r * used, g * used
+                    diff = float(np.abs(r.astype(np.float64) - g).max()) if r.size else 0.0
+                    key = f"{graph}.{out}"
+                    case[key] = max(case.get(key, 0.0), diff)
+                if graph == "decoder_step":
+                    same = got["log_probs"].argmax(-1) == ref[0].numpy().argmax(-1)
+                    top1_same += int(same.sum())
+                    top1_rows += same.size
+        cases[name] = case
+    worst = max(d for case in cases.values() for d in case.values())
+    shapes = {
+        name: {**asdict(sizes), "T": list(lengths)}
+        for name, (sizes, lengths) in SHAPE_CASES.items()
+    }
+    return {
+        "cases": cases,
+        "shapes": shapes,
+        "max_abs_diff": worst,
+        "top1_agreement": top1_same / top1_rows,
+    }
+
+
+# -- 2. decoding ------------------------------------------------------------------------------
+def synthetic_patients(vocab: Vocab, n_patients: int, seed: int = 0) -> list[list[Visit]]:
+    """Random patients (1-4 visits) over the vocabulary, for decoding checks at export time."""
+    rng = np.random.default_rng(seed)
+
+    def codes(n: int, low: int, high: int) -> tuple[int, ...]:
+        k = min(n, int(rng.integers(low, high + 1)))
+        return tuple(int(i) for i in rng.choice(n, k, replace=False))
+
+    patients = []
+    for p in range(n_patients):
+        visits = []
+        for s in range(int(rng.integers(1, 5))):
+            meds = codes(vocab.n_med, 1, 10)
+            visits.append(
+                Visit(
+                    f"P{p}",
+                    f"P{p}-{s}",
+                    codes(vocab.n_diag, 0, 10),
+                    codes(vocab.n_proc, 1, 5),
+                    tuple(vocab.rare_first(meds)),
+                )
+            )
+        patients.append(visits)
+    return patients
+
+
+class _StepSession:
+    """`cognet.runtime.beam.DecoderSession` over `Graphs` (any variant), host arrays only."""
+
+    def __init__(self, graphs: Graphs, heads: int, head_dim: int):
+        self.graphs, self.heads, self.head_dim = graphs, heads, head_dim
+
+    def init(self, inputs):
+        return self.graphs.run("decoder_init", {k: inputs[k] for k in INIT_INPUTS})
+
+    def empty_cache(self, n: int, beam: int):
+        return (
+            np.zeros((n, beam, self.heads, self.head_dim, 0), np.float32),
+            np.zeros((n, beam, self.heads, 0, self.head_dim), np.float32),
+        )
+
+    def step(self, tokens, parent, cache, memories, outputs):
+        out = self.graphs.run(
+            "decoder_step",
+            {
+                "tokens": tokens,
+                "parent": parent,
+                "past_key": cache[0],
+                "past_value": cache[1],
+                **memories,
+            },
+        )
+        return {k: out[k] for k in outputs}, (out["present_key"], out["present_value"])
+
+    def take(self, value, rows):
+        if isinstance(value, dict):
+            return {k: v[rows] for k, v in value.items()}
+        return tuple(v[rows] for v in value)
+
+
+def onnx_beam_search(
+    graphs: Graphs,
+    batch: dict[str, np.ndarray],
+    vocab: Vocab,
+    heads: int,
+    head_dim: int,
+    beam: int = BEAM,
+    max_len: int = MAX_LEN,
+) -> list[tuple[tuple[int, ...], float]]:
+    """Decode the targets of `batch` (`cognet.batching.make_batch`, as numpy arrays) through
+    the exported graphs with the runtime's beam search (`cognet.runtime.beam`): the driver
+    that serves the model is the one validated. Returns (medications, score) per visit."""
+    from cognet.runtime.beam import BeamConfig
+    from cognet.runtime.beam import beam_search as runtime_beam_search
+
+    enc = graphs.run("encoder", {k: batch[k] for k in ENCODER_INPUTS})
+    t = batch["target"]
+    init = {
+        "diag_enc": enc["diag_enc"][t],
+        "diag_mask": (batch["diagnoses"][t] != vocab.diag_pad).astype(np.float32),
+        "proc_enc": enc["proc_enc"][t],
+        "proc_mask": (batch["procedures"][t] != vocab.proc_pad).astype(np.float32),
+        "v_d": enc["v_d"][t],
+        "v_p": enc["v_p"][t],
+        "hist_v_d": enc["v_d"][batch["hist_index"]],
+        "hist_v_p": enc["v_p"][batch["hist_index"]],
+        "hist_mask": batch["hist_mask"],
+        "slot_enc": enc["med_enc"][batch["slot_visit_row"], batch["slot_pos"]],
+        "slot_mask": batch["slot_mask"],
+        "slot_visit": batch["slot_visit"],
+        "slot_med": batch["slot_med"],
+    }
+    session = _StepSession(graphs, heads, head_dim)
+    result = runtime_beam_search(
+        session, session.init(init), len(t), BeamConfig(end=vocab.end, beam=beam, max_len=max_len)
+    )
+    return [
+        (tuple(int(m) for m in meds), float(score))
+        for meds, score in zip(result.meds, result.score, strict=True)
+    ]
+
+
+@_one_torch_thread()
+def compare_decoding(
+    model: COGNet,
+    graphs: Graphs,
+    vocab: Vocab,
+    patients: Sequence[Sequence[Visit]],
+    beams: Sequence[int] = (1, BEAM),
+    chunk: int = 256,
+) -> dict:
+    """Medication lists of the torch reference vs the ONNX-driven beam search, per beam size."""
+    from cognet.batching import make_batch
+
+    report = {}
+    for beam in beams:
+        same = total = 0
+        worst_score = 0.0
+        mismatches: list[dict] = []
+        for start in range(0, len(patients), chunk):
+            batch = make_batch(patients[start : start + chunk], vocab, targets=False)
+            ref = beam_search(model, batch, beam=beam)
+            got = onnx_beam_search(
+                graphs,
+                {k: v.numpy() for k, v in batch.items()},
+                vocab,
+                model.cfg.heads,
+                model.cfg.head_dim,
+                beam=beam,
+            )
+            for i, (r, (meds, score)) in enumerate(zip(ref, got, strict=True)):
+                total += 1
+                if r.meds == meds:
+                    same += 1
+                    worst_score = max(worst_score, abs(r.score - score))
+                elif len(mismatches) < 5:
+                    mismatches.append(
+                        {"visit": start + i, "torch": list(r.meds), "onnx": list(meds)}
+                    )
+        report[f"beam{beam}"] = {
+            "visits": total,
+            "identical": same,
+            "max_score_diff": worst_score,
+            "mismatches": mismatches,
+        }
+    return report
+
+
+# -- the report -------------------------------------------------------------------------------
+def validate(
+    model: COGNet,
+    vocab: Vocab,
+    paths: dict[str, Path],
+    fp16_paths: dict[str, Path] | None = None,
+    n_patients: int = 64,
+    seed: int = 0,
+    log: Callable[[str], None] = lambda _: None,
+) -> dict:
+    """Run every check; returns the parity report (`passed` says whether all passed)."""
+    graphs = Graphs.load(paths, threads=1)
+    patients = synthetic_patients(vocab, n_patients, seed)
+    log("parity: float32 outputs")
+    outputs = compare_outputs(model, graphs)
+    outputs.update(atol=FLOAT32_ATOL, passed=outputs["max_abs_diff"] <= FLOAT32_ATOL)
+    log("parity: greedy and beam-4 decoding")
+    decoding = compare_decoding(model, graphs, vocab, patients)
+    decode_ok = all(d["identical"] == d["visits"] for d in decoding.values())
+    report = {"float32": outputs, "decoding": {**decoding, "passed": decode_ok}}
+    passed = outputs["passed"] and decode_ok
+    if fp16_paths is not None:
+        log("parity: float16 outputs")
+        half = Graphs.load(fp16_paths, threads=1)
+        fp16 = compare_outputs(model, half, fp16=True)
+        fp16["decoding"] = compare_decoding(model, half, vocab, patients, beams=(BEAM,))
+        fp16.update(
+            atol=FLOAT16_ATOL,
+            min_top1=FLOAT16_MIN_TOP1,
+            passed=fp16["max_abs_diff"] <= FLOAT16_ATOL
+            and fp16["top1_agreement"] >= FLOAT16_MIN_TOP1,
+        )
+        report["float16"] = fp16
+        passed = passed and fp16["passed"]
+    report["passed"] = passed
+    return report
+
+
+def failure_summary(report: dict) -> str:
+    """One line naming what broke parity."""
+    parts = []
+    f32 = report["float32"]
+    if not f32["passed"]:
+        parts.append(f"float32 max abs diff {f32['max_abs_diff']:.3g} > {f32['atol']:g}")
+    for name, d in report["decoding"].items():
+        if isinstance(d, dict) and d["identical"] != d["visits"]:
+            parts.append(f"{name}: {d['visits'] - d['identical']}/{d['visits']} lists differ")
+    f16 = report.get("float16")
+    if f16 and not f16["passed"]:
+        parts.append(
+            f"float16 max diff {f16['max_abs_diff']:.3g} (bound {f16['atol']:g}), "
+            f"top-1 agreement {f16['top1_agreement']:.3f}"
+        )
+    return "; ".join(parts) or "ok"
+
+
+def check(report: dict, where: Path) -> None:
+    if not report["passed"]:
+        raise ParityError(f"parity failed: {failure_summary(report)} (report: {where})")

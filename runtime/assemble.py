@@ -1,0 +1,275 @@
+"""History assembly: which rows of a chunk are scored, rejected or skipped, their code ids,
+and the decoder-init inputs of a batch of scored visits (numpy, vectorised).
+
+A visit's history is its patient's earlier rows with known medications (the last
+`max_history` of them when set). Every row that is scored or serves as history is encoded
+once (`encode_rows`); its encodings are kept flat (one row per code) and gathered into the
+padded decoder-init inputs of each batch.
+
+Row statuses, checked in this order (the first that applies):
+- rejected `missing_key`: null patient_id, visit_id or visit_seq;
+- rejected `duplicate_visit_id`: a visit_id seen earlier in the input (the first is kept);
+- skipped: not asked for (medications known, without `score_all`);
+- rejected `no_codes`: neither a diagnosis nor a procedure;
+- rejected `unknown_codes`: none of its diagnoses or procedures is in the vocabulary;
+- scored.
+Rejected and skipped rows with known medications and a valid key still serve as history.
+Unknown codes of kept rows are dropped and counted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from cognet.history import history_index
+from cognet.vocab import Vocab
+from cognet.runtime.reader import HashSet, ROW, string_hashes
+
+SCORED, REJECTED, SKIPPED = 0, 1, 2
+REASONS = ("missing_key", "duplicate_visit_id", "no_codes", "unknown_codes")
+
+
+@dataclass(frozen=True)
+class Ragged:
+    """Variable-length int64 rows: row i is values[offsets[i]:offsets[i + 1]]."""
+
+    values: np.ndarray
+    offsets: np.ndarray
+
+    def __len__(self) -> int:
+        return self.offsets.size - 1
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        return self.values[self.offsets[i] : self.offsets[i + 1]]
+
+    @property
+    def lengths(self) -> np.ndarray:
+        return np.diff(self.offsets)
+
+    def positions(self, rows: np.ndarray, min_len: int = 1) -> tuple[np.ndarray, np.ndarray]:
+        """Flat positions [len(rows), L] of each row's items (L = max(lengths, min_len)) and
+        the bool mask of real items (padding positions are 0)."""
+        lengths = self.lengths[rows]
+        width = max(min_len, int(lengths.max(initial=0)))
+        k = np.arange(width)
+        mask = k < lengths[:, None]
+        return np.where(mask, self.offsets[rows, None] + k, 0), mask
+
+    def pad(self, rows: np.ndarray, pad_id: int) -> np.ndarray:
+        """int64 [len(rows), max(1, longest)] padded with pad_id."""
+        pos, mask = self.positions(rows)
+        return np.where(mask, self.values[pos] if self.values.size else 0, pad_id)
+
+
+def encode_codes(column: pa.ChunkedArray | pa.Array, codes: tuple[str, ...],
+                 order: np.ndarray | None = None) -> tuple[Ragged, np.ndarray, np.ndarray]:
+    """Vocabulary ids of a list<string> column, as `Vocab.encode` per row (known codes,
+    duplicates dropped, first occurrence order) or sorted by `order[id]` when given.
+
+    Returns (ids, unknown [rows] codes dropped, given [rows] codes in the input); null lists
+    and null or empty codes count as empty lists / unknown codes.
+    """
+    lists = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
+    n = len(lists)
+    flat = pc.list_flatten(lists)
+    parent = pc.list_parent_indices(lists).to_numpy().astype(np.int64)
+    ids = pc.index_in(flat, value_set=pa.array(codes, pa.string())).fill_null(-1)
+    ids = ids.to_numpy(zero_copy_only=False).astype(np.int64)
+    given = np.bincount(parent, minlength=n)
+    known = ids >= 0
+    unknown = given - np.bincount(parent[known], minlength=n)
+    parent, ids = parent[known], ids[known]
+    key = parent * (len(codes) + 1) + ids
+    _, first = np.unique(key, return_index=True)  # first occurrence of each (row, id)
+    first.sort()
+    parent, ids = parent[first], ids[first]
+    if order is not None:
+        by = np.lexsort((order[ids], parent))
+        parent, ids = parent[by], ids[by]
+    offsets = np.zeros(n + 1, np.int64)
+    np.cumsum(np.bincount(parent, minlength=n), out=offsets[1:])
+    return Ragged(ids, offsets), unknown, given
+
+
+def rare_first_rank(vocab: Vocab) -> np.ndarray:
+    """rank[id]: position of each medication in the rare-first order (`Vocab.rare_first`)."""
+    order = sorted(range(vocab.n_med), key=lambda i: (vocab.med_frequency[i], vocab.medications[i]))
+    rank = np.empty(vocab.n_med, np.int64)
+    rank[order] = np.arange(vocab.n_med)
+    return rank
+
+
+@dataclass
+class Plan:
+    """What to do with the rows of one chunk (row = position in the chunk)."""
+
+    table: pa.Table  # the chunk (reader.INPUT_SCHEMA + ROW)
+    status: np.ndarray  # int8 [rows]: SCORED, REJECTED or SKIPPED
+    reason: np.ndarray  # int8 [rows]: index into REASONS for rejected rows, else -1
+    diag: Ragged
+    proc: Ragged
+    meds: Ragged  # known medications, rare-first (empty when unknown)
+    has_meds: np.ndarray  # bool [rows]
+    targets: np.ndarray  # int64: rows to score, in chunk order
+    histories: list[np.ndarray]  # per target: history rows, oldest first
+    encode_rows: np.ndarray  # int64: rows to run through the encoder (targets + histories)
+    unknown_codes: int  # codes dropped from kept rows
+    patient: np.ndarray = field(repr=False)  # int64 [rows]: patient group number in the chunk
+
+    @property
+    def rows(self) -> int:
+        return len(self.table)
+
+    def counts(self) -> dict[str, int]:
+        return {"scored": int((self.status == SCORED).sum()),
+                "rejected": int((self.status == REJECTED).sum()),
+                "skipped": int((self.status == SKIPPED).sum())}
+
+    def reject_reasons(self) -> dict[str, int]:
+        found = np.bincount(self.reason[self.reason >= 0], minlength=len(REASONS))
+        return {r: int(c) for r, c in zip(REASONS, found) if c}
+
+
+class Assembler:
+    """Plans chunks in stream order; remembers visit_ids across chunks (duplicates)."""
+
+    def __init__(self, vocab: Vocab, score_all: bool = False, max_history: int | None = None):
+        if max_history is not None and max_history < 0:
+            raise ValueError("max_history must be >= 0")
+        self.vocab = vocab
+        self.score_all = score_all
+        self.max_history = max_history
+        self._visit_ids = HashSet()
+        self._rank = rare_first_rank(vocab)
+
+    def keys(self, table: pa.Table) -> tuple[np.ndarray, np.ndarray]:
+        """(missing key, duplicate visit_id) bool [rows]; remembers the visit_ids."""
+        missing = ~np.asarray(pc.and_(pc.and_(table["patient_id"].is_valid(),
+                                              table["visit_id"].is_valid()),
+                                      table["visit_seq"].is_valid()))
+        duplicate = np.zeros(len(table), bool)
+        ok = np.flatnonzero(~missing)
+        if ok.size:
+            vid = table["visit_id"].take(pa.array(ok))
+            duplicate[ok] = self._visit_ids.add(string_hashes(vid))
+        return missing, duplicate
+
+    def plan(self, table: pa.Table) -> Plan:
+        vocab = self.vocab
+        n = len(table)
+        missing, duplicate = self.keys(table)
+        diag, unk_d, given_d = encode_codes(table["diagnoses"], vocab.diagnoses)
+        proc, unk_p, given_p = encode_codes(table["procedures"], vocab.procedures)
+        meds, unk_m, _ = encode_codes(table["medications"], vocab.medications, self._rank)
+        has_meds = table["medications"].is_valid().to_numpy(zero_copy_only=False)
+
+        reason = np.full(n, -1, np.int8)
+        bad_key = missing | duplicate
+        reason[duplicate] = REASONS.index("duplicate_visit_id")
+        reason[missing] = REASONS.index("missing_key")
+        asked = ~bad_key & (self.score_all | ~has_meds)
+        no_codes = asked & (given_d + given_p == 0)
+        unknown = asked & ~no_codes & (diag.lengths + proc.lengths == 0)
+        reason[no_codes] = REASONS.index("no_codes")
+        reason[unknown] = REASONS.index("unknown_codes")
+        status = np.full(n, SKIPPED, np.int8)
+        status[reason >= 0] = REJECTED
+        status[asked & (reason < 0)] = SCORED
+        kept = ~bad_key
+        dropped = int((unk_d + unk_p + np.where(has_meds, unk_m, 0))[kept & (status != REJECTED)
+                                                                     ].sum())
+
+        patient = np.cumsum(_group_starts(table)) - 1
+        history_rows = kept & has_meds
+        targets = np.flatnonzero(status == SCORED)
+        histories = self._histories(patient, history_rows, targets)
+        used = np.zeros(n, bool)
+        used[targets] = True
+        for h in histories:
+            used[h] = True
+        return Plan(table, status, reason, diag, proc, meds, has_meds, targets, histories,
+                    np.flatnonzero(used), dropped, patient)
+
+    def _histories(self, patient: np.ndarray, history_rows: np.ndarray,
+                   targets: np.ndarray) -> list[np.ndarray]:
+        """Per target: the earlier history rows of its patient (the last max_history)."""
+        known = np.flatnonzero(history_rows)
+        before = np.searchsorted(known, targets)  # known rows strictly before each target
+        first_row = np.searchsorted(patient, patient[targets])  # first row of the patient
+        since = np.searchsorted(known, first_row)
+        if self.max_history is not None:
+            since = np.maximum(since, before - self.max_history)
+        return [known[a:b] for a, b in zip(since.tolist(), before.tolist())]
+
+
+def _group_starts(table: pa.Table) -> np.ndarray:
+    pid = table["patient_id"].combine_chunks()
+    starts = np.ones(len(table), bool)
+    if len(table) > 1:
+        same = pc.equal(pid[1:], pid[:-1]).fill_null(False)
+        starts[1:] = ~same.to_numpy(zero_copy_only=False)
+    return starts
+
+
+@dataclass
+class Encodings:
+    """Encoder outputs of a chunk's rows, kept flat: one row per code (plus a zero row at
+    the end that padding positions point at)."""
+
+    v_d: np.ndarray  # [rows, s]
+    v_p: np.ndarray  # [rows, s]
+    diag: np.ndarray  # [diag codes + 1, s], aligned with Plan.diag
+    proc: np.ndarray  # [proc codes + 1, s]
+    meds: np.ndarray  # [med codes + 1, s]
+
+
+def new_encodings(plan: Plan, dim: int) -> Encodings:
+    z = np.zeros
+    return Encodings(z((plan.rows, dim), np.float32), z((plan.rows, dim), np.float32),
+                     z((plan.diag.values.size + 1, dim), np.float32),
+                     z((plan.proc.values.size + 1, dim), np.float32),
+                     z((plan.meds.values.size + 1, dim), np.float32))
+
+
+def encoder_inputs(plan: Plan, rows: np.ndarray, vocab: Vocab) -> dict[str, np.ndarray]:
+    """Padded id matrices [len(rows), L] of `graphspec.ENCODER_INPUTS`."""
+    return {"diagnoses": plan.diag.pad(rows, vocab.diag_pad),
+            "procedures": plan.proc.pad(rows, vocab.proc_pad),
+            "medications": plan.meds.pad(rows, vocab.med_pad)}
+
+
+def store_encodings(enc: Encodings, plan: Plan, rows: np.ndarray,
+                    out: Mapping[str, np.ndarray]) -> None:
+    """Keep the encoder outputs of `rows` (in the order given to `encoder_inputs`)."""
+    enc.v_d[rows] = out["v_d"]
+    enc.v_p[rows] = out["v_p"]
+    for ragged, flat, name in ((plan.diag, enc.diag, "diag_enc"),
+                               (plan.proc, enc.proc, "proc_enc"),
+                               (plan.meds, enc.meds, "med_enc")):
+        pos, mask = ragged.positions(rows)
+        flat[pos[mask]] = out[name][:, : pos.shape[1]][mask]
+
+
+def init_inputs(plan: Plan, enc: Encodings, targets: np.ndarray,
+                histories: list[np.ndarray]) -> dict[str, np.ndarray]:
+    """Decoder-init inputs (`graphspec.INIT_INPUTS`) of the visits `targets` (chunk rows)."""
+    out: dict[str, np.ndarray] = {}
+    for kind, ragged, flat in (("diag", plan.diag, enc.diag), ("proc", plan.proc, enc.proc)):
+        pos, mask = ragged.positions(targets)
+        out[f"{kind}_enc"] = flat[np.where(mask, pos, len(flat) - 1)]
+        out[f"{kind}_mask"] = mask.astype(np.float32)
+    out["v_d"], out["v_p"] = enc.v_d[targets], enc.v_p[targets]
+    index = history_index(histories, plan.meds)
+    out["hist_v_d"] = enc.v_d[index["hist_index"]]
+    out["hist_v_p"] = enc.v_p[index["hist_index"]]
+    out["hist_mask"] = index["hist_mask"]
+    slot = plan.meds.offsets[index["slot_row"]] + index["slot_pos"]
+    out["slot_enc"] = enc.meds[np.where(index["slot_mask"] > 0, slot, len(enc.meds) - 1)]
+    for name in ("slot_mask", "slot_visit", "slot_med"):
+        out[name] = index[name]
+    return out

@@ -1,0 +1,297 @@
+"""Streaming input: Parquet record batches -> checked, cast tables -> chunks of whole patients.
+
+Memory stays bounded by the record-batch and chunk sizes, not by the file: rows are read
+batch by batch, and a chunk holds complete patients only (a patient whose rows span record
+batches is carried over to the next chunk). The rows of a patient must be contiguous and
+ordered by strictly increasing visit_seq; the first row that breaks this raises
+`InputError` naming it (`sort=True` sorts the whole file in memory instead).
+
+Every table this module yields has the columns of `INPUT_SCHEMA` (nullable: a row with a
+null key is rejected later, not here) plus `ROW`, the row's 0-based index in the file.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from cognet.errors import InputError, where
+
+log = logging.getLogger(__name__)
+
+ROW = "_row"
+CODES = pa.list_(pa.string())
+INPUT_SCHEMA = pa.schema([
+    ("patient_id", pa.string()),
+    ("visit_id", pa.string()),
+    ("visit_seq", pa.int64()),  # int64: any integer input casts without overflow
+    ("diagnoses", CODES),
+    ("procedures", CODES),
+    ("medications", CODES),
+])
+KEYS = ("patient_id", "visit_id", "visit_seq")
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split()) or type(exc).__name__
+
+
+def check_columns(schema: pa.Schema, path: object) -> None:
+    """InputError for a missing or mistyped contract column (extra columns are ignored)."""
+    try:
+        from cognet.schema import check_visits_columns
+    except ImportError:  # pragma: no cover - the shared schema module is optional here
+        check_visits_columns = None
+    if check_visits_columns is not None:
+        check_visits_columns(schema, path)
+        return
+    for field in INPUT_SCHEMA:  # pragma: no cover
+        if field.name not in schema.names:
+            raise InputError(f"{where(path, field.name)}: missing column")
+
+
+def cast_input(table: pa.Table | pa.RecordBatch, path: object) -> pa.Table:
+    """The contract columns of `table` cast to INPUT_SCHEMA (nulls kept)."""
+    if isinstance(table, pa.RecordBatch):
+        table = pa.Table.from_batches([table])
+    columns = []
+    for field in INPUT_SCHEMA:
+        column = table.column(field.name)
+        if column.type != field.type:
+            try:
+                column = column.cast(field.type)
+            except (pa.ArrowException, ValueError) as exc:
+                raise InputError(f"{where(path, field.name)}: cannot read as {field.type} "
+                                 f"({_one_line(exc)})") from None
+        columns.append(column)
+    return pa.Table.from_arrays(columns, schema=INPUT_SCHEMA)
+
+
+class VisitFile:
+    """A visits Parquet file to score, checked on opening (readable, contract columns)."""
+
+    def __init__(self, path: str | Path, batch_rows: int = 65536):
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise InputError(f"{self.path}: file not found")
+        try:
+            self._file = pq.ParquetFile(self.path)
+        except (pa.ArrowException, OSError) as exc:
+            raise InputError(f"{self.path}: not a readable Parquet file ({_one_line(exc)})"
+                             ) from None
+        check_columns(self._file.schema_arrow, self.path)
+        self.num_rows = self._file.metadata.num_rows
+        self.batch_rows = batch_rows
+
+    def batches(self, columns: Iterable[str] = INPUT_SCHEMA.names) -> Iterator[pa.Table]:
+        """Record batches in file order, cast, with the ROW column."""
+        columns = list(columns)
+        start = 0
+        try:
+            for batch in self._file.iter_batches(batch_size=self.batch_rows, columns=columns):
+                table = self._cast(batch, columns)
+                yield table.append_column(ROW, pa.array(np.arange(start, start + len(table))))
+                start += len(table)
+        except (pa.ArrowException, OSError) as exc:
+            raise InputError(f"{self.path}: not a readable Parquet file ({_one_line(exc)})"
+                             ) from None
+
+    def _cast(self, batch: pa.RecordBatch, columns: list[str]) -> pa.Table:
+        if columns == INPUT_SCHEMA.names:
+            return cast_input(batch, self.path)
+        table = pa.Table.from_batches([batch])
+        return pa.table({c: table.column(c).cast(INPUT_SCHEMA.field(c).type) for c in columns})
+
+    def sorted_batches(self) -> Iterator[pa.Table]:
+        """The whole file in memory, rows grouped by patient (first appearance order) and
+        ordered by visit_seq; rows with a null key go last (they are rejected)."""
+        table = pa.concat_tables(self.batches())
+        patient = pc.dictionary_encode(table["patient_id"].combine_chunks()).indices
+        key = patient.fill_null(-1).to_numpy(zero_copy_only=False).astype(np.int64)
+        seq = table["visit_seq"].fill_null(0).to_numpy().astype(np.int64)
+        null = ~_valid_keys(table)
+        key[null] = np.iinfo(np.int64).max
+        order = np.lexsort((table[ROW].to_numpy(), seq, key))  # ties keep file order
+        table = table.take(pa.array(order)).combine_chunks()
+        for start in range(0, len(table), self.batch_rows):
+            yield table.slice(start, self.batch_rows)
+
+
+def _valid_keys(table: pa.Table) -> np.ndarray:
+    """bool [rows]: patient_id and visit_seq both present (the order check needs them)."""
+    ok = pc.and_(table["patient_id"].is_valid(), table["visit_seq"].is_valid())
+    return ok.to_numpy(zero_copy_only=False)
+
+
+class HashSet:
+    """Membership of 64-bit hashes with ~8 bytes per entry (a sorted numpy array plus a
+    small Python set of recent entries). Python's string hash: a false match has odds of
+    about n^2 / 2^64 over n entries (5e-8 for a million)."""
+
+    def __init__(self, recent_cap: int = 1 << 16):
+        self._sorted = np.empty(0, np.int64)
+        self._recent: set[int] = set()
+        self._cap = recent_cap
+
+    def __len__(self) -> int:
+        return self._sorted.size + len(self._recent)
+
+    def add(self, hashes: list[int]) -> np.ndarray:
+        """Add hashes in order; bool [len(hashes)]: the hash was already present (in the set
+        or earlier in `hashes`)."""
+        arr = np.asarray(hashes, np.int64)
+        if self._sorted.size:
+            at = np.searchsorted(self._sorted, arr).clip(max=self._sorted.size - 1)
+            seen = self._sorted[at] == arr
+        else:
+            seen = np.zeros(arr.size, bool)
+        recent = self._recent
+        for i, h in enumerate(hashes):
+            if h in recent:
+                seen[i] = True
+            else:
+                recent.add(h)
+        if len(recent) > max(self._cap, self._sorted.size // 4):
+            merged = np.fromiter(recent, np.int64, len(recent))
+            self._sorted = np.union1d(self._sorted, merged)
+            recent.clear()
+        return seen
+
+
+def string_hashes(values: pa.Array | pa.ChunkedArray) -> list[int]:
+    return [hash(v) for v in values.to_pylist()]
+
+
+class OrderCheck:
+    """Streaming check that each patient's rows are contiguous and ordered by visit_seq.
+
+    Feed tables in stream order; raises InputError at the first offending row. Rows with a
+    null patient_id or visit_seq are ignored here (they are rejected as rows).
+    """
+
+    def __init__(self, path: object):
+        self.path = path
+        self._last: tuple[str, int] | None = None  # (patient_id, visit_seq) of the last row
+        self._patients = HashSet()
+
+    def feed(self, table: pa.Table) -> None:
+        valid = _valid_keys(table)
+        if not valid.all():
+            table = table.filter(pa.array(valid))
+        if len(table) == 0:
+            return
+        pid = table["patient_id"].combine_chunks()
+        seq = table["visit_seq"].to_numpy()
+        rows = table[ROW].to_numpy()
+        same = np.empty(len(table), bool)  # row i continues the patient of row i - 1
+        same[1:] = pc.equal(pid[1:], pid[:-1]).to_numpy(zero_copy_only=False)
+        prev_seq = np.empty_like(seq)
+        prev_seq[1:] = seq[:-1]
+        if self._last is None:
+            same[0] = False
+        else:
+            same[0] = pid[0].as_py() == self._last[0]
+            prev_seq[0] = self._last[1]
+        bad = np.flatnonzero(same & (seq <= prev_seq))
+        if bad.size:
+            i = int(bad[0])
+            what = "twice" if seq[i] == prev_seq[i] else f"after visit_seq {prev_seq[i]}"
+            raise InputError(
+                f"{where(self.path, 'visit_seq', int(rows[i]))}: patient "
+                f"{pid[i].as_py()!r} has visit_seq {seq[i]} {what}; the rows of a patient must "
+                "be ordered by increasing visit_seq (use --sort to sort in memory)")
+        starts = np.flatnonzero(~same)
+        again = self._patients.add(string_hashes(pid.take(pa.array(starts))))
+        if again.any():
+            i = int(starts[np.argmax(again)])
+            raise InputError(
+                f"{where(self.path, 'patient_id', int(rows[i]))}: patient {pid[i].as_py()!r} "
+                "appears again after other patients; the rows of a patient must be contiguous "
+                "(use --sort to sort in memory)")
+        self._last = (pid[-1].as_py(), int(seq[-1]))
+
+
+def check_order(batches: Iterable[pa.Table], path: object) -> int:
+    """Run OrderCheck over a stream (patient_id, visit_seq and ROW suffice); returns rows."""
+    check, rows = OrderCheck(path), 0
+    for table in batches:
+        check.feed(table)
+        rows += len(table)
+    return rows
+
+
+@dataclass
+class Chunk:
+    """Consecutive rows of the stream holding whole patients."""
+
+    index: int  # 0, 1, ... in stream order
+    start: int  # stream position of the first row
+    table: pa.Table  # INPUT_SCHEMA + ROW
+
+    @property
+    def end(self) -> int:
+        return self.start + len(self.table)
+
+
+def _patient_starts(table: pa.Table) -> np.ndarray:
+    """bool [rows]: row i starts a new group (a new patient, or a row with a null key)."""
+    pid = table["patient_id"].combine_chunks()
+    starts = np.ones(len(table), bool)
+    if len(table) > 1:
+        same = pc.equal(pid[1:], pid[:-1]).fill_null(False)
+        starts[1:] = ~same.to_numpy(zero_copy_only=False)
+    return starts
+
+
+def chunks(batches: Iterable[pa.Table], path: object, score_all: bool, max_targets: int,
+           max_rows: int) -> Iterator[Chunk]:
+    """Cut a stream of tables into chunks of whole patients, checking the row order.
+
+    A chunk closes at the first patient boundary where it holds >= max_targets rows to score
+    or >= max_rows rows; the cut points depend only on the stream and the limits, so a rerun
+    cuts the same chunks (resume relies on it).
+    """
+    check = OrderCheck(path)
+    pending: list[pa.Table] = []
+    index = start = 0
+
+    def cut(table: pa.Table, final: bool) -> Iterator[tuple[int, int]]:
+        begins = _patient_starts(table)
+        target = np.ones(len(table), bool) if score_all else (
+            table["medications"].is_null().to_numpy(zero_copy_only=False))
+        cum = np.concatenate([[0], np.cumsum(target)])
+        bounds = np.append(np.flatnonzero(begins)[1:], len(table))
+        if not final:
+            bounds = bounds[:-1]  # the last patient may go on in the next batch
+        pos = 0
+        for b in bounds:
+            if cum[b] - cum[pos] >= max_targets or b - pos >= max_rows:
+                yield pos, int(b)
+                pos = int(b)
+        if final and pos < len(table):
+            yield pos, len(table)
+
+    def emit(final: bool) -> Iterator[Chunk]:
+        nonlocal pending, index, start
+        table = pa.concat_tables(pending) if len(pending) > 1 else pending[0]
+        pos = 0
+        for a, b in cut(table, final):
+            yield Chunk(index, start, table.slice(a, b - a))
+            index, start, pos = index + 1, start + (b - a), b
+        pending = [table.slice(pos)] if pos < len(table) else []
+
+    for table in batches:
+        if len(table) == 0:
+            continue
+        check.feed(table)
+        pending.append(table)
+        yield from emit(final=False)
+    if pending:
+        yield from emit(final=True)

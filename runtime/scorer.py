@@ -1,0 +1,290 @@
+"""`Scorer`: recommendations for a stream of visits, chunk by chunk, from a model directory.
+
+    scorer = Scorer("model", device="cpu", beam=4)
+    for chunk in scorer.score_file("visits.parquet"):
+        print(chunk.recommendations.num_rows, chunk.reject_reasons)
+
+Per chunk (whole patients, see `reader.chunks`): plan the rows (`assemble.Assembler`),
+encode every needed visit once (sorted by length), cut the visits to score into batches of
+similar history and code lengths, run the decoder init once per batch and the beam search
+(`beam.beam_search`), then build the output rows in input order. Results come lazily, one
+`ScoredChunk` at a time, so a caller can write them as they arrive.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+
+from cognet.metrics import VisitResult
+from cognet.runtime import assemble, evaluation, reader
+from cognet.runtime.beam import BeamConfig, BeamResult, DecoderSession, beam_search
+from cognet.vocab import Vocab
+
+log = logging.getLogger(__name__)
+
+EXPLANATION = pa.struct([("copy_share", pa.float32()), ("source_visit", pa.string())])
+OUTPUT_SCHEMA = pa.schema([
+    ("patient_id", pa.string()),
+    ("visit_id", pa.string()),
+    ("medications", pa.list_(pa.string())),  # generation order
+    ("score", pa.float32()),  # sum of log-probabilities of the hypothesis, END included
+    ("probabilities", pa.list_(pa.float32())),  # of each medication at its step
+])
+EXPLAIN_FIELD = pa.field("explanations", pa.list_(EXPLANATION))
+REJECTS_SCHEMA = pa.schema([
+    ("row", pa.int64()),  # 0-based row in the input file
+    ("patient_id", pa.string()),
+    ("visit_id", pa.string()),
+    ("reason", pa.string()),  # one of assemble.REASONS
+])
+
+
+def output_schema(explain: bool) -> pa.Schema:
+    return OUTPUT_SCHEMA.append(EXPLAIN_FIELD) if explain else OUTPUT_SCHEMA
+
+
+@dataclass
+class ScoredChunk:
+    """The results of one chunk of input rows [start, end) (stream positions)."""
+
+    index: int
+    start: int
+    end: int
+    recommendations: pa.Table  # output_schema(explain), in input order
+    rejects: pa.Table  # REJECTS_SCHEMA
+    rows_scored: int
+    rows_rejected: int
+    rows_skipped: int
+    reject_reasons: dict[str, int]
+    unknown_codes: int  # codes dropped from kept rows
+    seconds: float  # time spent scoring this chunk
+    # [patients, len(evaluation.COLUMNS)] over the scored visits with known medications
+    # (score_all only, else None), and how many such visits there were
+    patient_metrics: np.ndarray | None = field(default=None, repr=False)
+    visits_evaluated: int = 0
+
+    @property
+    def rows_read(self) -> int:
+        return self.end - self.start
+
+
+class Scorer:
+    """Batched beam search over visits with a model directory from `cognet-export`.
+
+    device: auto | cpu | cuda | tensorrt; beam: default the manifest's; batch_size: visits
+    decoded together; threads: intra-op threads (default: the cores this process may use);
+    max_history_visits: keep only the last K past visits (default all).
+    """
+
+    def __init__(self, model_dir: str | Path, device: str = "auto", beam: int | None = None,
+                 batch_size: int = 256, threads: int | None = None,
+                 max_history_visits: int | None = None, variant: str | None = None):
+        from cognet.manifest import load_manifest
+        from cognet.runtime.session import OrtModel
+
+        manifest = load_manifest(model_dir)
+        model = OrtModel(manifest, device=device, threads=threads, variant=variant)
+        self.manifest = manifest
+        self._setup(model.encode, model.decoder, manifest.vocabulary(), manifest.ddi_pairs,
+                    manifest.dims.dim, beam or manifest.beam, manifest.max_len, batch_size,
+                    max_history_visits)
+        self.providers = list(model.providers)
+        self.threads = model.threads
+
+    @classmethod
+    def from_session(cls, encode, decoder: DecoderSession, vocab: Vocab, dim: int,
+                     ddi_pairs: Sequence[Sequence[str]] = (), beam: int = 4, max_len: int = 45,
+                     batch_size: int = 256, max_history_visits: int | None = None,
+                     **tuning) -> Scorer:
+        """A scorer over any encoder callable and decoder session (tests plug torch in)."""
+        self = cls.__new__(cls)
+        self.manifest = None
+        self._setup(encode, decoder, vocab, ddi_pairs, dim, beam, max_len, batch_size,
+                    max_history_visits, **tuning)
+        self.providers = ["custom"]
+        self.threads = None
+        return self
+
+    def _setup(self, encode, decoder, vocab, ddi_pairs, dim, beam, max_len, batch_size,
+               max_history_visits, compact_at: float = 0.75, chunk_targets: int | None = None,
+               chunk_rows: int = 1 << 15, encode_batch: int = 1024) -> None:
+        if batch_size < 1:
+            raise ValueError("batch_size must be >= 1")
+        self.encode, self.decoder, self.vocab, self.dim = encode, decoder, vocab, dim
+        self.ddi_pairs = [tuple(p) for p in ddi_pairs]
+        self.beam_config = BeamConfig(end=vocab.end, beam=beam, max_len=max_len,
+                                      compact_at=compact_at)
+        self.batch_size = batch_size
+        self.max_history = max_history_visits
+        self.chunk_targets = chunk_targets or 8 * batch_size
+        self.chunk_rows = chunk_rows
+        self.encode_batch = encode_batch
+        self._codes = pa.array(vocab.medications, pa.string())
+        self._ddi_adj = None
+
+    # -- public API ---------------------------------------------------------------------------
+    def settings(self) -> dict:
+        """Everything that decides the results (a resumed run must use the same)."""
+        cfg = self.beam_config
+        return {"beam": cfg.beam, "max_len": cfg.max_len, "batch_size": self.batch_size,
+                "max_history_visits": self.max_history, "compact_at": cfg.compact_at,
+                "chunk_targets": self.chunk_targets, "chunk_rows": self.chunk_rows,
+                "encode_batch": self.encode_batch}
+
+    def score_file(self, path: str | Path, *, sort: bool = False, **kwargs
+                   ) -> Iterator[ScoredChunk]:
+        """Score a visits Parquet file, streamed by record batches (`sort`: in memory)."""
+        source = reader.VisitFile(path)
+        batches = source.sorted_batches() if sort else source.batches()
+        return self.score_batches(batches, source=path, **kwargs)
+
+    def score_table(self, table: pa.Table, **kwargs) -> Iterator[ScoredChunk]:
+        """Score an in-memory visits table (DESIGN.md §2 columns; extra columns ignored)."""
+        reader.check_columns(table.schema, "<table>")
+        cast = reader.cast_input(table, "<table>")
+        cast = cast.append_column(reader.ROW, pa.array(np.arange(len(cast), dtype=np.int64)))
+        return self.score_batches([cast], **kwargs)
+
+    def score_batches(self, batches: Iterable[pa.Table], *, score_all: bool = False,
+                      explain: bool = False, source: object = "<input>", skip_rows: int = 0
+                      ) -> Iterator[ScoredChunk]:
+        """Score a stream of tables with reader.INPUT_SCHEMA columns + ROW, lazily.
+
+        score_all: score every visit (default: those whose medications are null) and compute
+        metrics for those with known medications. explain: add per-medication copy share
+        and source visit. skip_rows: chunks ending at or before this stream position are
+        only checked (resume), not scored nor yielded.
+        """
+        assembler = assemble.Assembler(self.vocab, score_all, self.max_history)
+        for chunk in reader.chunks(batches, source, score_all, self.chunk_targets,
+                                   self.chunk_rows):
+            if chunk.end <= skip_rows:
+                assembler.keys(chunk.table)  # remember its visit_ids
+                continue
+            yield self._score_chunk(chunk, assembler, score_all, explain)
+
+    # -- one chunk ----------------------------------------------------------------------------
+    def _score_chunk(self, chunk: reader.Chunk, assembler: assemble.Assembler, score_all: bool,
+                     explain: bool) -> ScoredChunk:
+        started = time.perf_counter()
+        plan = assembler.plan(chunk.table)
+        enc = self._encode(plan)
+        n = plan.targets.size
+        order = self._batch_order(plan)
+        slots: dict[int, tuple[BeamResult, int, dict]] = {}
+        for lo in range(0, n, self.batch_size):
+            part = order[lo : lo + self.batch_size]
+            rows = plan.targets[part]
+            hist = [plan.histories[i] for i in part]
+            inputs = assemble.init_inputs(plan, enc, rows, hist)
+            memories = self.decoder.init(inputs)
+            res = beam_search(self.decoder, memories, len(rows), self.beam_config,
+                              prauc=score_all, explain=explain)
+            for k, i in enumerate(part.tolist()):
+                slots[i] = (res, k, inputs)
+        out = self._recommendations(plan, slots, explain)
+        metrics, evaluated = self._metrics(plan, slots) if score_all else (None, 0)
+        counts = plan.counts()
+        return ScoredChunk(
+            chunk.index, chunk.start, chunk.end, out, _rejects(plan), counts["scored"],
+            counts["rejected"], counts["skipped"], plan.reject_reasons(), plan.unknown_codes,
+            time.perf_counter() - started, metrics, evaluated)
+
+    def _encode(self, plan: assemble.Plan) -> assemble.Encodings:
+        enc = assemble.new_encodings(plan, self.dim)
+        rows = plan.encode_rows
+        size = (plan.diag.lengths + plan.proc.lengths + plan.meds.lengths)[rows]
+        rows = rows[np.argsort(size, kind="stable")]  # similar lengths pad little
+        for lo in range(0, rows.size, self.encode_batch):
+            part = rows[lo : lo + self.encode_batch]
+            out = self.encode(assemble.encoder_inputs(plan, part, self.vocab))
+            assemble.store_encodings(enc, plan, part, out)
+        return enc
+
+    def _batch_order(self, plan: assemble.Plan) -> np.ndarray:
+        """Targets (indices into plan.targets) sorted by history slots, then code count."""
+        med_len = plan.meds.lengths
+        slots = np.array([int(med_len[h].sum()) for h in plan.histories], np.int64)
+        codes = (plan.diag.lengths + plan.proc.lengths)[plan.targets]
+        return np.lexsort((codes, slots))
+
+    def _recommendations(self, plan: assemble.Plan, slots: dict, explain: bool) -> pa.Table:
+        n = plan.targets.size
+        meds, probs, scores = [], [], np.zeros(n, np.float32)
+        for i in range(n):
+            res, k, _ = slots[i]
+            meds.append(res.meds[k])
+            probs.append(res.med_probs[k])
+            scores[i] = res.score[k]
+        lengths = np.array([m.size for m in meds], np.int64)
+        offsets = pa.array(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32))
+        flat = np.concatenate(meds) if meds else np.zeros(0, np.int64)
+        table = plan.table.take(pa.array(plan.targets))
+        columns = {
+            "patient_id": table["patient_id"],
+            "visit_id": table["visit_id"],
+            "medications": pa.ListArray.from_arrays(offsets, self._codes.take(pa.array(flat))),
+            "score": pa.array(scores, pa.float32()),
+            "probabilities": pa.ListArray.from_arrays(
+                offsets, pa.array(np.concatenate(probs) if probs else [], pa.float32())),
+        }
+        if explain:
+            columns["explanations"] = self._explanations(plan, slots)
+        return pa.table(columns, schema=output_schema(explain))
+
+    def _explanations(self, plan: assemble.Plan, slots: dict) -> pa.Array:
+        """Per medication: copy share 1 - w_g at its step, and the past visit whose slots of
+        that medication carry the most copy weight (null when none holds it)."""
+        visit_ids = plan.table["visit_id"]
+        out = []
+        for i in range(plan.targets.size):
+            res, k, inputs = slots[i]
+            meds = res.meds[k]
+            share = 1.0 - res.gates[k]
+            hist = plan.histories[i]
+            src: list[str | None] = [None] * meds.size
+            if hist.size and meds.size:
+                slot_med, slot_visit = inputs["slot_med"][k], inputs["slot_visit"][k]
+                real = inputs["slot_mask"][k] > 0
+                weight = res.copies[k] * ((slot_med[None, :] == meds[:, None]) & real)
+                per_visit = np.zeros((meds.size, hist.size))
+                for j in range(meds.size):
+                    per_visit[j] = np.bincount(slot_visit, weight[j], minlength=hist.size
+                                               )[: hist.size]
+                best = per_visit.argmax(1)
+                for j in np.flatnonzero(per_visit.max(1) > 0):
+                    src[j] = visit_ids[int(hist[best[j]])].as_py()
+            out.append([{"copy_share": float(s), "source_visit": v}
+                        for s, v in zip(share.tolist(), src)])
+        return pa.array(out, pa.list_(EXPLANATION))
+
+    def _metrics(self, plan: assemble.Plan, slots: dict) -> tuple[np.ndarray, int]:
+        if self._ddi_adj is None:
+            self._ddi_adj = evaluation.ddi_matrix(self.vocab, self.ddi_pairs)
+        pids = plan.table["patient_id"]
+        results = []
+        for i, row in enumerate(plan.targets.tolist()):
+            if not plan.has_meds[row]:
+                continue
+            res, k, _ = slots[i]
+            results.append(VisitResult(pids[row].as_py(), tuple(res.meds[k].tolist()),
+                                       tuple(plan.meds[row].tolist()), res.prauc_scores[k]))
+        if not results:
+            return np.zeros((0, len(evaluation.COLUMNS))), 0
+        return evaluation.patient_rows(results, self._ddi_adj), len(results)
+
+
+def _rejects(plan: assemble.Plan) -> pa.Table:
+    rows = np.flatnonzero(plan.status == assemble.REJECTED)
+    table = plan.table.take(pa.array(rows))
+    reasons = np.asarray(assemble.REASONS, dtype=object)[plan.reason[rows]]
+    return pa.table({"row": table[reader.ROW], "patient_id": table["patient_id"],
+                     "visit_id": table["visit_id"], "reason": pa.array(list(reasons), pa.string())},
+                    schema=REJECTS_SCHEMA)

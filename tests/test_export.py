@@ -1,0 +1,294 @@
+"""cognet.export and cognet-export: graphs, manifest, parity with torch, the CLI."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import NamedTuple
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pyarrow.parquet as pq
+import pytest
+import torch
+from click.testing import CliRunner
+from cognet.export import FP16_FILES, GRAPH_FILES, OPSET, cache_tensors, export
+from cognet.export import validate as val
+from cognet.export.cli import main
+from cognet.export.graphs import GRAPH_IO, Sizes, StepGraph, example_inputs, tensor_specs
+from tiny import make_tiny
+
+from cognet import checkpoint
+from cognet.errors import InputError
+from cognet.graphspec import STEP_INPUTS, STEP_OUTPUTS
+from cognet.history import patients_from_table
+from cognet.manifest import GRAPHS, Manifest, load_manifest
+from cognet.model import COGNet
+from cognet.vocab import Vocab
+
+ALLOWLIST = Path(__file__).parents[1] / "export" / "onnx_ops_allowlist.txt"
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> tuple[Path, Path]:
+    return make_tiny(tmp_path_factory.mktemp("tiny"), n_patients=300)
+
+
+class Exported(NamedTuple):
+    manifest: Manifest
+    out: Path  # the model directory
+    model: COGNet
+    vocab: Vocab
+    ckpt: Path
+
+
+@pytest.fixture(scope="module")
+def exported(tiny, tmp_path_factory) -> Exported:
+    """The tiny checkpoint exported with its float16 variant (and validated)."""
+    out = tmp_path_factory.mktemp("model")
+    manifest = export(tiny[1], out, fp16=True)
+    model, vocab, _ = checkpoint.load(tiny[1])
+    return Exported(manifest, out, model, vocab, tiny[1])
+
+
+def _graph_paths(model_dir: Path, files=GRAPH_FILES) -> dict[str, Path]:
+    return {name: model_dir / files[name] for name in GRAPHS}
+
+
+# -- the model directory ----------------------------------------------------------------------
+def test_model_directory_holds_graphs_and_manifest(exported):
+    manifest, out, model, vocab, _ = exported
+    assert sorted(p.name for p in out.iterdir()) == sorted(
+        ["manifest.json", *GRAPH_FILES.values(), *FP16_FILES.values()]
+    )
+    loaded = load_manifest(out)
+    assert loaded.to_json() == manifest.to_json()
+    cfg = model.cfg
+    assert loaded.opset == OPSET >= 18
+    assert (loaded.dims.dim, loaded.dims.heads, loaded.dims.out_size) == (
+        cfg.dim,
+        cfg.heads,
+        cfg.out_size,
+    )
+    assert (loaded.special.end, loaded.special.start, loaded.special.med_pad) == (
+        vocab.end,
+        vocab.start,
+        vocab.med_pad,
+    )
+    assert loaded.vocabulary() == vocab
+    assert (loaded.max_len, loaded.beam, loaded.ablation) == (45, 4, "none")
+    assert len(loaded.ddi_pairs) > 0 and all(len(p) == 2 for p in loaded.ddi_pairs)
+    assert loaded.checkpoint_sha256 == checkpoint.checkpoint_hash(exported.ckpt)
+    assert {"torch", "onnx", "onnxruntime"} <= set(loaded.versions)
+
+
+def test_graph_io_and_symbolic_axes(exported):
+    """Every input keeps the symbolic axes of the spec (no axis specialised to its example
+    size) and the graph I/O names and order are graphspec's."""
+    manifest, out, model, _, _ = exported
+    specs = tensor_specs(model)
+    for name in GRAPHS:
+        proto = onnx.load(str(out / GRAPH_FILES[name]))
+        ins, outs = GRAPH_IO[name]
+        assert tuple(v.name for v in proto.graph.input) == ins
+        assert tuple(v.name for v in proto.graph.output) == outs
+        for v in proto.graph.input:
+            dims = tuple(d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim)
+            assert dims == specs[v.name].shape, (name, v.name)
+            assert all(
+                d.dim_param
+                for d, s in zip(v.type.tensor_type.shape.dim, specs[v.name].shape, strict=True)
+                if isinstance(s, str)
+            )
+        assert manifest.graph_spec(name).input_names == ins
+
+
+def test_fp16_variant_types(exported):
+    manifest, out, _, _, _ = exported
+    step = manifest.graph_spec("decoder_step", "fp16")
+    dtypes = {t.name: t.dtype for t in (*step.inputs, *step.outputs)}
+    assert dtypes["log_probs"] == "float32"  # beam scores accumulate in float32
+    assert dtypes["past_key"] == dtypes["copy_onehot"] == dtypes["gate"] == "float16"
+    assert dtypes["tokens"] == "int64"
+    for name in GRAPHS:
+        onnx.checker.check_model(onnx.load(str(out / FP16_FILES[name])), full_check=True)
+
+
+# -- operators --------------------------------------------------------------------------------
+def _ops(paths) -> set[str]:
+    return {n.op_type for p in paths for n in onnx.load(str(p)).graph.node}
+
+
+def test_operators_are_in_the_allowlist(exported):
+    allowed = {
+        line.strip()
+        for line in ALLOWLIST.read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    }
+    out = exported.out
+    ops = _ops([*_graph_paths(out).values(), *_graph_paths(out, FP16_FILES).values()])
+    assert ops - allowed == set(), f"operators outside {ALLOWLIST.name}: {ops - allowed}"
+    assert not ops & {"If", "Loop", "Scan", "ScatterElements", "ScatterND"}
+
+
+def test_no_transpose_over_the_kv_cache(exported, tmp_path):
+    """The cache layout (keys [.., dh, T]) makes the step's attention two plain MatMuls; the
+    step graph, before and after ONNX Runtime's optimisations, transposes nothing that
+    depends on the cache."""
+    step = exported.out / GRAPH_FILES["decoder_step"]
+    opts = ort.SessionOptions()
+    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
+    opts.optimized_model_filepath = str(tmp_path / "step.opt.onnx")
+    ort.InferenceSession(str(step), opts, providers=["CPUExecutionProvider"])
+    for path in (step, tmp_path / "step.opt.onnx"):
+        graph = onnx.load(str(path)).graph
+        cache = cache_tensors(graph)
+        assert {"past_key", "past_value", "present_key", "present_value"} <= cache
+        transposes = [
+            n.name for n in graph.node if n.op_type == "Transpose" and n.input[0] in cache
+        ]
+        assert transposes == [], path.name
+
+
+# -- parity -----------------------------------------------------------------------------------
+def test_parity_report_covers_four_shape_cases(exported):
+    parity = exported.manifest.parity
+    assert parity["passed"]
+    cases = parity["float32"]["cases"]
+    assert set(cases) == set(val.SHAPE_CASES) and len(cases) >= 4
+    for case in cases.values():
+        outputs = {key.split(".")[1] for key in case}
+        assert outputs >= set(STEP_OUTPUTS)
+        assert max(case.values()) <= val.FLOAT32_ATOL
+    assert parity["decoding"]["beam4"]["identical"] == parity["decoding"]["beam4"]["visits"]
+    f16 = parity["float16"]
+    assert f16["passed"] and f16["max_abs_diff"] <= val.FLOAT16_ATOL
+    assert f16["top1_agreement"] >= val.FLOAT16_MIN_TOP1
+
+
+@pytest.mark.parametrize("case", list(val.SHAPE_CASES))
+def test_parity_at_shape_case(exported, case):
+    """Rerun one shape case directly: every output of every graph within FLOAT32_ATOL."""
+    _, out, model, _, _ = exported
+    graphs = val.Graphs.load(_graph_paths(out), threads=1)
+    sizes, lengths = val.SHAPE_CASES[case]
+    only = dict(val.SHAPE_CASES)
+    val.SHAPE_CASES.clear()
+    val.SHAPE_CASES[case] = (sizes, lengths)
+    try:
+        report = val.compare_outputs(model, graphs)
+    finally:
+        val.SHAPE_CASES.clear()
+        val.SHAPE_CASES.update(only)
+    assert report["max_abs_diff"] <= val.FLOAT32_ATOL, report["cases"][case]
+
+
+def test_step_accepts_an_empty_cache(exported):
+    """Exported with T = 2, run at T = 0 (the first step) and at T = 45."""
+    _, out, model, _, _ = exported
+    graphs = val.Graphs.load(_graph_paths(out), threads=1)
+    step = StepGraph(model)
+    for t in (0, 45):
+        inputs = example_inputs(model, Sizes(N=2, B=4, T=t))
+        with torch.no_grad():
+            ref = step(*(inputs[k] for k in STEP_INPUTS))
+        got = graphs.run("decoder_step", {k: inputs[k].numpy() for k in STEP_INPUTS})
+        assert got["present_key"].shape[-1] == got["present_value"].shape[-2] == t + 1
+        np.testing.assert_allclose(got["log_probs"], ref[0].numpy(), atol=val.FLOAT32_ATOL)
+
+
+def test_beam4_and_greedy_lists_equal_torch_on_real_visits(exported, tiny):
+    """Beam-4 (and greedy) medication lists decoded through the ONNX graphs equal the torch
+    reference on every visit of the tiny dataset (several hundred)."""
+    _, out, model, vocab, _ = exported
+    table = pq.read_table(tiny[0] / "visits.parquet")
+    patients = list(patients_from_table(table, vocab))
+    graphs = val.Graphs.load(_graph_paths(out), threads=1)
+    report = val.compare_decoding(model, graphs, vocab, patients)
+    for beam in ("beam1", "beam4"):
+        assert report[beam]["visits"] >= 200
+        assert report[beam]["identical"] == report[beam]["visits"], report[beam]["mismatches"]
+        assert report[beam]["max_score_diff"] < 1e-3
+
+
+@pytest.mark.parametrize("ablation", ["no-diagnoses", "no-copy"])
+def test_ablations_export_with_every_input(tmp_path, ablation):
+    """An ablation that leaves graph inputs unused still exports them (same I/O for all)."""
+    _, ckpt = make_tiny(tmp_path, ablation=ablation)
+    manifest = export(ckpt, tmp_path / "model", n_patients=16)
+    assert manifest.parity["passed"] and manifest.ablation == ablation
+    assert manifest.graph_spec("decoder_init").input_names == GRAPH_IO["decoder_init"][0]
+
+
+def test_parity_failure_writes_report_and_no_manifest(tiny, tmp_path, monkeypatch):
+    monkeypatch.setattr(val, "FLOAT32_ATOL", 0.0)
+    result = CliRunner().invoke(main, ["--checkpoint", str(tiny[1]), "--out", str(tmp_path / "m")])
+    assert result.exit_code == 1
+    assert "parity failed" in result.output and "Traceback" not in result.output
+    report = json.loads((tmp_path / "m" / "parity_report.json").read_text())
+    assert report["passed"] is False
+    assert not (tmp_path / "m" / "manifest.json").exists()
+
+
+# -- CLI --------------------------------------------------------------------------------------
+def test_cli_help():
+    result = CliRunner().invoke(main, ["--help"])
+    assert result.exit_code == 0
+    for option in ("--checkpoint", "--out", "--no-validate", "--fp16", "--tensorrt"):
+        assert option in result.output
+
+
+def test_cli_exports_without_validation(tiny, tmp_path):
+    result = CliRunner().invoke(
+        main, ["--checkpoint", str(tiny[1]), "--out", str(tmp_path / "m"), "--no-validate"]
+    )
+    assert result.exit_code == 0, result.output
+    assert load_manifest(tmp_path / "m").parity is None
+
+
+@pytest.mark.skipif(
+    "TensorrtExecutionProvider" in ort.get_available_providers(),
+    reason="TensorRT is installed here",
+)
+def test_cli_tensorrt_without_tensorrt_exits_2(tiny, tmp_path):
+    result = CliRunner().invoke(
+        main, ["--checkpoint", str(tiny[1]), "--out", str(tmp_path / "m"), "--tensorrt"]
+    )
+    assert result.exit_code == 2
+    assert result.output.count("\n") == 1 and "TensorRT" in result.output
+    assert not (tmp_path / "m").exists()
+
+
+def test_cli_missing_checkpoint_exits_2(tmp_path):
+    result = CliRunner().invoke(
+        main, ["--checkpoint", str(tmp_path / "nope"), "--out", str(tmp_path / "m")]
+    )
+    assert result.exit_code == 2
+    assert result.output.count("\n") == 1 and "not a cognet checkpoint" in result.output
+
+
+def test_cli_corrupt_checkpoint_exits_2(tiny, tmp_path):
+    bad = tmp_path / "ckpt"
+    shutil.copytree(tiny[1], bad)
+    (bad / "model.safetensors").write_bytes(b"garbage")
+    result = CliRunner().invoke(main, ["--checkpoint", str(bad), "--out", str(tmp_path / "m")])
+    assert result.exit_code == 2
+    assert result.output.count("\n") == 1 and "cannot load checkpoint" in result.output
+
+
+def test_api_bad_checkpoint_raises_input_error(tmp_path):
+    with pytest.raises(InputError):
+        export(tmp_path, tmp_path / "m")
+
+
+def test_export_refused_after_corruption(exported, tmp_path):
+    """The runtime-side check on a real export: a flipped byte in a graph is refused."""
+    out = tmp_path / "m"
+    shutil.copytree(exported.out, out)
+    data = bytearray((out / "decoder_step.onnx").read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    (out / "decoder_step.onnx").write_bytes(bytes(data))
+    with pytest.raises(InputError, match="sha256 does not match"):
+        load_manifest(out)

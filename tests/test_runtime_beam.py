@@ -1,0 +1,163 @@
+"""The numpy beam driver equals the torch reference beam search (cognet.decode) when it runs
+the torch model's graphs through the session interface; top-k keeps stable-sort order."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from cognet.batching import make_batch
+from cognet.decode import beam_search as torch_beam_search
+from cognet.graphspec import ENCODER_INPUTS, ENCODER_OUTPUTS, INIT_INPUTS
+from cognet.history import Visit
+from cognet.model import COGNet, ModelConfig, history_inputs
+from cognet.runtime.beam import BeamConfig, beam_search, top_k_stable
+from cognet.vocab import Vocab
+
+torch.set_num_threads(1)  # tiny tensors: threads only add contention
+
+
+class TorchDecoder:
+    """The `DecoderSession` protocol over the torch model (the reference's own graphs)."""
+
+    def __init__(self, model: COGNet):
+        self.model = model
+        with torch.no_grad():
+            self.graph = model.graph_embeddings()
+        self.steps = 0
+
+    @torch.no_grad()
+    def init(self, inputs):
+        return tuple(self.model.decoder_init(*(torch.from_numpy(np.ascontiguousarray(inputs[k]))
+                                               for k in INIT_INPUTS)))
+
+    def empty_cache(self, n, beam):
+        return self.model.empty_cache(n, beam)
+
+    @torch.no_grad()
+    def step(self, tokens, parent, cache, memories, outputs):
+        self.steps += 1
+        lp, gate, copy, k, v = self.model.decoder_step(
+            torch.from_numpy(tokens), torch.from_numpy(parent), *cache, *memories,
+            graph=self.graph)
+        out = {"log_probs": lp.numpy(), "gate": gate.numpy(), "copy_probs": copy.numpy()}
+        return {name: out[name] for name in outputs}, (k, v)
+
+    def take(self, value, rows):
+        index = torch.from_numpy(rows)
+        return tuple(x[index] for x in value)
+
+
+def torch_encoder(model: COGNet):
+    @torch.no_grad()
+    def encode(inputs):
+        out = model.encode_visits(*(torch.from_numpy(inputs[k]) for k in ENCODER_INPUTS))
+        return {name: t.numpy() for name, t in zip(ENCODER_OUTPUTS, out)}
+
+    return encode
+
+
+# -- a small random model and patients ----------------------------------------------------------
+
+
+def make_case(n_med: int = 12, n_patients: int = 12, seed: int = 0, dim: int = 16):
+    rng = np.random.default_rng(seed)
+    d, p = 30, 20
+    vocab = Vocab(tuple(f"d{i:02d}" for i in range(d)), tuple(f"p{i:02d}" for i in range(p)),
+                  tuple(f"m{i:02d}" for i in range(n_med)),
+                  tuple(int(x) for x in rng.integers(1, 50, n_med)))
+
+    def visit(pid: str, i: int) -> Visit:
+        diag = rng.choice(d, rng.integers(0, 6), replace=False).tolist()
+        proc = rng.choice(p, rng.integers(0 if diag else 1, 4), replace=False).tolist()
+        meds = vocab.rare_first(rng.choice(n_med, rng.integers(1, min(6, n_med)),
+                                           replace=False).tolist())
+        return Visit(pid, f"{pid}-{i}", tuple(diag), tuple(proc), tuple(meds))
+
+    patients = [[visit(f"p{k}", i) for i in range(rng.integers(1, 5))]
+                for k in range(n_patients)]
+    torch.manual_seed(seed)
+    cfg = ModelConfig(d, p, n_med, dim=dim, heads=2, ffn=2 * dim)
+    ddi = (rng.random((n_med, n_med)) < 0.1).astype(np.float32)
+    model = COGNet(cfg, np.zeros((n_med, n_med), np.float32), np.maximum(ddi, ddi.T))
+    with torch.no_grad():
+        for prm in model.parameters():
+            prm.add_(torch.randn_like(prm) * 0.3)
+        model.gen_head.bias[n_med] = -1.0  # END less likely: longer, varied lists
+    return model.eval(), vocab, patients
+
+
+def run_both(model, vocab, patients, beam, max_len, compact_at, prauc=True, explain=False):
+    batch = make_batch(patients, vocab, targets=False)
+    ref = torch_beam_search(model, batch, beam=beam, max_len=max_len)
+    with torch.no_grad():
+        enc = model.encode_visits(batch["diagnoses"], batch["procedures"], batch["medications"])
+        inputs = history_inputs(batch, *enc, model.cfg)
+    session = TorchDecoder(model)
+    memories = session.init({k: v.numpy() for k, v in zip(INIT_INPUTS, inputs)})
+    cfg = BeamConfig(end=vocab.end, beam=beam, max_len=max_len, compact_at=compact_at)
+    ours = beam_search(session, memories, len(batch["target"]), cfg, prauc=prauc,
+                       explain=explain)
+    return ref, ours
+
+
+@pytest.mark.parametrize("beam,max_len,compact_at,n_med,seed", [
+    (4, 45, 1.0, 12, 0),  # compacts whenever a visit is done, like the reference
+    (4, 45, 0.5, 12, 1),  # carries done visits a while
+    (1, 45, 0.75, 12, 2),  # greedy
+    (3, 4, 0.75, 12, 3),  # stopped by max_len
+    (4, 12, 0.75, 4, 4),  # hypotheses run out of medications: -inf candidates
+])
+def test_driver_equals_torch_reference(beam, max_len, compact_at, n_med, seed):
+    model, vocab, patients = make_case(n_med=n_med, seed=seed)
+    ref, ours = run_both(model, vocab, patients, beam, max_len, compact_at)
+    assert len(ours.meds) == len(ref)
+    for i, r in enumerate(ref):
+        assert tuple(ours.meds[i].tolist()) == r.meds
+        assert ours.score[i] == np.float32(r.score)
+        np.testing.assert_allclose(ours.med_probs[i], r.med_probs, rtol=1e-5, atol=1e-7)
+        np.testing.assert_allclose(ours.prauc_scores[i], r.scores, rtol=1e-4, atol=1e-6)
+
+
+def test_driver_explains_along_the_best_hypothesis():
+    model, vocab, patients = make_case(seed=5)
+    ref, ours = run_both(model, vocab, patients, 4, 45, 0.75, prauc=False, explain=True)
+    for i, r in enumerate(ref):
+        k = len(r.meds)
+        assert ours.gates[i].shape == (k,) and ours.copies[i].shape[0] == k
+        assert ((ours.gates[i] >= 0) & (ours.gates[i] <= 1)).all()
+        if k:
+            np.testing.assert_allclose(ours.copies[i].sum(1), 1.0, rtol=1e-5)
+
+
+def test_dead_rows_are_dropped_and_steps_stop_early():
+    model, vocab, patients = make_case(seed=6)
+    n = sum(map(len, patients))
+    _, eager = run_both(model, vocab, patients, 4, 45, 1.0)
+    _, lazy = run_both(model, vocab, patients, 4, 45, 0.3)
+    assert eager.steps == lazy.steps < 45
+    for a, b in zip(eager.meds, lazy.meds):
+        assert (a == b).all()
+    assert len(eager.meds) == n
+
+
+def _stable_top(x: np.ndarray, k: int) -> np.ndarray:
+    return np.argsort(-x, axis=1, kind="stable")[:, :k]
+
+
+@pytest.mark.parametrize("k", [1, 2, 4])
+def test_top_k_is_a_stable_descending_sort(k):
+    rng = np.random.default_rng(k)
+    cases = [
+        rng.standard_normal((50, 40)).astype(np.float32),
+        np.round(rng.standard_normal((50, 40)), 1).astype(np.float32),  # many ties
+        np.where(rng.random((50, 40)) < 0.9, -np.inf, rng.standard_normal((50, 40))
+                 ).astype(np.float32),  # mostly -inf, some rows with < k finite values
+        np.full((5, 40), -np.inf, np.float32),
+        np.zeros((5, 40), np.float32),
+    ]
+    for x in cases:
+        idx, val = top_k_stable(x.copy(), k)
+        assert (idx == _stable_top(x, k)).all()
+        assert (val == np.take_along_axis(x, idx, 1)).all()
