@@ -31,11 +31,51 @@ def _select(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return x.gather(1, view)
 
 
+DDI_MODES = ("off", "soft", "hard")
+
+
+@dataclass(frozen=True)
+class DDIPolicy:
+    """Inference-time control of drug-drug interactions (the paper's decoding is `off`).
+
+    hard: a medication interacting with one already in the hypothesis cannot be emitted.
+    soft: its log-probability is lowered by `penalty` per interacting pair.
+    max_rate: when set, decoding runs until every beam is finished and returns the best
+    beam whose DDI rate is <= max_rate (else the beam with the lowest rate, best score first).
+    """
+
+    mode: str = "off"
+    penalty: float = 0.0
+    max_rate: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.mode not in DDI_MODES:
+            raise ValueError(f"unknown DDI mode {self.mode!r}; choose from {DDI_MODES}")
+        if self.penalty < 0 or (self.max_rate is not None and not 0 <= self.max_rate <= 1):
+            raise ValueError("the DDI penalty must be >= 0 and the max rate in [0, 1]")
+
+    @property
+    def active(self) -> bool:
+        return self.mode != "off" or self.max_rate is not None
+
+
+def ddi_rate_of_beams(used: torch.Tensor, ddi: torch.Tensor) -> torch.Tensor:
+    """DDI rate of every beam's medication set: used [n, B, M] bool, ddi [M, M] 0/1."""
+    m = used.float()
+    pairs = ((m @ ddi) * m).sum(-1) / 2
+    k = m.sum(-1)
+    total = k * (k - 1) / 2
+    return torch.where(total > 0, pairs / total.clamp_min(1), torch.zeros_like(total))
+
+
 @torch.no_grad()
 def beam_search(model: COGNet, batch: dict[str, torch.Tensor], beam: int = BEAM,
-                max_len: int = MAX_LEN, rows: torch.Tensor | None = None) -> list[Decoded]:
+                max_len: int = MAX_LEN, rows: torch.Tensor | None = None,
+                ddi: DDIPolicy = DDIPolicy()) -> list[Decoded]:
     """Decode the visits `rows` (default: every `target`) of a batch from `make_batch`."""
     model.eval()
+    ddi_adj = (model.ddi_gcn.adj > 0).float()
+    ddi_adj = ddi_adj - torch.diag(torch.diag(ddi_adj))  # the GCN adjacency holds self-loops
     cfg = model.cfg
     if rows is not None:
         batch = dict(batch, target=batch["target"][rows])
@@ -63,21 +103,36 @@ def beam_search(model: COGNet, batch: dict[str, torch.Tensor], beam: int = BEAM,
     results: dict[int, Decoded] = {}
 
     def record(local: torch.Tensor) -> None:
+        choice = torch.zeros(len(alive), dtype=torch.long)
+        if ddi.max_rate is not None:
+            ok = ddi_rate_of_beams(used[..., : cfg.n_med], ddi_adj) <= ddi.max_rate + 1e-9
+            ok &= scores > float("-inf")
+            rate = ddi_rate_of_beams(used[..., : cfg.n_med], ddi_adj)
+            lowest = torch.sort(rate.masked_fill(scores == float("-inf"), 2.0), dim=1,
+                                stable=True).indices[:, 0]
+            choice = torch.where(ok.any(1), ok.float().argmax(1), lowest)
         for i in local.tolist():
-            length = int((seqs[i, 0] >= 0).sum())
-            toks = seqs[i, 0, :length].tolist()
+            c = int(choice[i])
+            length = int((seqs[i, c] >= 0).sum())
+            toks = seqs[i, c, :length].tolist()
             meds = tuple(t for t in toks if t != end)
-            probs = emit_prob[i, 0, :length].tolist()
-            mean = (prob_sum[i, 0, : cfg.n_med] / steps[i, 0].clamp_min(1)).numpy().copy()
+            probs = emit_prob[i, c, :length].tolist()
+            mean = (prob_sum[i, c, : cfg.n_med] / steps[i, c].clamp_min(1)).numpy().copy()
             med_probs = tuple(p for t, p in zip(toks, probs) if t != end)
             mean[list(meds)] = med_probs
-            results[int(alive[i])] = Decoded(meds, float(scores[i, 0]), med_probs, mean)
+            results[int(alive[i])] = Decoded(meds, float(scores[i, c]), med_probs, mean)
 
     for t in range(max_len):
         log_probs, _, _, past_key, past_value = model.decoder_step(
             tokens, parent, past_key, past_value, *memories, graph=graph)
         raw = log_probs
         logp = raw.masked_fill(used, neg_inf)
+        if ddi.mode != "off":
+            clashes = used[..., : cfg.n_med].float() @ ddi_adj  # [n, B, M] interacting pairs
+            meds = logp[..., : cfg.n_med]
+            meds = meds.masked_fill(clashes > 0, neg_inf) if ddi.mode == "hard" else \
+                meds - ddi.penalty * clashes
+            logp = torch.cat([meds, logp[..., cfg.n_med :]], -1)
         frozen = torch.full_like(logp, neg_inf)
         frozen[..., end] = 0.0
         logp = torch.where(finished.unsqueeze(-1), frozen, logp)
@@ -98,7 +153,10 @@ def beam_search(model: COGNet, batch: dict[str, torch.Tensor], beam: int = BEAM,
         steps = _select(steps, parent) + live.float()
         finished = was_finished | (tokens == end)
 
-        done = finished[:, 0] if t < max_len - 1 else torch.ones(len(alive), dtype=torch.bool)
+        # the best hypothesis is final once beam 0 is finished; choosing by DDI rate needs all
+        done = finished.all(1) if ddi.max_rate is not None else finished[:, 0]
+        if t == max_len - 1:
+            done = torch.ones(len(alive), dtype=torch.bool)
         if bool(done.any()):
             record(done.nonzero().squeeze(1))
             keep = (~done).nonzero().squeeze(1)

@@ -176,3 +176,28 @@ def test_tiny_dataset_is_overfit():
     visits = [v for p in patients for v in p]
     score = np.mean([jaccard(d.meds, v.meds) for d, v in zip(decoded, visits)])
     assert score > 0.9
+
+
+def test_hard_ddi_mode_never_emits_an_interacting_pair():
+    from cognet.decode import DDIPolicy, ddi_rate_of_beams
+
+    vocab = make_vocab()
+    patients = random_patients(vocab, 10, 9)
+    model = make_model(vocab, patients)
+    ddi = (model.ddi_gcn.adj > 0).float() - torch.eye(M)
+    batch = make_batch(patients, vocab, targets=False)
+    off = beam_search(model, batch, beam=4)
+    hard = beam_search(model, batch, beam=4, ddi=DDIPolicy("hard"))
+
+    def rate(results):
+        used = torch.zeros(len(results), 1, M, dtype=torch.bool)
+        for i, r in enumerate(results):
+            used[i, 0, list(r.meds)] = True
+        return ddi_rate_of_beams(used, ddi)
+
+    assert rate(off).sum() > 0  # the random model does prescribe interacting pairs
+    assert rate(hard).sum() == 0
+    soft = beam_search(model, batch, beam=4, ddi=DDIPolicy("soft", penalty=2.0))
+    assert rate(soft).mean() <= rate(off).mean()
+    capped = beam_search(model, batch, beam=4, ddi=DDIPolicy("off", max_rate=0.0))
+    assert rate(capped).mean() <= rate(off).mean()

@@ -1,0 +1,121 @@
+"""`cognet train` / `cognet evaluate` end to end on a tiny dataset, and checkpoint safety."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from cognet import checkpoint
+from cognet.cli import main
+from cognet.errors import InputError
+from tiny import make_tiny
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tiny")
+    data, ckpt = make_tiny(root, n_patients=45)
+    return root, data, ckpt
+
+
+def test_train_then_evaluate(tiny, tmp_path):
+    _, data, _ = tiny
+    out = tmp_path / "ckpt"
+    runner = CliRunner()
+    res = runner.invoke(main, ["train", "--data", str(data), "--out", str(out), "--epochs", "2",
+                               "--seed", "3", "--quiet"])
+    assert res.exit_code == 0, res.output
+    assert "val jaccard" in res.output and "best epoch" in res.output
+    for name in ("config.json", "vocab.json", "model.safetensors", "graphs.npz",
+                 "train_log.jsonl"):
+        assert (out / name).is_file()
+    log = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
+    assert [r["epoch"] for r in log] == [1, 2]
+    report = tmp_path / "r.json"
+    preds = tmp_path / "p.parquet"
+    res = runner.invoke(main, ["evaluate", "--checkpoint", str(out), "--data", str(data),
+                               "--rounds", "3", "--json", str(report), "--predictions",
+                               str(preds), "--quiet"])
+    assert res.exit_code == 0, res.output
+    assert "Jaccard" in res.output and "ground-truth DDI" in res.output
+    rep = json.loads(report.read_text())
+    for key in ("jaccard", "f1", "prauc", "ddi", "avg_drugs"):
+        assert set(rep[key]) == {"mean", "std"}
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(preds)
+    assert table.column_names == ["patient_id", "visit_id", "medications", "score"]
+    assert table.num_rows == rep["n_visits"]
+
+
+def test_training_is_deterministic_with_a_seed(tiny, tmp_path):
+    _, data, _ = tiny
+    runner = CliRunner()
+    for name in ("a", "b"):
+        res = runner.invoke(main, ["train", "--data", str(data), "--out", str(tmp_path / name),
+                                   "--epochs", "1", "--seed", "7", "--quiet"])
+        assert res.exit_code == 0, res.output
+    assert (tmp_path / "a" / "model.safetensors").read_bytes() == \
+        (tmp_path / "b" / "model.safetensors").read_bytes()
+
+
+@pytest.mark.parametrize("baseline", ["copy-last", "frequent", "lr"])
+def test_evaluate_baselines(tiny, baseline):
+    _, data, _ = tiny
+    res = CliRunner().invoke(main, ["evaluate", "--data", str(data), "--baseline", baseline,
+                                    "--rounds", "2"])
+    assert res.exit_code == 0, res.output
+    assert baseline in res.output
+
+
+def test_evaluate_needs_a_checkpoint_or_baseline(tiny):
+    _, data, _ = tiny
+    res = CliRunner().invoke(main, ["evaluate", "--data", str(data)])
+    assert res.exit_code == 2
+    assert "--checkpoint" in res.output
+
+
+def test_bad_checkpoint_is_a_one_line_input_error(tiny, tmp_path):
+    _, data, _ = tiny
+    res = CliRunner().invoke(main, ["evaluate", "--checkpoint", str(tmp_path), "--data",
+                                    str(data)])
+    assert res.exit_code == 2
+    assert "not a cognet checkpoint" in res.output
+    assert "Traceback" not in res.output
+
+
+def test_checkpoint_loading_never_unpickles(tiny, tmp_path):
+    """graphs.npz with an object array (which would need pickle) is refused."""
+    import shutil
+
+    import numpy as np
+
+    _, _, ckpt = tiny
+    bad = tmp_path / "bad"
+    shutil.copytree(ckpt, bad)
+    np.savez(bad / "graphs.npz", ehr=np.array([object()], dtype=object), ddi=np.zeros(1))
+    with pytest.raises(ValueError, match="pickle"):
+        checkpoint.load(bad)
+
+
+def test_checkpoint_format_version_is_checked(tiny, tmp_path):
+    import shutil
+
+    _, _, ckpt = tiny
+    bad = tmp_path / "bad"
+    shutil.copytree(ckpt, bad)
+    cfg = json.loads((bad / "config.json").read_text())
+    cfg["format_version"] = 99
+    (bad / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(InputError, match="format version"):
+        checkpoint.load(bad)
+
+
+@pytest.mark.parametrize("args", [["--help"], ["train", "--help"], ["evaluate", "--help"],
+                                  ["data", "--help"]])
+def test_help(args):
+    res = CliRunner().invoke(main, args)
+    assert res.exit_code == 0
+    assert "Example" in res.output or args == ["data", "--help"]
