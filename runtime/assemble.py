@@ -20,15 +20,15 @@ Unknown codes of kept rows are dropped and counted.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+from cognet.runtime.reader import HashSet, patient_starts, string_hashes
 
 from cognet.history import history_index
 from cognet.vocab import Vocab
-from cognet.runtime.reader import HashSet, ROW, string_hashes
 
 SCORED, REJECTED, SKIPPED = 0, 1, 2
 REASONS = ("missing_key", "duplicate_visit_id", "no_codes", "unknown_codes")
@@ -66,8 +66,9 @@ class Ragged:
         return np.where(mask, self.values[pos] if self.values.size else 0, pad_id)
 
 
-def encode_codes(column: pa.ChunkedArray | pa.Array, codes: tuple[str, ...],
-                 order: np.ndarray | None = None) -> tuple[Ragged, np.ndarray, np.ndarray]:
+def encode_codes(
+    column: pa.ChunkedArray | pa.Array, codes: tuple[str, ...], order: np.ndarray | None = None
+) -> tuple[Ragged, np.ndarray, np.ndarray]:
     """Vocabulary ids of a list<string> column, as `Vocab.encode` per row (known codes,
     duplicates dropped, first occurrence order) or sorted by `order[id]` when given.
 
@@ -119,20 +120,21 @@ class Plan:
     histories: list[np.ndarray]  # per target: history rows, oldest first
     encode_rows: np.ndarray  # int64: rows to run through the encoder (targets + histories)
     unknown_codes: int  # codes dropped from kept rows
-    patient: np.ndarray = field(repr=False)  # int64 [rows]: patient group number in the chunk
 
     @property
     def rows(self) -> int:
         return len(self.table)
 
     def counts(self) -> dict[str, int]:
-        return {"scored": int((self.status == SCORED).sum()),
-                "rejected": int((self.status == REJECTED).sum()),
-                "skipped": int((self.status == SKIPPED).sum())}
+        return {
+            "scored": int((self.status == SCORED).sum()),
+            "rejected": int((self.status == REJECTED).sum()),
+            "skipped": int((self.status == SKIPPED).sum()),
+        }
 
     def reject_reasons(self) -> dict[str, int]:
         found = np.bincount(self.reason[self.reason >= 0], minlength=len(REASONS))
-        return {r: int(c) for r, c in zip(REASONS, found) if c}
+        return {r: int(c) for r, c in zip(REASONS, found, strict=True) if c}
 
 
 class Assembler:
@@ -149,9 +151,12 @@ class Assembler:
 
     def keys(self, table: pa.Table) -> tuple[np.ndarray, np.ndarray]:
         """(missing key, duplicate visit_id) bool [rows]; remembers the visit_ids."""
-        missing = ~np.asarray(pc.and_(pc.and_(table["patient_id"].is_valid(),
-                                              table["visit_id"].is_valid()),
-                                      table["visit_seq"].is_valid()))
+        missing = ~np.asarray(
+            pc.and_(
+                pc.and_(table["patient_id"].is_valid(), table["visit_id"].is_valid()),
+                table["visit_seq"].is_valid(),
+            )
+        )
         duplicate = np.zeros(len(table), bool)
         ok = np.flatnonzero(~missing)
         if ok.size:
@@ -181,10 +186,11 @@ class Assembler:
         status[reason >= 0] = REJECTED
         status[asked & (reason < 0)] = SCORED
         kept = ~bad_key
-        dropped = int((unk_d + unk_p + np.where(has_meds, unk_m, 0))[kept & (status != REJECTED)
-                                                                     ].sum())
+        dropped = int(
+            (unk_d + unk_p + np.where(has_meds, unk_m, 0))[kept & (status != REJECTED)].sum()
+        )
 
-        patient = np.cumsum(_group_starts(table)) - 1
+        patient = np.cumsum(patient_starts(table)) - 1  # patient number of each row
         history_rows = kept & has_meds
         targets = np.flatnonzero(status == SCORED)
         histories = self._histories(patient, history_rows, targets)
@@ -192,11 +198,13 @@ class Assembler:
         used[targets] = True
         for h in histories:
             used[h] = True
-        return Plan(table, status, reason, diag, proc, meds, has_meds, targets, histories,
-                    np.flatnonzero(used), dropped, patient)
+        return Plan(table=table, status=status, reason=reason, diag=diag, proc=proc,
+                    meds=meds, has_meds=has_meds, targets=targets, histories=histories,
+                    encode_rows=np.flatnonzero(used), unknown_codes=dropped)  # fmt: skip
 
-    def _histories(self, patient: np.ndarray, history_rows: np.ndarray,
-                   targets: np.ndarray) -> list[np.ndarray]:
+    def _histories(
+        self, patient: np.ndarray, history_rows: np.ndarray, targets: np.ndarray
+    ) -> list[np.ndarray]:
         """Per target: the earlier history rows of its patient (the last max_history)."""
         known = np.flatnonzero(history_rows)
         before = np.searchsorted(known, targets)  # known rows strictly before each target
@@ -204,16 +212,7 @@ class Assembler:
         since = np.searchsorted(known, first_row)
         if self.max_history is not None:
             since = np.maximum(since, before - self.max_history)
-        return [known[a:b] for a, b in zip(since.tolist(), before.tolist())]
-
-
-def _group_starts(table: pa.Table) -> np.ndarray:
-    pid = table["patient_id"].combine_chunks()
-    starts = np.ones(len(table), bool)
-    if len(table) > 1:
-        same = pc.equal(pid[1:], pid[:-1]).fill_null(False)
-        starts[1:] = ~same.to_numpy(zero_copy_only=False)
-    return starts
+        return [known[a:b] for a, b in zip(since.tolist(), before.tolist(), strict=True)]
 
 
 @dataclass
@@ -230,33 +229,42 @@ class Encodings:
 
 def new_encodings(plan: Plan, dim: int) -> Encodings:
     z = np.zeros
-    return Encodings(z((plan.rows, dim), np.float32), z((plan.rows, dim), np.float32),
-                     z((plan.diag.values.size + 1, dim), np.float32),
-                     z((plan.proc.values.size + 1, dim), np.float32),
-                     z((plan.meds.values.size + 1, dim), np.float32))
+    return Encodings(
+        z((plan.rows, dim), np.float32),
+        z((plan.rows, dim), np.float32),
+        z((plan.diag.values.size + 1, dim), np.float32),
+        z((plan.proc.values.size + 1, dim), np.float32),
+        z((plan.meds.values.size + 1, dim), np.float32),
+    )
 
 
 def encoder_inputs(plan: Plan, rows: np.ndarray, vocab: Vocab) -> dict[str, np.ndarray]:
     """Padded id matrices [len(rows), L] of `graphspec.ENCODER_INPUTS`."""
-    return {"diagnoses": plan.diag.pad(rows, vocab.diag_pad),
-            "procedures": plan.proc.pad(rows, vocab.proc_pad),
-            "medications": plan.meds.pad(rows, vocab.med_pad)}
+    return {
+        "diagnoses": plan.diag.pad(rows, vocab.diag_pad),
+        "procedures": plan.proc.pad(rows, vocab.proc_pad),
+        "medications": plan.meds.pad(rows, vocab.med_pad),
+    }
 
 
-def store_encodings(enc: Encodings, plan: Plan, rows: np.ndarray,
-                    out: Mapping[str, np.ndarray]) -> None:
+def store_encodings(
+    enc: Encodings, plan: Plan, rows: np.ndarray, out: Mapping[str, np.ndarray]
+) -> None:
     """Keep the encoder outputs of `rows` (in the order given to `encoder_inputs`)."""
     enc.v_d[rows] = out["v_d"]
     enc.v_p[rows] = out["v_p"]
-    for ragged, flat, name in ((plan.diag, enc.diag, "diag_enc"),
-                               (plan.proc, enc.proc, "proc_enc"),
-                               (plan.meds, enc.meds, "med_enc")):
+    for ragged, flat, name in (
+        (plan.diag, enc.diag, "diag_enc"),
+        (plan.proc, enc.proc, "proc_enc"),
+        (plan.meds, enc.meds, "med_enc"),
+    ):
         pos, mask = ragged.positions(rows)
         flat[pos[mask]] = out[name][:, : pos.shape[1]][mask]
 
 
-def init_inputs(plan: Plan, enc: Encodings, targets: np.ndarray,
-                histories: list[np.ndarray]) -> dict[str, np.ndarray]:
+def init_inputs(
+    plan: Plan, enc: Encodings, targets: np.ndarray, histories: list[np.ndarray]
+) -> dict[str, np.ndarray]:
     """Decoder-init inputs (`graphspec.INIT_INPUTS`) of the visits `targets` (chunk rows)."""
     out: dict[str, np.ndarray] = {}
     for kind, ragged, flat in (("diag", plan.diag, enc.diag), ("proc", plan.proc, enc.proc)):

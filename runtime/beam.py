@@ -11,11 +11,13 @@ How the work is kept small:
   self-attention KV cache; the step reorders the cache itself through its `parent` input,
   so the driver never gathers the cache between steps.
 - Finished visits stop counting as soon as they are done; their rows leave the batch when
-  the live fraction drops below `compact_at` (a compaction copies every memory, so doing it
-  at each finish costs more than carrying a few dead rows for a few steps).
+  the live fraction drops below `compact_at`: a compaction copies every memory, so doing it
+  at each finish costs more than carrying a few dead rows for a few steps (2 cores, batch
+  64, visits/s: compact_at 1.0 -> 773, 0.9 -> 861, 0.75 -> 936, 0.5 -> 796).
 - Top-k is B passes of `argmax` (the first maximum, i.e. the smallest flat index among
   ties: exactly a stable descending sort) with a stable argsort fallback for the rare rows
-  where a chosen candidate is -inf (fewer than B finite candidates).
+  where a chosen candidate is -inf (fewer than B finite candidates). For 256 visits x
+  4 x 132 candidates: 0.16 ms, against 9.7 ms for a stable argsort of every row.
 - Each step only records (parent, token, chosen log-prob) per beam; the best hypothesis
   is traced back once per batch at the end, along with the optional PRAUC scores (mean
   step probabilities) and explanations (gate and copy distribution at each step).
@@ -45,8 +47,14 @@ class DecoderSession(Protocol):
     def empty_cache(self, n: int, beam: int) -> Any:
         """The KV cache of n visits x beam rows before the first step (T = 0)."""
 
-    def step(self, tokens: np.ndarray, parent: np.ndarray, cache: Any, memories: Any,
-             outputs: Sequence[str]) -> tuple[dict[str, np.ndarray], Any]:
+    def step(
+        self,
+        tokens: np.ndarray,
+        parent: np.ndarray,
+        cache: Any,
+        memories: Any,
+        outputs: Sequence[str],
+    ) -> tuple[dict[str, np.ndarray], Any]:
         """One decoder step: tokens, parent int64 [n, B] -> ({name: array} for `outputs`
         among log_probs [n, B, V1], gate [n, B], copy_probs [n, B, S]; the next cache)."""
 
@@ -126,14 +134,22 @@ def top_k_stable(cand: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
     return idx, val
 
 
-def beam_search(session: DecoderSession, memories: Any, n: int, cfg: BeamConfig,
-                prauc: bool = False, explain: bool = False) -> BeamResult:
+def beam_search(
+    session: DecoderSession,
+    memories: Any,
+    n: int,
+    cfg: BeamConfig,
+    prauc: bool = False,
+    explain: bool = False,
+) -> BeamResult:
     """Decode the n visits whose memories come from `session.init`.
 
     prauc: also return the PRAUC scores; explain: also return the gates and copy
     distributions along the best hypothesis.
     """
     b, end = cfg.beam, cfg.end
+    if n == 0:
+        return BeamResult([], np.zeros(0, np.float32), [])
     outputs = ("log_probs", "gate", "copy_probs") if explain else ("log_probs",)
     rows = np.arange(n)  # visit of each row of the current batch
     scores = np.full((n, b), NEG_INF, np.float32)
@@ -166,8 +182,9 @@ def beam_search(session: DecoderSession, memories: Any, n: int, cfg: BeamConfig,
         used = np.zeros(raw.shape, bool) if used is None else used[row_ix, parent]
         used[row_ix, np.arange(b), tokens] = True
         finished = ~live | (tokens == end)
-        trace.append(_Step(rows, parent, tokens, live, chosen, raw if prauc else None,
-                           out.get("gate"), out.get("copy_probs")))
+        step = _Step(rows, parent, tokens, live, chosen, raw if prauc else None,
+                     out.get("gate"), out.get("copy_probs"))  # fmt: skip
+        trace.append(step)
 
         newly = ~done & (finished[:, 0] if t < cfg.max_len - 1 else True)
         if newly.any():
@@ -180,14 +197,21 @@ def beam_search(session: DecoderSession, memories: Any, n: int, cfg: BeamConfig,
             if n_live < cfg.compact_at * r:
                 keep = np.flatnonzero(~done)
                 rows, scores, finished, used, tokens, parent, done = (
-                    x[keep] for x in (rows, scores, finished, used, tokens, parent, done))
+                    x[keep] for x in (rows, scores, finished, used, tokens, parent, done)
+                )
                 cache = session.take(cache, keep)
                 memories = session.take(memories, keep)
     return _trace_back(trace, end_step, final_score, end, prauc, explain)
 
 
-def _trace_back(trace: list[_Step], end_step: np.ndarray, final_score: np.ndarray, end: int,
-                prauc: bool, explain: bool) -> BeamResult:
+def _trace_back(
+    trace: list[_Step],
+    end_step: np.ndarray,
+    final_score: np.ndarray,
+    end: int,
+    prauc: bool,
+    explain: bool,
+) -> BeamResult:
     """Follow beam 0 of each visit back from its last step to the first."""
     n = end_step.size
     length = int(end_step.max()) + 1

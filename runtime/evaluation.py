@@ -46,19 +46,21 @@ def patient_rows(results: Sequence[VisitResult], ddi_adj: np.ndarray) -> np.ndar
 def _summary(rows: np.ndarray) -> dict[str, float]:
     means = rows[:, : len(AVERAGED)].mean(axis=0)
     hit, pairs = rows[:, len(AVERAGED) :].sum(axis=0)
-    out = {k: float(v) for k, v in zip(AVERAGED, means)}
+    out = {k: float(v) for k, v in zip(AVERAGED, means, strict=True)}
     out["ddi"] = float(hit / pairs) if pairs else 0.0
     return out
 
 
-def report(rows: np.ndarray, n_visits: int, rounds: int = 10, fraction: float = 0.8,
-           seed: int = 0) -> dict:
+def report(
+    rows: np.ndarray, n_visits: int, rounds: int = 10, fraction: float = 0.8, seed: int = 0
+) -> dict:
     """What `cognet.metrics.bootstrap_report` returns for the visits behind `rows`."""
     n = rows.shape[0]
     size = max(1, round(fraction * n))
     rng = np.random.default_rng(seed)
-    draws = [_summary(rows[np.sort(rng.choice(n, size=size, replace=False))])
-             for _ in range(rounds)]
+    draws = [
+        _summary(rows[np.sort(rng.choice(n, size=size, replace=False))]) for _ in range(rounds)
+    ]
     out: dict = {}
     for k in METRICS:
         values = np.array([d[k] for d in draws])

@@ -28,14 +28,16 @@ log = logging.getLogger(__name__)
 
 ROW = "_row"
 CODES = pa.list_(pa.string())
-INPUT_SCHEMA = pa.schema([
-    ("patient_id", pa.string()),
-    ("visit_id", pa.string()),
-    ("visit_seq", pa.int64()),  # int64: any integer input casts without overflow
-    ("diagnoses", CODES),
-    ("procedures", CODES),
-    ("medications", CODES),
-])
+INPUT_SCHEMA = pa.schema(
+    [
+        ("patient_id", pa.string()),
+        ("visit_id", pa.string()),
+        ("visit_seq", pa.int64()),  # int64: any integer input casts without overflow
+        ("diagnoses", CODES),
+        ("procedures", CODES),
+        ("medications", CODES),
+    ]
+)
 KEYS = ("patient_id", "visit_id", "visit_seq")
 
 
@@ -68,8 +70,9 @@ def cast_input(table: pa.Table | pa.RecordBatch, path: object) -> pa.Table:
             try:
                 column = column.cast(field.type)
             except (pa.ArrowException, ValueError) as exc:
-                raise InputError(f"{where(path, field.name)}: cannot read as {field.type} "
-                                 f"({_one_line(exc)})") from None
+                raise InputError(
+                    f"{where(path, field.name)}: cannot read as {field.type} ({_one_line(exc)})"
+                ) from None
         columns.append(column)
     return pa.Table.from_arrays(columns, schema=INPUT_SCHEMA)
 
@@ -84,8 +87,9 @@ class VisitFile:
         try:
             self._file = pq.ParquetFile(self.path)
         except (pa.ArrowException, OSError) as exc:
-            raise InputError(f"{self.path}: not a readable Parquet file ({_one_line(exc)})"
-                             ) from None
+            raise InputError(
+                f"{self.path}: not a readable Parquet file ({_one_line(exc)})"
+            ) from None
         check_columns(self._file.schema_arrow, self.path)
         self.num_rows = self._file.metadata.num_rows
         self.batch_rows = batch_rows
@@ -100,8 +104,9 @@ class VisitFile:
                 yield table.append_column(ROW, pa.array(np.arange(start, start + len(table))))
                 start += len(table)
         except (pa.ArrowException, OSError) as exc:
-            raise InputError(f"{self.path}: not a readable Parquet file ({_one_line(exc)})"
-                             ) from None
+            raise InputError(
+                f"{self.path}: not a readable Parquet file ({_one_line(exc)})"
+            ) from None
 
     def _cast(self, batch: pa.RecordBatch, columns: list[str]) -> pa.Table:
         if columns == INPUT_SCHEMA.names:
@@ -206,7 +211,8 @@ class OrderCheck:
             raise InputError(
                 f"{where(self.path, 'visit_seq', int(rows[i]))}: patient "
                 f"{pid[i].as_py()!r} has visit_seq {seq[i]} {what}; the rows of a patient must "
-                "be ordered by increasing visit_seq (use --sort to sort in memory)")
+                "be ordered by increasing visit_seq (use --sort to sort in memory)"
+            )
         starts = np.flatnonzero(~same)
         again = self._patients.add(string_hashes(pid.take(pa.array(starts))))
         if again.any():
@@ -214,7 +220,8 @@ class OrderCheck:
             raise InputError(
                 f"{where(self.path, 'patient_id', int(rows[i]))}: patient {pid[i].as_py()!r} "
                 "appears again after other patients; the rows of a patient must be contiguous "
-                "(use --sort to sort in memory)")
+                "(use --sort to sort in memory)"
+            )
         self._last = (pid[-1].as_py(), int(seq[-1]))
 
 
@@ -240,7 +247,7 @@ class Chunk:
         return self.start + len(self.table)
 
 
-def _patient_starts(table: pa.Table) -> np.ndarray:
+def patient_starts(table: pa.Table) -> np.ndarray:
     """bool [rows]: row i starts a new group (a new patient, or a row with a null key)."""
     pid = table["patient_id"].combine_chunks()
     starts = np.ones(len(table), bool)
@@ -250,8 +257,9 @@ def _patient_starts(table: pa.Table) -> np.ndarray:
     return starts
 
 
-def chunks(batches: Iterable[pa.Table], path: object, score_all: bool, max_targets: int,
-           max_rows: int) -> Iterator[Chunk]:
+def chunks(
+    batches: Iterable[pa.Table], path: object, score_all: bool, max_targets: int, max_rows: int
+) -> Iterator[Chunk]:
     """Cut a stream of tables into chunks of whole patients, checking the row order.
 
     A chunk closes at the first patient boundary where it holds >= max_targets rows to score
@@ -263,9 +271,12 @@ def chunks(batches: Iterable[pa.Table], path: object, score_all: bool, max_targe
     index = start = 0
 
     def cut(table: pa.Table, final: bool) -> Iterator[tuple[int, int]]:
-        begins = _patient_starts(table)
-        target = np.ones(len(table), bool) if score_all else (
-            table["medications"].is_null().to_numpy(zero_copy_only=False))
+        begins = patient_starts(table)
+        target = (
+            np.ones(len(table), bool)
+            if score_all
+            else (table["medications"].is_null().to_numpy(zero_copy_only=False))
+        )
         cum = np.concatenate([[0], np.cumsum(target)])
         bounds = np.append(np.flatnonzero(begins)[1:], len(table))
         if not final:

@@ -1,16 +1,19 @@
 """ONNX Runtime sessions of a model directory: providers, threads, and the decoder session
 the beam driver runs (`cognet.runtime.beam.DecoderSession`).
 
-CPU: numpy in, numpy out; every array stays in host memory and nothing is copied between
-steps except what ONNX Runtime itself allocates.
+CPU: numpy in, numpy out; every array stays in host memory. Sessions run with a fixed number
+of intra-op threads and no spinning (see `session_options`).
 CUDA / TensorRT: the memories and the KV cache live on the device as OrtValues and are
 passed from step to step by IO binding; only tokens/parents go up and log-probabilities
 (plus gate and copy distribution when explaining) come back each step. Dropping finished
-visits (`take`) goes through the host, which happens a few times per batch, not per step.
+visits (`take`) goes through the host, a few times per batch, not per step.
+TensorRT reuses the engines that `cognet-export --tensorrt` built: the provider options
+(engine/timing cache in the model directory, min/opt/max shape profiles per graph) come
+from the manifest's `tensorrt` entry.
 
 ONNX Runtime falls back to the CPU silently when a provider cannot be loaded: `providers`
-is what the sessions really got, and a requested provider that is missing from it is
-logged as a warning (and reported by the CLI's summary).
+is what the sessions really got, and a requested provider missing from it is logged as a
+warning (the CLI's summary reports them).
 """
 
 from __future__ import annotations
@@ -26,8 +29,7 @@ import onnxruntime as ort
 
 from cognet.errors import InputError
 from cognet.graphspec import ENCODER_OUTPUTS, INIT_INPUTS, MEMORIES
-from cognet.manifest import Manifest
-from cognet.runtime.beam import DecoderSession
+from cognet.manifest import GRAPHS, Manifest
 
 log = logging.getLogger(__name__)
 
@@ -43,28 +45,47 @@ def default_threads() -> int:
         return max(1, os.cpu_count() or 1)
 
 
-def resolve_providers(device: str, trt_cache: Path | None = None) -> list:
-    """Execution providers for a --device choice; InputError when one is not installed."""
+def resolve_device(device: str) -> str:
+    """cpu, cuda or tensorrt for a --device choice; InputError when it is not installed."""
     if device not in DEVICES:
         raise InputError(f"unknown device {device!r}; choose from {', '.join(DEVICES)}")
     available = ort.get_available_providers()
     if device == "auto":
-        device = "cuda" if CUDA in available else "cpu"
+        return "cuda" if CUDA in available else "cpu"
+    wanted = {"cpu": CPU, "cuda": CUDA, "tensorrt": TRT}[device]
+    if wanted not in available:
+        raise InputError(
+            f"--device {device}: this onnxruntime has no {wanted} "
+            f"(available: {', '.join(available)}); install onnxruntime-gpu with the CUDA "
+            "(and TensorRT) libraries, or use --device cpu"
+        )
+    return device
+
+
+def providers(device: str, manifest: Manifest, graph: str) -> list:
+    """The provider list of one graph's session for a resolved device."""
     if device == "cpu":
         return [CPU]
-    wanted = TRT if device == "tensorrt" else CUDA
-    if wanted not in available:
-        raise InputError(f"--device {device}: this onnxruntime has no {wanted} "
-                         f"(available: {', '.join(available)}); install onnxruntime-gpu "
-                         "with CUDA (and TensorRT) libraries, or use --device cpu")
     cuda = (CUDA, {"device_id": 0})
     if device == "cuda":
         return [cuda, CPU]
-    cache = str(trt_cache or Path.home() / ".cache" / "cognet" / "tensorrt")
-    trt = (TRT, {"device_id": 0, "trt_engine_cache_enable": True,
-                 "trt_engine_cache_path": cache, "trt_timing_cache_enable": True,
-                 "trt_timing_cache_path": cache})
-    return [trt, cuda, CPU]
+    trt = manifest.tensorrt
+    if not trt:
+        raise InputError(
+            f"{manifest.model_dir}: --device tensorrt needs engines built by "
+            "`cognet-export --tensorrt` (the manifest has none)"
+        )
+    cache = str(Path(manifest.model_dir or ".") / trt["cache_dir"])
+    options = {
+        "device_id": 0,
+        "trt_engine_cache_enable": "True",
+        "trt_engine_cache_path": cache,
+        "trt_timing_cache_enable": "True",
+        "trt_timing_cache_path": cache,
+        "trt_fp16_enable": str(bool(trt.get("fp16"))),
+        **trt["profiles"][graph],
+    }
+    return [(TRT, options), cuda, CPU]
 
 
 def session_options(threads: int | None) -> ort.SessionOptions:
@@ -74,65 +95,74 @@ def session_options(threads: int | None) -> ort.SessionOptions:
     opts.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
     opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     opts.log_severity_level = 3
+    # Idle intra-op threads would spin between the many small ops of a step and between steps,
+    # taking the core the Python side of the beam search needs: 1.2-1.5x slower on 2 cores.
+    opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
     return opts
 
 
 class OrtModel:
     """The encoder, decoder-init and decoder-step sessions of a model directory."""
 
-    def __init__(self, manifest: Manifest, device: str = "auto", threads: int | None = None,
-                 variant: str | None = None):
+    def __init__(
+        self,
+        manifest: Manifest,
+        device: str = "auto",
+        threads: int | None = None,
+        variant: str | None = None,
+    ):
         self.manifest = manifest
-        requested = resolve_providers(device)
+        self.device = resolve_device(device)
         opts = session_options(threads)
         self.threads = opts.intra_op_num_threads
-        self.sessions = {}
-        for name in ("encoder", "decoder_init", "decoder_step"):
+        self.sessions: dict[str, ort.InferenceSession] = {}
+        for name in GRAPHS:
             path = manifest.graph_path(name, variant)
+            wanted = providers(self.device, manifest, name)
             try:
-                self.sessions[name] = ort.InferenceSession(str(path), opts, providers=requested)
+                self.sessions[name] = ort.InferenceSession(str(path), opts, providers=wanted)
             except Exception as exc:  # noqa: BLE001 - any load failure is a bad model file
                 detail = " ".join(str(exc).split())
                 raise InputError(f"{path}: cannot load the ONNX graph ({detail})") from None
+            got = self.sessions[name].get_providers()
+            first = wanted[0] if isinstance(wanted[0], str) else wanted[0][0]
+            if first not in got:
+                log.warning("%s: requested %s, onnxruntime runs %s", name, first, got)
         self.providers = self.sessions["decoder_step"].get_providers()
-        first = requested[0] if isinstance(requested[0], str) else requested[0][0]
-        if first not in self.providers:
-            log.warning("requested %s but onnxruntime runs %s", first, self.providers)
         self.on_device = self.providers[0] in (CUDA, TRT)
-        self.decoder: DecoderSession = (DeviceDecoder if self.on_device else HostDecoder)(
-            self.sessions["decoder_init"], self.sessions["decoder_step"], manifest)
+        decoder = DeviceDecoder if self.on_device else HostDecoder
+        self.decoder = decoder(self.sessions["decoder_init"], self.sessions["decoder_step"],
+                               manifest)  # fmt: skip
 
     def encode(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Encoder outputs (`graphspec.ENCODER_OUTPUTS`) as host arrays."""
         out = self.sessions["encoder"].run(list(ENCODER_OUTPUTS), dict(inputs))
-        return dict(zip(ENCODER_OUTPUTS, out))
+        return dict(zip(ENCODER_OUTPUTS, out, strict=True))
 
 
 class HostDecoder:
     """Decoder init and step on the CPU provider (numpy arrays throughout)."""
 
     def __init__(self, init: ort.InferenceSession, step: ort.InferenceSession,
-                 manifest: Manifest):
+                 manifest: Manifest):  # fmt: skip
         self._init, self._step = init, step
-        dims = manifest.dims
-        self._heads, self._head_dim = dims.heads, dims.head_dim
+        self._heads, self._head_dim = manifest.dims.heads, manifest.dims.head_dim
 
     def init(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         out = self._init.run(list(MEMORIES), {k: inputs[k] for k in INIT_INPUTS})
-        return dict(zip(MEMORIES, out))
+        return dict(zip(MEMORIES, out, strict=True))
 
     def empty_cache(self, n: int, beam: int) -> tuple[np.ndarray, np.ndarray]:
         h, dh = self._heads, self._head_dim
         return (np.zeros((n, beam, h, dh, 0), np.float32),
-                np.zeros((n, beam, h, 0, dh), np.float32))
+                np.zeros((n, beam, h, 0, dh), np.float32))  # fmt: skip
 
     def step(self, tokens: np.ndarray, parent: np.ndarray, cache, memories,
-             outputs: Sequence[str]) -> tuple[dict[str, np.ndarray], Any]:
+             outputs: Sequence[str]) -> tuple[dict[str, np.ndarray], Any]:  # fmt: skip
         feed = {"tokens": tokens, "parent": parent, "past_key": cache[0],
-                "past_value": cache[1], **memories}
-        names = [*outputs, "present_key", "present_value"]
-        out = self._step.run(names, feed)
-        return dict(zip(outputs, out)), (out[-2], out[-1])
+                "past_value": cache[1], **memories}  # fmt: skip
+        out = self._step.run([*outputs, "present_key", "present_value"], feed)
+        return dict(zip(outputs, out[: len(outputs)], strict=True)), (out[-2], out[-1])
 
     def take(self, value, rows: np.ndarray):
         if isinstance(value, dict):
@@ -143,17 +173,26 @@ class HostDecoder:
 class DeviceDecoder:
     """Decoder init and step on CUDA / TensorRT with IO binding: memories and the KV cache
     stay on the device; tokens and parents are bound from host arrays each step and only
-    the requested outputs (log-probabilities, ...) are copied back."""
+    the requested outputs (log-probabilities, ...) are copied back.
+
+    Handles are OrtValues on the device, except the empty cache of the first step, a
+    zero-size host array that ONNX Runtime copies itself."""
 
     def __init__(self, init: ort.InferenceSession, step: ort.InferenceSession,
-                 manifest: Manifest, device_id: int = 0):
+                 manifest: Manifest, device: tuple[str, int] = ("cuda", 0)):  # fmt: skip
         self._init, self._step = init, step
-        self._device = ("cuda", device_id)
-        dims = manifest.dims
-        self._heads, self._head_dim = dims.heads, dims.head_dim
+        self._device = device  # ("cpu", 0) runs the same bindings on the CPU (tests)
+        self._heads, self._head_dim = manifest.dims.heads, manifest.dims.head_dim
 
     def _to_device(self, array: np.ndarray) -> ort.OrtValue:
         return ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(array), *self._device)
+
+    @staticmethod
+    def _bind(io: ort.IOBinding, name: str, value) -> None:
+        if isinstance(value, np.ndarray):
+            io.bind_cpu_input(name, np.ascontiguousarray(value))
+        else:
+            io.bind_ortvalue_input(name, value)
 
     def init(self, inputs: Mapping[str, np.ndarray]) -> dict[str, ort.OrtValue]:
         io = self._init.io_binding()
@@ -162,32 +201,33 @@ class DeviceDecoder:
         for name in MEMORIES:
             io.bind_output(name, *self._device)
         self._init.run_with_iobinding(io)
-        return dict(zip(MEMORIES, io.get_outputs()))
+        return dict(zip(MEMORIES, io.get_outputs(), strict=True))
 
-    def empty_cache(self, n: int, beam: int) -> tuple[ort.OrtValue, ort.OrtValue]:
-        h, dh = self._heads, self._head_dim
-        return (self._to_device(np.zeros((n, beam, h, dh, 0), np.float32)),
-                self._to_device(np.zeros((n, beam, h, 0, dh), np.float32)))
+    def empty_cache(self, n: int, beam: int) -> tuple[np.ndarray, np.ndarray]:
+        return HostDecoder.empty_cache(self, n, beam)
 
     def step(self, tokens: np.ndarray, parent: np.ndarray, cache, memories,
-             outputs: Sequence[str]) -> tuple[dict[str, np.ndarray], Any]:
+             outputs: Sequence[str]) -> tuple[dict[str, np.ndarray], Any]:  # fmt: skip
         io = self._step.io_binding()
-        io.bind_cpu_input("tokens", np.ascontiguousarray(tokens))
-        io.bind_cpu_input("parent", np.ascontiguousarray(parent))
-        io.bind_ortvalue_input("past_key", cache[0])
-        io.bind_ortvalue_input("past_value", cache[1])
+        self._bind(io, "tokens", tokens)
+        self._bind(io, "parent", parent)
+        self._bind(io, "past_key", cache[0])
+        self._bind(io, "past_value", cache[1])
         for name, value in memories.items():
-            io.bind_ortvalue_input(name, value)
+            self._bind(io, name, value)
         for name in outputs:
             io.bind_output(name, "cpu")
         io.bind_output("present_key", *self._device)
         io.bind_output("present_value", *self._device)
         self._step.run_with_iobinding(io)
-        out = io.get_outputs()
-        host = {name: out[i].numpy() for i, name in enumerate(outputs)}
+        out = io.get_outputs()  # in binding order
+        host = {name: np.array(out[i].numpy(), copy=True) for i, name in enumerate(outputs)}
         return host, (out[-2], out[-1])
 
     def take(self, value, rows: np.ndarray):
+        def one(v):
+            return self._to_device((v if isinstance(v, np.ndarray) else v.numpy())[rows])
+
         if isinstance(value, dict):
-            return {k: self._to_device(v.numpy()[rows]) for k, v in value.items()}
-        return tuple(self._to_device(v.numpy()[rows]) for v in value)
+            return {k: one(v) for k, v in value.items()}
+        return tuple(one(v) for v in value)

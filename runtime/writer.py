@@ -24,9 +24,9 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
+from cognet.runtime.scorer import REJECTS_SCHEMA, ScoredChunk, output_schema
 
 from cognet.errors import InputError
-from cognet.runtime.scorer import REJECTS_SCHEMA, ScoredChunk, output_schema
 
 MARKER = "progress.json"
 FORMAT_VERSION = 1
@@ -80,8 +80,10 @@ class PartWriter:
         if resume and marker.is_file():
             state = json.loads(marker.read_text())
             if state.get("format_version") != FORMAT_VERSION or state.get("signature") != signature:
-                raise InputError(f"{marker}: cannot resume, the input, model or options differ "
-                                 "from the interrupted run (rerun without --resume)")
+                raise InputError(
+                    f"{marker}: cannot resume, the input, model or options differ "
+                    "from the interrupted run (rerun without --resume)"
+                )
             self.parts = state["parts"]
         else:
             if self.dir.exists():
@@ -105,24 +107,44 @@ class PartWriter:
             with open(tmp, "wb") as f:
                 np.save(f, chunk.patient_metrics, allow_pickle=False)
             _fsync_replace(tmp, self.dir / f"{name}.metrics.npy")
-        self.parts.append({
-            "name": name, "start": chunk.start, "end": chunk.end,
-            "rows_scored": chunk.rows_scored, "rows_rejected": chunk.rows_rejected,
-            "rows_skipped": chunk.rows_skipped, "reject_reasons": chunk.reject_reasons,
-            "unknown_codes": chunk.unknown_codes, "visits_evaluated": chunk.visits_evaluated,
-            "metrics": chunk.patient_metrics is not None,
-        })
-        write_json(self.dir / MARKER, {"format_version": FORMAT_VERSION,
-                                       "signature": self.signature, "parts": self.parts})
+        self.parts.append(
+            {
+                "name": name,
+                "start": chunk.start,
+                "end": chunk.end,
+                "rows_scored": chunk.rows_scored,
+                "rows_rejected": chunk.rows_rejected,
+                "rows_skipped": chunk.rows_skipped,
+                "reject_reasons": chunk.reject_reasons,
+                "unknown_codes": chunk.unknown_codes,
+                "visits_evaluated": chunk.visits_evaluated,
+                "metrics": chunk.patient_metrics is not None,
+            }
+        )
+        write_json(
+            self.dir / MARKER,
+            {"format_version": FORMAT_VERSION, "signature": self.signature, "parts": self.parts},
+        )
 
     def totals(self) -> dict:
         """Counts summed over every committed part (this run's and resumed ones)."""
-        out = {"rows_read": self.rows_done, "rows_scored": 0, "rows_rejected": 0,
-               "rows_skipped": 0, "unknown_codes": 0, "visits_evaluated": 0}
+        out = {
+            "rows_read": self.rows_done,
+            "rows_scored": 0,
+            "rows_rejected": 0,
+            "rows_skipped": 0,
+            "unknown_codes": 0,
+            "visits_evaluated": 0,
+        }
         reasons: dict[str, int] = {}
         for part in self.parts:
-            for key in ("rows_scored", "rows_rejected", "rows_skipped", "unknown_codes",
-                        "visits_evaluated"):
+            for key in (
+                "rows_scored",
+                "rows_rejected",
+                "rows_skipped",
+                "unknown_codes",
+                "visits_evaluated",
+            ):
                 out[key] += part[key]
             for reason, count in part["reject_reasons"].items():
                 reasons[reason] = reasons.get(reason, 0) + count
@@ -131,14 +153,19 @@ class PartWriter:
 
     def patient_metrics(self) -> np.ndarray | None:
         """Per-patient metric rows of every part (None when no part has metrics)."""
-        rows = [np.load(self.dir / f"{p['name']}.metrics.npy", allow_pickle=False)
-                for p in self.parts if p["metrics"]]
+        rows = [
+            np.load(self.dir / f"{p['name']}.metrics.npy", allow_pickle=False)
+            for p in self.parts
+            if p["metrics"]
+        ]
         return np.concatenate(rows) if rows else None
 
     def finish(self) -> tuple[Path, Path]:
         """Merge the parts into OUT and its rejects file (atomically), drop the work dir."""
-        outputs = ((self.out, ".parquet", output_schema(self.explain)),
-                   (rejects_path(self.out), ".rejects.parquet", REJECTS_SCHEMA))
+        outputs = (
+            (self.out, ".parquet", output_schema(self.explain)),
+            (rejects_path(self.out), ".rejects.parquet", REJECTS_SCHEMA),
+        )
         for path, suffix, schema in outputs:
             path.parent.mkdir(parents=True, exist_ok=True)
             tmp = path.with_name(f".{path.name}.tmp")

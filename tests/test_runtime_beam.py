@@ -6,13 +6,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from cognet.runtime.beam import BeamConfig, beam_search, top_k_stable
 
 from cognet.batching import make_batch
 from cognet.decode import beam_search as torch_beam_search
 from cognet.graphspec import ENCODER_INPUTS, ENCODER_OUTPUTS, INIT_INPUTS
 from cognet.history import Visit
 from cognet.model import COGNet, ModelConfig, history_inputs
-from cognet.runtime.beam import BeamConfig, beam_search, top_k_stable
 from cognet.vocab import Vocab
 
 torch.set_num_threads(1)  # tiny tensors: threads only add contention
@@ -29,8 +29,11 @@ class TorchDecoder:
 
     @torch.no_grad()
     def init(self, inputs):
-        return tuple(self.model.decoder_init(*(torch.from_numpy(np.ascontiguousarray(inputs[k]))
-                                               for k in INIT_INPUTS)))
+        return tuple(
+            self.model.decoder_init(
+                *(torch.from_numpy(np.ascontiguousarray(inputs[k])) for k in INIT_INPUTS)
+            )
+        )
 
     def empty_cache(self, n, beam):
         return self.model.empty_cache(n, beam)
@@ -39,8 +42,8 @@ class TorchDecoder:
     def step(self, tokens, parent, cache, memories, outputs):
         self.steps += 1
         lp, gate, copy, k, v = self.model.decoder_step(
-            torch.from_numpy(tokens), torch.from_numpy(parent), *cache, *memories,
-            graph=self.graph)
+            torch.from_numpy(tokens), torch.from_numpy(parent), *cache, *memories, graph=self.graph
+        )
         out = {"log_probs": lp.numpy(), "gate": gate.numpy(), "copy_probs": copy.numpy()}
         return {name: out[name] for name in outputs}, (k, v)
 
@@ -53,7 +56,7 @@ def torch_encoder(model: COGNet):
     @torch.no_grad()
     def encode(inputs):
         out = model.encode_visits(*(torch.from_numpy(inputs[k]) for k in ENCODER_INPUTS))
-        return {name: t.numpy() for name, t in zip(ENCODER_OUTPUTS, out)}
+        return {name: t.numpy() for name, t in zip(ENCODER_OUTPUTS, out, strict=True)}
 
     return encode
 
@@ -64,19 +67,22 @@ def torch_encoder(model: COGNet):
 def make_case(n_med: int = 12, n_patients: int = 12, seed: int = 0, dim: int = 16):
     rng = np.random.default_rng(seed)
     d, p = 30, 20
-    vocab = Vocab(tuple(f"d{i:02d}" for i in range(d)), tuple(f"p{i:02d}" for i in range(p)),
-                  tuple(f"m{i:02d}" for i in range(n_med)),
-                  tuple(int(x) for x in rng.integers(1, 50, n_med)))
+    vocab = Vocab(
+        tuple(f"d{i:02d}" for i in range(d)),
+        tuple(f"p{i:02d}" for i in range(p)),
+        tuple(f"m{i:02d}" for i in range(n_med)),
+        tuple(int(x) for x in rng.integers(1, 50, n_med)),
+    )
 
     def visit(pid: str, i: int) -> Visit:
         diag = rng.choice(d, rng.integers(0, 6), replace=False).tolist()
         proc = rng.choice(p, rng.integers(0 if diag else 1, 4), replace=False).tolist()
-        meds = vocab.rare_first(rng.choice(n_med, rng.integers(1, min(6, n_med)),
-                                           replace=False).tolist())
+        meds = vocab.rare_first(
+            rng.choice(n_med, rng.integers(1, min(6, n_med)), replace=False).tolist()
+        )
         return Visit(pid, f"{pid}-{i}", tuple(diag), tuple(proc), tuple(meds))
 
-    patients = [[visit(f"p{k}", i) for i in range(rng.integers(1, 5))]
-                for k in range(n_patients)]
+    patients = [[visit(f"p{k}", i) for i in range(rng.integers(1, 5))] for k in range(n_patients)]
     torch.manual_seed(seed)
     cfg = ModelConfig(d, p, n_med, dim=dim, heads=2, ffn=2 * dim)
     ddi = (rng.random((n_med, n_med)) < 0.1).astype(np.float32)
@@ -95,20 +101,22 @@ def run_both(model, vocab, patients, beam, max_len, compact_at, prauc=True, expl
         enc = model.encode_visits(batch["diagnoses"], batch["procedures"], batch["medications"])
         inputs = history_inputs(batch, *enc, model.cfg)
     session = TorchDecoder(model)
-    memories = session.init({k: v.numpy() for k, v in zip(INIT_INPUTS, inputs)})
+    memories = session.init({k: v.numpy() for k, v in zip(INIT_INPUTS, inputs, strict=True)})
     cfg = BeamConfig(end=vocab.end, beam=beam, max_len=max_len, compact_at=compact_at)
-    ours = beam_search(session, memories, len(batch["target"]), cfg, prauc=prauc,
-                       explain=explain)
+    ours = beam_search(session, memories, len(batch["target"]), cfg, prauc=prauc, explain=explain)
     return ref, ours
 
 
-@pytest.mark.parametrize("beam,max_len,compact_at,n_med,seed", [
-    (4, 45, 1.0, 12, 0),  # compacts whenever a visit is done, like the reference
-    (4, 45, 0.5, 12, 1),  # carries done visits a while
-    (1, 45, 0.75, 12, 2),  # greedy
-    (3, 4, 0.75, 12, 3),  # stopped by max_len
-    (4, 12, 0.75, 4, 4),  # hypotheses run out of medications: -inf candidates
-])
+@pytest.mark.parametrize(
+    "beam,max_len,compact_at,n_med,seed",
+    [
+        (4, 45, 1.0, 12, 0),  # compacts whenever a visit is done, like the reference
+        (4, 45, 0.5, 12, 1),  # carries done visits a while
+        (1, 45, 0.75, 12, 2),  # greedy
+        (3, 4, 0.75, 12, 3),  # stopped by max_len
+        (4, 12, 0.75, 4, 4),  # hypotheses run out of medications: -inf candidates
+    ],
+)
 def test_driver_equals_torch_reference(beam, max_len, compact_at, n_med, seed):
     model, vocab, patients = make_case(n_med=n_med, seed=seed)
     ref, ours = run_both(model, vocab, patients, beam, max_len, compact_at)
@@ -137,7 +145,7 @@ def test_dead_rows_are_dropped_and_steps_stop_early():
     _, eager = run_both(model, vocab, patients, 4, 45, 1.0)
     _, lazy = run_both(model, vocab, patients, 4, 45, 0.3)
     assert eager.steps == lazy.steps < 45
-    for a, b in zip(eager.meds, lazy.meds):
+    for a, b in zip(eager.meds, lazy.meds, strict=True):
         assert (a == b).all()
     assert len(eager.meds) == n
 
@@ -152,8 +160,9 @@ def test_top_k_is_a_stable_descending_sort(k):
     cases = [
         rng.standard_normal((50, 40)).astype(np.float32),
         np.round(rng.standard_normal((50, 40)), 1).astype(np.float32),  # many ties
-        np.where(rng.random((50, 40)) < 0.9, -np.inf, rng.standard_normal((50, 40))
-                 ).astype(np.float32),  # mostly -inf, some rows with < k finite values
+        np.where(rng.random((50, 40)) < 0.9, -np.inf, rng.standard_normal((50, 40))).astype(
+            np.float32
+        ),  # mostly -inf, some rows with < k finite values
         np.full((5, 40), -np.inf, np.float32),
         np.zeros((5, 40), np.float32),
     ]

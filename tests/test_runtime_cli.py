@@ -1,0 +1,305 @@
+"""`cognet-batch score`: output files and summary, bad input (exit 2 or rejects, never a
+silent drop), the row invariant, resume after kill -9, and a run without torch."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from click.testing import CliRunner
+from cognet.runtime.cli import main
+from cognet.runtime.scorer import OUTPUT_SCHEMA, REJECTS_SCHEMA
+from test_runtime_scorer import tiny_model_dir
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> Path:
+    return tiny_model_dir(tmp_path_factory.getbasetemp())
+
+
+@pytest.fixture(scope="module")
+def visits(tiny) -> pa.Table:
+    return pq.read_table(tiny / "data" / "visits.parquet")
+
+
+def score(tiny: Path, input_path: Path, out: Path, *args: str):
+    result = CliRunner().invoke(
+        main,
+        [
+            "score",
+            str(input_path),
+            "--model",
+            str(tiny / "model"),
+            "--out",
+            str(out),
+            "--quiet",
+            *args,
+        ],
+    )
+    return result
+
+
+def with_meds(table: pa.Table, meds: list) -> pa.Table:
+    col = pa.array(meds, pa.list_(pa.string()))
+    return table.set_column(table.schema.get_field_index("medications"), "medications", col)
+
+
+def last_visits_unknown(table: pa.Table) -> pa.Table:
+    pids = table["patient_id"].to_pylist()
+    meds = table["medications"].to_pylist()
+    return with_meds(
+        table,
+        [None if i + 1 == len(pids) or pids[i + 1] != p else meds[i] for i, p in enumerate(pids)],
+    )
+
+
+def test_help_on_every_command():
+    for args in (["--help"], ["score", "--help"]):
+        result = CliRunner().invoke(main, args)
+        assert result.exit_code == 0 and "Example" in result.output
+
+
+def test_score_writes_outputs_and_summary(tiny, visits, tmp_path):
+    inp = tmp_path / "in.parquet"
+    pq.write_table(last_visits_unknown(visits), inp)
+    out, summary = tmp_path / "recs.parquet", tmp_path / "summary.json"
+    result = score(tiny, inp, out, "--summary-json", str(summary), "--device", "cpu")
+    assert result.exit_code == 0, result.output
+    recs = pq.read_table(out)
+    assert recs.schema == OUTPUT_SCHEMA
+    assert pq.read_table(tmp_path / "recs.rejects.parquet").schema == REJECTS_SCHEMA
+    assert not (tmp_path / "recs.parquet.parts").exists()
+    s = json.loads(summary.read_text())
+    n_patients = len(set(visits["patient_id"].to_pylist()))
+    assert (s["rows_read"], s["rows_scored"], s["rows_rejected"], s["rows_skipped"]) == (
+        visits.num_rows,
+        n_patients,
+        0,
+        visits.num_rows - n_patients,
+    )
+    assert s["providers"] == ["CPUExecutionProvider"] and s["visits_per_s"] > 0
+    assert s["reject_reasons"] == {} and "metrics" not in s
+    assert recs.num_rows == n_patients
+
+
+def test_all_reports_metrics(tiny, visits, tmp_path):
+    inp = tmp_path / "in.parquet"
+    pq.write_table(visits, inp)
+    summary = tmp_path / "s.json"
+    result = score(
+        tiny, inp, tmp_path / "o.parquet", "--all", "--explain", "--summary-json", str(summary)
+    )
+    assert result.exit_code == 0, result.output
+    s = json.loads(summary.read_text())
+    assert s["rows_scored"] == visits.num_rows
+    assert s["metrics"]["n_visits"] == visits.num_rows
+    assert 0 <= s["metrics"]["jaccard"]["mean"] <= 1
+    assert "explanations" in pq.read_table(tmp_path / "o.parquet").column_names
+
+
+def test_bad_rows_are_rejected_with_reasons(tiny, visits, tmp_path):
+    rows = visits.slice(0, 12).to_pylist()
+    for r in rows:
+        r["medications"] = None
+    rows[1]["patient_id"] = None  # missing key (and it cannot be ordered)
+    rows[3]["visit_id"] = rows[2]["visit_id"]  # duplicate
+    rows[4]["diagnoses"], rows[4]["procedures"] = [], []  # no codes
+    rows[5]["diagnoses"], rows[5]["procedures"] = ["NOPE1"], ["NOPE2", None]  # unknown only
+    rows[6]["diagnoses"] = rows[6]["diagnoses"] + ["NOPE3", ""]  # kept, 2 codes dropped
+    rows[7]["visit_seq"] = None
+    table = pa.Table.from_pylist(rows, schema=visits.schema)
+    inp = tmp_path / "bad.parquet"
+    pq.write_table(table.append_column("extra", pa.array(range(12))), inp)
+    summary = tmp_path / "s.json"
+    result = score(tiny, inp, tmp_path / "o.parquet", "--summary-json", str(summary))
+    assert result.exit_code == 0, result.output
+    rejects = pq.read_table(tmp_path / "o.rejects.parquet").to_pylist()
+    assert {(r["row"], r["reason"]) for r in rejects} == {
+        (1, "missing_key"),
+        (3, "duplicate_visit_id"),
+        (4, "no_codes"),
+        (5, "unknown_codes"),
+        (7, "missing_key"),
+    }
+    s = json.loads(summary.read_text())
+    assert s["rows_scored"] + s["rows_rejected"] + s["rows_skipped"] == s["rows_read"] == 12
+    assert (s["rows_scored"], s["rows_rejected"]) == (7, 5)
+    assert s["reject_reasons"] == {
+        "duplicate_visit_id": 1,
+        "missing_key": 2,
+        "no_codes": 1,
+        "unknown_codes": 1,
+    }
+    assert s["unknown_codes"] == 2
+    scored = set(pq.read_table(tmp_path / "o.parquet")["visit_id"].to_pylist())
+    assert rows[6]["visit_id"] in scored and rows[2]["visit_id"] in scored
+
+
+def _error(result) -> str:
+    assert result.exit_code == 2, result.output
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert len(lines) == 1 and "Traceback" not in result.output
+    return lines[0]
+
+
+def test_bad_files_exit_2_with_one_line(tiny, visits, tmp_path):
+    out = tmp_path / "o.parquet"
+    assert "file not found" in _error(score(tiny, tmp_path / "nope.parquet", out))
+    garbage = tmp_path / "garbage.parquet"
+    garbage.write_bytes(b"not parquet at all")
+    assert "not a readable Parquet file" in _error(score(tiny, garbage, out))
+    missing = tmp_path / "missing.parquet"
+    pq.write_table(visits.drop_columns(["procedures"]), missing)
+    assert "'procedures'" in _error(score(tiny, missing, out))
+    typed = tmp_path / "typed.parquet"
+    pq.write_table(visits.set_column(2, "visit_seq", pa.array(["x"] * visits.num_rows)), typed)
+    assert "'visit_seq'" in _error(score(tiny, typed, out))
+    inp = tmp_path / "ok.parquet"
+    pq.write_table(visits, inp)
+    assert "not yet available" in _error(score(tiny, inp, out, "--engine", "ray"))
+    assert not out.exists()
+
+
+def test_misordered_rows_name_the_row_and_sort_fixes_them(tiny, visits, tmp_path):
+    n = visits.num_rows
+    swapped = visits.take(pa.array([1, 0, *range(2, n)]))  # visit_seq 1 before 0
+    inp = tmp_path / "swapped.parquet"
+    pq.write_table(swapped, inp)
+    msg = _error(score(tiny, inp, tmp_path / "o.parquet", "--all"))
+    assert "row 1" in msg and "visit_seq" in msg and "--sort" in msg
+    p0 = visits["patient_id"].to_pylist().count("P0000")
+    split = visits.take(pa.array([*range(p0, p0 + 2), *range(p0), *range(p0 + 2, n)]))
+    pq.write_table(split, inp)  # P0001's first rows, then P0000, then the rest of P0001
+    msg = _error(score(tiny, inp, tmp_path / "o.parquet", "--all"))
+    assert f"row {p0 + 2}" in msg and "contiguous" in msg
+    result = score(tiny, inp, tmp_path / "sorted.parquet", "--all", "--sort")
+    assert result.exit_code == 0, result.output
+    pq.write_table(visits, inp)
+    score(tiny, inp, tmp_path / "plain.parquet", "--all")
+    got = pq.read_table(tmp_path / "sorted.parquet").to_pylist()
+    want = {r["visit_id"]: r for r in pq.read_table(tmp_path / "plain.parquet").to_pylist()}
+    assert len(got) == n and all(r == want[r["visit_id"]] for r in got)
+
+
+KILLER = """
+import os, signal, sys
+from cognet.runtime import writer
+calls = {"n": 0}
+target = writer.{func}
+def killing(*args, **kwargs):
+    calls["n"] += 1
+    if calls["n"] == {after} and {before}:
+        os.kill(os.getpid(), signal.SIGKILL)
+    target(*args, **kwargs)
+    if calls["n"] == {after} and not {before}:
+        os.kill(os.getpid(), signal.SIGKILL)
+writer.{func} = killing
+from cognet.runtime.cli import main
+main(sys.argv[1:])
+"""
+
+
+@pytest.mark.parametrize(
+    "func,after,before",
+    [
+        ("write_json", 3, False),  # killed right after committing the 3rd part
+        ("write_json", 3, True),  # killed with part 3's files written but not committed
+        ("write_parquet", 4, False),  # killed between a part's recommendations and rejects
+    ],
+)
+def test_resume_after_kill_equals_an_uninterrupted_run(tiny, visits, tmp_path, func, after, before):
+    inp = tmp_path / "in.parquet"
+    pq.write_table(visits, inp)
+    args = [
+        "score",
+        str(inp),
+        "--model",
+        str(tiny / "model"),
+        "--all",
+        "--explain",
+        "--batch-size",
+        "2",
+        "--quiet",
+    ]
+    full = tmp_path / "full.parquet"
+    assert CliRunner().invoke(main, [*args, "--out", str(full)]).exit_code == 0
+    out = tmp_path / "out.parquet"
+    code = (
+        KILLER.replace("{func}", func)
+        .replace("{after}", str(after))
+        .replace("{before}", str(before))
+    )
+    killed = subprocess.run(
+        [sys.executable, "-c", code, *args, "--out", str(out)],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+    )
+    assert killed.returncode == -9, killed.stderr
+    assert not out.exists() and (tmp_path / "out.parquet.parts" / "progress.json").is_file()
+    summary = tmp_path / "s.json"
+    result = CliRunner().invoke(
+        main, [*args, "--out", str(out), "--resume", "--summary-json", str(summary)]
+    )
+    assert result.exit_code == 0, result.output
+    assert pq.read_table(out).equals(pq.read_table(full))
+    assert pq.read_table(tmp_path / "out.rejects.parquet").equals(
+        pq.read_table(tmp_path / "full.rejects.parquet")
+    )
+    s = json.loads(summary.read_text())
+    assert s["resumed_rows"] > 0 and s["rows_scored"] == s["rows_read"] == visits.num_rows
+
+
+def test_resume_refuses_other_options(tiny, visits, tmp_path):
+    inp = tmp_path / "in.parquet"
+    pq.write_table(visits, inp)
+    parts = tmp_path / "o.parquet.parts"
+    parts.mkdir()
+    (parts / "progress.json").write_text(
+        json.dumps({"format_version": 1, "signature": {"beam": 3}, "parts": []})
+    )
+    assert "cannot resume" in _error(score(tiny, inp, tmp_path / "o.parquet", "--resume"))
+
+
+def test_runs_without_torch(tiny, visits, tmp_path):
+    inp = tmp_path / "in.parquet"
+    pq.write_table(last_visits_unknown(visits), inp)
+    code = (
+        "import sys; sys.modules['torch'] = None\n"  # any `import torch` now fails
+        "import cognet.runtime\n"
+        "from cognet.runtime.cli import main\n"
+        "try:\n"
+        "    main(sys.argv[1:])\n"
+        "finally:\n"
+        "    assert sys.modules['torch'] is None\n"
+    )
+    env = dict(os.environ, COGNET_DEBUG="1")
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            code,
+            "score",
+            str(inp),
+            "--model",
+            str(tiny / "model"),
+            "--out",
+            str(tmp_path / "o.parquet"),
+            "--explain",
+            "--quiet",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env=env,
+    )
+    assert done.returncode == 0, done.stderr
+    assert pq.read_table(tmp_path / "o.parquet").num_rows > 0

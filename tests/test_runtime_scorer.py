@@ -1,0 +1,202 @@
+"""Scorer over exported ONNX graphs: identical medication lists and metrics to the torch
+reference (`cognet.evaluate`), output schema, explanations, history truncation."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+from cognet.runtime import OUTPUT_SCHEMA, Scorer, evaluation
+
+from cognet import checkpoint, metrics
+from cognet.evaluate import ddi_matrix, decode_patients, visit_results
+from cognet.history import patients_from_table
+from cognet.manifest import load_manifest
+
+torch.set_num_threads(1)
+
+
+def tiny_model_dir(base: Path) -> Path:
+    """A tiny dataset (80 patients, 248 visits), checkpoint and exported model, built once per
+    test session under `base` (shared by the runtime test files)."""
+    root = base / "runtime_tiny"
+    if not (root / "model" / "manifest.json").is_file():
+        from cognet.export import export
+        from tiny import make_tiny
+
+        _, ckpt = make_tiny(root, n_patients=80)
+        export(ckpt, root / "model", validate=False)
+    return root
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> Path:
+    return tiny_model_dir(tmp_path_factory.getbasetemp())
+
+
+@pytest.fixture(scope="module")
+def reference(tiny):
+    """Torch reference beam search over every visit of the tiny dataset (as evaluate does)."""
+    model, vocab, config = checkpoint.load(tiny / "ckpt")
+    visits = pq.read_table(tiny / "data" / "visits.parquet")
+    patients = list(patients_from_table(visits, vocab))
+    decoded = decode_patients(model, vocab, patients, beam=4)
+    ddi = ddi_matrix(vocab, config["ddi_pairs"])
+    flat = [v for p in patients for v in p]
+    return {
+        "visits": visits,
+        "vocab": vocab,
+        "patients": patients,
+        "decoded": decoded,
+        "by_id": {v.visit_id: d for v, d in zip(flat, decoded, strict=True)},
+        "report": metrics.bootstrap_report(visit_results(patients, decoded), ddi),
+    }
+
+
+def _score(scorer: Scorer, table: pa.Table, **kwargs):
+    chunks = list(scorer.score_table(table, **kwargs))
+    return chunks, pa.concat_tables([c.recommendations for c in chunks])
+
+
+@pytest.mark.parametrize("batch_size,streams", [(64, 1), (7, 2)])
+def test_onnx_runtime_equals_torch_reference(tiny, reference, batch_size, streams):
+    scorer = Scorer(
+        tiny / "model", device="cpu", batch_size=batch_size, streams=streams, threads=streams
+    )
+    assert scorer.providers == ["CPUExecutionProvider"]
+    chunks, out = _score(scorer, reference["visits"], score_all=True)
+    vocab = reference["vocab"]
+    assert out.num_rows == reference["visits"].num_rows >= 200
+    for row in out.to_pylist():
+        ref = reference["by_id"][row["visit_id"]]
+        assert row["medications"] == vocab.med_codes(ref.meds)
+        assert row["score"] == pytest.approx(ref.score, abs=1e-4)
+        np.testing.assert_allclose(row["probabilities"], ref.med_probs, rtol=1e-4, atol=1e-6)
+    rows = np.concatenate([c.patient_metrics for c in chunks])
+    ours = evaluation.report(rows, sum(c.visits_evaluated for c in chunks))
+    for key in metrics.METRICS:
+        assert ours[key]["mean"] == pytest.approx(reference["report"][key]["mean"], abs=1e-6)
+    assert ours["n_visits"] == reference["report"]["n_visits"]
+
+
+def test_default_scores_only_unknown_medications(tiny, reference):
+    visits = reference["visits"]
+    pids = visits["patient_id"].to_pylist()
+    last = [i + 1 == len(pids) or pids[i + 1] != p for i, p in enumerate(pids)]
+    meds = pa.array(
+        [
+            None if is_last else m
+            for m, is_last in zip(visits["medications"].to_pylist(), last, strict=True)
+        ],
+        pa.list_(pa.string()),
+    )
+    table = visits.set_column(visits.schema.get_field_index("medications"), "medications", meds)
+    scorer = Scorer(tiny / "model", device="cpu")
+    chunks, out = _score(scorer, table)
+    assert out.schema == OUTPUT_SCHEMA
+    assert out["visit_id"].to_pylist() == [
+        v for v, x in zip(visits["visit_id"].to_pylist(), last, strict=True) if x
+    ]
+    assert sum(c.rows_skipped for c in chunks) == len(pids) - sum(last)
+    # the history of a last visit is its earlier visits: as in the all-visits reference
+    vocab = reference["vocab"]
+    for row in out.to_pylist():
+        assert row["medications"] == vocab.med_codes(reference["by_id"][row["visit_id"]].meds)
+
+
+def test_explanations_point_at_past_visits_holding_the_medication(tiny, reference):
+    scorer = Scorer(tiny / "model", device="cpu")
+    _, out = _score(scorer, reference["visits"], score_all=True, explain=True)
+    assert out.schema.field("explanations").type == pa.list_(
+        pa.struct([("copy_share", pa.float32()), ("source_visit", pa.string())])
+    )
+    meds_of = dict(
+        zip(
+            reference["visits"]["visit_id"].to_pylist(),
+            reference["visits"]["medications"].to_pylist(),
+            strict=True,
+        )
+    )
+    seen_source = 0
+    for row in out.to_pylist():
+        assert len(row["explanations"]) == len(row["medications"])
+        first_visit = row["visit_id"].endswith("-0")
+        for med, ex in zip(row["medications"], row["explanations"], strict=True):
+            assert 0.0 <= ex["copy_share"] <= 1.0
+            if first_visit:  # no history: generated only
+                assert ex["copy_share"] == 0.0 and ex["source_visit"] is None
+            if ex["source_visit"] is not None:
+                seen_source += 1
+                assert ex["source_visit"].split("-")[0] == row["visit_id"].split("-")[0]
+                assert med in meds_of[ex["source_visit"]]
+    assert seen_source > 0
+
+
+def test_max_history_visits_keeps_the_latest(tiny, reference):
+    """With K = 1 a visit sees only its previous visit: the same as dropping older ones."""
+    visits = reference["visits"]
+    vid = visits["visit_id"].to_pylist()
+    target = next(v for v in vid if v.endswith("-3"))  # a 4th visit
+    patient = target.split("-")[0]
+    keep = [v == target or v == f"{patient}-2" for v in vid]
+    alone = visits.filter(pa.array(keep))
+    scorer = Scorer(tiny / "model", device="cpu", max_history_visits=1)
+    _, truncated = _score(scorer, visits, score_all=True)
+    _, direct = _score(Scorer(tiny / "model", device="cpu"), alone, score_all=True)
+    row = truncated.filter(pa.compute.equal(truncated["visit_id"], target)).to_pylist()[0]
+    expect = direct.filter(pa.compute.equal(direct["visit_id"], target)).to_pylist()[0]
+    assert row["medications"] == expect["medications"]
+    _, none = _score(
+        Scorer(tiny / "model", device="cpu", max_history_visits=0),
+        visits,
+        score_all=True,
+        explain=True,
+    )
+    assert all(ex["copy_share"] == 0.0 for r in none.to_pylist() for ex in r["explanations"])
+
+
+def test_beam_option_and_greedy(tiny, reference):
+    scorer = Scorer(tiny / "model", device="cpu", beam=1)
+    _, out = _score(scorer, reference["visits"].slice(0, 40), score_all=True)
+    model, vocab, _ = checkpoint.load(tiny / "ckpt")
+    patients = list(patients_from_table(reference["visits"].slice(0, 40), vocab))
+    greedy = decode_patients(model, vocab, patients, beam=1)
+    assert out["medications"].to_pylist() == [vocab.med_codes(d.meds) for d in greedy]
+
+
+def test_patient_rows_report_equals_bootstrap_report():
+    rng = np.random.default_rng(0)
+    results = [
+        metrics.VisitResult(
+            f"p{i // 3}",
+            tuple(rng.choice(9, 3, replace=False)),
+            tuple(rng.choice(9, 4, replace=False)),
+            rng.random(9),
+        )
+        for i in range(40)
+    ]
+    ddi = rng.random((9, 9)) < 0.2
+    ours = evaluation.report(evaluation.patient_rows(results, ddi), len(results))
+    assert ours == metrics.bootstrap_report(results, ddi)
+
+
+def test_io_binding_decoder_equals_the_host_decoder(tiny, reference):
+    """The CUDA/TensorRT decoder's bindings, run on the CPU: same lists as the host path."""
+    from cognet.runtime.session import DeviceDecoder, OrtModel
+
+    manifest = load_manifest(tiny / "model")
+    model = OrtModel(manifest, device="cpu", threads=1)
+    bound = DeviceDecoder(model.sessions["decoder_init"], model.sessions["decoder_step"],
+                          manifest, device=("cpu", 0))  # fmt: skip
+    table = reference["visits"]
+    host = Scorer.from_session(model.encode, model.decoder, manifest.vocabulary(), 16,
+                               batch_size=16, compact_at=0.5)  # fmt: skip
+    dev = Scorer.from_session(model.encode, bound, manifest.vocabulary(), 16, batch_size=16,
+                              compact_at=0.5)  # fmt: skip
+    _, a = _score(host, table, score_all=True, explain=True)
+    _, b = _score(dev, table, score_all=True, explain=True)
+    assert a.equals(b)
