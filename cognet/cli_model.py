@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from cognet.clitools import handle_errors, progress, setup_logging
+from cognet.clitools import ddi_options, ddi_policy, handle_errors, progress, setup_logging
 
 ABLATION_CHOICES = ("none", "no-copy", "no-visit-score", "no-graph", "no-diagnoses",
                     "no-procedures")
@@ -76,23 +76,81 @@ def train(data_dir, out, epochs, seed, lr, batch_size, patience, device, ablatio
               help="Write every visit's recommendation (cognet-batch score schema).")
 @click.option("--baseline", type=click.Choice(["copy-last", "frequent", "lr"]),
               help="Evaluate a simple baseline instead of the checkpoint.")
+@ddi_options
+@click.option("--ddi-tradeoff", is_flag=True,
+              help="Report every DDI policy (off, hard, soft at each of --penalties) as a "
+                   "table instead of one.")
+@click.option("--penalties", default="0.25,0.5,1,2,4", show_default=True,
+              help="--ddi-tradeoff: the soft penalties, comma-separated.")
+@click.option("--max-rates", default="",
+              help="--ddi-tradeoff: also off capped at these DDI rates, comma-separated.")
+@click.option("--plot", "plot_out", type=click.Path(dir_okay=False),
+              help="--ddi-tradeoff: write Jaccard vs DDI rate as a PNG.")
 @click.option("--quiet", is_flag=True)
 @handle_errors
-def evaluate(ckpt, data_dir, split, beam, rounds, seed, json_out, predictions, baseline, quiet):
+def evaluate(ckpt, data_dir, split, beam, rounds, seed, json_out, predictions, baseline,
+             ddi_mode, ddi_penalty, ddi_max_rate, ddi_tradeoff, penalties, max_rates, plot_out,
+             quiet):
     """Evaluate a checkpoint (or a baseline) on a split: Jaccard, F1, PRAUC, DDI, #drugs.
 
     \b
     Example:
       cognet evaluate --checkpoint ckpt --data data --split test --json report.json
       cognet evaluate --data data --baseline copy-last
+      cognet evaluate --checkpoint ckpt --data data --ddi-mode soft --ddi-penalty 1
+      cognet evaluate --checkpoint ckpt --data data --ddi-tradeoff --plot tradeoff.png
     """
     from cognet.evaluate import run_evaluation
 
     setup_logging()
-    if not ckpt and not baseline:
-        raise click.UsageError("give --checkpoint, or --baseline for a baseline")
+    if not ckpt:
+        if not baseline:
+            raise click.UsageError("give --checkpoint, or --baseline for a baseline")
+        if ddi_tradeoff or ddi_mode != "off" or ddi_max_rate is not None:
+            raise click.UsageError("the DDI options decode a --checkpoint, not a --baseline")
+    policy = ddi_policy(ddi_mode, ddi_penalty, ddi_max_rate)
+    if ddi_tradeoff:
+        if policy.active or predictions:
+            raise click.UsageError("--ddi-tradeoff runs every policy: drop --ddi-mode, "
+                                   "--ddi-penalty, --ddi-max-rate and --predictions")
+        _tradeoff(ckpt, data_dir, split, beam, rounds, seed, penalties, max_rates, plot_out,
+                  json_out, quiet)
+        return
+    if plot_out:
+        raise click.UsageError("--plot goes with --ddi-tradeoff")
     result = run_evaluation(ckpt, data_dir, split=split, beam=beam, rounds=rounds, seed=seed,
-                            predictions=predictions, baseline=baseline, quiet=quiet)
+                            predictions=predictions, baseline=baseline, quiet=quiet, ddi=policy)
     click.echo(result["table"])
     if json_out:
         Path(json_out).write_text(json.dumps(result["report"], indent=1) + "\n")
+
+
+def _floats(text: str, option: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(t) for t in text.split(",") if t.strip())
+    except ValueError:
+        raise click.BadParameter(f"expected comma-separated numbers, got {text!r}",
+                                 param_hint=option) from None
+
+
+def _tradeoff(ckpt, data_dir, split, beam, rounds, seed, penalties, max_rates, plot_out,
+              json_out, quiet) -> None:
+    from cognet import ddi_tradeoff
+
+    pens, caps = _floats(penalties, "--penalties"), _floats(max_rates, "--max-rates")
+    if any(p < 0 for p in pens) or any(not 0 <= r <= 1 for r in caps):
+        raise click.UsageError("penalties must be >= 0 and max rates in [0, 1]")
+
+    def done(row) -> None:
+        if not quiet:
+            click.echo(f"{row.policy.label}: jaccard {row.mean('jaccard'):.4f}, ddi "
+                       f"{row.mean('ddi'):.4f} ({row.seconds:.1f}s)", err=True)
+
+    result = ddi_tradeoff.run_tradeoff(ckpt, data_dir, split=split, penalties=pens,
+                                       max_rates=caps, beam=beam, rounds=rounds, seed=seed,
+                                       on_policy=done)
+    click.echo(result.table)
+    if plot_out:
+        ddi_tradeoff.plot(result.rows, plot_out, result.recommended)
+    if json_out:
+        Path(json_out).write_text(json.dumps(result.to_json(), indent=1) + "\n")

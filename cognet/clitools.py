@@ -66,3 +66,35 @@ def progress(
     disable = quiet or not sys.stderr.isatty()
     return tqdm(iterable, total=total, desc=desc, unit=unit, disable=disable, file=sys.stderr,
                 dynamic_ncols=True, leave=False)
+
+
+def ddi_options(func: Callable) -> Callable:
+    """--ddi-mode / --ddi-penalty / --ddi-max-rate (see `cognet.ddi`); turn them into a
+    policy with `ddi_policy`."""
+    from cognet.ddi import DDI_MODES, RECOMMENDED_PENALTY
+
+    options = [
+        click.option("--ddi-mode", type=click.Choice(DDI_MODES), default="off",
+                     show_default=True,
+                     help="DDI-aware decoding: hard = never emit a medication interacting "
+                          "with one already recommended; soft = penalise it per pair."),
+        click.option("--ddi-penalty", type=click.FloatRange(min=0), default=None,
+                     help="soft: log-probability removed per interacting pair "
+                          f"(default {RECOMMENDED_PENALTY:g})."),
+        click.option("--ddi-max-rate", type=click.FloatRange(0, 1), default=None,
+                     help="Return the best finished beam whose DDI rate is <= this "
+                          "(else the lowest-rate beam)."),
+    ]  # fmt: skip
+    for option in reversed(options):
+        func = option(func)
+    return func
+
+
+def ddi_policy(mode: str, penalty: float | None, max_rate: float | None):
+    """The `cognet.ddi.DDIPolicy` of the ddi_options; click.UsageError on a bad mix."""
+    from cognet.ddi import policy_from_options
+
+    try:
+        return policy_from_options(mode, penalty, max_rate)
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from None

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from cognet.ddi import RATE_TOLERANCE, DDIPolicy  # noqa: F401 - DDIPolicy re-exported
 from cognet.model import COGNet, history_inputs
 
 MAX_LEN = 45
@@ -29,34 +30,6 @@ def _select(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """Per-visit gather along the beam axis: x [n, B, ...], index [n, B]."""
     view = index.view(*index.shape, *([1] * (x.dim() - 2))).expand(*index.shape, *x.shape[2:])
     return x.gather(1, view)
-
-
-DDI_MODES = ("off", "soft", "hard")
-
-
-@dataclass(frozen=True)
-class DDIPolicy:
-    """Inference-time control of drug-drug interactions (the paper's decoding is `off`).
-
-    hard: a medication interacting with one already in the hypothesis cannot be emitted.
-    soft: its log-probability is lowered by `penalty` per interacting pair.
-    max_rate: when set, decoding runs until every beam is finished and returns the best
-    beam whose DDI rate is <= max_rate (else the beam with the lowest rate, best score first).
-    """
-
-    mode: str = "off"
-    penalty: float = 0.0
-    max_rate: float | None = None
-
-    def __post_init__(self) -> None:
-        if self.mode not in DDI_MODES:
-            raise ValueError(f"unknown DDI mode {self.mode!r}; choose from {DDI_MODES}")
-        if self.penalty < 0 or (self.max_rate is not None and not 0 <= self.max_rate <= 1):
-            raise ValueError("the DDI penalty must be >= 0 and the max rate in [0, 1]")
-
-    @property
-    def active(self) -> bool:
-        return self.mode != "off" or self.max_rate is not None
 
 
 def ddi_rate_of_beams(used: torch.Tensor, ddi: torch.Tensor) -> torch.Tensor:
@@ -105,9 +78,8 @@ def beam_search(model: COGNet, batch: dict[str, torch.Tensor], beam: int = BEAM,
     def record(local: torch.Tensor) -> None:
         choice = torch.zeros(len(alive), dtype=torch.long)
         if ddi.max_rate is not None:
-            ok = ddi_rate_of_beams(used[..., : cfg.n_med], ddi_adj) <= ddi.max_rate + 1e-9
-            ok &= scores > float("-inf")
             rate = ddi_rate_of_beams(used[..., : cfg.n_med], ddi_adj)
+            ok = (rate <= ddi.max_rate + RATE_TOLERANCE) & (scores > float("-inf"))
             lowest = torch.sort(rate.masked_fill(scores == float("-inf"), 2.0), dim=1,
                                 stable=True).indices[:, 0]
             choice = torch.where(ok.any(1), ok.float().argmax(1), lowest)

@@ -12,6 +12,7 @@ import pyarrow as pa
 import torch
 
 from cognet.batching import ddi_adjacency, make_batch
+from cognet.ddi import DDIPolicy
 from cognet.decode import MAX_LEN, Decoded, beam_search
 from cognet.history import Visit, patients_from_table
 from cognet.metrics import VisitResult, bootstrap_report, ddi_rate_of_sets
@@ -48,14 +49,15 @@ def load_split(visits: pa.Table, vocab: Vocab, split: str) -> SplitData:
 
 def decode_patients(model: COGNet, vocab: Vocab, patients: Sequence[Sequence[Visit]],
                     beam: int = 4, max_len: int = MAX_LEN, batch_patients: int = 128,
-                    on_batch: Callable[[int], None] | None = None) -> list[Decoded]:
+                    on_batch: Callable[[int], None] | None = None,
+                    ddi: DDIPolicy = DDIPolicy()) -> list[Decoded]:
     """Decode every visit of `patients` (history: the earlier visits' true medications)."""
     out: list[Decoded] = []
     with torch.no_grad():
         for i in range(0, len(patients), batch_patients):
             chunk = patients[i : i + batch_patients]
             batch = make_batch(chunk, vocab, targets=False)
-            out.extend(beam_search(model, batch, beam=beam, max_len=max_len))
+            out.extend(beam_search(model, batch, beam=beam, max_len=max_len, ddi=ddi))
             if on_batch:
                 on_batch(sum(map(len, chunk)))
     return out
@@ -95,9 +97,14 @@ def ddi_matrix(vocab: Vocab, pairs) -> np.ndarray:
     return ddi_adjacency([tuple(p) for p in pairs], vocab) > 0
 
 
+def model_name(beam: int, ddi: DDIPolicy = DDIPolicy()) -> str:
+    name = f"COGNet (beam {beam})" if beam > 1 else "COGNet (greedy)"
+    return name if not ddi.active else f"{name[:-1]}, DDI {ddi.label})"
+
+
 def run_evaluation(ckpt, data_dir, split: str = "test", beam: int = 4, rounds: int = 10,
                    seed: int = 0, predictions=None, baseline: str | None = None,
-                   quiet: bool = True) -> dict:
+                   quiet: bool = True, ddi: DDIPolicy = DDIPolicy()) -> dict:
     """What `cognet evaluate` does: returns {"report": dict, "table": str}."""
     from cognet import checkpoint
     from cognet.clitools import progress
@@ -126,13 +133,15 @@ def run_evaluation(ckpt, data_dir, split: str = "test", beam: int = 4, rounds: i
         n_visits = sum(map(len, data.patients))
         with progress(total=n_visits, desc="decoding", unit="visit", quiet=quiet) as bar:
             decoded = decode_patients(model, vocab, data.patients, beam=beam,
-                                      on_batch=bar.update)
+                                      on_batch=bar.update, ddi=ddi)
         results = visit_results(data.patients, decoded)
-        name = f"COGNet (beam {beam})" if beam > 1 else "COGNet (greedy)"
+        name = model_name(beam, ddi)
         if predictions:
             _write_parquet(predictions, predictions_table(
                 data.patients, [d.meds for d in decoded], [d.score for d in decoded], vocab))
     rep = report(results, ddi_adj, rounds=rounds, seed=seed)
+    if not baseline:
+        rep["ddi_policy"] = ddi.to_json()
     rep.update(model=name, split=split, ground_truth_ddi=ground_truth_ddi(data.patients, ddi_adj),
                unknown_codes=data.unknown_codes, unlabeled_visits=data.unlabeled_visits)
     table = (format_table({name: rep}) + f"\nground-truth DDI rate of the {split} split: "

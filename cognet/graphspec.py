@@ -53,6 +53,7 @@ STEP_OUTPUTS = (
     "log_probs",  # [N, B, V1] log of the copy-or-predict mixture
     "gate",  # [N, B]     w_g, the weight of the generated distribution
     "copy_probs",  # [N, B, S]  copy distribution over the history slots
+    "diag_attention",  # [N, H, B, Ld] diagnosis cross-attention weights (explanations)
     "present_key",  # [N, B, H, dh, T + 1]
     "present_value",  # [N, B, H, T + 1, dh]
 )

@@ -242,34 +242,42 @@ class COGNet(nn.Module):
 
     @staticmethod
     def _cross(attn: Attention, x: Tensor, key: Tensor, value: Tensor, bias: Tensor,
-               flag: Tensor) -> Tensor:
-        """x [N, Q, s] against one visit's memory: key [N, H, dh, L], value [N, H, L, dh]."""
+               flag: Tensor) -> tuple[Tensor, Tensor]:
+        """x [N, Q, s] against one visit's memory: key [N, H, dh, L], value [N, H, L, dh].
+
+        Returns the output [N, Q, s] and the attention weights [N, H, Q, L]."""
         n, length, _ = x.shape
         q = attn.q(x).view(n, length, attn.heads, attn.head_dim).transpose(1, 2)  # [N, H, Q, dh]
-        att = q @ key + bias.view(n, 1, 1, -1)  # [N, H, Q, L]
-        y = (att.softmax(-1) @ value).transpose(1, 2)  # [N, Q, H, dh]
-        return attn.out(y.reshape(n, length, -1)) * flag.view(n, 1, 1)
+        att = (q @ key + bias.view(n, 1, 1, -1)).softmax(-1)  # [N, H, Q, L]
+        y = (att @ value).transpose(1, 2)  # [N, Q, H, dh]
+        return attn.out(y.reshape(n, length, -1)) * flag.view(n, 1, 1), att
 
-    def _finish(self, x: Tensor, attn_out: Tensor, memories) -> tuple[Tensor, Tensor, Tensor]:
-        """Everything after self-attention: x, attn_out [N, Q, s] -> log_probs, gate, copy."""
+    def _finish(self, x: Tensor, attn_out: Tensor, memories
+                ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """Everything after self-attention: x, attn_out [N, Q, s] -> log_probs, gate, copy,
+        and the diagnosis cross-attention weights [N, H, Q, Ld]."""
         kd, vd, bd, fd, kp, vp, bp, fp, copy_key, copy_bias, onehot, has_history = memories
         x = self.norm1(x + self.drop(attn_out))
-        cross = (self._cross(self.cross_d, x, kd, vd, bd, fd)
-                 + self._cross(self.cross_p, x, kp, vp, bp, fp))
-        x = self.norm2(x + self.drop(cross))
+        cross_d, att_d = self._cross(self.cross_d, x, kd, vd, bd, fd)
+        cross_p, _ = self._cross(self.cross_p, x, kp, vp, bp, fp)
+        x = self.norm2(x + self.drop(cross_d + cross_p))
         h = self.norm3(x + self.drop(self.ffn(x)))  # [N, Q, s]
         gen = self.gen_head(h).softmax(-1)  # Pr_g [N, Q, V1]
         copy = (self.copy_query(h) @ copy_key + copy_bias.unsqueeze(1)).softmax(-1)  # [N, Q, S]
         gate = 1.0 - (1.0 - torch.sigmoid(self.gate_head(h).squeeze(-1))) * has_history.unsqueeze(1)
         prob = gate.unsqueeze(-1) * gen + (1.0 - gate).unsqueeze(-1) * (copy @ onehot)
-        return torch.log(prob.clamp_min(PROB_FLOOR)), gate, copy
+        return torch.log(prob.clamp_min(PROB_FLOOR)), gate, copy, att_d
 
     # -- graph 3: one decoder step with a KV cache -------------------------------------------------
-    def decoder_step(self, tokens, parent, past_key, past_value, *memories, graph=None):
+    def decoder_step(self, tokens, parent, past_key, past_value, *memories, graph=None,
+                     attention: bool = False):
         """tokens, parent [N, B]; past_key [N, B, H, dh, T]; past_value [N, B, H, T, dh].
 
         Returns log_probs [N, B, V1], gate [N, B], copy_probs [N, B, S], present_key,
-        present_value (T + 1). `graph` is E_g; computed here when not given.
+        present_value (T + 1); with `attention` (the exported graph), diag_attention
+        [N, H, B, Ld] (the diagnosis cross-attention weights, an existing tensor: exposing it
+        adds no node to the graph) comes after copy_probs. `graph` is E_g; computed here when
+        not given.
         """
         n, b = tokens.shape
         attn = self.self_attn
@@ -286,7 +294,9 @@ class COGNet(nn.Module):
         present_value = torch.cat([past_value, attn.v(x).view(shape)], -2)
         att = (q @ present_key).softmax(-1)  # [N, B, H, 1, T + 1]
         y = attn.out((att @ present_value).view(n, b, -1))
-        log_probs, gate, copy = self._finish(x, y, memories)
+        log_probs, gate, copy, diag_attention = self._finish(x, y, memories)
+        if attention:
+            return log_probs, gate, copy, diag_attention, present_key, present_value
         return log_probs, gate, copy, present_key, present_value
 
     def empty_cache(self, n: int, b: int, device=None) -> tuple[Tensor, Tensor]:
@@ -302,7 +312,7 @@ class COGNet(nn.Module):
         length = tokens.shape[1]
         causal = torch.full((length, length), NEG, device=tokens.device).triu(1)
         y = self.self_attn(x, x, causal.unsqueeze(0))
-        return self._finish(x, y, memories)
+        return self._finish(x, y, memories)[:3]
 
     def forward(self, batch: dict[str, Tensor]) -> Tensor:
         """Teacher-forced log-probabilities [N, L, V1] for a batch from `cognet.batching`."""

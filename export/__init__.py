@@ -199,6 +199,7 @@ def _export_graph(model, name: str, path: Path) -> None:
         )
     proto = onnx.load(str(tmp))
     _restore_unused_inputs(proto, ins, specs)
+    _pin_fixed_axes(proto, specs)
     if name == "decoder_step":
         _literal_zeros(proto)
     onnx.save(proto, str(tmp))
@@ -252,6 +253,17 @@ def _restore_unused_inputs(proto, names, specs: dict[str, TensorSpec]) -> None:
     ]
     del proto.graph.input[:]
     proto.graph.input.extend(inputs)
+
+
+def _pin_fixed_axes(proto, specs: dict[str, TensorSpec]) -> None:
+    """Write the spec's fixed sizes into output axes the exporter left symbolic (the heads
+    axis of `diag_attention`, which shape inference does not resolve through Softmax)."""
+    for value in proto.graph.output:
+        dims = value.type.tensor_type.shape.dim
+        for dim, want in zip(dims, specs[value.name].shape, strict=False):
+            if isinstance(want, int) and dim.dim_param:
+                dim.ClearField("dim_param")
+                dim.dim_value = want
 
 
 # Operators that move or select the cache's elements without computing on them: a tensor

@@ -59,7 +59,7 @@ class StepGraph(nn.Module):
         *memories: Tensor,
     ):
         return self.model.decoder_step(
-            tokens, parent, past_key, past_value, *memories, graph=self.graph_emb
+            tokens, parent, past_key, past_value, *memories, graph=self.graph_emb, attention=True
         )
 
 
@@ -120,6 +120,7 @@ def tensor_specs(model: COGNet) -> dict[str, TensorSpec]:
         "log_probs": (f32, ("N", "B", v1)),
         "gate": (f32, ("N", "B")),
         "copy_probs": (f32, ("N", "B", "S")),
+        "diag_attention": (f32, ("N", h, "B", "Ld")),
         "present_key": (f32, ("N", "B", h, dh, "T+1")),
         "present_value": (f32, ("N", "B", h, "T+1", dh)),
     }

@@ -40,6 +40,7 @@ from cognet.runtime import assemble, evaluation, reader
 from cognet.runtime.beam import BeamConfig, BeamResult, DecoderSession, beam_search
 from cognet.runtime.session import OrtModel, default_threads
 
+from cognet.ddi import DDIPolicy
 from cognet.manifest import load_manifest
 from cognet.metrics import VisitResult
 from cognet.vocab import Vocab
@@ -50,7 +51,17 @@ log = logging.getLogger(__name__)
 # core's cache (2 cores, beam 4: 64 -> 936 visits/s, 128 -> 985, 256 -> 648). GPU: many rows,
 # within the N <= 512 shape profile of the TensorRT engines built by cognet-export.
 CPU_BATCH, GPU_BATCH = 128, 512
-EXPLANATION = pa.struct([("copy_share", pa.float32()), ("source_visit", pa.string())])
+# Diagnoses a medication attended to most: top TOP_DIAGNOSES codes by the diagnosis
+# cross-attention (mean over heads) at the step that emitted it, heaviest first.
+TOP_DIAGNOSES = 3
+ATTENDED = pa.struct([("code", pa.string()), ("weight", pa.float32())])
+EXPLANATION = pa.struct(
+    [
+        ("copy_share", pa.float32()),
+        ("source_visit", pa.string()),
+        ("top_diagnoses", pa.list_(ATTENDED)),  # null when the model has no attention output
+    ]
+)
 OUTPUT_SCHEMA = pa.schema(
     [
         ("patient_id", pa.string()),
@@ -107,7 +118,8 @@ class Scorer:
     decoded together; threads: CPU threads in all (default: the cores this process may use);
     streams: batches decoded in parallel, each on threads // streams intra-op threads
     (default: one per thread on the CPU, 1 on a GPU); max_history_visits: keep only the last
-    K past visits (default all).
+    K past visits (default all); ddi: DDI-aware decoding (`cognet.ddi.DDIPolicy`, default
+    off) over the manifest's DDI pairs.
     """
 
     def __init__(
@@ -120,6 +132,7 @@ class Scorer:
         max_history_visits: int | None = None,
         variant: str | None = None,
         streams: int | None = None,
+        ddi: DDIPolicy | None = None,
     ):
         manifest = load_manifest(model_dir)
         threads = threads or default_threads()
@@ -134,7 +147,9 @@ class Scorer:
         self.manifest = manifest
         self._setup(model.encode, model.decoder, manifest.vocabulary(), manifest.dims.dim,
                     manifest.ddi_pairs, beam or manifest.beam, manifest.max_len, batch_size,
-                    max_history_visits, streams=streams)  # fmt: skip
+                    max_history_visits, streams=streams, ddi=ddi)  # fmt: skip
+        if manifest.ablation == "no-diagnoses":  # attention weights of unused diagnoses
+            self._attention = False
         self.providers = list(model.providers)
         self.threads = model.threads * streams
 
@@ -177,14 +192,20 @@ class Scorer:
         chunk_rows: int = 1 << 15,
         encode_batch: int = 64,
         streams: int = 1,
+        ddi: DDIPolicy | None = None,
     ) -> None:
         if batch_size < 1 or streams < 1:
             raise ValueError("batch_size and streams must be >= 1")
         self.encode, self.decoder, self.vocab, self.dim = encode, decoder, vocab, dim
         self.ddi_pairs = [tuple(p) for p in ddi_pairs]
+        self._ddi_adj = evaluation.ddi_matrix(vocab, self.ddi_pairs)  # bool [M, M]
+        ddi = ddi or DDIPolicy()
+        if ddi.active and not self._ddi_adj.any():
+            log.warning("DDI policy %r: the model knows no interacting pair", ddi.label)
         self.beam_config = BeamConfig(
-            end=vocab.end, beam=beam, max_len=max_len, compact_at=compact_at
+            end=vocab.end, beam=beam, max_len=max_len, compact_at=compact_at, ddi=ddi
         )
+        self._attention = "diag_attention" in getattr(decoder, "step_outputs", ())
         self.batch_size = batch_size
         self.max_history = max_history_visits
         self.chunk_targets = chunk_targets or 16 * batch_size
@@ -193,9 +214,21 @@ class Scorer:
         self.streams = streams
         self._pool = ThreadPoolExecutor(streams, "cognet-batch") if streams > 1 else None
         self._codes = pa.array(vocab.medications, pa.string())
-        self._ddi_adj = None
+        self._diag_codes = np.asarray(vocab.diagnoses, dtype=object)
 
     # -- public API ---------------------------------------------------------------------------
+    def interacting_pairs(self, medications: Sequence[str]) -> list[tuple[str, str]]:
+        """The pairs of a medication list (codes) that the model's DDI pairs name, in list
+        order."""
+        index = {c: i for i, c in enumerate(self.vocab.medications)}
+        ids = [index.get(m) for m in medications]
+        return [
+            (medications[a], medications[b])
+            for a in range(len(ids))
+            for b in range(a + 1, len(ids))
+            if ids[a] is not None and ids[b] is not None and self._ddi_adj[ids[a], ids[b]]
+        ]
+
     def settings(self) -> dict:
         """Everything that decides the results (a resumed run must use the same)."""
         cfg = self.beam_config
@@ -208,6 +241,7 @@ class Scorer:
             "chunk_targets": self.chunk_targets,
             "chunk_rows": self.chunk_rows,
             "encode_batch": self.encode_batch,
+            "ddi": cfg.ddi.to_json(),
         }
 
     def score_file(
@@ -264,7 +298,8 @@ class Scorer:
             )
             memories = self.decoder.init(inputs)
             result = beam_search(self.decoder, memories, part.size, self.beam_config,
-                                 prauc=score_all, explain=explain)  # fmt: skip
+                                 prauc=score_all, explain=explain, ddi_adj=self._ddi_adj,
+                                 attention=self._attention)  # fmt: skip
             return result, inputs
 
         slots: dict[int, tuple[BeamResult, int, dict]] = {}
@@ -352,8 +387,9 @@ class Scorer:
         return pa.table(columns, schema=output_schema(explain))
 
     def _explanations(self, plan: assemble.Plan, slots: dict) -> pa.Array:
-        """Per medication: copy share 1 - w_g at its step, and the past visit whose slots of
-        that medication carry the most copy weight (null when none holds it)."""
+        """Per medication: copy share 1 - w_g at its step, the past visit whose slots of
+        that medication carry the most copy weight (null when none holds it), and the
+        diagnoses of the visit it attended to most at its step."""
         visit_ids = plan.table["visit_id"]
         out = []
         for i in range(plan.targets.size):
@@ -374,17 +410,31 @@ class Scorer:
                 best = per_visit.argmax(1)
                 for j in np.flatnonzero(per_visit.max(1) > 0):
                     src[j] = visit_ids[int(hist[best[j]])].as_py()
+            top = self._top_diagnoses(plan, plan.targets[i], res.attention, k, meds.size)
             out.append(
                 [
-                    {"copy_share": float(s), "source_visit": v}
-                    for s, v in zip(share.tolist(), src, strict=True)
+                    {"copy_share": float(s), "source_visit": v, "top_diagnoses": d}
+                    for s, v, d in zip(share.tolist(), src, top, strict=True)
                 ]
             )
         return pa.array(out, pa.list_(EXPLANATION))
 
+    def _top_diagnoses(self, plan: assemble.Plan, row: int, attention: list | None, k: int,
+                       n_meds: int) -> list:  # fmt: skip
+        """Per medication of one visit: [{code, weight}] of its TOP_DIAGNOSES most attended
+        diagnoses (positions of the attention = the row's diagnosis ids, in plan order)."""
+        if attention is None:
+            return [None] * n_meds
+        ids = plan.diag[row]
+        weights = attention[k][:, : ids.size].astype(np.float32)  # [meds, diagnoses]
+        order = np.argsort(-weights, axis=1, kind="stable")[:, :TOP_DIAGNOSES]
+        codes = self._diag_codes[ids]
+        return [
+            [{"code": codes[j], "weight": float(w[j])} for j in o if w[j] > 0]
+            for o, w in zip(order, weights, strict=True)
+        ]
+
     def _metrics(self, plan: assemble.Plan, slots: dict) -> tuple[np.ndarray, int]:
-        if self._ddi_adj is None:
-            self._ddi_adj = evaluation.ddi_matrix(self.vocab, self.ddi_pairs)
         pids = plan.table["patient_id"]
         results = []
         for i, row in enumerate(plan.targets.tolist()):

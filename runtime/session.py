@@ -147,6 +147,8 @@ class HostDecoder:
                  manifest: Manifest):  # fmt: skip
         self._init, self._step = init, step
         self._heads, self._head_dim = manifest.dims.heads, manifest.dims.head_dim
+        # what `step` can return (models exported before `diag_attention` lack it)
+        self.step_outputs = tuple(o.name for o in step.get_outputs())
 
     def init(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         out = self._init.run(list(MEMORIES), {k: inputs[k] for k in INIT_INPUTS})
@@ -183,6 +185,7 @@ class DeviceDecoder:
         self._init, self._step = init, step
         self._device = device  # ("cpu", 0) runs the same bindings on the CPU (tests)
         self._heads, self._head_dim = manifest.dims.heads, manifest.dims.head_dim
+        self.step_outputs = tuple(o.name for o in step.get_outputs())
 
     def _to_device(self, array: np.ndarray) -> ort.OrtValue:
         return ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(array), *self._device)

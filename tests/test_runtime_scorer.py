@@ -111,8 +111,22 @@ def test_default_scores_only_unknown_medications(tiny, reference):
 def test_explanations_point_at_past_visits_holding_the_medication(tiny, reference):
     scorer = Scorer(tiny / "model", device="cpu")
     _, out = _score(scorer, reference["visits"], score_all=True, explain=True)
+    attended = pa.list_(pa.struct([("code", pa.string()), ("weight", pa.float32())]))
     assert out.schema.field("explanations").type == pa.list_(
-        pa.struct([("copy_share", pa.float32()), ("source_visit", pa.string())])
+        pa.struct(
+            [
+                ("copy_share", pa.float32()),
+                ("source_visit", pa.string()),
+                ("top_diagnoses", attended),
+            ]
+        )
+    )
+    diagnoses_of = dict(
+        zip(
+            reference["visits"]["visit_id"].to_pylist(),
+            reference["visits"]["diagnoses"].to_pylist(),
+            strict=True,
+        )
     )
     meds_of = dict(
         zip(
@@ -127,6 +141,13 @@ def test_explanations_point_at_past_visits_holding_the_medication(tiny, referenc
         first_visit = row["visit_id"].endswith("-0")
         for med, ex in zip(row["medications"], row["explanations"], strict=True):
             assert 0.0 <= ex["copy_share"] <= 1.0
+            # the diagnoses of this visit it attended to most, heaviest first
+            top = ex["top_diagnoses"]
+            known = [d for d in diagnoses_of[row["visit_id"]] if d in reference["vocab"].diagnoses]
+            assert len(top) == min(3, len(set(known)))
+            assert {d["code"] for d in top} <= set(known)
+            weights = [d["weight"] for d in top]
+            assert weights == sorted(weights, reverse=True) and sum(weights) <= 1 + 1e-5
             if first_visit:  # no history: generated only
                 assert ex["copy_share"] == 0.0 and ex["source_visit"] is None
             if ex["source_visit"] is not None:

@@ -54,6 +54,19 @@ def tiny_ddi(n_med: int = 20, seed: int = 0) -> pa.Table:
 def make_tiny(root: str | Path, seed: int = 0, n_patients: int = 30, ablation: str = "none",
               dim: int = 16, heads: int = 2) -> tuple[Path, Path]:
     """Write a tiny dataset and a random-weight checkpoint; returns (data_dir, ckpt_dir)."""
+    root = Path(root)
+    data = root / "data"
+    data.mkdir(parents=True, exist_ok=True)
+    pq.write_table(tiny_visits(n_patients, seed), data / "visits.parquet")
+    pq.write_table(tiny_ddi(seed=seed), data / "ddi.parquet")
+    ckpt = random_checkpoint(data, root / "ckpt", seed, ablation, dim, heads)
+    return data, ckpt
+
+
+def random_checkpoint(data: str | Path, ckpt: str | Path, seed: int = 0, ablation: str = "none",
+                      dim: int = 16, heads: int = 2) -> Path:
+    """A randomly initialised COGNet over the vocabulary of a dataset directory's train split
+    (graphs from its train split and DDI pairs), saved as a checkpoint; returns its path."""
     import torch
 
     from cognet import checkpoint
@@ -62,18 +75,14 @@ def make_tiny(root: str | Path, seed: int = 0, n_patients: int = 30, ablation: s
     from cognet.model import COGNet, ModelConfig
     from cognet.vocab import Vocab
 
-    root = Path(root)
-    data = root / "data"
-    data.mkdir(parents=True, exist_ok=True)
-    visits = tiny_visits(n_patients, seed)
-    pq.write_table(visits, data / "visits.parquet")
-    pq.write_table(tiny_ddi(seed=seed), data / "ddi.parquet")
+    visits = pq.read_table(Path(data) / "visits.parquet")
+    ddi_table = pq.read_table(Path(data) / "ddi.parquet")
     train = split_table(visits, "train")
     vocab = Vocab.build(*(train.column(c).to_pylist()
                           for c in ("diagnoses", "procedures", "medications")))
     patients = load_split(visits, vocab, "train").patients
-    pairs = list(zip(tiny_ddi(seed=seed).column("drug_a").to_pylist(),
-                     tiny_ddi(seed=seed).column("drug_b").to_pylist()))
+    pairs = list(zip(ddi_table.column("drug_a").to_pylist(),
+                     ddi_table.column("drug_b").to_pylist(), strict=True))
     ehr, ddi = ehr_adjacency(patients, vocab.n_med), ddi_adjacency(pairs, vocab)
     torch.manual_seed(seed)
     cfg = ModelConfig(vocab.n_diag, vocab.n_proc, vocab.n_med, dim=dim, heads=heads, ffn=2 * dim,
@@ -83,6 +92,6 @@ def make_tiny(root: str | Path, seed: int = 0, n_patients: int = 30, ablation: s
         for p in model.parameters():  # livelier than the default init
             p.add_(torch.randn_like(p) * 0.3)
         model.gen_head.bias[vocab.end] = -0.5
-    ckpt = root / "ckpt"
+    ckpt = Path(ckpt)
     checkpoint.save(ckpt, model, vocab, ehr, ddi, pairs, {"seed": seed, "tiny": True})
-    return data, ckpt
+    return ckpt
