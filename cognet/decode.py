@@ -55,28 +55,30 @@ def beam_search(model: COGNet, batch: dict[str, torch.Tensor], beam: int = BEAM,
         for k in ("hist_index", "hist_mask", "slot_visit_row", "slot_pos", "slot_visit",
                   "slot_med", "slot_mask"):
             batch[k] = batch[k][rows]
+    dev = next(model.parameters()).device
+    batch = {k: v.to(dev) for k, v in batch.items()}
     enc = model.encode_visits(batch["diagnoses"], batch["procedures"], batch["medications"])
     memories = model.decoder_init(*history_inputs(batch, *enc, cfg))
     graph = model.graph_embeddings()
     n, b, v1, end = len(batch["target"]), beam, cfg.out_size, cfg.n_med
     neg_inf = float("-inf")
 
-    alive = torch.arange(n)  # visits still decoding, in memory order
-    scores = torch.full((n, b), neg_inf)
+    alive = torch.arange(n, device=dev)  # visits still decoding, in memory order
+    scores = torch.full((n, b), neg_inf, device=dev)
     scores[:, 0] = 0.0
-    finished = torch.zeros(n, b, dtype=torch.bool)
-    tokens = torch.full((n, b), cfg.n_med + 1)  # START
-    parent = torch.arange(b).repeat(n, 1)
-    past_key, past_value = model.empty_cache(n, b)
-    seqs = torch.full((n, b, max_len), -1)
-    emit_prob = torch.zeros(n, b, max_len)
-    used = torch.zeros(n, b, v1, dtype=torch.bool)
-    prob_sum = torch.zeros(n, b, v1)
-    steps = torch.zeros(n, b)
+    finished = torch.zeros(n, b, dtype=torch.bool, device=dev)
+    tokens = torch.full((n, b), cfg.n_med + 1, device=dev)  # START
+    parent = torch.arange(b, device=dev).repeat(n, 1)
+    past_key, past_value = model.empty_cache(n, b, device=dev)
+    seqs = torch.full((n, b, max_len), -1, device=dev)
+    emit_prob = torch.zeros(n, b, max_len, device=dev)
+    used = torch.zeros(n, b, v1, dtype=torch.bool, device=dev)
+    prob_sum = torch.zeros(n, b, v1, device=dev)
+    steps = torch.zeros(n, b, device=dev)
     results: dict[int, Decoded] = {}
 
     def record(local: torch.Tensor) -> None:
-        choice = torch.zeros(len(alive), dtype=torch.long)
+        choice = torch.zeros(len(alive), dtype=torch.long, device=dev)
         if ddi.max_rate is not None:
             rate = ddi_rate_of_beams(used[..., : cfg.n_med], ddi_adj)
             ok = (rate <= ddi.max_rate + RATE_TOLERANCE) & (scores > float("-inf"))
@@ -89,7 +91,7 @@ def beam_search(model: COGNet, batch: dict[str, torch.Tensor], beam: int = BEAM,
             toks = seqs[i, c, :length].tolist()
             meds = tuple(t for t in toks if t != end)
             probs = emit_prob[i, c, :length].tolist()
-            mean = (prob_sum[i, c, : cfg.n_med] / steps[i, c].clamp_min(1)).numpy().copy()
+            mean = (prob_sum[i, c, : cfg.n_med] / steps[i, c].clamp_min(1)).cpu().numpy().copy()
             med_probs = tuple(p for t, p in zip(toks, probs) if t != end)
             mean[list(meds)] = med_probs
             results[int(alive[i])] = Decoded(meds, float(scores[i, c]), med_probs, mean)
@@ -128,7 +130,7 @@ def beam_search(model: COGNet, batch: dict[str, torch.Tensor], beam: int = BEAM,
         # the best hypothesis is final once beam 0 is finished; choosing by DDI rate needs all
         done = finished.all(1) if ddi.max_rate is not None else finished[:, 0]
         if t == max_len - 1:
-            done = torch.ones(len(alive), dtype=torch.bool)
+            done = torch.ones(len(alive), dtype=torch.bool, device=dev)
         if bool(done.any()):
             record(done.nonzero().squeeze(1))
             keep = (~done).nonzero().squeeze(1)

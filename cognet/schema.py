@@ -28,19 +28,23 @@ SPLITS = ("train", "val", "test")
 CODE_COLUMNS = ("diagnoses", "procedures", "medications")
 
 _CODES = pa.list_(pa.string())
-VISITS_SCHEMA = pa.schema([
-    pa.field("patient_id", pa.string(), nullable=False),
-    pa.field("visit_id", pa.string(), nullable=False),
-    pa.field("visit_seq", pa.int32(), nullable=False),
-    pa.field("diagnoses", _CODES, nullable=False),
-    pa.field("procedures", _CODES, nullable=False),
-    pa.field("medications", _CODES),  # null = unknown, to be recommended
-    pa.field("split", pa.string(), nullable=False),  # optional column
-])
-DDI_SCHEMA = pa.schema([
-    pa.field("drug_a", pa.string(), nullable=False),
-    pa.field("drug_b", pa.string(), nullable=False),
-])
+VISITS_SCHEMA = pa.schema(
+    [
+        pa.field("patient_id", pa.string(), nullable=False),
+        pa.field("visit_id", pa.string(), nullable=False),
+        pa.field("visit_seq", pa.int32(), nullable=False),
+        pa.field("diagnoses", _CODES, nullable=False),
+        pa.field("procedures", _CODES, nullable=False),
+        pa.field("medications", _CODES),  # null = unknown, to be recommended
+        pa.field("split", pa.string(), nullable=False),  # optional column
+    ]
+)
+DDI_SCHEMA = pa.schema(
+    [
+        pa.field("drug_a", pa.string(), nullable=False),
+        pa.field("drug_b", pa.string(), nullable=False),
+    ]
+)
 
 
 @dataclass(frozen=True, eq=False)
@@ -69,12 +73,14 @@ class Dataset:
 def _is_text(t: pa.DataType) -> bool:
     if pa.types.is_dictionary(t):
         return _is_text(t.value_type)
-    return pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_string_view(t)
+    return pa.types.is_string(t) or pa.types.is_large_string(t)
 
 
 def _is_code_list(t: pa.DataType) -> bool:
     lists = (pa.types.is_list, pa.types.is_large_list, pa.types.is_fixed_size_list)
-    return any(is_list(t) for is_list in lists) and _is_text(t.value_type)
+    # list<null>: what pyarrow infers for lists that are all empty
+    item = t.value_type if any(is_list(t) for is_list in lists) else None
+    return item is not None and (_is_text(item) or pa.types.is_null(item))
 
 
 def _castable(name: str, t: pa.DataType) -> bool:
@@ -94,9 +100,7 @@ def _type_name(t: pa.DataType) -> str:
     return "list<string>" if t == _CODES else str(t)
 
 
-def check_visits_columns(
-    schema: pa.Schema, path: object, require_split: bool = False
-) -> pa.Schema:
+def check_visits_columns(schema: pa.Schema, path: object, require_split: bool = False) -> pa.Schema:
     """Check that a visits schema holds the contract columns with usable types.
 
     Returns the schema to cast the contract columns to (in contract order; `split` only when
@@ -109,14 +113,17 @@ def check_visits_columns(
         if not found:
             if field.name == "split" and not require_split:
                 continue
-            raise InputError(f"{where(path, field.name)}: missing column "
-                             f"(found: {', '.join(schema.names) or 'none'})")
+            raise InputError(
+                f"{where(path, field.name)}: missing column "
+                f"(found: {', '.join(schema.names) or 'none'})"
+            )
         if len(found) > 1:
             raise InputError(f"{where(path, field.name)}: column appears {len(found)} times")
         actual = schema.field(found[0]).type
         if not _castable(field.name, actual):
-            raise InputError(f"{where(path, field.name)}: wrong type {actual}, "
-                             f"expected {_type_name(field.type)}")
+            raise InputError(
+                f"{where(path, field.name)}: wrong type {actual}, expected {_type_name(field.type)}"
+            )
         fields.append(field)
     return pa.schema(fields)
 
@@ -140,8 +147,9 @@ def cast_visits(table: pa.Table | pa.RecordBatch, target: pa.Schema, path: objec
         limit = np.iinfo(np.int32)
         bad = _first((values < limit.min) | (values > limit.max))  # NaN (null) compares False
         if bad is not None:
-            raise InputError(f"{where(path, 'visit_seq', bad)}: value {values[bad]} "
-                             "out of the int32 range")
+            raise InputError(
+                f"{where(path, 'visit_seq', bad)}: value {values[bad]} out of the int32 range"
+            )
     for field in target:
         if not field.nullable:
             row = _first(table[field.name].is_null().to_numpy(zero_copy_only=False))
@@ -182,23 +190,28 @@ def _check_rows(table: pa.Table, path: object) -> None:
     row = _first(repeated)
     if row is not None:
         first = int(first_rows[visit_keys[row]])
-        raise InputError(f"{where(path, 'visit_id', row)}: duplicate visit_id "
-                         f"{table['visit_id'][row].as_py()!r} (first at row {first})")
+        raise InputError(
+            f"{where(path, 'visit_id', row)}: duplicate visit_id "
+            f"{table['visit_id'][row].as_py()!r} (first at row {first})"
+        )
 
     n_diag = pc.list_value_length(table["diagnoses"]).to_numpy(zero_copy_only=False)
     n_proc = pc.list_value_length(table["procedures"]).to_numpy(zero_copy_only=False)
     row = _first((n_diag == 0) & (n_proc == 0))
     if row is not None:
-        raise InputError(f"{where(path, 'diagnoses', row)}: diagnoses and procedures are "
-                         "both empty")
+        raise InputError(
+            f"{where(path, 'diagnoses', row)}: diagnoses and procedures are both empty"
+        )
 
     if "split" in table.column_names:
         known = pc.is_in(table["split"], value_set=pa.array(SPLITS))
         row = _first(~known.to_numpy(zero_copy_only=False))
         if row is not None:
-            raise InputError(f"{where(path, 'split', row)}: unknown split "
-                             f"{table['split'][row].as_py()!r}, expected one of "
-                             f"{', '.join(SPLITS)}")
+            raise InputError(
+                f"{where(path, 'split', row)}: unknown split "
+                f"{table['split'][row].as_py()!r}, expected one of "
+                f"{', '.join(SPLITS)}"
+            )
 
 
 def _patient_order(table: pa.Table, path: object) -> np.ndarray:
@@ -218,7 +231,8 @@ def _patient_order(table: pa.Table, path: object) -> np.ndarray:
         raise InputError(
             f"{where(path, 'visit_seq', row)}: patient {table['patient_id'][row].as_py()!r} "
             f"has visit_seq {int(seq[row])} twice (also row {earlier}); visit_seq must be "
-            "strictly increasing within a patient")
+            "strictly increasing within a patient"
+        )
     if "split" in table.column_names:
         split = _keys(table["split"])
         differs = same & (split[order][1:] != split[order][:-1])
@@ -226,7 +240,8 @@ def _patient_order(table: pa.Table, path: object) -> np.ndarray:
             row = int(np.min(order[1:][differs]))
             raise InputError(
                 f"{where(path, 'split', row)}: patient {table['patient_id'][row].as_py()!r} "
-                "has visits in more than one split")
+                "has visits in more than one split"
+            )
     return order
 
 
@@ -243,7 +258,7 @@ def split_patients(n_patients: int, seed: int = 0) -> np.ndarray:
     n_test = (n_patients - n_train) // 2
     by_position = np.full(n_patients, SPLITS.index("val"), dtype=np.int8)
     by_position[:n_train] = SPLITS.index("train")
-    by_position[n_train:n_train + n_test] = SPLITS.index("test")
+    by_position[n_train : n_train + n_test] = SPLITS.index("test")
     out = np.empty(n_patients, dtype=np.int8)
     out[np.random.default_rng(seed).permutation(n_patients)] = by_position
     return out
@@ -252,8 +267,8 @@ def split_patients(n_patients: int, seed: int = 0) -> np.ndarray:
 def _with_split(table: pa.Table, seed: int) -> pa.Table:
     patient = _keys(table["patient_id"])
     split = split_patients(int(patient.max()) + 1, seed)[patient]
-    return table.append_column("split", pa.array(np.asarray(SPLITS, dtype=object)[split],
-                                                 pa.string()))
+    names = pa.array(np.asarray(SPLITS, dtype=object)[split], pa.string())
+    return table.append_column(VISITS_SCHEMA.field("split"), names)
 
 
 # -- reading ----------------------------------------------------------------------------------
@@ -300,11 +315,15 @@ def read_ddi(path: str | os.PathLike) -> list[tuple[str, str]]:
     schema = file.schema_arrow
     for field in DDI_SCHEMA:
         if field.name not in schema.names:
-            raise InputError(f"{where(path, field.name)}: missing column "
-                             f"(found: {', '.join(schema.names) or 'none'})")
+            raise InputError(
+                f"{where(path, field.name)}: missing column "
+                f"(found: {', '.join(schema.names) or 'none'})"
+            )
         if not _is_text(schema.field(field.name).type):
-            raise InputError(f"{where(path, field.name)}: wrong type "
-                             f"{schema.field(field.name).type}, expected string")
+            raise InputError(
+                f"{where(path, field.name)}: wrong type "
+                f"{schema.field(field.name).type}, expected string"
+            )
     table = _read(file, path, DDI_SCHEMA.names)
     pairs = set()
     for name in DDI_SCHEMA.names:
@@ -313,7 +332,7 @@ def read_ddi(path: str | os.PathLike) -> list[tuple[str, str]]:
             raise InputError(f"{where(path, name, row)}: null value")
     drug_a = table["drug_a"].cast(pa.string()).to_pylist()
     drug_b = table["drug_b"].cast(pa.string()).to_pylist()
-    for a, b in zip(drug_a, drug_b):
+    for a, b in zip(drug_a, drug_b, strict=True):
         if a != b:
             pairs.add((a, b) if a < b else (b, a))
     return sorted(pairs)
@@ -340,8 +359,12 @@ def _atomic_writer(path: Path, schema: pa.Schema):
     return tmp, pq.ParquetWriter(tmp, schema, compression="zstd")
 
 
-def _write_atomic(path: str | os.PathLike, schema: pa.Schema, tables: Iterable[pa.Table],
-                  row_group_size: int | None) -> Path:
+def _write_atomic(
+    path: str | os.PathLike,
+    schema: pa.Schema,
+    tables: Iterable[pa.Table],
+    row_group_size: int | None,
+) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp, writer = _atomic_writer(path, schema)
@@ -384,6 +407,7 @@ def write_visits(
 def write_ddi(path: str | os.PathLike, pairs: Iterable[Sequence[str]]) -> Path:
     """Write interacting pairs (drug_a, drug_b) atomically."""
     pairs = list(pairs)
-    table = pa.table({"drug_a": [a for a, _ in pairs], "drug_b": [b for _, b in pairs]},
-                     schema=DDI_SCHEMA)
+    table = pa.table(
+        {"drug_a": [a for a, _ in pairs], "drug_b": [b for _, b in pairs]}, schema=DDI_SCHEMA
+    )
     return _write_atomic(path, DDI_SCHEMA, [table], None)

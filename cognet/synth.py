@@ -2,21 +2,26 @@
 
 A seeded *world* of latent conditions drives every patient:
 
-- chronic conditions (diabetes-, heart-failure-like) persist across visits, rarely resolve,
-  and new ones appear; acute conditions (pneumonia-, sepsis-like) come with a visit and
-  sometimes carry over to the next one;
-- each condition emits its core ICD-9 diagnosis codes (almost always), secondary diagnosis
-  codes and ICD-9 procedure codes (sometimes), and fills medication *slots*: a slot has a
-  few ATC-3 alternatives, the patient's pick is made when the condition starts and is kept
-  (rarely switched) while it lasts, avoiding drugs that interact with the patient's other
-  picks;
+- chronic conditions (diabetes-, heart-failure-like) persist across visits, sometimes
+  resolve, and new ones appear; their codes are seldom recorded after all, as in billing
+  data. Acute conditions (pneumonia-, sepsis-like) come with a visit, always coded;
+- each condition emits diagnosis codes, procedure codes and fills medication *slots*: a
+  slot has a few ATC-3 alternatives; the patient's pick is made when the condition starts
+  and kept (rarely switched) while it lasts, avoiding drugs that interact with the
+  patient's other picks. Chronic slots draw from a wider range of medications than acute
+  ones, so popularity alone seldom guesses them;
+- each patient is treated at one of a few sites (hospitals, never coded) which weigh a
+  slot's alternatives their own way and rarely use one of the ward medications;
 - a visit severity (visible through ICU-type procedure and diagnosis codes) drives ten
-  ward medications given at most visits, some of which a patient never takes;
+  ward medications given at most visits, and how many slots are filled;
 - patient-level comorbidity codes and a long Zipf tail of unrelated codes fill the rest.
 
-So medications follow from the diagnoses and procedures (which conditions, how severe) and
-from history (which alternative this patient takes): a model using both beats copying the
-previous visit and beats a per-medication regression on the current codes alone.
+So medications follow from the current codes (which acute conditions, how severe) and from
+history (which chronic drugs this patient is on, which site treats them): a model using
+both beats copying the previous visit and beats a per-medication regression on the
+current codes alone. At the defaults (seed 0, test split, patient-averaged Jaccard):
+copy-last 0.46, most-frequent 0.45, logistic regression on codes 0.51, the same regression
+given the medications of earlier visits 0.54.
 
 Interacting pairs (`ddi.parquet`) are drawn with odds growing with how often the two
 medications meet in a pilot cohort simulated before DDI, tuned so the ground-truth DDI rate
@@ -24,14 +29,18 @@ of the data lands near the paper's 0.09.
 
 Defaults reproduce the paper's statistics (issue 2, point 6) at 6,350 patients. Patients are
 generated one by one from their own seeded random stream (patient i is the same whatever the
-cohort size) and written in row groups of whole patients, so memory stays bounded for any N.
-`visits.parquet` carries a `split` column: `cognet.schema.split_patients(N, seed)`, the same
-split `read_dataset` would draw for a file without one.
+cohort size) and written in row groups of whole patients, so memory stays bounded for any N
+(about 300 MB and 65 CPU seconds per million visits). `visits.parquet` carries a `split`
+column, `cognet.schema.split_patients(N, seed)`: what `read_dataset(split_seed=seed)` would
+draw for a file without one.
 """
 
 from __future__ import annotations
 
+import bisect
+import functools
 import math
+import operator
 import os
 import random
 from collections.abc import Iterator
@@ -42,14 +51,20 @@ import numpy as np
 import pyarrow as pa
 
 from cognet.schema import (
-    DDI_FILE, SPLITS, VISITS_FILE, VISITS_SCHEMA, split_patients, write_ddi, write_visits,
+    DDI_FILE,
+    SPLITS,
+    VISITS_FILE,
+    VISITS_SCHEMA,
+    split_patients,
+    write_ddi,
+    write_visits,
 )
 
 # -- vocabularies ------------------------------------------------------------------------------
 
 # 131 ATC-3 codes (letter, two digits, letter), commonest first: the first N_WARD are ward
 # medications given at most visits, the others fill condition slots.
-MEDICATIONS = tuple((
+MEDICATIONS = tuple(
     "N02B A12C A06A B05C A02B B01A A01A N02A A12B C07A "
     "C03C J01D N05C C10A A12A N05B J01X B03A A10A C09A N05A N03A C01D C08C J05A R03A H02A "
     "A04A J01M C01B A07A R03B V03A H03A M03B N06A C02D A11C J01C A03F B05B C01C B02B N07B "
@@ -58,22 +73,28 @@ MEDICATIONS = tuple((
     "A09A P01A C04A R01A S01B D08A M05B L02B B02A G03A J01A N06B H05B C03D R03D B03X A11G "
     "D06A S01X A16A N04A L03A G03C H01B N07A D04A A05A C01E M03A R05D L01X V06D D10A J06B "
     "G01A S02A H03B A08A R03C D11A P01B G03D C02C A14A V04C D05A B06A L02A N02C A07B G02C "
-    "C05B R02A"
-).split())
+    "C05B R02A".split()
+)
 N_WARD = 10
 # Real ICD-9 codes give the commonest latent pieces a familiar look; the rest are random
 # codes of the same shapes.
-CHRONIC_DIAG = ("428.0", "427.31", "250.00", "585.9", "496", "401.9", "414.01", "571.5",
-                "272.4", "403.90", "425.4", "493.20", "294.10", "332.0", "340")
-ACUTE_DIAG = ("486", "584.9", "038.9", "599.0", "518.81", "410.71", "431", "577.0",
-              "995.92", "507.0", "785.52", "578.9", "276.2", "286.9", "434.11")
-COMORBIDITY_DIAG = ("V45.81", "V58.61", "305.1", "E878.8", "V10.3", "V15.82", "E849.7",
-                    "V58.67", "V43.3", "278.00")
-SEVERITY_DIAG = ("518.81", "995.92", "785.52", "799.02", "458.9", "276.2")
-SEVERITY_PROC = ("96.71", "38.93", "96.04", "96.6", "99.04", "38.91", "96.72", "33.24",
-                 "99.15", "00.17")
-COMMON_PROC = ("39.61", "39.95", "36.15", "88.56", "45.13", "37.22", "00.14", "99.07",
-               "88.72", "54.91", "36.07", "37.23", "86.04", "34.91", "44.43")
+CHRONIC_DIAG = tuple(
+    "428.0 427.31 250.00 585.9 496 401.9 414.01 571.5 272.4 403.90 425.4 "
+    "493.20 294.10 332.0 340".split()
+)
+ACUTE_DIAG = tuple(
+    "486 584.9 038.9 599.0 518.81 410.71 431 577.0 995.92 507.0 785.52 578.9 "
+    "276.2 286.9 434.11".split()
+)
+COMORBIDITY_DIAG = tuple(
+    "V45.81 V58.61 305.1 E878.8 V10.3 V15.82 E849.7 V58.67 V43.3 278.00".split()
+)
+SEVERITY_DIAG = tuple("799.02 458.9 780.97 785.59 348.30 570".split())
+SEVERITY_PROC = tuple("96.71 38.93 96.04 96.6 99.04 38.91 96.72 33.24 99.15 00.17".split())
+COMMON_PROC = tuple(
+    "39.61 39.95 36.15 88.56 45.13 37.22 00.14 99.07 88.72 54.91 36.07 37.23 "
+    "86.04 34.91 44.43".split()
+)
 
 # -- knobs (tuned against the targets of issue 2, point 6) --------------------------------------
 
@@ -81,20 +102,29 @@ N_CHRONIC, N_ACUTE = 48, 220
 N_DIAG_POOL, N_PROC_POOL = 2000, 1700  # distinct codes that can appear (about 75% do at 6,350)
 P_VISITS = {1: 0.14, 2: 0.60}  # the rest: 3..MAX_VISITS with P ~ (n - 2)^-VISITS_TAIL
 MAX_VISITS, VISITS_TAIL = 29, 2.1
-CHRONIC_AT_START, P_CHRONIC_ONSET, P_CHRONIC_RESOLVE = 2.4, 0.3, 0.06
-ACUTE_EXTRA, P_ACUTE_CARRY = 2.3, 0.2  # per visit: 1 + Poisson(ACUTE_EXTRA) acute conditions
+CHRONIC_AT_START, P_CHRONIC_ONSET, P_CHRONIC_RESOLVE = 3.1, 0.3, 0.15
+ACUTE_EXTRA, P_ACUTE_CARRY = 4.2, 0.0  # per visit: 1 + Poisson(ACUTE_EXTRA) acute conditions
 FRAILTY_SHAPE = 1.5  # gamma shape of a patient's multiplier of the two rates above
-P_CORE, P_SWITCH = (0.4, 0.95), 0.05  # P_CORE: (chronic, acute)
+VISIT_SHAPE = 1.2  # gamma shape of a visit's own multiplier of the acute rate
+P_CORE = (0.15, 0.95)  # chance a (chronic, acute) condition's core code is recorded
+P_SWITCH = 0.05  # chance per visit that a kept pick is drawn again
 DDI_AVOID = 0.08  # odds multiplier of an alternative that interacts with the patient's picks
-P_SEVERITY = (0.06, 0.38, 0.38, 0.18)  # short stay, ward, serious, ICU
-WARD_SCALE = (0.15, 0.8, 1.0, 1.15)  # ward-medication odds by severity
-P_SLOT = (0.5, 0.75, 0.9, 0.95)  # chance an acute condition's slot is filled, by severity
-P_SLOT_CHRONIC = 0.95
-P_WARD_OFF = 0.08  # chance a patient never takes a given ward medication
-N_COMORBID, P_COMORBID = 3, 0.75  # patient-level codes and their per-visit emission
-NOISE_DIAG, NOISE_PROC = 1.0, 0.5  # mean unrelated codes per visit (gamma-Poisson)
+P_SEVERITY = (0.15, 0.35, 0.32, 0.18)  # short stay, ward, serious, ICU
+WARD_SCALE = (0.3, 0.95, 1.1, 1.25)  # ward-medication odds by severity
+# chance that a slot of an (acute, chronic) condition is filled, by severity
+P_SLOT = ((0.3, 0.7, 0.9, 1.0), (0.4, 0.8, 0.95, 1.0))
+P_WARD_OFF = 0.04  # chance a patient never takes a given ward medication
+# Zipf (exponent, offset) of the slot medications of (acute, chronic) conditions: chronic
+# drugs spread wider, so that few of them can be guessed from their popularity alone
+SLOT_ZIPF = ((2.25, 5.0), (1.5, 20.0))
+WARD_IN_SLOTS = 0.12  # slot weight of a ward medication, relative to the top slot one
+N_SITES, SITE_CONCENTRATION = 3, 1.0  # hospitals: each weighs slot alternatives its own way
+N_COMORBID, P_COMORBID = 4, 0.9  # patient-level codes and their per-visit emission
+NOISE_DIAG, NOISE_PROC = 0.1, 0.5  # mean unrelated codes per visit (gamma-Poisson)
 MAX_DIAG, MAX_PROC, MAX_MEDS = 39, 32, 53
-N_DDI, DDI_SHARE = 448, 0.097  # pilot share of co-prescribed pairs the DDI pairs should cover
+# Share of a pilot cohort's co-prescribed pairs that the DDI pairs cover; avoidance then
+# brings the ground-truth DDI rate of the data down to about 0.09.
+N_DDI, DDI_SHARE = 448, 0.101
 N_PILOT = 1500
 DEFAULT_ROW_GROUP = 65536
 
@@ -106,7 +136,9 @@ class _Condition:
     secondary: tuple[str, ...]
     p_secondary: float
     procedures: tuple[tuple[str, float], ...]
-    slots: tuple[tuple[tuple[int, ...], tuple[float, ...]], ...]  # alternatives, cum. weights
+    # per slot: alternative medication ids, their weights per site, and the bit mask of the
+    # medications any alternative interacts with
+    slots: tuple[tuple[tuple[int, ...], tuple[tuple[float, ...], ...], int], ...]
 
 
 @dataclass(frozen=True)
@@ -115,14 +147,14 @@ class _World:
     chronic_cum: tuple[float, ...]  # cumulative onset weights over chronic condition ids
     acute_cum: tuple[float, ...]
     n_chronic: int
-    ward_p: tuple[float, ...]
+    ward_p: tuple[tuple[float, ...], ...]  # per site, per ward medication
     comorbid: tuple[str, ...]
     comorbid_cum: tuple[float, ...]
     noise_diag: tuple[str, ...]
     noise_diag_cum: tuple[float, ...]
     noise_proc: tuple[str, ...]
     noise_proc_cum: tuple[float, ...]
-    interacts: tuple[frozenset[int], ...] = ()  # per medication id: the ids it interacts with
+    interacts: tuple[int, ...] = ()  # per medication id: bit mask of the ids it interacts with
 
 
 # -- the world -------------------------------------------------------------------------------
@@ -159,6 +191,14 @@ def _zipf_cum(n: int, exponent: float, offset: float = 1.0) -> tuple[float, ...]
     return tuple(np.cumsum((np.arange(n) + offset) ** -exponent).tolist())
 
 
+def _slot_weights(skew: float, offset: float) -> np.ndarray:
+    """Chance of each medication to be a slot alternative: Zipf over the non-ward ones, each
+    ward medication weighing WARD_IN_SLOTS of the top one."""
+    weight = (np.arange(len(MEDICATIONS) - N_WARD) + offset) ** -skew
+    weight = np.concatenate([np.full(N_WARD, WARD_IN_SLOTS * weight[0]), weight])
+    return weight / weight.sum()
+
+
 def _build_world(seed: int) -> _World:
     rng = np.random.default_rng([seed, 1])
     seen: set[str] = set(CHRONIC_DIAG + ACUTE_DIAG + COMORBIDITY_DIAG + SEVERITY_DIAG)
@@ -167,9 +207,7 @@ def _build_world(seed: int) -> _World:
     proc_pool = list(COMMON_PROC) + _codes(rng, N_PROC_POOL, _proc_code, seen)
     diag_iter = iter(diag_pool)
 
-    n_med = len(MEDICATIONS) - N_WARD
-    med_weight = (np.arange(n_med) + 5.0) ** -1.45  # slot medications: skewed popularity
-    med_weight /= med_weight.sum()
+    med_weight = [_slot_weights(*SLOT_ZIPF[kind]) for kind in (0, 1)]  # acute, chronic
     conditions = []
     for c in range(N_CHRONIC + N_ACUTE):
         chronic = c < N_CHRONIC
@@ -178,25 +216,34 @@ def _build_world(seed: int) -> _World:
         core = [named[rank]] if rank < len(named) else [next(diag_iter)]
         if rng.random() < 0.4:
             core.append(next(diag_iter))
-        secondary = tuple(next(diag_iter) for _ in range(rng.integers(2, 8)))
+        secondary = tuple(next(diag_iter) for _ in range(rng.integers(2, 7)))
         n_proc = rng.integers(0, 2) if chronic else rng.integers(0, 4)
         picks = rng.choice(len(proc_pool) // 2, size=n_proc, replace=False)
-        procedures = tuple((proc_pool[i], float(rng.uniform(0.15, 0.7))) for i in picks)
+        procedures = tuple((proc_pool[i], float(rng.uniform(0.1, 0.5))) for i in picks)
         slots = []
         for _ in range(rng.integers(2, 6) if chronic else rng.integers(2, 6)):
-            n_alts = rng.integers(2, 5) if chronic else rng.integers(1, 3)
-            alts = rng.choice(n_med, size=n_alts, replace=False, p=med_weight)
-            weights = np.sort(rng.dirichlet(np.full(len(alts), 3.0)))[::-1]
-            slots.append((tuple(int(a) + N_WARD for a in alts),
-                          tuple(np.cumsum(weights).tolist())))
-        conditions.append(_Condition(chronic, tuple(core), secondary,
-                                     float(rng.uniform(0.05, 0.2)), procedures, tuple(slots)))
+            n_alts = rng.integers(3, 6) if chronic else rng.integers(2, 4)
+            alts = rng.choice(len(MEDICATIONS), size=n_alts, replace=False, p=med_weight[chronic])
+            site_weights = rng.dirichlet(np.full(n_alts, SITE_CONCENTRATION), size=N_SITES)
+            site_weights = tuple(tuple(w.tolist()) for w in site_weights)
+            slots.append((tuple(int(a) for a in alts), site_weights, 0))
+        conditions.append(
+            _Condition(
+                chronic,
+                tuple(core),
+                secondary,
+                float(rng.uniform(0.05, 0.2)),
+                procedures,
+                tuple(slots),
+            )
+        )
     _cover_all_medications(rng, conditions)
 
+    ward = np.linspace(0.9, 0.68, N_WARD)
     used = {code for cond in conditions for code in cond.core + cond.secondary}
     noise_diag = [code for code in diag_pool if code not in used]
     rng.shuffle(noise_diag)
-    noise_proc = proc_pool[len(proc_pool) // 4:]
+    noise_proc = proc_pool[len(proc_pool) // 4 :]
     rng.shuffle(noise_proc)
     comorbid = list(COMORBIDITY_DIAG) + noise_diag[:30]
     return _World(
@@ -204,7 +251,10 @@ def _build_world(seed: int) -> _World:
         chronic_cum=_zipf_cum(N_CHRONIC, 1.0, 2.0),
         acute_cum=_zipf_cum(N_ACUTE, 0.9, 2.0),
         n_chronic=N_CHRONIC,
-        ward_p=tuple(np.linspace(0.98, 0.7, N_WARD).tolist()),
+        ward_p=tuple(
+            tuple((ward * np.where(np.arange(N_WARD) == skip, 0.2, 1.0)).tolist())
+            for skip in rng.choice(N_WARD, size=N_SITES, replace=False)
+        ),
         comorbid=tuple(comorbid),
         comorbid_cum=_zipf_cum(len(comorbid), 1.0),
         noise_diag=tuple(noise_diag[30:]),
@@ -216,14 +266,14 @@ def _build_world(seed: int) -> _World:
 
 def _cover_all_medications(rng: np.random.Generator, conditions: list[_Condition]) -> None:
     """Add every slot medication no condition uses as an alternative of a random acute slot."""
-    used = {m for cond in conditions for alts, _ in cond.slots for m in alts}
+    used = {m for cond in conditions for alts, _, _ in cond.slots for m in alts}
     for med in range(N_WARD, len(MEDICATIONS)):
         if med in used:
             continue
         c = int(rng.integers(N_CHRONIC, len(conditions)))
         cond = conditions[c]
-        alts, cum = cond.slots[-1]
-        slot = (alts + (med,), cum + (cum[-1] * 1.25,))
+        alts, site_weights, _ = cond.slots[-1]
+        slot = (alts + (med,), tuple(w + (0.25,) for w in site_weights), 0)
         conditions[c] = replace(cond, slots=cond.slots[:-1] + (slot,))
 
 
@@ -245,20 +295,41 @@ def _n_visits(rng: random.Random) -> int:
         if u < p:
             return n
         u -= p
-    return rng.choices(_TAIL_VISITS, cum_weights=_TAIL_CUM)[0]
+    return 3 + _draw(rng, _TAIL_CUM)
 
 
-_TAIL_VISITS = tuple(range(3, MAX_VISITS + 1))
-_TAIL_CUM = _zipf_cum(len(_TAIL_VISITS), VISITS_TAIL)
+_TAIL_CUM = _zipf_cum(MAX_VISITS - 2, VISITS_TAIL)  # 3..MAX_VISITS visits
+_SEVERITY_CUM = tuple(np.cumsum(P_SEVERITY).tolist())
 
 
-def _pick(rng: random.Random, alts: tuple[int, ...], cum: tuple[float, ...],
-          taken: set[int], interacts: tuple[frozenset[int], ...]) -> int:
-    """One alternative of a slot, with interacting ones made unlikely."""
-    weights = [hi - lo for lo, hi in zip((0.0,) + cum[:-1], cum)]
-    if interacts:
-        weights = [w * DDI_AVOID if interacts[a] & taken else w for a, w in zip(alts, weights)]
-    return rng.choices(alts, weights=weights)[0]
+def _draw(rng: random.Random, cum: tuple[float, ...]) -> int:
+    """Index drawn with cumulative weights `cum` (what random.choices does, without overhead)."""
+    return bisect.bisect(cum, rng.random() * cum[-1], 0, len(cum) - 1)
+
+
+def _pick(
+    rng: random.Random,
+    alts: tuple[int, ...],
+    weights: tuple[float, ...],
+    partners: int,
+    taken: int,
+    interacts: tuple[int, ...],
+) -> int:
+    """One alternative of a slot, those interacting with the `taken` bit mask made unlikely.
+
+    `partners`: bit mask of every medication some alternative interacts with."""
+    if len(alts) == 1:
+        return alts[0]
+    if partners & taken:
+        weights = [
+            w * DDI_AVOID if interacts[a] & taken else w for a, w in zip(alts, weights, strict=True)
+        ]
+    u = rng.random() * sum(weights)
+    for a, w in zip(alts, weights, strict=True):
+        u -= w
+        if u < 0:
+            return a
+    return alts[-1]
 
 
 def _patient(world: _World, rng: random.Random) -> list[tuple[list, list, list]]:
@@ -266,53 +337,76 @@ def _patient(world: _World, rng: random.Random) -> list[tuple[list, list, list]]
     conds = world.conditions
     active: dict[int, list[int]] = {}  # condition id -> picked medication per slot
 
-    def taken() -> set[int]:
-        return {m for picks in active.values() for m in picks}
+    held = 0  # bit mask of the medications picked for the active conditions
+
+    def taken() -> int:
+        mask = 0
+        for picks in active.values():
+            for m in picks:
+                mask |= 1 << m
+        return mask
 
     def start(c: int) -> None:
+        nonlocal held
         if c not in active:
-            held = taken()
-            active[c] = [_pick(rng, alts, cum, held, world.interacts)
-                         for alts, cum in conds[c].slots]
+            picks = [
+                _pick(rng, alts, weights[site], partners, held, world.interacts)
+                for alts, weights, partners in conds[c].slots
+            ]
+            active[c] = picks
+            for m in picks:
+                held |= 1 << m
 
-    chronic_ids = range(world.n_chronic)
-    acute_ids = range(world.n_chronic, len(conds))
+    n_visits = _n_visits(rng)
+    site = rng.randrange(N_SITES)
     frailty = rng.gammavariate(FRAILTY_SHAPE, 1.0 / FRAILTY_SHAPE)  # mean 1
     for _ in range(_poisson(rng, CHRONIC_AT_START * frailty)):
-        start(rng.choices(chronic_ids, cum_weights=world.chronic_cum)[0])
-    comorbid = set(rng.choices(world.comorbid, cum_weights=world.comorbid_cum, k=N_COMORBID))
-    ward = [p if rng.random() >= P_WARD_OFF else p * 0.05 for p in world.ward_p]
+        start(_draw(rng, world.chronic_cum))
+    # a tuple, not a set: set order follows string hashes, which differ between processes
+    drawn = (world.comorbid[_draw(rng, world.comorbid_cum)] for _ in range(N_COMORBID))
+    comorbid = tuple(dict.fromkeys(drawn))
+    ward = [p if rng.random() >= P_WARD_OFF else p * 0.05 for p in world.ward_p[site]]
 
     visits = []
-    for v in range(_n_visits(rng)):
+    for v in range(n_visits):
         if v:
             for c in list(active):
                 keep = (1 - P_CHRONIC_RESOLVE) if conds[c].chronic else P_ACUTE_CARRY
                 if rng.random() >= keep:
                     del active[c]
+            held = taken()
             if rng.random() < P_CHRONIC_ONSET:
-                start(rng.choices(chronic_ids, cum_weights=world.chronic_cum)[0])
+                start(_draw(rng, world.chronic_cum))
             for c, picks in active.items():
-                for s, (alts, cum) in enumerate(conds[c].slots):
+                for s, (alts, weights, partners) in enumerate(conds[c].slots):
                     if len(alts) > 1 and rng.random() < P_SWITCH:
-                        picks[s] = _pick(rng, alts, cum, taken(), world.interacts)
-        for _ in range(1 + _poisson(rng, ACUTE_EXTRA * frailty)):
-            start(rng.choices(acute_ids, cum_weights=world.acute_cum)[0])
+                        picks[s] = _pick(
+                            rng, alts, weights[site], partners, taken(), world.interacts
+                        )
+                        held = taken()
+        burden = rng.gammavariate(VISIT_SHAPE, 1.0 / VISIT_SHAPE)  # mean 1
+        for _ in range(1 + _poisson(rng, ACUTE_EXTRA * frailty * burden)):
+            start(world.n_chronic + _draw(rng, world.acute_cum))
         visits.append(_emit(world, rng, active, comorbid, ward))
     return visits
 
 
-def _emit(world: _World, rng: random.Random, active: dict[int, list[int]], comorbid: set[str],
-          ward: list[float]) -> tuple[list, list, list]:
+def _emit(
+    world: _World,
+    rng: random.Random,
+    active: dict[int, list[int]],
+    comorbid: tuple[str, ...],
+    ward: list[float],
+) -> tuple[list, list, list]:
     """One visit's codes from the active conditions, the severity and the background."""
     rand = rng.random
     diag: dict[str, None] = {}  # ordered sets
     proc: dict[str, None] = {}
     meds: dict[int, None] = {}
-    severity = rng.choices((0, 1, 2, 3), weights=P_SEVERITY)[0]
+    severity = _draw(rng, _SEVERITY_CUM)
     for c, picks in active.items():
         cond = world.conditions[c]
-        p_slot = P_SLOT_CHRONIC if cond.chronic else P_SLOT[severity]
+        p_slot = P_SLOT[cond.chronic][severity]
         p_core = P_CORE[0] if cond.chronic else P_CORE[1]
         for code in cond.core:
             if rand() < p_core:
@@ -340,11 +434,11 @@ def _emit(world: _World, rng: random.Random, active: dict[int, list[int]], comor
         if rand() < p * scale:
             meds[med] = None
     n_noise = _poisson(rng, rng.gammavariate(2.0, NOISE_DIAG / 2.0))
-    for code in rng.choices(world.noise_diag, cum_weights=world.noise_diag_cum, k=n_noise):
-        diag[code] = None
-    n_noise = _poisson(rng, rng.gammavariate(0.6, NOISE_PROC * (0.5 + severity) / 0.6))
-    for code in rng.choices(world.noise_proc, cum_weights=world.noise_proc_cum, k=n_noise):
-        proc[code] = None
+    for _ in range(n_noise):
+        diag[world.noise_diag[_draw(rng, world.noise_diag_cum)]] = None
+    n_noise = _poisson(rng, rng.gammavariate(0.4, NOISE_PROC * (0.5 + severity) / 0.4))
+    for _ in range(n_noise):
+        proc[world.noise_proc[_draw(rng, world.noise_proc_cum)]] = None
     if not diag:  # every visit has a reason: the core code of its newest condition
         diag[world.conditions[next(reversed(active))].core[0]] = None
     if not meds:
@@ -386,20 +480,41 @@ def _choose_ddi(world: _World, seed: int) -> list[tuple[int, int]]:
     return sorted((int(a[i]), int(b[i])) for i in chosen)
 
 
+def _with_ddi(world: _World, pairs: list[tuple[int, int]]) -> _World:
+    """The world with its interaction masks filled in, per medication and per slot."""
+    interacts = [0] * len(MEDICATIONS)
+    for a, b in pairs:
+        interacts[a] |= 1 << b
+        interacts[b] |= 1 << a
+
+    def partners(alts: tuple[int, ...]) -> int:
+        return functools.reduce(operator.or_, (interacts[a] for a in alts), 0)
+
+    conditions = tuple(
+        replace(cond, slots=tuple((a, w, partners(a)) for a, w, _ in cond.slots))
+        for cond in world.conditions
+    )
+    return replace(world, conditions=conditions, interacts=tuple(interacts))
+
+
 # -- writing --------------------------------------------------------------------------------
 
 
-def _batches(world: _World, patients: int, seed: int, row_group_size: int,
-             ) -> Iterator[pa.Table]:
+def _batches(
+    world: _World,
+    patients: int,
+    seed: int,
+    row_group_size: int,
+) -> Iterator[pa.Table]:
     split_names = np.asarray(SPLITS, dtype=object)[split_patients(patients, seed)]
-    width = len(str(patients - 1))
+    width = max(7, len(str(patients - 1)))  # ids do not depend on the cohort size
     columns = {name: [] for name in VISITS_SCHEMA.names}
     for i in range(patients):
         pid = f"P{i:0{width}d}"
         for seq, (diag, proc, meds) in enumerate(_patient(world, _patient_rng(seed, i))):
             codes = [MEDICATIONS[m] for m in meds]
-            for name, value in zip(VISITS_SCHEMA.names, (
-                    pid, f"{pid}-{seq}", seq, diag, proc, codes, split_names[i])):
+            row = (pid, f"{pid}-{seq}", seq, diag, proc, codes, split_names[i])
+            for name, value in zip(VISITS_SCHEMA.names, row, strict=True):
                 columns[name].append(value)
         if len(columns["visit_id"]) >= row_group_size or i == patients - 1:
             yield pa.table(columns, schema=VISITS_SCHEMA)
@@ -407,13 +522,15 @@ def _batches(world: _World, patients: int, seed: int, row_group_size: int,
 
 
 def generate(
-    out_dir: str | os.PathLike, patients: int = 6350, seed: int = 0,
+    out_dir: str | os.PathLike,
+    patients: int = 6350,
+    seed: int = 0,
     row_group_size: int = DEFAULT_ROW_GROUP,
 ) -> Path:
     """Write a synthetic dataset (`visits.parquet` with a split column, `ddi.parquet`).
 
-    Deterministic for (patients, seed); row groups hold whole patients, about
-    `row_group_size` visits each. Returns the dataset directory.
+    Deterministic for (patients, seed). Row groups hold whole patients: `row_group_size`
+    visits or a few more each. Returns the dataset directory.
     """
     if patients < 1:
         raise ValueError("patients must be at least 1")
@@ -422,12 +539,9 @@ def generate(
     out = Path(out_dir)
     world = _build_world(seed)
     ddi = _choose_ddi(world, seed)
-    interacts = [set() for _ in MEDICATIONS]
-    for a, b in ddi:
-        interacts[a].add(b)
-        interacts[b].add(a)
-    world = replace(world, interacts=tuple(frozenset(s) for s in interacts))
+    world = _with_ddi(world, ddi)
     write_ddi(out / DDI_FILE, [(MEDICATIONS[a], MEDICATIONS[b]) for a, b in ddi])
-    write_visits(out / VISITS_FILE, _batches(world, patients, seed, row_group_size),
-                 row_group_size=None)
+    write_visits(
+        out / VISITS_FILE, _batches(world, patients, seed, row_group_size), row_group_size=None
+    )
     return out
