@@ -28,9 +28,13 @@ ABLATION_CHOICES = ("none", "no-copy", "no-visit-score", "no-graph", "no-diagnos
 @click.option("--device", default="cpu", show_default=True, help="cpu, cuda, cuda:1, ...")
 @click.option("--ablation", default="none", show_default=True,
               type=click.Choice(ABLATION_CHOICES), help="Paper Table 4 variants.")
+@click.option("--threads", type=click.IntRange(1), default=None,
+              help="torch intra-op threads (default: torch's choice). Use 1 on a shared "
+                   "machine: torch's thread pool stalls when another job holds a core.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 @handle_errors
-def train(data_dir, out, epochs, seed, lr, batch_size, patience, device, ablation, quiet):
+def train(data_dir, out, epochs, seed, lr, batch_size, patience, device, ablation, threads,
+          quiet):
     """Train COGNet on the train split, keeping the epoch with the best validation Jaccard.
 
     \b
@@ -42,7 +46,8 @@ def train(data_dir, out, epochs, seed, lr, batch_size, patience, device, ablatio
     from cognet.train import TrainConfig, train as run_train
 
     setup_logging()
-    torch.set_num_threads(max(1, torch.get_num_threads()))
+    if threads:
+        torch.set_num_threads(threads)
     cfg = TrainConfig(epochs=epochs, lr=lr, batch_size=batch_size, seed=seed,
                       patience=patience, ablation=ablation, device=device)
 

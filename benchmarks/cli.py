@@ -1,0 +1,321 @@
+"""The `cognet-bench` command line: every engine side by side, written as results.json,
+results.md and throughput.png (see BENCHMARKS.md for the method)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import click
+
+from cognet.clitools import handle_errors, setup_logging
+from cognet.errors import InputError
+
+log = logging.getLogger(__name__)
+
+DEMO_PATIENTS, DEMO_EPOCHS = 2000, 8  # the Makefile's `make demo` model
+QUICK = {  # --quick: a smoke run of seconds (what CI runs)
+    "batch_sizes": "1,8",
+    "beams": "1,4",
+    "repeats": 1,
+    "visits": 16,
+    "perpatient_visits": 4,
+    "past_visits": "0,2",
+    "input_sizes": "300",
+}
+
+
+def _ints(text: str, name: str) -> tuple[int, ...]:
+    scale = {"k": 1_000, "m": 1_000_000}
+    try:
+        out = tuple(
+            int(float(t[:-1]) * scale[t[-1].lower()]) if t[-1].lower() in scale else int(t)
+            for t in (p.strip() for p in text.split(","))
+            if t
+        )
+    except (ValueError, IndexError):
+        raise click.BadParameter(
+            f"expected comma-separated integers, got {text!r}", param_hint=name
+        ) from None
+    if any(x < 0 for x in out):
+        raise click.BadParameter("values must be >= 0", param_hint=name)
+    return out
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option(
+    "--model",
+    "model_dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    help="Model directory from cognet-export (default: build the demo model into "
+    "OUT/demo, or reuse it).",
+)
+@click.option(
+    "--checkpoint",
+    type=click.Path(file_okay=False, path_type=Path),
+    help="The torch checkpoint the model was exported from (torch engines and the "
+    "correctness guard; default: MODEL/../ckpt when its hash matches).",
+)
+@click.option(
+    "--data",
+    "data_dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    help="Dataset directory whose patients are scored (default: synthetic patients "
+    "the demo model never saw).",
+)
+@click.option(
+    "--out",
+    type=click.Path(file_okay=False, path_type=Path),
+    default="bench",
+    show_default=True,
+    help="Where results.json, results.md, throughput.png go.",
+)
+@click.option(
+    "--batch-sizes", default="1,16,256,4096", show_default=True, help="Visits decoded together."
+)
+@click.option("--beams", default="1,4", show_default=True, help="Beam widths.")
+@click.option(
+    "--repeats",
+    type=click.IntRange(min=1),
+    default=3,
+    show_default=True,
+    help="Timed passes per run (the median is reported).",
+)
+@click.option(
+    "--engines",
+    "engine_names",
+    default="all",
+    show_default=True,
+    help="Comma-separated subset of: torch-perpatient, torch-batched, ort-cpu, "
+    "ort-cuda, ort-tensorrt, torch-cuda.",
+)
+@click.option(
+    "--threads",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="Intra-op threads of every engine (torch and ONNX Runtime alike).",
+)
+@click.option(
+    "--visits",
+    type=click.IntRange(min=1),
+    default=256,
+    show_default=True,
+    help="Visits per run (a batch size above it runs one full batch).",
+)
+@click.option(
+    "--perpatient-visits",
+    type=click.IntRange(min=1),
+    default=64,
+    show_default=True,
+    help="Visits decoded by the slow torch-perpatient engine.",
+)
+@click.option(
+    "--past-visits",
+    default="0,1,4,16",
+    show_default=True,
+    help="Points of the throughput-against-history series ('' to skip).",
+)
+@click.option(
+    "--input-sizes",
+    default="10k,50k",
+    show_default=True,
+    help="Rows of the cognet-batch end-to-end series, e.g. 10k,100k,1M for the "
+    "large points (minutes each); '' to skip.",
+)
+@click.option(
+    "--max-run-seconds",
+    type=click.FloatRange(min=0),
+    default=45.0,
+    show_default=True,
+    help="Time budget of one run: no repeat starts that would end past it (the "
+    "first always runs), and an engine skips a batch size whose one pass is "
+    "estimated to take longer.",
+)
+@click.option(
+    "--profile/--no-profile",
+    default=True,
+    show_default=True,
+    help="Profile ort-cpu (graphs, operators, Python) at its best batch size.",
+)
+@click.option("--quick", is_flag=True, help="A smoke run of seconds: tiny sizes, 1 repeat.")
+@click.option("--verbose", is_flag=True, help="Log what happens on stderr.")
+@handle_errors
+def main(
+    model_dir,
+    checkpoint,
+    data_dir,
+    out,
+    batch_sizes,
+    beams,
+    repeats,
+    engine_names,
+    threads,
+    visits,
+    perpatient_visits,
+    past_visits,
+    input_sizes,
+    max_run_seconds,
+    profile,
+    quick,
+    verbose,
+):
+    """Measure cognet's inference engines side by side on the same model and visits.
+
+    Engines: torch-perpatient (the paper's way: one patient at a time, no KV cache),
+    torch-batched (cognet's torch reference), ort-cpu (the runtime), and on a GPU ort-cuda,
+    ort-tensorrt, torch-cuda (skipped with a reason where unavailable). Every engine's
+    recommendations are compared with torch-batched's.
+
+    \b
+    Example:
+      cognet-bench --out bench                          # builds the demo model first
+      cognet-bench --model demo/model --data demo/data --out bench --beams 4
+    """
+    setup_logging(verbose)
+    from cognet.benchmarks import engines as eng
+    from cognet.benchmarks.harness import Settings, run_all
+    from cognet.benchmarks.report import ratios, write_all
+
+    if quick:
+        ctx = click.get_current_context()
+        given = {k for k in QUICK if ctx.get_parameter_source(k).name != "DEFAULT"}
+        values = {k: v for k, v in QUICK.items() if k not in given}
+        batch_sizes = values.get("batch_sizes", batch_sizes)
+        beams = values.get("beams", beams)
+        repeats = values.get("repeats", repeats)
+        visits = values.get("visits", visits)
+        perpatient_visits = values.get("perpatient_visits", perpatient_visits)
+        past_visits = values.get("past_visits", past_visits)
+        input_sizes = values.get("input_sizes", input_sizes)
+    names = (
+        eng.ENGINES
+        if engine_names.strip() == "all"
+        else tuple(n.strip() for n in engine_names.split(",") if n.strip())
+    )
+    try:
+        settings = Settings(
+            batch_sizes=_ints(batch_sizes, "--batch-sizes"),
+            beams=_ints(beams, "--beams"),
+            repeats=repeats,
+            engines=names,
+            threads=threads,
+            visits=visits,
+            perpatient_visits=perpatient_visits,
+            past_visits=_ints(past_visits, "--past-visits"),
+            input_sizes=_ints(input_sizes, "--input-sizes"),
+            max_run_s=max_run_seconds,
+            profile=profile,
+            **({"warmup_visits": 4, "past_visits_n": 8, "series_batch_size": 8} if quick else {}),
+        )
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from None
+
+    import torch
+
+    torch.set_num_threads(threads)  # also for the demo training: see BENCHMARKS.md
+    out.mkdir(parents=True, exist_ok=True)
+    notes = []
+    if model_dir is None:
+        model_dir, checkpoint, note = demo_model(out / "demo", quick)
+        notes.append(note)
+    elif checkpoint is None:
+        checkpoint = find_checkpoint(model_dir)
+        if checkpoint is not None:
+            notes.append(f"torch checkpoint: {checkpoint} (its hash matches the manifest's)")
+    ctx = make_context(model_dir, checkpoint, data_dir, out, settings, notes)
+    started = time.perf_counter()
+    results = run_all(ctx, settings, say=lambda s: click.echo(s, err=True))
+    results["seconds"] = round(time.perf_counter() - started, 1)
+    paths = write_all(results, out)
+    for beam in settings.beams:
+        for base, r in ratios(results, beam).items():
+            click.echo(
+                f"beam {beam}: ort-cpu ({r['engine_mode']}, batch {r['engine_batch_size']}) "
+                f"{r['ratio']:.1f}x {base} at best batch sizes "
+                f"({r['engine_visits_per_s']:.1f} vs {r['baseline_visits_per_s']:.1f} "
+                "visits/s)"
+            )
+    bad = [
+        r
+        for r in results["runs"] + results["series"]["past_visits"]
+        if r["matches_reference"] is False
+    ]
+    if bad:
+        click.echo(
+            f"WARNING: {len(bad)} run(s) differ from torch-batched (see results.md)", err=True
+        )
+    click.echo("wrote " + ", ".join(str(p) for p in paths))
+
+
+def demo_model(root: Path, quick: bool = False) -> tuple[Path, Path, str]:
+    """The `make demo` model (synthetic data, short training, export) under root; reused
+    when already there. Returns (model dir, checkpoint dir, a note saying which)."""
+    model, ckpt = root / "model", root / "ckpt"
+    if (model / "manifest.json").is_file() and (ckpt / "config.json").is_file():
+        note = f"reused the demo model in {root} (delete it to rebuild)"
+        click.echo(note, err=True)
+        return model, ckpt, note
+    patients, epochs = (300, 1) if quick else (DEMO_PATIENTS, DEMO_EPOCHS)
+    click.echo(
+        f"no --model: building the demo model in {root} (synthetic data, {patients} "
+        f"patients, {epochs} epoch(s) of training, export)",
+        err=True,
+    )
+    from cognet.export import export
+
+    from cognet.synth import generate
+    from cognet.train import TrainConfig, train
+
+    started = time.perf_counter()
+    generate(root / "data", patients=patients, seed=0)
+    train(root / "data", ckpt, TrainConfig(epochs=epochs, seed=0))
+    export(ckpt, model)
+    note = (
+        f"built the demo model in {root} ({patients} synthetic patients, {epochs} "
+        f"epoch(s), {time.perf_counter() - started:.0f}s)"
+    )
+    return model, ckpt, note
+
+
+def find_checkpoint(model_dir: Path) -> Path | None:
+    """MODEL/../ckpt when it is the checkpoint the model was exported from."""
+    from cognet.checkpoint import checkpoint_hash
+    from cognet.manifest import load_manifest
+
+    candidate = model_dir.parent / "ckpt"
+    if not (candidate / "config.json").is_file():
+        return None
+    try:
+        same = checkpoint_hash(candidate) == load_manifest(model_dir).checkpoint_sha256
+    except (OSError, InputError):
+        return None
+    return candidate if same else None
+
+
+def make_context(
+    model_dir: Path,
+    checkpoint: Path | None,
+    data_dir: Path | None,
+    out: Path,
+    settings,
+    notes: list[str],
+):
+    from cognet.benchmarks.harness import Context
+    from cognet.benchmarks.workload import Pool, dataset_visits, synthetic_visits
+
+    from cognet.manifest import load_manifest
+
+    vocab = load_manifest(model_dir).vocabulary()
+    need = settings.pool_size
+    if data_dir is None:
+        table = synthetic_visits(out / "demo" / "pool", need)
+        source = "synthetic patients (seed 0) unseen in training"
+    else:
+        table = dataset_visits(data_dir)
+        source = f"{data_dir}/visits.parquet"
+    pool = Pool.at_least(table, vocab, need, source)
+    work = out / "work"
+    work.mkdir(parents=True, exist_ok=True)
+    return Context(model_dir, checkpoint, pool, work, notes)

@@ -1,0 +1,237 @@
+"""The engines `cognet-bench` compares, behind one small interface.
+
+An engine decodes a `workload.Batch` at a beam width and returns, untimed afterwards, the
+recommended medication codes of each scored visit. Engines:
+
+- `torch-perpatient`: the paper's way (`benchmarks.perpatient`): one patient at a time, no
+  KV cache, a Python beam object per visit;
+- `torch-batched`: the torch reference batched beam search (`cognet.decode.beam_search`);
+- `torch-cuda`: the same on a CUDA device;
+- `ort-cpu`, `ort-cuda`, `ort-tensorrt`: the runtime (`cognet.runtime.Scorer`) on each
+  ONNX Runtime execution provider.
+
+`availability(name)` says why an engine cannot run here (None when it can), so that the
+results name every skipped engine with its reason.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+from cognet.benchmarks.workload import Batch
+
+ENGINES = ("torch-perpatient", "torch-batched", "ort-cpu", "ort-cuda", "ort-tensorrt", "torch-cuda")
+TORCH_ENGINES = ("torch-perpatient", "torch-batched", "torch-cuda")
+ORT_DEVICES = {"ort-cpu": "cpu", "ort-cuda": "cuda", "ort-tensorrt": "tensorrt"}
+GPU_ENGINES = ("ort-cuda", "ort-tensorrt", "torch-cuda")
+
+
+class Engine(Protocol):
+    name: str
+    providers: list[str]
+    load_s: float  # seconds to load the model (first load)
+
+    def prepare(self, beam: int, batch_size: int) -> None:
+        """Set beam width and batch size before the runs that use them."""
+
+    def run(self, batch: Batch) -> Any:
+        """Decode the batch (timed)."""
+
+    def recommendations(self, batch: Batch, output: Any) -> dict[str, tuple[str, ...]]:
+        """visit_id -> medication codes in generation order (untimed)."""
+
+    def gpu_memory_mb(self) -> float | None:
+        """Peak device memory since the last `prepare`, when the engine uses a GPU."""
+
+    def release(self) -> None:
+        """Drop what the last run allocated (so that it does not count in the next run)."""
+
+
+def availability(name: str, checkpoint: Path | None) -> str | None:
+    """Why `name` cannot run on this machine, or None."""
+    if name not in ENGINES:
+        return f"unknown engine (choose from {', '.join(ENGINES)})"
+    if name in TORCH_ENGINES:
+        if checkpoint is None:
+            return "needs the torch checkpoint (--checkpoint)"
+        try:
+            import torch
+        except ImportError:
+            return "torch is not installed"
+        if name == "torch-cuda" and not torch.cuda.is_available():
+            return "torch.cuda.is_available() is False"
+        return None
+    try:
+        import onnxruntime as ort
+    except ImportError:
+        return "onnxruntime is not installed"
+    wanted = {"ort-cuda": "CUDAExecutionProvider", "ort-tensorrt": "TensorrtExecutionProvider"}.get(
+        name
+    )
+    if wanted and wanted not in ort.get_available_providers():
+        return (
+            f"onnxruntime has no {wanted} (available: {', '.join(ort.get_available_providers())})"
+        )
+    return None
+
+
+def load(name: str, model_dir: Path, checkpoint: Path | None, threads: int) -> Engine:
+    if name in ORT_DEVICES:
+        return OrtEngine(name, model_dir, threads)
+    if name == "torch-perpatient":
+        return TorchPerPatient(checkpoint, threads)
+    return TorchBatched(name, checkpoint, threads, "cuda" if name == "torch-cuda" else "cpu")
+
+
+class _TorchBase:
+    def __init__(self, name: str, checkpoint: Path, threads: int, device: str = "cpu"):
+        import torch
+
+        from cognet import checkpoint as ckpt
+
+        torch.set_num_threads(threads)
+        started = time.perf_counter()
+        self.model, self.vocab, _ = ckpt.load(checkpoint, device=device)
+        self.load_s = time.perf_counter() - started
+        self.name, self.device = name, device
+        self.providers = [f"torch {torch.__version__} {device}"]
+        self.beam = 4
+
+    def prepare(self, beam: int, batch_size: int) -> None:
+        self.beam = beam
+        if self.device == "cuda":
+            import torch
+
+            torch.cuda.reset_peak_memory_stats()
+
+    def recommendations(self, batch: Batch, output) -> dict[str, tuple[str, ...]]:
+        codes = self.vocab.medications
+        return {
+            vid: tuple(codes[m] for m in meds)
+            for vid, meds in zip(batch.visit_ids, output, strict=True)
+        }
+
+    def gpu_memory_mb(self) -> float | None:
+        if self.device != "cuda":
+            return None
+        import torch
+
+        return torch.cuda.max_memory_allocated() / 2**20
+
+    def release(self) -> None:
+        if self.device == "cuda":
+            import torch
+
+            torch.cuda.empty_cache()
+
+
+class TorchBatched(_TorchBase):
+    """`cognet.decode.beam_search` over the scored visits of the batch, all at once."""
+
+    def run(self, batch: Batch) -> list[tuple[int, ...]]:
+        import torch
+
+        from cognet.batching import make_batch
+        from cognet.decode import beam_search
+
+        tensors = make_batch(batch.patients, self.vocab, targets=False)
+        last = torch.as_tensor(_last_rows(batch.patients))
+        if self.device != "cpu":
+            tensors = {k: v.to(self.device) for k, v in tensors.items()}
+            last = last.to(self.device)
+        return [d.meds for d in beam_search(self.model, tensors, beam=self.beam, rows=last)]
+
+
+class TorchPerPatient(_TorchBase):
+    def __init__(self, checkpoint: Path, threads: int):
+        super().__init__("torch-perpatient", checkpoint, threads)
+
+    def run(self, batch: Batch) -> list[tuple[int, ...]]:
+        from cognet.benchmarks.perpatient import decode_perpatient
+
+        return decode_perpatient(self.model, batch.patients, self.vocab, self.beam)
+
+
+class OrtEngine:
+    """`cognet.runtime.Scorer` on one execution provider; one scorer per (beam, batch size)."""
+
+    def __init__(self, name: str, model_dir: Path, threads: int):
+        self.name, self.model_dir, self.threads = name, model_dir, threads
+        self.device = ORT_DEVICES[name]
+        self.scorer = None
+        self.load_s = self._load(4, 256)
+        self.providers = list(self.scorer.providers)
+
+    def _load(self, beam: int, batch_size: int) -> float:
+        from cognet.runtime import Scorer
+
+        started = time.perf_counter()
+        self.scorer = None  # free the previous sessions first
+        self.scorer = Scorer(
+            self.model_dir,
+            device=self.device,
+            beam=beam,
+            batch_size=batch_size,
+            threads=self.threads,
+        )
+        return time.perf_counter() - started
+
+    def prepare(self, beam: int, batch_size: int) -> None:
+        if self.scorer is None or (
+            self.scorer.settings()["beam"],
+            self.scorer.settings()["batch_size"],
+        ) != (beam, batch_size):
+            self._load(beam, batch_size)
+
+    def release(self) -> None:
+        self.scorer = None  # its sessions' memory arenas go with it
+
+    def run(self, batch: Batch):
+        return [chunk.recommendations for chunk in self.scorer.score_table(batch.table)]
+
+    def recommendations(self, batch: Batch, output) -> dict[str, tuple[str, ...]]:
+        out = {}
+        for table in output:
+            for vid, meds in zip(
+                table["visit_id"].to_pylist(), table["medications"].to_pylist(), strict=True
+            ):
+                out[vid] = tuple(meds)
+        return out
+
+    def gpu_memory_mb(self) -> float | None:
+        if self.device == "cpu":
+            return None
+        return nvidia_smi_memory_mb()
+
+
+def nvidia_smi_memory_mb() -> float | None:
+    """GPU memory this process holds now, from nvidia-smi (None when unavailable)."""
+    import os
+    import subprocess
+
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    for line in out.splitlines():
+        pid, _, used = line.partition(",")
+        if pid.strip() == str(os.getpid()):
+            return float(used)
+    return None
+
+
+def _last_rows(patients: Sequence[Sequence]) -> list[int]:
+    rows, at = [], 0
+    for p in patients:
+        at += len(p)
+        rows.append(at - 1)
+    return rows

@@ -1,0 +1,273 @@
+"""results.json -> results.md (tables) and throughput.png (matplotlib, Agg backend)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+BASELINES = ("torch-batched", "torch-perpatient")
+MAIN = "ort-cpu"
+
+
+def write_all(results: dict, out: Path) -> list[Path]:
+    out.mkdir(parents=True, exist_ok=True)
+    paths = [out / "results.json", out / "results.md", out / "throughput.png"]
+    paths[0].write_text(json.dumps(results, indent=1) + "\n")
+    paths[1].write_text(markdown(results))
+    plot(results, paths[2])
+    return paths
+
+
+def ratios(results: dict, beam: int = 4, engine: str = MAIN, mode: str | None = None) -> dict:
+    """visits/s of `engine` at its best batch size (among runs of `mode`, default any) over
+    each baseline at its own best."""
+    best: dict[str, dict] = {}
+    for run in results["runs"]:
+        if run["beam"] != beam or (run["engine"] == engine and mode and _mode(run) != mode):
+            continue
+        if run["visits_per_s"] > best.get(run["engine"], {"visits_per_s": 0})["visits_per_s"]:
+            best[run["engine"]] = run
+    if engine not in best:
+        return {}
+    mine = best[engine]
+    out = {}
+    for base in BASELINES:
+        if base in best:
+            out[base] = {
+                "ratio": mine["visits_per_s"] / best[base]["visits_per_s"],
+                "engine_batch_size": mine["batch_size"],
+                "engine_mode": _mode(mine),
+                "engine_visits_per_s": mine["visits_per_s"],
+                "baseline_batch_size": best[base]["batch_size"],
+                "baseline_visits_per_s": best[base]["visits_per_s"],
+            }
+    return out
+
+
+def markdown(results: dict) -> str:
+    m, s = results["machine"], results["settings"]
+    lines = [
+        "# cognet-bench results",
+        "",
+        f"Machine: {m['cpu']}, {m['cores']} cores available, {m['memory_gb']} GB; "
+        f"GPU: {m['gpu'] or 'none'}; {m['threads']} intra-op thread(s) per engine; "
+        f"load average {_load(m.get('load_average_start'))} at start, "
+        f"{_load(m.get('load_average_end'))} at the end.",
+        "Versions: " + ", ".join(f"{k} {v}" for k, v in m["versions"].items() if v) + ".",
+        f"Model: `{s['model']}`. Workload: {_workload(results['workload'])}.",
+        f"Each run: one warm-up batch, then {s['repeats']} repeat(s) over the same "
+        "batches, the engines taking turns pass by pass; visits/s and meds/s are the median "
+        "over repeats, latency percentiles are over every batch of every repeat. "
+        "(stream): the run's visits handed to the runtime in one call, which it chunks, sorts "
+        "and batches itself, as `cognet-batch score` does (no per-batch latency).",
+        "",
+    ]
+    for beam in s["beams"]:
+        for mode in (None, "request"):
+            r = ratios(results, beam, mode=mode)
+            if not r or (
+                mode and all(v["engine_mode"] == mode for v in ratios(results, beam).values())
+            ):
+                continue  # the request-only line only when it differs
+            lines.append(
+                f"**Beam {beam}**{' (request mode)' if mode else ''}: "
+                + "; ".join(
+                    f"{MAIN} ({'stream, ' if v['engine_mode'] == 'stream' else ''}batch "
+                    f"{v['engine_batch_size']}) = **{v['ratio']:.1f}x** {k} "
+                    f"(batch {v['baseline_batch_size']})"
+                    for k, v in r.items()
+                )
+                + "."
+            )
+    lines += [
+        "",
+        "## Throughput and latency",
+        "",
+        "| engine | beam | batch | visits/s | meds/s | p50 ms | p90 ms | p99 ms "
+        "| peak RSS MB | GPU MB | matches torch-batched |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for run in sorted(results["runs"], key=lambda r: (r["beam"], r["engine"], r["batch_size"])):
+        lat = run["latency_ms"]
+        lines.append(
+            f"| {_label(run)} | {run['beam']} | {_batch(run)} | {run['visits_per_s']:.1f} "
+            f"| {run['meds_per_s']:.0f} | {_num(lat['p50'], '.1f')} | {_num(lat['p90'], '.1f')} "
+            f"| {_num(lat['p99'], '.1f')} | {run['peak_rss_mb']:.0f} "
+            f"| {_num(run.get('gpu_mem_mb'), '.0f', '')} "
+            f"| {_guard(run)} |"
+        )
+    lines += [
+        "",
+        "## Engines",
+        "",
+        "| engine | status | model load s | providers / reason |",
+        "|---|---|---:|---|",
+    ]
+    for name, e in results["engines"].items():
+        if e["status"] == "ok":
+            lines.append(f"| {name} | ok | {e['load_s']:.2f} | {', '.join(e['providers'])} |")
+        else:
+            lines.append(f"| {name} | skipped | | {e['reason']} |")
+    past = results["series"].get("past_visits") or []
+    if past:
+        lines += [
+            "",
+            f"## Throughput against past visits (beam {s['series_beam']}, "
+            f"batch {past[0]['batch_size']}, {s['past_visits_n']} visits per point)",
+            "",
+            "| past visits | engine | visits/s | meds/s | p50 ms | matches |",
+            "|---:|---|---:|---:|---:|---|",
+        ]
+        for run in past:
+            lines.append(
+                f"| {run['past_visits']} | {run['engine']} | "
+                f"{run['visits_per_s']:.1f} | {run['meds_per_s']:.0f} | "
+                f"{run['latency_ms']['p50']:.1f} | {_guard(run)} |"
+            )
+    sizes = results["series"].get("input_size") or []
+    if sizes:
+        lines += [
+            "",
+            f"## End to end: `cognet-batch score` (beam {s['series_beam']}, batch "
+            f"{s['series_batch_size']}, ort-cpu, a fresh process per point)",
+            "",
+            "| input rows | visits scored | wall s | rows/s | scored visits/s | peak RSS MB |",
+            "|---:|---:|---:|---:|---:|---:|",
+        ]
+        for p in sizes:
+            err = f" (failed: {p['error']})" if p.get("error") else ""
+            lines.append(
+                f"| {p['rows']} | {p['visits_scored']} | {p['seconds']:.1f} | "
+                f"{p['rows_per_s']:.0f} | {p['visits_per_s']:.1f}{err} | "
+                f"{_num(p['peak_rss_mb'])} |"
+            )
+    prof = results.get("profile")
+    if prof:
+        lines += [
+            "",
+            f"## Where the time goes: {_label(prof)}, beam {prof['beam']}, batch "
+            f"{prof['batch_size']} ({prof['visits']} visits, {prof['wall_s']:.2f}s)",
+            "",
+            "| part | seconds | share of wall time |",
+            "|---|---:|---:|",
+        ]
+        for graph, v in prof["graphs"].items():
+            lines.append(f"| graph `{graph}` | {v['seconds']:.2f} | {v['share']:.0%} |")
+        lines.append(
+            f"| Python (beam driver, assembly, Arrow) | {prof['python_s']:.2f} | "
+            f"{prof['python_share']:.0%} |"
+        )
+        for graph, ops in prof["operators"].items():
+            lines += [
+                "",
+                f"Operators of `{graph}` (ONNX Runtime profiler): "
+                + ", ".join(f"{o['op']} {o['share']:.0%}" for o in ops[:8])
+                + ".",
+            ]
+        lines += [
+            "",
+            "Python functions with the most own time, as shares of the Python time "
+            "(cProfile): "
+            + ", ".join(f"`{f['function']}` {f['share']:.0%}" for f in prof["python_functions"][:8])
+            + ".",
+        ]
+    skipped = results.get("runs_over_budget") or []
+    if skipped:
+        lines += [
+            "",
+            "Runs skipped by the time budget (`--max-run-seconds`): "
+            + "; ".join(
+                f"{_label(r)} beam {r['beam']} batch {r['batch_size']} ({r['reason']})"
+                for r in skipped
+            )
+            + ".",
+        ]
+    if results.get("notes"):
+        lines += ["", "## Notes", ""] + [f"- {n}" for n in results["notes"]]
+    return "\n".join(lines) + "\n"
+
+
+def plot(results: dict, path: Path) -> None:
+    """visits/s against batch size, log axes, one line per engine, a panel per beam."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    beams = sorted({r["beam"] for r in results["runs"]}) or [4]
+    fig, axes = plt.subplots(
+        1, len(beams), figsize=(5.5 * len(beams), 4.2), squeeze=False, sharey=True
+    )
+    for ax, beam in zip(axes[0], beams, strict=True):
+        for label in _labels(results["runs"]):
+            runs = sorted(
+                (r for r in results["runs"] if _label(r) == label and r["beam"] == beam),
+                key=lambda r: r["batch_size"],
+            )
+            if runs:
+                ax.plot(
+                    [r["batch_size"] for r in runs],
+                    [r["visits_per_s"] for r in runs],
+                    marker="o",
+                    linestyle="--" if _mode(runs[0]) == "stream" else "-",
+                    label=label,
+                )
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel("batch size (visits)")
+        ax.set_title(f"beam {beam}")
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0][0].set_ylabel("visits / s")
+    axes[0][-1].legend(fontsize=8)
+    m = results["machine"]
+    fig.suptitle(f"cognet-bench: {m['cpu']}, {m['threads']} thread(s)", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _labels(runs: Sequence[dict]) -> list[str]:
+    seen: list[str] = []
+    for r in runs:
+        if _label(r) not in seen:
+            seen.append(_label(r))
+    return seen
+
+
+def _mode(run: dict) -> str:
+    return run.get("mode") or "request"
+
+
+def _label(run: dict) -> str:
+    """The engine, plus "(stream)" for a run that handed the engine all its visits at once."""
+    return run["engine"] if _mode(run) == "request" else f"{run['engine']} (stream)"
+
+
+def _batch(run: dict) -> str:
+    return "1 patient" if run["engine"] == "torch-perpatient" else str(run["batch_size"])
+
+
+def _guard(run: dict) -> str:
+    if run["matches_reference"] is None:
+        return "n/a (no reference)"
+    if run["matches_reference"]:
+        return f"yes ({run['compared']})"
+    return f"**NO: {run['mismatches']} of {run['compared']} differ**"
+
+
+def _num(x, fmt: str = ".0f", missing: str = "-") -> str:
+    return missing if x is None else format(x, fmt)
+
+
+def _load(x) -> str:
+    return "?" if not x else "/".join(f"{v:.1f}" for v in x)
+
+
+def _workload(w: dict) -> str:
+    return (
+        f"{w['patients']} patients from {w['source']}; the last visit of each is scored "
+        f"with the earlier ones as history ({w['past_visits_mean']:.2f} past visits on "
+        f"average, at most {w['past_visits_max']}; {w['codes_mean']:.1f} diagnosis + "
+        "procedure codes per scored visit)"
+    )

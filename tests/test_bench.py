@@ -1,0 +1,159 @@
+"""cognet-bench: the smoke run writes its three files and every engine matches torch-batched;
+the paper-style engine decodes like the reference; the guard flags a wrong engine."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+from cognet.benchmarks.cli import main
+from cognet.benchmarks.harness import Guard
+from cognet.benchmarks.perpatient import decode_perpatient
+from cognet.benchmarks.report import markdown, ratios
+from tiny import make_tiny
+
+from cognet import checkpoint
+from cognet.batching import make_batch
+from cognet.decode import beam_search
+from cognet.evaluate import load_split
+from cognet.schema import read_dataset
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> dict[str, Path]:
+    from cognet.export import export
+
+    root = tmp_path_factory.mktemp("bench")
+    data, ckpt = make_tiny(root, n_patients=60)
+    export(ckpt, root / "model", validate=False)
+    return {"data": data, "ckpt": ckpt, "model": root / "model", "root": root}
+
+
+@pytest.fixture(scope="module")
+def quick_run(tiny) -> tuple[object, Path]:
+    out = tiny["root"] / "out"
+    result = CliRunner().invoke(
+        main,
+        [
+            "--quick",
+            "--model",
+            str(tiny["model"]),
+            "--checkpoint",
+            str(tiny["ckpt"]),
+            "--data",
+            str(tiny["data"]),
+            "--out",
+            str(out),
+        ],
+    )
+    return result, out
+
+
+def test_quick_run_writes_results_and_guard_passes(quick_run):
+    result, out = quick_run
+    assert result.exit_code == 0, result.output
+    for name in ("results.json", "results.md", "throughput.png"):
+        assert (out / name).stat().st_size > 0
+    results = json.loads((out / "results.json").read_text())
+    assert {"cpu", "cores", "versions"} <= set(results["machine"])
+    runs = results["runs"]
+    assert {r["engine"] for r in runs} == {"torch-perpatient", "torch-batched", "ort-cpu"}
+    assert {r["beam"] for r in runs} == {1, 4}
+    for run in runs + results["series"]["past_visits"]:
+        assert run["matches_reference"] is True, run
+        assert run["visits_per_s"] > 0 and run["meds_per_s"] > 0
+        assert set(run["latency_ms"]) == {"p50", "p90", "p99"}
+        for key in ("engine", "batch_size", "beam", "peak_rss_mb", "providers"):
+            assert key in run
+    assert [p["returncode"] for p in results["series"]["input_size"]] == [0]
+    assert results["series"]["input_size"][0]["visits_scored"] > 0
+
+
+def test_unavailable_engines_are_skipped_with_a_reason(quick_run):
+    _, out = quick_run
+    engines = json.loads((out / "results.json").read_text())["engines"]
+    assert set(engines) == {
+        "torch-perpatient",
+        "torch-batched",
+        "ort-cpu",
+        "ort-cuda",
+        "ort-tensorrt",
+        "torch-cuda",
+    }
+    for e in engines.values():
+        assert e["status"] in ("ok", "skipped")
+        if e["status"] == "skipped":
+            assert e["reason"]
+        else:
+            assert e["load_s"] >= 0
+    if not torch.cuda.is_available():
+        assert engines["torch-cuda"]["status"] == "skipped"
+
+
+def test_results_md_has_the_ratio_and_table(quick_run):
+    _, out = quick_run
+    text = (out / "results.md").read_text()
+    assert "| engine | beam | batch | visits/s |" in text
+    assert "x** torch-batched" in text and "x** torch-perpatient" in text
+
+
+@pytest.mark.parametrize("beam", [1, 4])
+def test_perpatient_decodes_like_the_reference(tiny, beam):
+    torch.set_num_threads(1)
+    model, vocab, _ = checkpoint.load(tiny["ckpt"])
+    visits = read_dataset(tiny["data"]).visits
+    patients = load_split(visits, vocab, "train").patients[:12]
+    batch = make_batch(patients, vocab, targets=False)
+    last = torch.tensor([sum(map(len, patients[: i + 1])) - 1 for i in range(len(patients))])
+    reference = [d.meds for d in beam_search(model, batch, beam=beam, rows=last)]
+    assert decode_perpatient(model, patients, vocab, beam) == reference
+
+
+def test_guard_flags_a_wrong_engine():
+    guard = Guard(reference=object())
+    guard.add(4, {"v1": ("A", "B"), "v2": ("C",)})
+    assert guard.compare(4, {"v1": ("A", "B"), "v2": ("C",)})["matches_reference"] is True
+    bad = guard.compare(4, {"v1": ("B", "A"), "v2": ("C",)})
+    assert bad["matches_reference"] is False and bad["mismatches"] == 1
+    assert bad["examples"][0]["visit_id"] == "v1"
+    assert Guard(None).compare(4, {"v1": ()})["matches_reference"] is None
+
+
+def test_ratios_take_each_engine_at_its_best_batch_size():
+    def run(engine, bs, vps):
+        return {"engine": engine, "batch_size": bs, "beam": 4, "visits_per_s": vps}
+
+    results = {
+        "runs": [
+            run("ort-cpu", 1, 100.0),
+            run("ort-cpu", 256, 1000.0),
+            run("torch-batched", 16, 250.0),
+            run("torch-batched", 256, 200.0),
+            run("torch-perpatient", 1, 10.0),
+        ]
+    }
+    r = ratios(results, beam=4)
+    assert r["torch-batched"]["ratio"] == pytest.approx(4.0)
+    assert r["torch-batched"]["baseline_batch_size"] == 16
+    assert r["torch-perpatient"]["ratio"] == pytest.approx(100.0)
+    assert ratios(results, beam=1) == {}
+
+
+def test_markdown_reports_a_mismatch(quick_run):
+    _, out = quick_run
+    results = json.loads((out / "results.json").read_text())
+    results["runs"][0].update(matches_reference=False, mismatches=2, compared=16)
+    assert "**NO: 2 of 16 differ**" in markdown(results)
+
+
+def test_help_and_usage_errors():
+    runner = CliRunner()
+    assert runner.invoke(main, ["--help"]).exit_code == 0
+    bad = runner.invoke(main, ["--engines", "nope", "--model", "x", "--out", "y"])
+    assert bad.exit_code == 2
+    assert "unknown engines" in bad.output
+    bad = runner.invoke(main, ["--batch-sizes", "1,x"])
+    assert bad.exit_code == 2
