@@ -26,7 +26,7 @@ install: $(VENV)/.installed
 demo: install
 	$(VENV)/bin/cognet data synth --out $(DEMO_DIR)/data --patients $(DEMO_PATIENTS) --seed 0
 	$(VENV)/bin/cognet data stats $(DEMO_DIR)/data
-	$(VENV)/bin/cognet train --data $(DEMO_DIR)/data --out $(DEMO_DIR)/ckpt --epochs $(DEMO_EPOCHS) --seed 0
+	$(VENV)/bin/cognet train --data $(DEMO_DIR)/data --out $(DEMO_DIR)/ckpt --epochs $(DEMO_EPOCHS) --seed 0 --threads 1 --quiet
 	$(VENV)/bin/cognet evaluate --checkpoint $(DEMO_DIR)/ckpt --data $(DEMO_DIR)/data --rounds 3
 	$(VENV)/bin/cognet-export --checkpoint $(DEMO_DIR)/ckpt --out $(DEMO_DIR)/model
 	$(PY) -m cognet.demo input $(DEMO_DIR)/data $(DEMO_DIR)/to_score.parquet
