@@ -14,7 +14,7 @@ from cognet.runtime import evaluation, reader, writer
 from cognet.runtime.scorer import Scorer
 from cognet.runtime.session import DEVICES
 
-from cognet.clitools import handle_errors, progress, setup_logging
+from cognet.clitools import ddi_options, ddi_policy, handle_errors, progress, setup_logging
 from cognet.errors import InputError
 
 
@@ -30,11 +30,12 @@ def main() -> None:
 
 # fmt: off
 @main.command()
-@click.argument("input_path", metavar="INPUT", type=click.Path(dir_okay=False))
+@click.argument("input_path", metavar="INPUT", type=click.Path())
 @click.option("--model", "model_dir", required=True, type=click.Path(file_okay=False),
               help="Model directory written by cognet-export.")
-@click.option("--out", required=True, type=click.Path(dir_okay=False),
-              help="Output Parquet file; rejected rows go to OUT with .rejects.parquet.")
+@click.option("--out", required=True, type=click.Path(),
+              help="Output Parquet file (--engine ray: a directory); rejected rows go to OUT "
+                   "with .rejects.parquet.")
 @click.option("--beam", type=click.IntRange(min=1), default=None,
               help="Beam width (default: the model's, 4; 1 = greedy).")
 @click.option("--device", type=click.Choice(DEVICES), default="auto", show_default=True,
@@ -45,25 +46,38 @@ def main() -> None:
               help="Score every visit, not only those with null medications, and report "
                    "metrics against the known medications.")
 @click.option("--explain", is_flag=True,
-              help="Add per medication its copy share and the past visit it came from.")
+              help="Add per medication its copy share, the past visit it came from and the "
+                   "diagnoses it attended to most.")
 @click.option("--resume", is_flag=True,
               help="Finish an interrupted run (same input, model and options).")
 @click.option("--summary-json", type=click.Path(dir_okay=False), default=None,
               help="Write counts, reject reasons, speed, providers (and metrics) as JSON.")
 @click.option("--engine", type=click.Choice(["local", "ray"]), default="local",
-              show_default=True, help="Where to run (ray: not yet available).")
+              show_default=True, help="local: this process; ray: a Ray cluster, INPUT may be "
+                                      "a directory or a glob of Parquet files.")
+@click.option("--address", default=None,
+              help="--engine ray: auto or ray://HOST:10001 (default: start Ray here).")
+@click.option("--num-workers", type=click.IntRange(min=1), default=None,
+              help="--engine ray: scoring workers (default: as many as the cluster holds).")
+@click.option("--gpus-per-worker", type=click.FloatRange(min=0), default=0.0,
+              help="--engine ray: GPUs of each worker (default 0: CPU workers).")
+@click.option("--block-rows", type=click.IntRange(min=1), default=16384, show_default=True,
+              help="--engine ray: rows of whole patients a worker scores at a time.")
 @click.option("--sort", "sort_rows", is_flag=True,
               help="Sort the rows by patient and visit_seq in memory (files that fit).")
 @click.option("--threads", type=click.IntRange(min=1), default=None,
-              help="CPU threads (default: the cores this process may use).")
+              help="CPU threads (default: the cores this process may use; --engine ray: "
+                   "per worker, default 1).")
 @click.option("--max-history-visits", type=click.IntRange(min=0), default=None,
               help="History = only the last K earlier visits with known medications "
                    "(default: all; 0 = none, generation without copy).")
+@ddi_options
 @click.option("--quiet", is_flag=True, help="No progress bar nor closing line.")
 @click.option("--verbose", is_flag=True, help="Log what happens on stderr.")
 @handle_errors
 def score(input_path, model_dir, out, beam, device, batch_size, score_all, explain, resume,
-          summary_json, engine, sort_rows, threads, max_history_visits, quiet, verbose):
+          summary_json, engine, address, num_workers, gpus_per_worker, block_rows, sort_rows,
+          threads, max_history_visits, ddi_mode, ddi_penalty, ddi_max_rate, quiet, verbose):
     """Recommend medications for the visits of INPUT (DESIGN.md §2 visits.parquet shape).
 
     A visit's history is its patient's earlier visits (smaller visit_seq) with known
@@ -79,11 +93,29 @@ def score(input_path, model_dir, out, beam, device, batch_size, score_all, expla
           --explain --summary-json summary.json
     """
     setup_logging(verbose)
-    if engine == "ray":
-        raise InputError("--engine ray is not yet available; use --engine local")
+    if engine == "ray":  # the same Scorer on a Ray cluster (cognet.runtime.ray_engine)
+        from cognet.runtime import ray_engine
+
+        if resume:
+            raise InputError("--resume is for --engine local; rerun the --engine ray command")
+        summary = ray_engine.score(
+            input_path, model_dir, out,
+            ray_engine.RayOptions(address, num_workers, threads or 1, gpus_per_worker, block_rows),
+            ray_engine.ScoreOptions(device, beam, batch_size, max_history_visits, score_all,
+                                    explain, ddi_policy(ddi_mode, ddi_penalty, ddi_max_rate)),
+            verbose=verbose)
+        if summary_json:
+            writer.write_json(Path(summary_json), summary)
+        if not quiet:
+            click.echo(f"scored {summary['rows_scored']} of {summary['rows_read']} visits "
+                       f"({summary['rows_rejected']} rejected, {summary['rows_skipped']} skipped) "
+                       f"in {summary['seconds']:.1f}s, {summary['visits_per_s']:.0f} visits/s on "
+                       f"{summary['workers']} Ray worker(s) -> {summary['output']}", err=True)
+        return
     loading = time.perf_counter()
     scorer = Scorer(model_dir, device=device, beam=beam, batch_size=batch_size,
-                    threads=threads, max_history_visits=max_history_visits)
+                    threads=threads, max_history_visits=max_history_visits,
+                    ddi=ddi_policy(ddi_mode, ddi_penalty, ddi_max_rate))
     source = reader.VisitFile(input_path)
     if not sort_rows:  # fail on a misordered file before scoring anything
         reader.check_order(source.batches(["patient_id", "visit_seq"]), input_path)
@@ -135,6 +167,7 @@ def _finish(scorer: Scorer, source: reader.VisitFile, parts: writer.PartWriter,
         "seconds": round(seconds, 3), "visits_per_s": round(scored / max(seconds, 1e-9), 2),
         "providers": scorer.providers, "threads": scorer.threads,
         "beam": scorer.beam_config.beam, "batch_size": scorer.batch_size,
+        "ddi": scorer.beam_config.ddi.to_json(),
     }  # fmt: skip
     if score_all:
         summary["metrics"] = (
@@ -154,6 +187,40 @@ def _signature(input_path, scorer: Scorer, score_all: bool, explain: bool,
         "model": {name: spec.sha256 for name, spec in scorer.manifest.graphs.items()},
         "score_all": score_all, "explain": explain, "sort": sort_rows, **scorer.settings(),
     }  # fmt: skip
+
+
+# fmt: off
+@main.command()
+@click.argument("input_path", metavar="INPUT", type=click.Path(dir_okay=False))
+@click.option("--model", "model_dir", required=True, type=click.Path(file_okay=False),
+              help="Model directory written by cognet-export.")
+@click.option("--visit-id", required=True, help="The visit to explain.")
+@click.option("--beam", type=click.IntRange(min=1), default=None,
+              help="Beam width (default: the model's, 4; 1 = greedy).")
+@ddi_options
+@click.option("--json", "as_json", is_flag=True, help="Print the explanation as JSON.")
+@handle_errors
+def explain(input_path, model_dir, visit_id, beam, ddi_mode, ddi_penalty, ddi_max_rate,
+            as_json):
+    """Print one visit's decoding step by step: medication, probability, generated or
+    copied (copy share), the past visit it was copied from and the diagnoses it attended
+    to most (the paper's case study). Its patient's earlier visits with known medications
+    are the history; known medications of the visit itself are shown as the truth.
+
+    \b
+    Example:
+      cognet-batch explain visits.parquet --model model --visit-id V0012-3
+    """
+    import json
+
+    from cognet.runtime.explain import explain_visit, format_explanation
+
+    setup_logging()
+    scorer = Scorer(model_dir, device="cpu", beam=beam, threads=1,
+                    ddi=ddi_policy(ddi_mode, ddi_penalty, ddi_max_rate))
+    result = explain_visit(scorer, input_path, visit_id)
+    click.echo(json.dumps(result.to_json(), indent=1) if as_json else format_explanation(result))
+# fmt: on
 
 
 if __name__ == "__main__":

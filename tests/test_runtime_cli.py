@@ -162,9 +162,6 @@ def test_bad_files_exit_2_with_one_line(tiny, visits, tmp_path):
     typed = tmp_path / "typed.parquet"
     pq.write_table(visits.set_column(2, "visit_seq", pa.array(["x"] * visits.num_rows)), typed)
     assert "'visit_seq'" in _error(score(tiny, typed, out))
-    inp = tmp_path / "ok.parquet"
-    pq.write_table(visits, inp)
-    assert "not yet available" in _error(score(tiny, inp, out, "--engine", "ray"))
     assert not out.exists()
 
 
