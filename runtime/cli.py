@@ -104,13 +104,7 @@ def score(input_path, model_dir, out, beam, device, batch_size, score_all, expla
             ray_engine.ScoreOptions(device, beam, batch_size, max_history_visits, score_all,
                                     explain, ddi_policy(ddi_mode, ddi_penalty, ddi_max_rate)),
             verbose=verbose)
-        if summary_json:
-            writer.write_json(Path(summary_json), summary)
-        if not quiet:
-            click.echo(f"scored {summary['rows_scored']} of {summary['rows_read']} visits "
-                       f"({summary['rows_rejected']} rejected, {summary['rows_skipped']} skipped) "
-                       f"in {summary['seconds']:.1f}s, {summary['visits_per_s']:.0f} visits/s on "
-                       f"{summary['workers']} Ray worker(s) -> {summary['output']}", err=True)
+        _report(summary, summary_json, quiet, f"{summary['workers']} Ray worker(s)")
         return
     loading = time.perf_counter()
     scorer = Scorer(model_dir, device=device, beam=beam, batch_size=batch_size,
@@ -125,14 +119,19 @@ def score(input_path, model_dir, out, beam, device, batch_size, score_all, expla
     scored = _run(scorer, source, parts, score_all, explain, sort_rows, quiet)
     summary = _finish(scorer, source, parts, score_all, scored, started - loading,
                       time.perf_counter() - started)
+    _report(summary, summary_json, quiet, scorer.providers[0])
+# fmt: on
+
+
+def _report(summary: dict, summary_json, quiet: bool, where: str) -> None:
+    """Write the summary JSON and print the one-line result on stderr."""
     if summary_json:
         writer.write_json(Path(summary_json), summary)
     if not quiet:
         click.echo(f"scored {summary['rows_scored']} of {summary['rows_read']} visits "
                    f"({summary['rows_rejected']} rejected, {summary['rows_skipped']} skipped) "
                    f"in {summary['seconds']:.1f}s, {summary['visits_per_s']:.0f} visits/s on "
-                   f"{scorer.providers[0]} -> {summary['output']}", err=True)
-# fmt: on
+                   f"{where} -> {summary['output']}", err=True)
 
 
 def _run(scorer: Scorer, source: reader.VisitFile, parts: writer.PartWriter, score_all: bool,
