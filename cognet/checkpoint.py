@@ -39,7 +39,7 @@ def save(out: str | Path, model: COGNet, vocab: Vocab, ehr_adj: np.ndarray, ddi_
 
 
 def load(path: str | Path, device: str = "cpu") -> tuple[COGNet, Vocab, dict]:
-    """Rebuild the model from a checkpoint directory; returns (model in eval mode, vocab, config)."""
+    """Rebuild the model from a checkpoint directory: (model in eval mode, vocab, config)."""
     path = Path(path)
     for name in FILES:
         if not (path / name).is_file():

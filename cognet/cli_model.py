@@ -43,7 +43,8 @@ def train(data_dir, out, epochs, seed, lr, batch_size, patience, device, ablatio
     """
     import torch
 
-    from cognet.train import TrainConfig, train as run_train
+    from cognet.train import TrainConfig
+    from cognet.train import train as run_train
 
     setup_logging()
     if threads:

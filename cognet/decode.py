@@ -92,7 +92,7 @@ def beam_search(model: COGNet, batch: dict[str, torch.Tensor], beam: int = BEAM,
             meds = tuple(t for t in toks if t != end)
             probs = emit_prob[i, c, :length].tolist()
             mean = (prob_sum[i, c, : cfg.n_med] / steps[i, c].clamp_min(1)).cpu().numpy().copy()
-            med_probs = tuple(p for t, p in zip(toks, probs) if t != end)
+            med_probs = tuple(p for t, p in zip(toks, probs, strict=True) if t != end)
             mean[list(meds)] = med_probs
             results[int(alive[i])] = Decoded(meds, float(scores[i, c]), med_probs, mean)
 

@@ -23,7 +23,7 @@ def make_input(data_dir: str, out: str, split: str = "test") -> int:
     pids = visits.column("patient_id").to_pylist()
     last = [i + 1 == len(pids) or pids[i + 1] != p for i, p in enumerate(pids)]
     meds = visits.column("medications").to_pylist()
-    masked = pa.array([None if is_last else m for m, is_last in zip(meds, last)],
+    masked = pa.array([None if is_last else m for m, is_last in zip(meds, last, strict=True)],
                       pa.list_(pa.string()))
     visits = visits.set_column(visits.schema.get_field_index("medications"), "medications",
                                masked)
@@ -43,11 +43,13 @@ def report(summary_path: str, recs_path: str, n: int = 5) -> str:
         lines.append(f"- patient {r['patient_id']} visit {r['visit_id']} "
                      f"(beam score {r['score']:.2f}):")
         explain = r.get("explanations") or [None] * len(r["medications"])
-        for med, prob, ex in zip(r["medications"], r["probabilities"], explain):
+        for med, prob, ex in zip(r["medications"], r["probabilities"], explain,
+                                  strict=True):
             detail = ""
             if ex:
+                source = ex.get("source_visit")
                 detail = (f", copied {ex.get('copy_share', 0):.0%}"
-                          f"{' from visit ' + ex['source_visit'] if ex.get('source_visit') else ''}")
+                          f"{' from visit ' + source if source else ''}")
             lines.append(f"    {med}: {prob:.3f}{detail}")
     return "\n".join(lines)
 

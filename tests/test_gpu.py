@@ -6,10 +6,10 @@ from __future__ import annotations
 import pyarrow.parquet as pq
 import pytest
 import torch
+from tiny import make_tiny
 
 from cognet import checkpoint
 from cognet.evaluate import decode_patients, load_split
-from tiny import make_tiny
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -22,7 +22,7 @@ def test_beam_search_on_cuda_equals_cpu(tmp_path):
     cpu = decode_patients(model, vocab, patients, beam=4)
     gpu = decode_patients(model.to("cuda"), vocab, patients, beam=4)
     assert [d.meds for d in gpu] == [d.meds for d in cpu]
-    assert max(abs(a.score - b.score) for a, b in zip(gpu, cpu)) < 1e-3
+    assert max(abs(a.score - b.score) for a, b in zip(gpu, cpu, strict=True)) < 1e-3
 
 
 def test_training_on_cuda(tmp_path):

@@ -23,7 +23,8 @@ D, P, M = 30, 20, 12
 def make_vocab(seed: int = 0) -> Vocab:
     rng = np.random.default_rng(seed)
     return Vocab(tuple(f"d{i:02d}" for i in range(D)), tuple(f"p{i:02d}" for i in range(P)),
-                 tuple(f"m{i:02d}" for i in range(M)), tuple(int(x) for x in rng.integers(1, 50, M)))
+                 tuple(f"m{i:02d}" for i in range(M)),
+                 tuple(int(x) for x in rng.integers(1, 50, M)))
 
 
 def random_patients(vocab: Vocab, n: int, seed: int = 0, max_visits: int = 5) -> list[list[Visit]]:
@@ -123,7 +124,7 @@ def test_beam_result_does_not_depend_on_batch_mates():
     everyone = beam_search(model, batch, beam=4)
     rows = torch.tensor([7, 2, 11])
     some = beam_search(model, batch, beam=4, rows=rows)
-    for r, res in zip(rows.tolist(), some):
+    for r, res in zip(rows.tolist(), some, strict=True):
         assert res.meds == everyone[r].meds
         assert res.score == pytest.approx(everyone[r].score, abs=1e-5)
     alone = beam_search(model, make_batch(patients[:1], vocab, targets=False), beam=4)
@@ -174,7 +175,7 @@ def test_tiny_dataset_is_overfit():
     model.eval()
     decoded = beam_search(model, make_batch(patients, vocab, targets=False), beam=1)
     visits = [v for p in patients for v in p]
-    score = np.mean([jaccard(d.meds, v.meds) for d, v in zip(decoded, visits)])
+    score = np.mean([jaccard(d.meds, v.meds) for d, v in zip(decoded, visits, strict=True)])
     assert score > 0.9
 
 

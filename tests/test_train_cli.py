@@ -6,11 +6,11 @@ import json
 
 import pytest
 from click.testing import CliRunner
+from tiny import make_tiny
 
 from cognet import checkpoint
 from cognet.cli import main
 from cognet.errors import InputError
-from tiny import make_tiny
 
 
 @pytest.fixture(scope="module")
