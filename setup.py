@@ -29,7 +29,7 @@ setup(
         "cpu": ["onnxruntime>=1.17"],
         "gpu": ["onnxruntime-gpu>=1.17"],
         "bench": ["matplotlib>=3.7"],
-        "ray": ["ray[data]>=2.9"],
+        "ray": ["ray[data]>=2.40"],  # --engine ray; tested with 2.40.0 and 2.60.0
         "dev": ["pytest>=7.4", "ruff>=0.4", "matplotlib>=3.7"],
     },
     entry_points={

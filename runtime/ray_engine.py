@@ -82,7 +82,7 @@ KEYS = ["patient_id", "visit_id", "visit_seq"]
 COLUMNS = reader.INPUT_SCHEMA.names
 COUNTS = ("rows_read", "rows_scored", "rows_rejected", "rows_skipped", "unknown_codes",
           "visits_evaluated")  # fmt: skip
-MAX_BLOCKS = 1000  # read tasks and shuffle partitions, at most
+MAX_READ_TASKS = 1000
 DATA_CONTEXT = {"enable_progress_bars": False, "shuffle_strategy": "sort_shuffle_pull_based"}
 _MARK = "<<cognet-input-error>>"  # brackets an InputError's message through Ray's exceptions
 
@@ -291,8 +291,11 @@ def _visit_rows(table: pa.Table) -> pa.Table:
 
 
 def _repeated(table: pa.Table) -> pa.Table:
-    """Ray Data UDF: the visit_ids held by several rows, with their first row."""
-    return table.filter(pc.greater(table["n"], 1)).select(["visit_id", "first"])
+    """Ray Data UDF: the visit_ids held by several rows, with their first row (columns of
+    `aggregate(Count(), Min(ROW))`, by position: their names vary with Ray's version)."""
+    visit_id, n, first = table.columns
+    keep = pc.greater(n, 1)
+    return pa.table({"visit_id": visit_id.filter(keep), "first": first.filter(keep)})
 
 
 def _pack(table: pa.Table) -> pa.Table:
@@ -449,7 +452,6 @@ class _Run:
                  workers: int):  # fmt: skip
         self.ray, self.files, self.so, self.options, self.workers = ray, files, so, options, workers
         self.buckets = max(4 * workers, math.ceil(files.num_rows / options.block_rows))
-        self.partitions = min(self.buckets, MAX_BLOCKS)
         self.stages: dict[str, float] = {}
 
     def execute(self, model: dict[str, bytes], out: str, rejects: str) -> list[dict]:
@@ -476,17 +478,20 @@ class _Run:
     def _read(self, columns: list[str], buckets: int = 0):
         units = [{"file": f, "group": g, "first": r} for f, g, r in self.files.units]
         kwargs = {"files": self.files, "columns": columns, "buckets": buckets}
-        items = self.ray.data.from_items(units, override_num_blocks=min(len(units), MAX_BLOCKS))
+        items = self.ray.data.from_items(units, override_num_blocks=min(len(units), MAX_READ_TASKS))
         return items.map_batches(_marked(_read_units), batch_size=1, batch_format="pyarrow",
                                  fn_kwargs=kwargs)  # fmt: skip
 
     def _duplicates(self) -> dict[str, int]:
-        from ray.data.aggregate import Count, Min
+        try:
+            from ray.data.aggregate import Count, Min
+        except ImportError:  # older Ray (2.40) keeps them here
+            from ray.data._internal.aggregate import Count, Min
 
         repeated = (
             self._read(KEYS).map_batches(_visit_rows, batch_format="pyarrow")
-            .groupby("visit_id", num_partitions=self.partitions)
-            .aggregate(Count(alias_name="n"), Min(ROW, alias_name="first"))
+            .groupby("visit_id")
+            .aggregate(Count(), Min(ROW))
             .map_batches(_repeated, batch_format="pyarrow").take_all()
         )  # fmt: skip
         return {r["visit_id"]: int(r["first"]) for r in repeated}
@@ -494,7 +499,7 @@ class _Run:
     def _group(self):
         return (
             self._read(COLUMNS, self.buckets)
-            .groupby(BUCKET, num_partitions=self.partitions)
+            .groupby(BUCKET)
             .map_groups(_marked(_pack), batch_format="pyarrow")
             .repartition(self.buckets)  # one block per bucket (Ray gives blocks to actors)
             .materialize()
@@ -601,9 +606,9 @@ def _ray_session(ray, address: str | None, verbose: bool) -> Iterator[None]:
         for lg in loggers:
             lg.setLevel(logging.CRITICAL)
     ctx = ray.data.DataContext.get_current()
-    saved = {name: getattr(ctx, name) for name in DATA_CONTEXT}
-    for name, value in DATA_CONTEXT.items():
-        setattr(ctx, name, value)
+    saved = {name: getattr(ctx, name) for name in DATA_CONTEXT if hasattr(ctx, name)}
+    for name in saved:  # older Ray: no shuffle_strategy, its shuffle is sort-based
+        setattr(ctx, name, DATA_CONTEXT[name])
     try:
         yield
     finally:
