@@ -25,6 +25,10 @@ ABLATION_CHOICES = ("none", "no-copy", "no-visit-score", "no-graph", "no-diagnos
               help="Patients per optimisation step.")
 @click.option("--patience", default=8, show_default=True, type=click.IntRange(1),
               help="Epochs without a better validation Jaccard before stopping.")
+@click.option("--scheduled-sampling", default=0.0, show_default=True,
+              type=click.FloatRange(0, 1),
+              help="Share of the decoder's input medications replaced by the model's own "
+                   "prediction during training (exposure to its mistakes).")
 @click.option("--device", default="cpu", show_default=True, help="cpu, cuda, cuda:1, ...")
 @click.option("--ablation", default="none", show_default=True,
               type=click.Choice(ABLATION_CHOICES), help="Paper Table 4 variants.")
@@ -33,8 +37,8 @@ ABLATION_CHOICES = ("none", "no-copy", "no-visit-score", "no-graph", "no-diagnos
                    "machine: torch's thread pool stalls when another job holds a core.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 @handle_errors
-def train(data_dir, out, epochs, seed, lr, batch_size, patience, device, ablation, threads,
-          quiet):
+def train(data_dir, out, epochs, seed, lr, batch_size, patience, scheduled_sampling, device,
+          ablation, threads, quiet):
     """Train COGNet on the train split, keeping the epoch with the best validation Jaccard.
 
     \b
@@ -50,7 +54,8 @@ def train(data_dir, out, epochs, seed, lr, batch_size, patience, device, ablatio
     if threads:
         torch.set_num_threads(threads)
     cfg = TrainConfig(epochs=epochs, lr=lr, batch_size=batch_size, seed=seed,
-                      patience=patience, ablation=ablation, device=device)
+                      patience=patience, scheduled_sampling=scheduled_sampling,
+                      ablation=ablation, device=device)
 
     def on_epoch(r: dict) -> None:
         click.echo(f"epoch {r['epoch']:3d}  loss {r['loss']:.4f}  val jaccard "

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from cognet import checkpoint
 from cognet.batching import IGNORE, ddi_adjacency, ehr_adjacency, make_batch
 from cognet.evaluate import decode_patients, load_split, report, split_table, visit_results
-from cognet.model import COGNet, ModelConfig
+from cognet.model import COGNet, ModelConfig, history_inputs
 from cognet.schema import read_dataset
 from cognet.vocab import Vocab
 
@@ -35,6 +35,8 @@ class TrainConfig:
     patience: int = 8  # epochs without a better validation Jaccard before stopping
     weight_decay: float = 0.0
     grad_clip: float = 5.0
+    # share of decoder input medications replaced by the model's own prediction (_forward)
+    scheduled_sampling: float = 0.0
     dim: int = 64
     heads: int = 4
     ffn: int = 128
@@ -60,11 +62,12 @@ def train_epoch(model: COGNet, optim: torch.optim.Optimizer, patients: list, voc
     """One pass over the patients (shuffled in place) with teacher forcing; mean loss."""
     model.train()
     rng.shuffle(patients)
+    gen = torch.Generator().manual_seed(rng.getrandbits(63)) if cfg.scheduled_sampling else None
     total, count = 0.0, 0
     for i in range(0, len(patients), cfg.batch_size):
         batch = make_batch(patients[i : i + cfg.batch_size], vocab, cfg.max_history)
         batch = {k: v.to(cfg.device) for k, v in batch.items()}
-        log_probs = model(batch)
+        log_probs = _forward(model, batch, vocab, cfg.scheduled_sampling, gen)
         loss = F.nll_loss(log_probs.flatten(0, 1), batch["dec_target"].flatten(),
                           ignore_index=IGNORE)
         optim.zero_grad(set_to_none=True)
@@ -78,6 +81,39 @@ def train_epoch(model: COGNet, optim: torch.optim.Optimizer, patients: list, voc
     if bar is not None:
         bar.close()
     return total / max(count, 1)
+
+
+def _forward(model: COGNet, batch: dict, vocab: Vocab, share: float,
+             gen: torch.Generator | None) -> torch.Tensor:
+    """Teacher-forced log-probabilities [N, L, V1] of a training batch.
+
+    With `share` > 0 (scheduled sampling), that share of the decoder's input medications
+    (after START) is replaced by the model's own prediction for that position from a first
+    teacher-forced pass without gradient, so training sees prefixes holding the model's
+    mistakes, as decoding does; the targets stay the true medications. The visits are
+    encoded once for both passes.
+    """
+    if share <= 0:
+        return model(batch)
+    enc = model.encode_visits(batch["diagnoses"], batch["procedures"], batch["medications"])
+    memories = model.decoder_init(*history_inputs(batch, *enc, model.cfg))
+    inputs = batch["dec_input"]
+    with torch.no_grad():
+        predicted = model.decode_teacher_forced(inputs, memories)[0].argmax(-1)  # [N, L]
+    mixed = mix_inputs(inputs, predicted, share, vocab.n_med, gen)
+    return model.decode_teacher_forced(mixed, memories)[0]
+
+
+def mix_inputs(inputs: torch.Tensor, predicted: torch.Tensor, share: float, n_med: int,
+               gen: torch.Generator | None = None) -> torch.Tensor:
+    """Decoder inputs [N, L] (START, medications, PAD) with each medication after START
+    replaced, with probability `share`, by predicted[:, t - 1] (the model's prediction for
+    position t) when that is a medication; START, END and PAD stay."""
+    shifted = torch.cat([inputs[:, :1], predicted[:, :-1]], 1)
+    swap = torch.rand(inputs.shape, generator=gen).to(inputs.device) < share
+    swap &= (inputs < n_med) & (shifted < n_med)
+    swap[:, 0] = False
+    return torch.where(swap, shifted, inputs)
 
 
 def train(data_dir: str | Path, out: str | Path, cfg: TrainConfig = TrainConfig(),

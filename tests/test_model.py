@@ -14,7 +14,7 @@ from cognet.decode import beam_search, greedy
 from cognet.history import Visit
 from cognet.metrics import jaccard
 from cognet.model import ABLATIONS, COGNet, ModelConfig, history_inputs
-from cognet.train import TrainConfig, train_epoch
+from cognet.train import TrainConfig, mix_inputs, train_epoch
 from cognet.vocab import Vocab
 
 D, P, M = 30, 20, 12
@@ -160,12 +160,14 @@ def test_wider_beam_never_scores_worse_on_its_own_objective():
     assert sum(r.score for r in b) >= sum(r.score for r in g) - 1e-4
 
 
-def test_tiny_dataset_is_overfit():
-    """The whole loss / copy path learns: 20 patients memorised to train Jaccard > 0.9."""
+@pytest.mark.parametrize("sampling", [0.0, 0.4])
+def test_tiny_dataset_is_overfit(sampling):
+    """The whole loss / copy path learns: 20 patients memorised to train Jaccard > 0.9
+    (also when training feeds the decoder some of its own predictions)."""
     vocab = make_vocab()
     patients = random_patients(vocab, 20, 8, max_visits=3)
     torch.manual_seed(0)
-    cfg = TrainConfig(batch_size=4, lr=3e-3, dropout=0.0, dim=32)
+    cfg = TrainConfig(batch_size=4, lr=3e-3, dropout=0.0, dim=32, scheduled_sampling=sampling)
     model = COGNet(ModelConfig(D, P, M, dim=32, heads=4, ffn=64, dropout=0.0),
                    ehr_adjacency(patients, M), np.zeros((M, M), np.float32))
     optim = torch.optim.Adam(model.parameters(), lr=cfg.lr)
@@ -177,6 +179,20 @@ def test_tiny_dataset_is_overfit():
     visits = [v for p in patients for v in p]
     score = np.mean([jaccard(d.meds, v.meds) for d, v in zip(decoded, visits, strict=True)])
     assert score > 0.9
+
+
+def test_scheduled_sampling_replaces_only_medications_after_start():
+    start, pad, end = M + 1, M + 2, M
+    inputs = torch.tensor([[start, 3, 5, 7, pad, pad], [start, 1, 2, 4, 6, 8]])
+    predicted = torch.tensor([[9, 10, end, 11, 2, 3], [0, end, 5, 6, 7, 1]])  # for t + 1
+    assert torch.equal(mix_inputs(inputs, predicted, 0.0, M), inputs)
+    mixed = mix_inputs(inputs, predicted, 1.0, M)
+    # position t takes predicted[t - 1] when both are medications
+    assert mixed.tolist() == [[start, 9, 10, 7, pad, pad], [start, 0, 2, 5, 6, 7]]
+    gen = torch.Generator().manual_seed(0)
+    half = mix_inputs(inputs.repeat(200, 1), predicted.repeat(200, 1), 0.5, M, gen)
+    changed = (half != inputs.repeat(200, 1)).float().sum() / (200 * 5)  # 5 swappable
+    assert 0.4 < float(changed) < 0.6
 
 
 def test_hard_ddi_mode_never_emits_an_interacting_pair():

@@ -50,12 +50,14 @@ def test_train_then_evaluate(tiny, tmp_path):
     assert table.num_rows == rep["n_visits"]
 
 
-def test_training_is_deterministic_with_a_seed(tiny, tmp_path):
+@pytest.mark.parametrize("sampling", ["0", "0.5"])
+def test_training_is_deterministic_with_a_seed(tiny, tmp_path, sampling):
     _, data, _ = tiny
     runner = CliRunner()
     for name in ("a", "b"):
         res = runner.invoke(main, ["train", "--data", str(data), "--out", str(tmp_path / name),
-                                   "--epochs", "1", "--seed", "7", "--quiet"])
+                                   "--epochs", "1", "--seed", "7", "--quiet",
+                                   "--scheduled-sampling", sampling])
         assert res.exit_code == 0, res.output
     assert (tmp_path / "a" / "model.safetensors").read_bytes() == \
         (tmp_path / "b" / "model.safetensors").read_bytes()
