@@ -248,12 +248,19 @@ class Chunk:
 
 
 def patient_starts(table: pa.Table) -> np.ndarray:
-    """bool [rows]: row i starts a new group (a new patient, or a row with a null key)."""
+    """bool [rows]: row i starts a new patient (its patient_id differs from that of the last
+    row before it with a patient_id). A row without a patient_id (rejected) starts nothing,
+    so it never splits the patient around it; the first row always starts a group."""
     pid = table["patient_id"].combine_chunks()
-    starts = np.ones(len(table), bool)
-    if len(table) > 1:
-        same = pc.equal(pid[1:], pid[:-1]).fill_null(False)
-        starts[1:] = ~same.to_numpy(zero_copy_only=False)
+    starts = np.zeros(len(table), bool)
+    valid = np.flatnonzero(pid.is_valid().to_numpy(zero_copy_only=False))
+    if valid.size:
+        ids = pid.take(pa.array(valid))
+        new = np.ones(valid.size, bool)
+        new[1:] = ~pc.equal(ids[1:], ids[:-1]).to_numpy(zero_copy_only=False)
+        starts[valid] = new
+    if len(table):
+        starts[0] = True
     return starts
 
 

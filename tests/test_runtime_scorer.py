@@ -180,6 +180,23 @@ def test_max_history_visits_keeps_the_latest(tiny, reference):
     assert all(ex["copy_share"] == 0.0 for r in none.to_pylist() for ex in r["explanations"])
 
 
+def test_a_row_without_patient_id_does_not_split_its_patient(tiny, reference):
+    """A rejected row between two visits of a patient leaves the later visit its history."""
+    visits = reference["visits"]
+    vid = visits["visit_id"].to_pylist()
+    i = next(k for k, v in enumerate(vid) if v.endswith("-2"))  # a 3rd visit
+    broken = pa.concat_tables([visits.slice(0, i), visits.slice(i, 1), visits.slice(i)])
+    ids = broken["patient_id"].to_pylist()
+    ids[i] = None  # the inserted copy loses its patient_id
+    broken = broken.set_column(0, "patient_id", pa.array(ids, pa.string()))
+    chunks, out = _score(Scorer(tiny / "model", device="cpu"), broken, score_all=True)
+    assert sum(c.reject_reasons.get("missing_key", 0) for c in chunks) == 1
+    row = out.filter(pa.compute.equal(out["visit_id"], vid[i])).to_pylist()
+    assert len(row) == 1
+    assert tuple(row[0]["medications"]) == tuple(
+        reference["vocab"].medications[m] for m in reference["by_id"][vid[i]].meds)
+
+
 def test_beam_option_and_greedy(tiny, reference):
     scorer = Scorer(tiny / "model", device="cpu", beam=1)
     _, out = _score(scorer, reference["visits"].slice(0, 40), score_all=True)
