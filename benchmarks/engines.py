@@ -207,20 +207,28 @@ class OrtEngine:
         return nvidia_smi_memory_mb()
 
 
-def nvidia_smi_memory_mb() -> float | None:
-    """GPU memory this process holds now, from nvidia-smi (None when unavailable)."""
-    import os
+def nvidia_smi(*query: str) -> str | None:
+    """stdout of `nvidia-smi QUERY... --format=csv,noheader,nounits` (None when unavailable)."""
     import subprocess
 
     try:
-        out = subprocess.run(
-            ["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+        return subprocess.run(
+            ["nvidia-smi", *query, "--format=csv,noheader,nounits"],
             capture_output=True,
             text=True,
             timeout=10,
             check=True,
         ).stdout
     except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def nvidia_smi_memory_mb() -> float | None:
+    """GPU memory this process holds now, from nvidia-smi (None when unavailable)."""
+    import os
+
+    out = nvidia_smi("--query-compute-apps=pid,used_memory")
+    if out is None:
         return None
     for line in out.splitlines():
         pid, _, used = line.partition(",")

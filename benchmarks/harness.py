@@ -596,17 +596,8 @@ def _versions() -> dict:
 
 
 def _gpu_name() -> str | None:
-    try:
-        out = subprocess.run(
-            ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
-            capture_output=True,
-            text=True,
-            timeout=10,
-            check=True,
-        ).stdout
-        return out.strip().splitlines()[0] if out.strip() else None
-    except (OSError, subprocess.SubprocessError):
-        return None
+    out = (eng.nvidia_smi("--query-gpu=name") or "").strip()
+    return out.splitlines()[0] if out else None
 
 
 def _memory_gb() -> float | None:
