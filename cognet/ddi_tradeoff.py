@@ -13,13 +13,12 @@ Each policy decodes the whole split again (`cognet.evaluate.decode_patients`).
 `recommend` picks the soft penalty to advertise: the one with the lowest DDI rate among
 those that cost at most `max_jaccard_drop` Jaccard against `off`.
 
-Measured (checkpoint trained on 6,350 synthetic patients, test split, beam 4): off 0.5295
-Jaccard at DDI 0.0881; soft 0.25 -0.0098 Jaccard for -9% DDI, soft 1 -0.068 for -37%, hard
--0.239 for -100%. The model reproduces the data's own interaction rate (0.0868): 44% of
-the interacting pairs it recommends are both prescribed, and its probabilities barely
-separate the wrong member of the other pairs (precision 0.49 at p 0.2-0.4, 0.79 at p > 0.7),
-so every penalty shape tried (per pair, once per medication, END-preserving renormalised)
-pays about 0.01 Jaccard per 10% of DDI cut.
+Measured (the default checkpoint on 6,350 synthetic patients, test split, beam 4): off
+0.4856 Jaccard at DDI 0.0932; soft 0.25 -0.0074 Jaccard for -7% DDI, soft 1 -0.060 for -32%,
+hard -0.230 for -100%. The true prescriptions interact as often (0.0903) and the rate is a
+ratio over all pairs, so dropping the wrong member of a pair barely lowers it; every rule
+tried (per-pair penalty, pruning the less likely member, penalties against a first pass's
+confident medications, a wider beam with a rate cap) pays about 0.01 Jaccard per 10% cut.
 """
 
 from __future__ import annotations
