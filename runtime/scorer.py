@@ -51,6 +51,14 @@ log = logging.getLogger(__name__)
 # core's cache (2 cores, beam 4: 64 -> 936 visits/s, 128 -> 985, 256 -> 648). GPU: many rows,
 # within the N <= 512 shape profile of the TensorRT engines built by cognet-export.
 CPU_BATCH, GPU_BATCH = 128, 512
+# Cap on a batch's padded history: visits x the largest number of past-medication slots among
+# them. Every visit of a batch carries copy memories as long as the longest history (the
+# one-hot scatter alone is [visits, slots, V1] floats): without a cap a batch of 4096 visits
+# with one 680-slot history took 9 GB and ran at 147 visits/s. Visits are batched in order of
+# history size, so the cap splits only the batches of long histories. On 2 CPU cores (beam 4,
+# batch 4096, BENCHMARKS.md) caps of 2^10 .. 2^18 gave 767, 828, 855, 842, 796, 718 and 602
+# visits/s: 2^12 it is. On a GPU, where wide batches pay, the cap only bounds memory.
+CPU_BATCH_SLOTS, GPU_BATCH_SLOTS = 1 << 12, 1 << 20
 # Diagnoses a medication attended to most: top TOP_DIAGNOSES codes by the diagnosis
 # cross-attention (mean over heads) at the step that emitted it, heaviest first.
 TOP_DIAGNOSES = 3
@@ -111,6 +119,22 @@ class ScoredChunk:
         return self.end - self.start
 
 
+def cut_batches(order: np.ndarray, slots: np.ndarray, batch_size: int,
+                batch_slots: int) -> list[np.ndarray]:
+    """Cut `order` (sorted by history slots, `slots` ascending alongside it) into batches of
+    at most `batch_size` visits whose padded history, visits x the last one's slots, stays
+    within `batch_slots` (a visit alone may exceed it)."""
+    parts, lo, n = [], 0, order.size
+    while lo < n:
+        hi = min(lo + batch_size, n)
+        size = np.arange(1, hi - lo + 1)
+        fits = size * np.maximum(slots[lo:hi], 1) <= batch_slots
+        take = max(1, int(fits.sum()))  # volume grows with the size: the fits are a prefix
+        parts.append(order[lo : lo + take])
+        lo += take
+    return parts
+
+
 class Scorer:
     """Batched beam search over visits with a model directory from `cognet-export`.
 
@@ -119,7 +143,9 @@ class Scorer:
     streams: batches decoded in parallel, each on threads // streams intra-op threads
     (default: one per thread on the CPU, 1 on a GPU); max_history_visits: keep only the last
     K past visits (default all); ddi: DDI-aware decoding (`cognet.ddi.DDIPolicy`, default
-    off) over the manifest's DDI pairs.
+    off) over the manifest's DDI pairs; batch_slots: a batch is cut smaller when its visits
+    times its longest history (past-medication slots) would exceed this (default
+    CPU_BATCH_SLOTS or GPU_BATCH_SLOTS).
     """
 
     def __init__(
@@ -133,6 +159,7 @@ class Scorer:
         variant: str | None = None,
         streams: int | None = None,
         ddi: DDIPolicy | None = None,
+        batch_slots: int | None = None,
     ):
         manifest = load_manifest(model_dir)
         threads = threads or default_threads()
@@ -144,10 +171,12 @@ class Scorer:
         if model.on_device:
             streams = 1
         batch_size = batch_size or (GPU_BATCH if model.on_device else CPU_BATCH)
+        batch_slots = batch_slots or (GPU_BATCH_SLOTS if model.on_device else CPU_BATCH_SLOTS)
         self.manifest = manifest
         self._setup(model.encode, model.decoder, manifest.vocabulary(), manifest.dims.dim,
                     manifest.ddi_pairs, beam or manifest.beam, manifest.max_len, batch_size,
-                    max_history_visits, streams=streams, ddi=ddi)  # fmt: skip
+                    max_history_visits, streams=streams, ddi=ddi,
+                    batch_slots=batch_slots)  # fmt: skip
         if manifest.ablation == "no-diagnoses":  # attention weights of unused diagnoses
             self._attention = False
         self.providers = list(model.providers)
@@ -193,9 +222,10 @@ class Scorer:
         encode_batch: int = 64,
         streams: int = 1,
         ddi: DDIPolicy | None = None,
+        batch_slots: int = CPU_BATCH_SLOTS,
     ) -> None:
-        if batch_size < 1 or streams < 1:
-            raise ValueError("batch_size and streams must be >= 1")
+        if batch_size < 1 or streams < 1 or batch_slots < 1:
+            raise ValueError("batch_size, streams and batch_slots must be >= 1")
         self.encode, self.decoder, self.vocab, self.dim = encode, decoder, vocab, dim
         self.ddi_pairs = [tuple(p) for p in ddi_pairs]
         self._ddi_adj = evaluation.ddi_matrix(vocab, self.ddi_pairs)  # bool [M, M]
@@ -207,6 +237,7 @@ class Scorer:
         )
         self._attention = "diag_attention" in getattr(decoder, "step_outputs", ())
         self.batch_size = batch_size
+        self.batch_slots = batch_slots
         self.max_history = max_history_visits
         self.chunk_targets = chunk_targets or 16 * batch_size
         self.chunk_rows = chunk_rows
@@ -289,8 +320,8 @@ class Scorer:
         started = time.perf_counter()
         plan = assembler.plan(chunk.table)
         enc = self._encode(plan)
-        order = self._batch_order(plan)
-        parts = [order[lo : lo + self.batch_size] for lo in range(0, order.size, self.batch_size)]
+        order, slots = self._batch_order(plan)
+        parts = cut_batches(order, slots, self.batch_size, self.batch_slots)
 
         def decode(part: np.ndarray) -> tuple[BeamResult, dict]:
             inputs = assemble.init_inputs(
@@ -354,12 +385,14 @@ class Scorer:
             pass
         return enc
 
-    def _batch_order(self, plan: assemble.Plan) -> np.ndarray:
-        """Targets (indices into plan.targets) sorted by history slots, then code count."""
+    def _batch_order(self, plan: assemble.Plan) -> tuple[np.ndarray, np.ndarray]:
+        """Targets (indices into plan.targets) sorted by history slots, then code count, and
+        the history slots of each in that order."""
         med_len = plan.meds.lengths
         slots = np.array([int(med_len[h].sum()) for h in plan.histories], np.int64)
         codes = (plan.diag.lengths + plan.proc.lengths)[plan.targets]
-        return np.lexsort((codes, slots))
+        order = np.lexsort((codes, slots))
+        return order, slots[order]
 
     def _recommendations(self, plan: assemble.Plan, slots: dict, explain: bool) -> pa.Table:
         n = plan.targets.size

@@ -11,6 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 from cognet.runtime import OUTPUT_SCHEMA, Scorer, evaluation
+from cognet.runtime.scorer import CPU_BATCH_SLOTS, cut_batches
 
 from cognet import checkpoint, metrics
 from cognet.evaluate import ddi_matrix, decode_patients, visit_results
@@ -62,11 +63,14 @@ def _score(scorer: Scorer, table: pa.Table, **kwargs):
     return chunks, pa.concat_tables([c.recommendations for c in chunks])
 
 
-@pytest.mark.parametrize("batch_size,streams", [(64, 1), (7, 2)])
-def test_onnx_runtime_equals_torch_reference(tiny, reference, batch_size, streams):
-    scorer = Scorer(
-        tiny / "model", device="cpu", batch_size=batch_size, streams=streams, threads=streams
-    )
+@pytest.mark.parametrize(
+    "batch_size,streams,batch_slots",
+    [(64, 1, CPU_BATCH_SLOTS), (7, 2, CPU_BATCH_SLOTS), (64, 1, 40)],
+)
+def test_onnx_runtime_equals_torch_reference(tiny, reference, batch_size, streams,
+                                             batch_slots):  # fmt: skip
+    scorer = Scorer(tiny / "model", device="cpu", batch_size=batch_size, streams=streams,
+                    threads=streams, batch_slots=batch_slots)  # fmt: skip
     assert scorer.providers == ["CPUExecutionProvider"]
     chunks, out = _score(scorer, reference["visits"], score_all=True)
     vocab = reference["vocab"]
@@ -81,6 +85,18 @@ def test_onnx_runtime_equals_torch_reference(tiny, reference, batch_size, stream
     for key in metrics.METRICS:
         assert ours[key]["mean"] == pytest.approx(reference["report"][key]["mean"], abs=1e-6)
     assert ours["n_visits"] == reference["report"]["n_visits"]
+
+
+def test_batches_are_cut_by_visits_and_by_padded_history():
+    slots = np.array([0, 0, 3, 5, 5, 9, 20, 100])
+    order = np.arange(slots.size)[::-1].copy()  # any labels, in the slots' order
+    parts = cut_batches(order, slots, batch_size=4, batch_slots=20)
+    assert [p.tolist() for p in parts] == [[7, 6, 5, 4], [3, 2], [1], [0]]
+    # [0 0 3 5]: 4 visits (the cap on visits); [5 9]: 2 x 9 = 18 (3 x 20 would be 60);
+    # [20]: exactly 20; [100]: alone, above the cap
+    assert np.array_equal(np.concatenate(parts), order)
+    one = cut_batches(order, slots, batch_size=100, batch_slots=1 << 30)
+    assert [p.tolist() for p in one] == [order.tolist()]
 
 
 def test_default_scores_only_unknown_medications(tiny, reference):
