@@ -41,7 +41,9 @@ def main() -> None:
 @click.option("--device", type=click.Choice(DEVICES), default="auto", show_default=True,
               help="Execution provider; auto = CUDA when available, else CPU.")
 @click.option("--batch-size", type=click.IntRange(min=1), default=None,
-              help="Visits decoded together (default: 128 on the CPU, 512 on a GPU).")
+              help="Visits decoded together at most (default: 128 on the CPU, 512 on a "
+                   "GPU); batches of long histories are cut smaller (at most 4,096 padded "
+                   "past-medication slots per batch on the CPU).")
 @click.option("--all", "score_all", is_flag=True,
               help="Score every visit, not only those with null medications, and report "
                    "metrics against the known medications.")
