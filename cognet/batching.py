@@ -14,8 +14,12 @@ from cognet.vocab import Vocab
 IGNORE = -100  # target padding, skipped by the loss
 
 
-def make_batch(patients: Sequence[Sequence[Visit]], vocab: Vocab,
-               max_history: int | None = None, targets: bool = True) -> dict[str, torch.Tensor]:
+def make_batch(
+    patients: Sequence[Sequence[Visit]],
+    vocab: Vocab,
+    max_history: int | None = None,
+    targets: bool = True,
+) -> dict[str, torch.Tensor]:
     """Batch of all visits of `patients` (each decoded with its known-medication history).
 
     Returns encoder inputs [V, L*], `target` [N] (rows being decoded, here every visit),
@@ -27,7 +31,7 @@ def make_batch(patients: Sequence[Sequence[Visit]], vocab: Vocab,
     for p in patients:
         known: list[int] = []
         for v in p:
-            h = known if max_history is None else known[len(known) - max_history:]
+            h = known if max_history is None else known[len(known) - max_history :]
             histories.append(list(h) if max_history != 0 else [])
             if v.meds is not None:
                 known.append(row)

@@ -21,19 +21,29 @@ FORMAT_VERSION = 1
 FILES = ("config.json", "vocab.json", "model.safetensors", "graphs.npz")
 
 
-def save(out: str | Path, model: COGNet, vocab: Vocab, ehr_adj: np.ndarray, ddi_adj: np.ndarray,
-         ddi_pairs: list[tuple[str, str]], train_config: dict) -> Path:
+def save(
+    out: str | Path,
+    model: COGNet,
+    vocab: Vocab,
+    ehr_adj: np.ndarray,
+    ddi_adj: np.ndarray,
+    ddi_pairs: list[tuple[str, str]],
+    train_config: dict,
+) -> Path:
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    config = {"format_version": FORMAT_VERSION, "model": model.cfg.to_json(),
-              "train": train_config, "ddi_pairs": [list(p) for p in ddi_pairs]}
+    config = {
+        "format_version": FORMAT_VERSION,
+        "model": model.cfg.to_json(),
+        "train": train_config,
+        "ddi_pairs": [list(p) for p in ddi_pairs],
+    }
     _write_json(out / "config.json", config)
     _write_json(out / "vocab.json", vocab.to_json())
     state = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
     save_file(state, str(out / "model.safetensors.tmp"))
     os.replace(out / "model.safetensors.tmp", out / "model.safetensors")
-    np.savez(out / "graphs.tmp.npz", ehr=ehr_adj.astype(np.float32),
-             ddi=ddi_adj.astype(np.float32))
+    np.savez(out / "graphs.tmp.npz", ehr=ehr_adj.astype(np.float32), ddi=ddi_adj.astype(np.float32))
     os.replace(out / "graphs.tmp.npz", out / "graphs.npz")
     return out
 
@@ -46,8 +56,10 @@ def load(path: str | Path, device: str = "cpu") -> tuple[COGNet, Vocab, dict]:
             raise InputError(f"{path}: not a cognet checkpoint (missing {name})")
     config = json.loads((path / "config.json").read_text())
     if config.get("format_version") != FORMAT_VERSION:
-        raise InputError(f"{path / 'config.json'}: unsupported checkpoint format version "
-                         f"{config.get('format_version')!r} (expected {FORMAT_VERSION})")
+        raise InputError(
+            f"{path / 'config.json'}: unsupported checkpoint format version "
+            f"{config.get('format_version')!r} (expected {FORMAT_VERSION})"
+        )
     vocab = Vocab.from_json(json.loads((path / "vocab.json").read_text()))
     with np.load(path / "graphs.npz", allow_pickle=False) as graphs:
         ehr, ddi = graphs["ehr"], graphs["ddi"]

@@ -9,36 +9,83 @@ import click
 
 from cognet.clitools import ddi_options, ddi_policy, handle_errors, progress, setup_logging
 
-ABLATION_CHOICES = ("none", "no-copy", "no-visit-score", "no-graph", "no-diagnoses",
-                    "no-procedures")
+ABLATION_CHOICES = (
+    "none",
+    "no-copy",
+    "no-visit-score",
+    "no-graph",
+    "no-diagnoses",
+    "no-procedures",
+)
 
 
 @click.command()
-@click.option("--data", "data_dir", required=True, type=click.Path(file_okay=False),
-              help="Dataset directory (visits.parquet, ddi.parquet).")
-@click.option("--out", required=True, type=click.Path(file_okay=False),
-              help="Checkpoint directory to write.")
+@click.option(
+    "--data",
+    "data_dir",
+    required=True,
+    type=click.Path(file_okay=False),
+    help="Dataset directory (visits.parquet, ddi.parquet).",
+)
+@click.option(
+    "--out", required=True, type=click.Path(file_okay=False), help="Checkpoint directory to write."
+)
 @click.option("--epochs", default=50, show_default=True, type=click.IntRange(1))
 @click.option("--seed", default=0, show_default=True, type=int)
 @click.option("--lr", default=1e-3, show_default=True, type=float)
-@click.option("--batch-size", default=16, show_default=True, type=click.IntRange(1),
-              help="Patients per optimisation step.")
-@click.option("--patience", default=8, show_default=True, type=click.IntRange(1),
-              help="Epochs without a better validation Jaccard before stopping.")
-@click.option("--scheduled-sampling", default=0.0, show_default=True,
-              type=click.FloatRange(0, 1),
-              help="Share of the decoder's input medications replaced by the model's own "
-                   "prediction during training (exposure to its mistakes).")
+@click.option(
+    "--batch-size",
+    default=16,
+    show_default=True,
+    type=click.IntRange(1),
+    help="Patients per optimisation step.",
+)
+@click.option(
+    "--patience",
+    default=8,
+    show_default=True,
+    type=click.IntRange(1),
+    help="Epochs without a better validation Jaccard before stopping.",
+)
+@click.option(
+    "--scheduled-sampling",
+    default=0.0,
+    show_default=True,
+    type=click.FloatRange(0, 1),
+    help="Share of the decoder's input medications replaced by the model's own "
+    "prediction during training (exposure to its mistakes).",
+)
 @click.option("--device", default="cpu", show_default=True, help="cpu, cuda, cuda:1, ...")
-@click.option("--ablation", default="none", show_default=True,
-              type=click.Choice(ABLATION_CHOICES), help="Paper Table 4 variants.")
-@click.option("--threads", type=click.IntRange(1), default=None,
-              help="torch intra-op threads (default: torch's choice). Use 1 on a shared "
-                   "machine: torch's thread pool stalls when another job holds a core.")
+@click.option(
+    "--ablation",
+    default="none",
+    show_default=True,
+    type=click.Choice(ABLATION_CHOICES),
+    help="Paper Table 4 variants.",
+)
+@click.option(
+    "--threads",
+    type=click.IntRange(1),
+    default=None,
+    help="torch intra-op threads (default: torch's choice). Use 1 on a shared "
+    "machine: torch's thread pool stalls when another job holds a core.",
+)
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 @handle_errors
-def train(data_dir, out, epochs, seed, lr, batch_size, patience, scheduled_sampling, device,
-          ablation, threads, quiet):
+def train(
+    data_dir,
+    out,
+    epochs,
+    seed,
+    lr,
+    batch_size,
+    patience,
+    scheduled_sampling,
+    device,
+    ablation,
+    threads,
+    quiet,
+):
     """Train COGNet on the train split, keeping the epoch with the best validation Jaccard.
 
     \b
@@ -53,55 +100,115 @@ def train(data_dir, out, epochs, seed, lr, batch_size, patience, scheduled_sampl
     setup_logging()
     if threads:
         torch.set_num_threads(threads)
-    cfg = TrainConfig(epochs=epochs, lr=lr, batch_size=batch_size, seed=seed,
-                      patience=patience, scheduled_sampling=scheduled_sampling,
-                      ablation=ablation, device=device)
+    cfg = TrainConfig(
+        epochs=epochs,
+        lr=lr,
+        batch_size=batch_size,
+        seed=seed,
+        patience=patience,
+        scheduled_sampling=scheduled_sampling,
+        ablation=ablation,
+        device=device,
+    )
 
     def on_epoch(r: dict) -> None:
-        click.echo(f"epoch {r['epoch']:3d}  loss {r['loss']:.4f}  val jaccard "
-                   f"{r['val_jaccard']:.4f}  f1 {r['val_f1']:.4f}  prauc {r['val_prauc']:.4f}  "
-                   f"ddi {r['val_ddi']:.4f}  drugs {r['val_avg_drugs']:.1f}  "
-                   f"({r['train_s']:.1f}s train, {r['epoch_s']:.1f}s total)"
-                   f"{'  *best' if r['best'] else ''}", err=True)
+        click.echo(
+            f"epoch {r['epoch']:3d}  loss {r['loss']:.4f}  val jaccard "
+            f"{r['val_jaccard']:.4f}  f1 {r['val_f1']:.4f}  prauc {r['val_prauc']:.4f}  "
+            f"ddi {r['val_ddi']:.4f}  drugs {r['val_avg_drugs']:.1f}  "
+            f"({r['train_s']:.1f}s train, {r['epoch_s']:.1f}s total)"
+            f"{'  *best' if r['best'] else ''}",
+            err=True,
+        )
 
     bar = None if quiet else progress
-    best = run_train(data_dir, out, cfg, on_epoch=on_epoch,
-                     progress=(lambda **kw: bar(**kw)) if bar else None)
-    click.echo(f"best epoch {best['epoch']}: val jaccard {best['val_jaccard']:.4f}; "
-               f"checkpoint written to {out}")
+    best = run_train(
+        data_dir, out, cfg, on_epoch=on_epoch, progress=(lambda **kw: bar(**kw)) if bar else None
+    )
+    click.echo(
+        f"best epoch {best['epoch']}: val jaccard {best['val_jaccard']:.4f}; "
+        f"checkpoint written to {out}"
+    )
 
 
 @click.command()
-@click.option("--checkpoint", "ckpt", type=click.Path(file_okay=False),
-              help="Checkpoint directory from `cognet train` (not needed with --baseline).")
+@click.option(
+    "--checkpoint",
+    "ckpt",
+    type=click.Path(file_okay=False),
+    help="Checkpoint directory from `cognet train` (not needed with --baseline).",
+)
 @click.option("--data", "data_dir", required=True, type=click.Path(file_okay=False))
-@click.option("--split", default="test", show_default=True,
-              type=click.Choice(["train", "val", "test"]))
-@click.option("--beam", default=4, show_default=True, type=click.IntRange(1),
-              help="Beam width; 1 = greedy.")
-@click.option("--rounds", default=10, show_default=True, type=click.IntRange(1),
-              help="Bootstrap rounds of 80%% of the patients.")
+@click.option(
+    "--split", default="test", show_default=True, type=click.Choice(["train", "val", "test"])
+)
+@click.option(
+    "--beam", default=4, show_default=True, type=click.IntRange(1), help="Beam width; 1 = greedy."
+)
+@click.option(
+    "--rounds",
+    default=10,
+    show_default=True,
+    type=click.IntRange(1),
+    help="Bootstrap rounds of 80%% of the patients.",
+)
 @click.option("--seed", default=0, show_default=True, type=int)
 @click.option("--json", "json_out", type=click.Path(dir_okay=False), help="Write the report.")
-@click.option("--predictions", type=click.Path(dir_okay=False),
-              help="Write every visit's recommendation (cognet-batch score schema).")
-@click.option("--baseline", type=click.Choice(["copy-last", "frequent", "lr"]),
-              help="Evaluate a simple baseline instead of the checkpoint.")
+@click.option(
+    "--predictions",
+    type=click.Path(dir_okay=False),
+    help="Write every visit's recommendation (cognet-batch score schema).",
+)
+@click.option(
+    "--baseline",
+    type=click.Choice(["copy-last", "frequent", "lr"]),
+    help="Evaluate a simple baseline instead of the checkpoint.",
+)
 @ddi_options
-@click.option("--ddi-tradeoff", is_flag=True,
-              help="Report every DDI policy (off, hard, soft at each of --penalties) as a "
-                   "table instead of one.")
-@click.option("--penalties", default="0.25,0.5,1,2,4", show_default=True,
-              help="--ddi-tradeoff: the soft penalties, comma-separated.")
-@click.option("--max-rates", default="",
-              help="--ddi-tradeoff: also off capped at these DDI rates, comma-separated.")
-@click.option("--plot", "plot_out", type=click.Path(dir_okay=False),
-              help="--ddi-tradeoff: write Jaccard vs DDI rate as a PNG.")
+@click.option(
+    "--ddi-tradeoff",
+    is_flag=True,
+    help="Report every DDI policy (off, hard, soft at each of --penalties) as a "
+    "table instead of one.",
+)
+@click.option(
+    "--penalties",
+    default="0.25,0.5,1,2,4",
+    show_default=True,
+    help="--ddi-tradeoff: the soft penalties, comma-separated.",
+)
+@click.option(
+    "--max-rates",
+    default="",
+    help="--ddi-tradeoff: also off capped at these DDI rates, comma-separated.",
+)
+@click.option(
+    "--plot",
+    "plot_out",
+    type=click.Path(dir_okay=False),
+    help="--ddi-tradeoff: write Jaccard vs DDI rate as a PNG.",
+)
 @click.option("--quiet", is_flag=True)
 @handle_errors
-def evaluate(ckpt, data_dir, split, beam, rounds, seed, json_out, predictions, baseline,
-             ddi_mode, ddi_penalty, ddi_max_rate, ddi_tradeoff, penalties, max_rates, plot_out,
-             quiet):
+def evaluate(
+    ckpt,
+    data_dir,
+    split,
+    beam,
+    rounds,
+    seed,
+    json_out,
+    predictions,
+    baseline,
+    ddi_mode,
+    ddi_penalty,
+    ddi_max_rate,
+    ddi_tradeoff,
+    penalties,
+    max_rates,
+    plot_out,
+    quiet,
+):
     """Evaluate a checkpoint (or a baseline) on a split: Jaccard, F1, PRAUC, DDI, #drugs.
 
     \b
@@ -122,15 +229,38 @@ def evaluate(ckpt, data_dir, split, beam, rounds, seed, json_out, predictions, b
     policy = ddi_policy(ddi_mode, ddi_penalty, ddi_max_rate)
     if ddi_tradeoff:
         if policy.active or predictions:
-            raise click.UsageError("--ddi-tradeoff runs every policy: drop --ddi-mode, "
-                                   "--ddi-penalty, --ddi-max-rate and --predictions")
-        _tradeoff(ckpt, data_dir, split, beam, rounds, seed, penalties, max_rates, plot_out,
-                  json_out, quiet)
+            raise click.UsageError(
+                "--ddi-tradeoff runs every policy: drop --ddi-mode, "
+                "--ddi-penalty, --ddi-max-rate and --predictions"
+            )
+        _tradeoff(
+            ckpt,
+            data_dir,
+            split,
+            beam,
+            rounds,
+            seed,
+            penalties,
+            max_rates,
+            plot_out,
+            json_out,
+            quiet,
+        )
         return
     if plot_out:
         raise click.UsageError("--plot goes with --ddi-tradeoff")
-    result = run_evaluation(ckpt, data_dir, split=split, beam=beam, rounds=rounds, seed=seed,
-                            predictions=predictions, baseline=baseline, quiet=quiet, ddi=policy)
+    result = run_evaluation(
+        ckpt,
+        data_dir,
+        split=split,
+        beam=beam,
+        rounds=rounds,
+        seed=seed,
+        predictions=predictions,
+        baseline=baseline,
+        quiet=quiet,
+        ddi=policy,
+    )
     click.echo(result["table"])
     if json_out:
         Path(json_out).write_text(json.dumps(result["report"], indent=1) + "\n")
@@ -140,12 +270,14 @@ def _floats(text: str, option: str) -> tuple[float, ...]:
     try:
         return tuple(float(t) for t in text.split(",") if t.strip())
     except ValueError:
-        raise click.BadParameter(f"expected comma-separated numbers, got {text!r}",
-                                 param_hint=option) from None
+        raise click.BadParameter(
+            f"expected comma-separated numbers, got {text!r}", param_hint=option
+        ) from None
 
 
-def _tradeoff(ckpt, data_dir, split, beam, rounds, seed, penalties, max_rates, plot_out,
-              json_out, quiet) -> None:
+def _tradeoff(
+    ckpt, data_dir, split, beam, rounds, seed, penalties, max_rates, plot_out, json_out, quiet
+) -> None:
     from cognet import ddi_tradeoff
 
     pens, caps = _floats(penalties, "--penalties"), _floats(max_rates, "--max-rates")
@@ -154,12 +286,23 @@ def _tradeoff(ckpt, data_dir, split, beam, rounds, seed, penalties, max_rates, p
 
     def done(row) -> None:
         if not quiet:
-            click.echo(f"{row.policy.label}: jaccard {row.mean('jaccard'):.4f}, ddi "
-                       f"{row.mean('ddi'):.4f} ({row.seconds:.1f}s)", err=True)
+            click.echo(
+                f"{row.policy.label}: jaccard {row.mean('jaccard'):.4f}, ddi "
+                f"{row.mean('ddi'):.4f} ({row.seconds:.1f}s)",
+                err=True,
+            )
 
-    result = ddi_tradeoff.run_tradeoff(ckpt, data_dir, split=split, penalties=pens,
-                                       max_rates=caps, beam=beam, rounds=rounds, seed=seed,
-                                       on_policy=done)
+    result = ddi_tradeoff.run_tradeoff(
+        ckpt,
+        data_dir,
+        split=split,
+        penalties=pens,
+        max_rates=caps,
+        beam=beam,
+        rounds=rounds,
+        seed=seed,
+        on_policy=done,
+    )
     click.echo(result.table)
     if plot_out:
         ddi_tradeoff.plot(result.rows, plot_out, result.recommended)

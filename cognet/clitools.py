@@ -57,15 +57,27 @@ def setup_logging(verbose: bool = False) -> None:
 
 
 def progress(
-    iterable: Iterable[T] | None = None, *, total: int | None = None, desc: str = "",
-    unit: str = "it", quiet: bool = False,
+    iterable: Iterable[T] | None = None,
+    *,
+    total: int | None = None,
+    desc: str = "",
+    unit: str = "it",
+    quiet: bool = False,
 ):
     """A tqdm bar on stderr, silent when stderr is not a terminal or when quiet."""
     from tqdm.auto import tqdm
 
     disable = quiet or not sys.stderr.isatty()
-    return tqdm(iterable, total=total, desc=desc, unit=unit, disable=disable, file=sys.stderr,
-                dynamic_ncols=True, leave=False)
+    return tqdm(
+        iterable,
+        total=total,
+        desc=desc,
+        unit=unit,
+        disable=disable,
+        file=sys.stderr,
+        dynamic_ncols=True,
+        leave=False,
+    )
 
 
 def ddi_options(func: Callable) -> Callable:

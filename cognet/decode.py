@@ -42,9 +42,14 @@ def ddi_rate_of_beams(used: torch.Tensor, ddi: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def beam_search(model: COGNet, batch: dict[str, torch.Tensor], beam: int = BEAM,
-                max_len: int = MAX_LEN, rows: torch.Tensor | None = None,
-                ddi: DDIPolicy = DDIPolicy()) -> list[Decoded]:
+def beam_search(
+    model: COGNet,
+    batch: dict[str, torch.Tensor],
+    beam: int = BEAM,
+    max_len: int = MAX_LEN,
+    rows: torch.Tensor | None = None,
+    ddi: DDIPolicy = DDIPolicy(),
+) -> list[Decoded]:
     """Decode the visits `rows` (default: every `target`) of a batch from `make_batch`."""
     model.eval()
     ddi_adj = (model.ddi_gcn.adj > 0).float()
@@ -52,8 +57,15 @@ def beam_search(model: COGNet, batch: dict[str, torch.Tensor], beam: int = BEAM,
     cfg = model.cfg
     if rows is not None:
         batch = dict(batch, target=batch["target"][rows])
-        for k in ("hist_index", "hist_mask", "slot_visit_row", "slot_pos", "slot_visit",
-                  "slot_med", "slot_mask"):
+        for k in (
+            "hist_index",
+            "hist_mask",
+            "slot_visit_row",
+            "slot_pos",
+            "slot_visit",
+            "slot_med",
+            "slot_mask",
+        ):
             batch[k] = batch[k][rows]
     dev = next(model.parameters()).device
     batch = {k: v.to(dev) for k, v in batch.items()}
@@ -82,8 +94,9 @@ def beam_search(model: COGNet, batch: dict[str, torch.Tensor], beam: int = BEAM,
         if ddi.max_rate is not None:
             rate = ddi_rate_of_beams(used[..., : cfg.n_med], ddi_adj)
             ok = (rate <= ddi.max_rate + RATE_TOLERANCE) & (scores > float("-inf"))
-            lowest = torch.sort(rate.masked_fill(scores == float("-inf"), 2.0), dim=1,
-                                stable=True).indices[:, 0]
+            lowest = torch.sort(
+                rate.masked_fill(scores == float("-inf"), 2.0), dim=1, stable=True
+            ).indices[:, 0]
             choice = torch.where(ok.any(1), ok.float().argmax(1), lowest)
         for i in local.tolist():
             c = int(choice[i])
@@ -98,14 +111,18 @@ def beam_search(model: COGNet, batch: dict[str, torch.Tensor], beam: int = BEAM,
 
     for t in range(max_len):
         log_probs, _, _, past_key, past_value = model.decoder_step(
-            tokens, parent, past_key, past_value, *memories, graph=graph)
+            tokens, parent, past_key, past_value, *memories, graph=graph
+        )
         raw = log_probs
         logp = raw.masked_fill(used, neg_inf)
         if ddi.mode != "off":
             clashes = used[..., : cfg.n_med].float() @ ddi_adj  # [n, B, M] interacting pairs
             meds = logp[..., : cfg.n_med]
-            meds = meds.masked_fill(clashes > 0, neg_inf) if ddi.mode == "hard" else \
-                meds - ddi.penalty * clashes
+            meds = (
+                meds.masked_fill(clashes > 0, neg_inf)
+                if ddi.mode == "hard"
+                else meds - ddi.penalty * clashes
+            )
             logp = torch.cat([meds, logp[..., cfg.n_med :]], -1)
         frozen = torch.full_like(logp, neg_inf)
         frozen[..., end] = 0.0
@@ -137,14 +154,18 @@ def beam_search(model: COGNet, batch: dict[str, torch.Tensor], beam: int = BEAM,
             if len(keep) == 0:
                 break
             alive = alive[keep]
-            scores, finished, tokens, parent = (x[keep] for x in (scores, finished, tokens,
-                                                                  parent))
+            scores, finished, tokens, parent = (x[keep] for x in (scores, finished, tokens, parent))
             past_key, past_value, seqs, emit_prob, used, prob_sum, steps = (
-                x[keep] for x in (past_key, past_value, seqs, emit_prob, used, prob_sum, steps))
+                x[keep] for x in (past_key, past_value, seqs, emit_prob, used, prob_sum, steps)
+            )
             memories = tuple(m[keep] for m in memories)
     return [results[i] for i in range(n)]
 
 
-def greedy(model: COGNet, batch: dict[str, torch.Tensor], max_len: int = MAX_LEN,
-           rows: torch.Tensor | None = None) -> list[Decoded]:
+def greedy(
+    model: COGNet,
+    batch: dict[str, torch.Tensor],
+    max_len: int = MAX_LEN,
+    rows: torch.Tensor | None = None,
+) -> list[Decoded]:
     return beam_search(model, batch, beam=1, max_len=max_len, rows=rows)

@@ -23,10 +23,11 @@ def make_input(data_dir: str, out: str, split: str = "test") -> int:
     pids = visits.column("patient_id").to_pylist()
     last = [i + 1 == len(pids) or pids[i + 1] != p for i, p in enumerate(pids)]
     meds = visits.column("medications").to_pylist()
-    masked = pa.array([None if is_last else m for m, is_last in zip(meds, last, strict=True)],
-                      pa.list_(pa.string()))
-    visits = visits.set_column(visits.schema.get_field_index("medications"), "medications",
-                               masked)
+    masked = pa.array(
+        [None if is_last else m for m, is_last in zip(meds, last, strict=True)],
+        pa.list_(pa.string()),
+    )
+    visits = visits.set_column(visits.schema.get_field_index("medications"), "medications", masked)
     pq.write_table(visits, out)
     return sum(last)
 
@@ -34,22 +35,28 @@ def make_input(data_dir: str, out: str, split: str = "test") -> int:
 def report(summary_path: str, recs_path: str, n: int = 5) -> str:
     summary = json.loads(open(summary_path).read())
     recs = pq.read_table(recs_path).slice(0, n).to_pylist()
-    lines = ["", "== cognet demo ==",
-             f"rows read {summary['rows_read']}, scored {summary['rows_scored']}, "
-             f"rejected {summary['rows_rejected']}, skipped {summary['rows_skipped']}, "
-             f"{summary['visits_per_s']:.0f} visits/s on {', '.join(summary['providers'])}",
-             "", "A few recommendations (medication: probability, copy share, source visit):"]
+    lines = [
+        "",
+        "== cognet demo ==",
+        f"rows read {summary['rows_read']}, scored {summary['rows_scored']}, "
+        f"rejected {summary['rows_rejected']}, skipped {summary['rows_skipped']}, "
+        f"{summary['visits_per_s']:.0f} visits/s on {', '.join(summary['providers'])}",
+        "",
+        "A few recommendations (medication: probability, copy share, source visit):",
+    ]
     for r in recs:
-        lines.append(f"- patient {r['patient_id']} visit {r['visit_id']} "
-                     f"(beam score {r['score']:.2f}):")
+        lines.append(
+            f"- patient {r['patient_id']} visit {r['visit_id']} (beam score {r['score']:.2f}):"
+        )
         explain = r.get("explanations") or [None] * len(r["medications"])
-        for med, prob, ex in zip(r["medications"], r["probabilities"], explain,
-                                  strict=True):
+        for med, prob, ex in zip(r["medications"], r["probabilities"], explain, strict=True):
             detail = ""
             if ex:
                 source = ex.get("source_visit")
-                detail = (f", copied {ex.get('copy_share', 0):.0%}"
-                          f"{' from visit ' + source if source else ''}")
+                detail = (
+                    f", copied {ex.get('copy_share', 0):.0%}"
+                    f"{' from visit ' + source if source else ''}"
+                )
             lines.append(f"    {med}: {prob:.3f}{detail}")
     return "\n".join(lines)
 

@@ -47,10 +47,16 @@ def load_split(visits: pa.Table, vocab: Vocab, split: str) -> SplitData:
     return SplitData(patients, unknown, unlabeled)
 
 
-def decode_patients(model: COGNet, vocab: Vocab, patients: Sequence[Sequence[Visit]],
-                    beam: int = 4, max_len: int = MAX_LEN, batch_patients: int = 128,
-                    on_batch: Callable[[int], None] | None = None,
-                    ddi: DDIPolicy = DDIPolicy()) -> list[Decoded]:
+def decode_patients(
+    model: COGNet,
+    vocab: Vocab,
+    patients: Sequence[Sequence[Visit]],
+    beam: int = 4,
+    max_len: int = MAX_LEN,
+    batch_patients: int = 128,
+    on_batch: Callable[[int], None] | None = None,
+    ddi: DDIPolicy = DDIPolicy(),
+) -> list[Decoded]:
     """Decode every visit of `patients` (history: the earlier visits' true medications)."""
     out: list[Decoded] = []
     with torch.no_grad():
@@ -63,15 +69,19 @@ def decode_patients(model: COGNet, vocab: Vocab, patients: Sequence[Sequence[Vis
     return out
 
 
-def visit_results(patients: Sequence[Sequence[Visit]], decoded: Sequence[Decoded]
-                  ) -> list[VisitResult]:
+def visit_results(
+    patients: Sequence[Sequence[Visit]], decoded: Sequence[Decoded]
+) -> list[VisitResult]:
     visits = [v for p in patients for v in p]
-    return [VisitResult(v.patient_id, d.meds, tuple(v.meds or ()), d.scores)
-            for v, d in zip(visits, decoded, strict=True)]
+    return [
+        VisitResult(v.patient_id, d.meds, tuple(v.meds or ()), d.scores)
+        for v, d in zip(visits, decoded, strict=True)
+    ]
 
 
-def report(results: Sequence[VisitResult], ddi_adj: np.ndarray, rounds: int = 10,
-           seed: int = 0) -> dict:
+def report(
+    results: Sequence[VisitResult], ddi_adj: np.ndarray, rounds: int = 10, seed: int = 0
+) -> dict:
     if rounds <= 1:
         return bootstrap_report(results, ddi_adj, rounds=1, fraction=1.0, seed=seed)
     return bootstrap_report(results, ddi_adj, rounds=rounds, fraction=0.8, seed=seed)
@@ -81,16 +91,22 @@ def ground_truth_ddi(patients: Sequence[Sequence[Visit]], ddi_adj: np.ndarray) -
     return float(ddi_rate_of_sets([v.meds or () for p in patients for v in p], ddi_adj))
 
 
-def predictions_table(patients: Sequence[Sequence[Visit]], predicted: Sequence[Sequence[int]],
-                      scores: Sequence[float], vocab: Vocab) -> pa.Table:
+def predictions_table(
+    patients: Sequence[Sequence[Visit]],
+    predicted: Sequence[Sequence[int]],
+    scores: Sequence[float],
+    vocab: Vocab,
+) -> pa.Table:
     """The `cognet-batch score` output schema: patient_id, visit_id, medications, score."""
     visits = [v for p in patients for v in p]
-    return pa.table({
-        "patient_id": pa.array([v.patient_id for v in visits], pa.string()),
-        "visit_id": pa.array([v.visit_id for v in visits], pa.string()),
-        "medications": pa.array([vocab.med_codes(m) for m in predicted], pa.list_(pa.string())),
-        "score": pa.array(scores, pa.float32()),
-    })
+    return pa.table(
+        {
+            "patient_id": pa.array([v.patient_id for v in visits], pa.string()),
+            "visit_id": pa.array([v.visit_id for v in visits], pa.string()),
+            "medications": pa.array([vocab.med_codes(m) for m in predicted], pa.list_(pa.string())),
+            "score": pa.array(scores, pa.float32()),
+        }
+    )
 
 
 def ddi_matrix(vocab: Vocab, pairs) -> np.ndarray:
@@ -102,9 +118,18 @@ def model_name(beam: int, ddi: DDIPolicy = DDIPolicy()) -> str:
     return name if not ddi.active else f"{name[:-1]}, DDI {ddi.label})"
 
 
-def run_evaluation(ckpt, data_dir, split: str = "test", beam: int = 4, rounds: int = 10,
-                   seed: int = 0, predictions=None, baseline: str | None = None,
-                   quiet: bool = True, ddi: DDIPolicy = DDIPolicy()) -> dict:
+def run_evaluation(
+    ckpt,
+    data_dir,
+    split: str = "test",
+    beam: int = 4,
+    rounds: int = 10,
+    seed: int = 0,
+    predictions=None,
+    baseline: str | None = None,
+    quiet: bool = True,
+    ddi: DDIPolicy = DDIPolicy(),
+) -> dict:
     """What `cognet evaluate` does: returns {"report": dict, "table": str}."""
     from cognet import checkpoint
     from cognet.clitools import progress
@@ -116,8 +141,9 @@ def run_evaluation(ckpt, data_dir, split: str = "test", beam: int = 4, rounds: i
         model, vocab, _ = checkpoint.load(ckpt)
     else:
         train_rows = split_table(dataset.visits, "train")
-        vocab = Vocab.build(*(train_rows.column(c).to_pylist()
-                              for c in ("diagnoses", "procedures", "medications")))
+        vocab = Vocab.build(
+            *(train_rows.column(c).to_pylist() for c in ("diagnoses", "procedures", "medications"))
+        )
     data = load_split(dataset.visits, vocab, split)
     if not data.patients:
         from cognet.errors import InputError
@@ -132,21 +158,33 @@ def run_evaluation(ckpt, data_dir, split: str = "test", beam: int = 4, rounds: i
     else:
         n_visits = sum(map(len, data.patients))
         with progress(total=n_visits, desc="decoding", unit="visit", quiet=quiet) as bar:
-            decoded = decode_patients(model, vocab, data.patients, beam=beam,
-                                      on_batch=bar.update, ddi=ddi)
+            decoded = decode_patients(
+                model, vocab, data.patients, beam=beam, on_batch=bar.update, ddi=ddi
+            )
         results = visit_results(data.patients, decoded)
         name = model_name(beam, ddi)
         if predictions:
-            _write_parquet(predictions, predictions_table(
-                data.patients, [d.meds for d in decoded], [d.score for d in decoded], vocab))
+            _write_parquet(
+                predictions,
+                predictions_table(
+                    data.patients, [d.meds for d in decoded], [d.score for d in decoded], vocab
+                ),
+            )
     rep = report(results, ddi_adj, rounds=rounds, seed=seed)
     if not baseline:
         rep["ddi_policy"] = ddi.to_json()
-    rep.update(model=name, split=split, ground_truth_ddi=ground_truth_ddi(data.patients, ddi_adj),
-               unknown_codes=data.unknown_codes, unlabeled_visits=data.unlabeled_visits)
-    table = (format_table({name: rep}) + f"\nground-truth DDI rate of the {split} split: "
-             f"{rep['ground_truth_ddi']:.4f}  ({rep['n_patients']} patients, "
-             f"{rep['n_visits']} visits, {data.unknown_codes} unknown codes dropped)")
+    rep.update(
+        model=name,
+        split=split,
+        ground_truth_ddi=ground_truth_ddi(data.patients, ddi_adj),
+        unknown_codes=data.unknown_codes,
+        unlabeled_visits=data.unlabeled_visits,
+    )
+    table = (
+        format_table({name: rep}) + f"\nground-truth DDI rate of the {split} split: "
+        f"{rep['ground_truth_ddi']:.4f}  ({rep['n_patients']} patients, "
+        f"{rep['n_visits']} visits, {data.unknown_codes} unknown codes dropped)"
+    )
     return {"report": rep, "table": table}
 
 

@@ -25,28 +25,45 @@ class Visit:
     unknown_codes: int = 0  # codes dropped because the vocabulary does not know them
 
 
-def encode_visit(vocab: Vocab, patient_id: str, visit_id: str, diagnoses, procedures,
-                 medications) -> Visit:
+def encode_visit(
+    vocab: Vocab, patient_id: str, visit_id: str, diagnoses, procedures, medications
+) -> Visit:
     diag, ud = vocab.encode("diagnoses", diagnoses or ())
     proc, up = vocab.encode("procedures", procedures or ())
     meds, um = (None, 0) if medications is None else vocab.encode("medications", medications)
     if meds is not None:
         meds = vocab.rare_first(meds)
-    return Visit(patient_id, visit_id, tuple(diag), tuple(proc),
-                 None if meds is None else tuple(meds), ud + up + um)
+    return Visit(
+        patient_id,
+        visit_id,
+        tuple(diag),
+        tuple(proc),
+        None if meds is None else tuple(meds),
+        ud + up + um,
+    )
 
 
 def patients_from_table(table: pa.Table, vocab: Vocab) -> Iterator[list[Visit]]:
     """Group a visits table (rows of a patient contiguous and ordered) into patients."""
-    cols = {c: table.column(c).to_pylist() for c in
-            ("patient_id", "visit_id", "diagnoses", "procedures", "medications")}
+    cols = {
+        c: table.column(c).to_pylist()
+        for c in ("patient_id", "visit_id", "diagnoses", "procedures", "medications")
+    }
     current: list[Visit] = []
     for i, pid in enumerate(cols["patient_id"]):
         if current and current[-1].patient_id != pid:
             yield current
             current = []
-        current.append(encode_visit(vocab, pid, cols["visit_id"][i], cols["diagnoses"][i],
-                                    cols["procedures"][i], cols["medications"][i]))
+        current.append(
+            encode_visit(
+                vocab,
+                pid,
+                cols["visit_id"][i],
+                cols["diagnoses"][i],
+                cols["procedures"][i],
+                cols["medications"][i],
+            )
+        )
     if current:
         yield current
 
@@ -60,8 +77,9 @@ def pad(seqs: Sequence[Sequence[int]], pad_id: int, min_len: int = 1) -> np.ndar
     return out
 
 
-def history_index(histories: Sequence[Sequence[int]],
-                  med_ids: Sequence[Sequence[int]]) -> dict[str, np.ndarray]:
+def history_index(
+    histories: Sequence[Sequence[int]], med_ids: Sequence[Sequence[int]]
+) -> dict[str, np.ndarray]:
     """Index arrays that gather each decoded visit's history from encoded visit rows.
 
     histories[n]: rows (into the encoded visits) of visit n's past visits, oldest first.
@@ -75,8 +93,10 @@ def history_index(histories: Sequence[Sequence[int]],
     s_max = max([1, *slots])
     hist_index = np.zeros((n, j_max), np.int64)
     hist_mask = np.zeros((n, j_max), np.float32)
-    slot = {k: np.zeros((n, s_max), np.int64) for k in ("slot_row", "slot_pos", "slot_visit",
-                                                          "slot_med")}
+    slot = {
+        k: np.zeros((n, s_max), np.int64)
+        for k in ("slot_row", "slot_pos", "slot_visit", "slot_med")
+    }
     slot_mask = np.zeros((n, s_max), np.float32)
     for i, rows in enumerate(histories):
         hist_index[i, : len(rows)] = rows

@@ -108,8 +108,9 @@ class Attention(nn.Module):
 
 class FeedForward(nn.Sequential):
     def __init__(self, dim: int, hidden: int, dropout: float):
-        super().__init__(nn.Linear(dim, hidden), nn.ReLU(), nn.Dropout(dropout),
-                         nn.Linear(hidden, dim))
+        super().__init__(
+            nn.Linear(dim, hidden), nn.ReLU(), nn.Dropout(dropout), nn.Linear(hidden, dim)
+        )
 
 
 class EncoderLayer(nn.Module):
@@ -168,7 +169,8 @@ class COGNet(nn.Module):
         self.proc_emb = nn.Embedding(cfg.n_proc + 1, s, padding_idx=cfg.n_proc)
         self.med_emb = nn.Embedding(m + 3, s, padding_idx=m + 2)  # + END, START, PAD
         self.diag_encoder, self.proc_encoder, self.med_encoder = (
-            EncoderLayer(cfg) for _ in range(3))
+            EncoderLayer(cfg) for _ in range(3)
+        )
         self.diag_agg, self.proc_agg = GatedAggregation(s), GatedAggregation(s)
         self.ehr_gcn = GCN(m, s, ehr_adj, cfg.dropout)
         self.ddi_gcn = GCN(m, s, ddi_adj, cfg.dropout)
@@ -203,8 +205,13 @@ class COGNet(nn.Module):
         diag_enc = self.diag_encoder(self.diag_emb(diagnoses), dmask)
         proc_enc = self.proc_encoder(self.proc_emb(procedures), pmask)
         med_enc = self.med_encoder(self.med_emb(medications), mmask)
-        return (diag_enc, proc_enc, self.diag_agg(diag_enc, dmask),
-                self.proc_agg(proc_enc, pmask), med_enc)
+        return (
+            diag_enc,
+            proc_enc,
+            self.diag_agg(diag_enc, dmask),
+            self.proc_agg(proc_enc, pmask),
+            med_enc,
+        )
 
     # -- graph 2: decoder init --------------------------------------------------------------
     def _cross_memory(self, attn: Attention, enc: Tensor, mask: Tensor):
@@ -213,8 +220,22 @@ class COGNet(nn.Module):
         value = attn.split(attn.v(enc))  # [N, H, L, dh]
         return key, value, _bias(mask), mask.amax(1)
 
-    def decoder_init(self, diag_enc, diag_mask, proc_enc, proc_mask, v_d, v_p, hist_v_d,
-                     hist_v_p, hist_mask, slot_enc, slot_mask, slot_visit, slot_med):
+    def decoder_init(
+        self,
+        diag_enc,
+        diag_mask,
+        proc_enc,
+        proc_mask,
+        v_d,
+        v_p,
+        hist_v_d,
+        hist_v_p,
+        hist_mask,
+        slot_enc,
+        slot_mask,
+        slot_visit,
+        slot_med,
+    ):
         """Per-visit memories, in the order of `graphspec.MEMORIES`."""
         cfg, s = self.cfg, self.cfg.dim
         use_d, use_p = cfg.ablation != "no-diagnoses", cfg.ablation != "no-procedures"
@@ -241,8 +262,9 @@ class COGNet(nn.Module):
         return self.med_emb(tokens) + F.embedding(tokens, graph)
 
     @staticmethod
-    def _cross(attn: Attention, x: Tensor, key: Tensor, value: Tensor, bias: Tensor,
-               flag: Tensor) -> tuple[Tensor, Tensor]:
+    def _cross(
+        attn: Attention, x: Tensor, key: Tensor, value: Tensor, bias: Tensor, flag: Tensor
+    ) -> tuple[Tensor, Tensor]:
         """x [N, Q, s] against one visit's memory: key [N, H, dh, L], value [N, H, L, dh].
 
         Returns the output [N, Q, s] and the attention weights [N, H, Q, L]."""
@@ -252,8 +274,9 @@ class COGNet(nn.Module):
         y = (att @ value).transpose(1, 2)  # [N, Q, H, dh]
         return attn.out(y.reshape(n, length, -1)) * flag.view(n, 1, 1), att
 
-    def _finish(self, x: Tensor, attn_out: Tensor, memories
-                ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    def _finish(
+        self, x: Tensor, attn_out: Tensor, memories
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """Everything after self-attention: x, attn_out [N, Q, s] -> log_probs, gate, copy,
         and the diagnosis cross-attention weights [N, H, Q, Ld]."""
         kd, vd, bd, fd, kp, vp, bp, fp, copy_key, copy_bias, onehot, has_history = memories
@@ -269,8 +292,9 @@ class COGNet(nn.Module):
         return torch.log(prob.clamp_min(PROB_FLOOR)), gate, copy, att_d
 
     # -- graph 3: one decoder step with a KV cache -------------------------------------------------
-    def decoder_step(self, tokens, parent, past_key, past_value, *memories, graph=None,
-                     attention: bool = False):
+    def decoder_step(
+        self, tokens, parent, past_key, past_value, *memories, graph=None, attention: bool = False
+    ):
         """tokens, parent [N, B]; past_key [N, B, H, dh, T]; past_value [N, B, H, T, dh].
 
         Returns log_probs [N, B, V1], gate [N, B], copy_probs [N, B, S], present_key,
@@ -317,9 +341,11 @@ class COGNet(nn.Module):
     def forward(self, batch: dict[str, Tensor]) -> Tensor:
         """Teacher-forced log-probabilities [N, L, V1] for a batch from `cognet.batching`."""
         diag_enc, proc_enc, v_d, v_p, med_enc = self.encode_visits(
-            batch["diagnoses"], batch["procedures"], batch["medications"])
-        memories = self.decoder_init(*history_inputs(batch, diag_enc, proc_enc, v_d, v_p,
-                                                     med_enc, self.cfg))
+            batch["diagnoses"], batch["procedures"], batch["medications"]
+        )
+        memories = self.decoder_init(
+            *history_inputs(batch, diag_enc, proc_enc, v_d, v_p, med_enc, self.cfg)
+        )
         return self.decode_teacher_forced(batch["dec_input"], memories)[0]
 
 
@@ -332,8 +358,18 @@ def history_inputs(batch, diag_enc, proc_enc, v_d, v_p, med_enc, cfg: ModelConfi
     t = batch["target"]
     flat_med = med_enc.flatten(0, 1)  # [V * Lm, s]
     slot_enc = flat_med[batch["slot_visit_row"] * med_enc.shape[1] + batch["slot_pos"]]
-    return (diag_enc[t], (batch["diagnoses"][t] != cfg.n_diag).float(),
-            proc_enc[t], (batch["procedures"][t] != cfg.n_proc).float(),
-            v_d[t], v_p[t], v_d[batch["hist_index"]], v_p[batch["hist_index"]],
-            batch["hist_mask"], slot_enc, batch["slot_mask"], batch["slot_visit"],
-            batch["slot_med"])
+    return (
+        diag_enc[t],
+        (batch["diagnoses"][t] != cfg.n_diag).float(),
+        proc_enc[t],
+        (batch["procedures"][t] != cfg.n_proc).float(),
+        v_d[t],
+        v_p[t],
+        v_d[batch["hist_index"]],
+        v_p[batch["hist_index"]],
+        batch["hist_mask"],
+        slot_enc,
+        batch["slot_mask"],
+        batch["slot_visit"],
+        batch["slot_med"],
+    )

@@ -57,8 +57,15 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def train_epoch(model: COGNet, optim: torch.optim.Optimizer, patients: list, vocab: Vocab,
-                cfg: TrainConfig, rng: random.Random, bar=None) -> float:
+def train_epoch(
+    model: COGNet,
+    optim: torch.optim.Optimizer,
+    patients: list,
+    vocab: Vocab,
+    cfg: TrainConfig,
+    rng: random.Random,
+    bar=None,
+) -> float:
     """One pass over the patients (shuffled in place) with teacher forcing; mean loss."""
     model.train()
     rng.shuffle(patients)
@@ -68,8 +75,9 @@ def train_epoch(model: COGNet, optim: torch.optim.Optimizer, patients: list, voc
         batch = make_batch(patients[i : i + cfg.batch_size], vocab, cfg.max_history)
         batch = {k: v.to(cfg.device) for k, v in batch.items()}
         log_probs = _forward(model, batch, vocab, cfg.scheduled_sampling, gen)
-        loss = F.nll_loss(log_probs.flatten(0, 1), batch["dec_target"].flatten(),
-                          ignore_index=IGNORE)
+        loss = F.nll_loss(
+            log_probs.flatten(0, 1), batch["dec_target"].flatten(), ignore_index=IGNORE
+        )
         optim.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
@@ -83,8 +91,9 @@ def train_epoch(model: COGNet, optim: torch.optim.Optimizer, patients: list, voc
     return total / max(count, 1)
 
 
-def _forward(model: COGNet, batch: dict, vocab: Vocab, share: float,
-             gen: torch.Generator | None) -> torch.Tensor:
+def _forward(
+    model: COGNet, batch: dict, vocab: Vocab, share: float, gen: torch.Generator | None
+) -> torch.Tensor:
     """Teacher-forced log-probabilities [N, L, V1] of a training batch.
 
     With `share` > 0 (scheduled sampling), that share of the decoder's input medications
@@ -104,8 +113,13 @@ def _forward(model: COGNet, batch: dict, vocab: Vocab, share: float,
     return model.decode_teacher_forced(mixed, memories)[0]
 
 
-def mix_inputs(inputs: torch.Tensor, predicted: torch.Tensor, share: float, n_med: int,
-               gen: torch.Generator | None = None) -> torch.Tensor:
+def mix_inputs(
+    inputs: torch.Tensor,
+    predicted: torch.Tensor,
+    share: float,
+    n_med: int,
+    gen: torch.Generator | None = None,
+) -> torch.Tensor:
     """Decoder inputs [N, L] (START, medications, PAD) with each medication after START
     replaced, with probability `share`, by predicted[:, t - 1] (the model's prediction for
     position t) when that is a medication; START, END and PAD stay."""
@@ -116,8 +130,13 @@ def mix_inputs(inputs: torch.Tensor, predicted: torch.Tensor, share: float, n_me
     return torch.where(swap, shifted, inputs)
 
 
-def train(data_dir: str | Path, out: str | Path, cfg: TrainConfig = TrainConfig(),
-          on_epoch: Callable[[dict], None] | None = None, progress=None) -> dict:
+def train(
+    data_dir: str | Path,
+    out: str | Path,
+    cfg: TrainConfig = TrainConfig(),
+    on_epoch: Callable[[dict], None] | None = None,
+    progress=None,
+) -> dict:
     """Train on the dataset directory's train split, select on val, save to `out`.
 
     `on_epoch` receives each epoch's record (loss, validation metrics, time); `progress` is
@@ -127,20 +146,30 @@ def train(data_dir: str | Path, out: str | Path, cfg: TrainConfig = TrainConfig(
     seed_everything(cfg.seed)
     dataset = read_dataset(data_dir)
     train_table = split_table(dataset.visits, "train")
-    vocab = Vocab.build(train_table.column("diagnoses").to_pylist(),
-                        train_table.column("procedures").to_pylist(),
-                        train_table.column("medications").to_pylist())
+    vocab = Vocab.build(
+        train_table.column("diagnoses").to_pylist(),
+        train_table.column("procedures").to_pylist(),
+        train_table.column("medications").to_pylist(),
+    )
     train_data = load_split(dataset.visits, vocab, "train")
     val_data = load_split(dataset.visits, vocab, "val")
     if not train_data.patients:
         raise ValueError(f"{data_dir}: the train split has no labelled visit")
-    val_patients = val_data.patients[: cfg.val_max_patients] if cfg.val_max_patients else \
-        val_data.patients
+    val_patients = (
+        val_data.patients[: cfg.val_max_patients] if cfg.val_max_patients else val_data.patients
+    )
     ehr = ehr_adjacency(train_data.patients, vocab.n_med)
     ddi = ddi_adjacency(dataset.ddi_pairs, vocab)
-    model_cfg = ModelConfig(vocab.n_diag, vocab.n_proc, vocab.n_med, dim=cfg.dim,
-                            heads=cfg.heads, ffn=cfg.ffn, dropout=cfg.dropout,
-                            ablation=cfg.ablation)
+    model_cfg = ModelConfig(
+        vocab.n_diag,
+        vocab.n_proc,
+        vocab.n_med,
+        dim=cfg.dim,
+        heads=cfg.heads,
+        ffn=cfg.ffn,
+        dropout=cfg.dropout,
+        ablation=cfg.ablation,
+    )
     model = COGNet(model_cfg, ehr, ddi).to(cfg.device)
     optim = torch.optim.Adam(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     rng = random.Random(cfg.seed)
@@ -151,17 +180,23 @@ def train(data_dir: str | Path, out: str | Path, cfg: TrainConfig = TrainConfig(
     patients = list(train_data.patients)
     for epoch in range(1, cfg.epochs + 1):
         start = time.perf_counter()
-        bar = progress(total=-(-len(patients) // cfg.batch_size), desc=f"epoch {epoch}") \
-            if progress else None
+        bar = (
+            progress(total=-(-len(patients) // cfg.batch_size), desc=f"epoch {epoch}")
+            if progress
+            else None
+        )
         loss = train_epoch(model, optim, patients, vocab, cfg, rng, bar)
         train_s = time.perf_counter() - start
         model.eval()
         decoded = decode_patients(model, vocab, val_patients, beam=1)
         val = report(visit_results(val_patients, decoded), ddi_bool, rounds=1)
-        record = {"epoch": epoch, "loss": loss, "train_s": train_s,
-                  "epoch_s": time.perf_counter() - start,
-                  **{f"val_{k}": val[k]["mean"] for k in ("jaccard", "f1", "prauc", "ddi",
-                                                         "avg_drugs")}}
+        record = {
+            "epoch": epoch,
+            "loss": loss,
+            "train_s": train_s,
+            "epoch_s": time.perf_counter() - start,
+            **{f"val_{k}": val[k]["mean"] for k in ("jaccard", "f1", "prauc", "ddi", "avg_drugs")},
+        }
         history.append(record)
         improved = best is None or record["val_jaccard"] > best["val_jaccard"]
         record["best"] = improved
@@ -176,8 +211,13 @@ def train(data_dir: str | Path, out: str | Path, cfg: TrainConfig = TrainConfig(
                 log.info("early stopping after %d epochs without improvement", stale)
                 break
     model.load_state_dict(best_state)
-    train_info = {**asdict(cfg), "best_epoch": best["epoch"], "epochs_run": len(history),
-                  "data": str(data_dir), "unknown_codes_val": val_data.unknown_codes}
+    train_info = {
+        **asdict(cfg),
+        "best_epoch": best["epoch"],
+        "epochs_run": len(history),
+        "data": str(data_dir),
+        "unknown_codes_val": val_data.unknown_codes,
+    }
     checkpoint.save(out, model.cpu(), vocab, ehr, ddi, dataset.ddi_pairs, train_info)
     with open(out / "train_log.jsonl", "w") as fh:
         for rec in history:

@@ -119,8 +119,13 @@ class Vocab:
             "procedures": list(self.procedures),
             "medications": list(self.medications),
             "med_frequency": list(self.med_frequency),
-            "special": {"END": self.end, "START": self.start, "PAD": self.med_pad,
-                        "DIAG_PAD": self.diag_pad, "PROC_PAD": self.proc_pad},
+            "special": {
+                "END": self.end,
+                "START": self.start,
+                "PAD": self.med_pad,
+                "DIAG_PAD": self.diag_pad,
+                "PROC_PAD": self.proc_pad,
+            },
         }
 
     @classmethod
@@ -128,6 +133,8 @@ class Vocab:
         if obj.get("format_version") != FORMAT_VERSION:
             raise ValueError(f"unsupported vocab format version {obj.get('format_version')!r}")
         return cls(
-            tuple(obj["diagnoses"]), tuple(obj["procedures"]), tuple(obj["medications"]),
+            tuple(obj["diagnoses"]),
+            tuple(obj["procedures"]),
+            tuple(obj["medications"]),
             tuple(int(x) for x in obj["med_frequency"]),
         )

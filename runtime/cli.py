@@ -130,10 +130,13 @@ def _report(summary: dict, summary_json, quiet: bool, where: str) -> None:
     if summary_json:
         writer.write_json(Path(summary_json), summary)
     if not quiet:
-        click.echo(f"scored {summary['rows_scored']} of {summary['rows_read']} visits "
-                   f"({summary['rows_rejected']} rejected, {summary['rows_skipped']} skipped) "
-                   f"in {summary['seconds']:.1f}s, {summary['visits_per_s']:.0f} visits/s on "
-                   f"{where} -> {summary['output']}", err=True)
+        click.echo(
+            f"scored {summary['rows_scored']} of {summary['rows_read']} visits "
+            f"({summary['rows_rejected']} rejected, {summary['rows_skipped']} skipped) "
+            f"in {summary['seconds']:.1f}s, {summary['visits_per_s']:.0f} visits/s on "
+            f"{where} -> {summary['output']}",
+            err=True,
+        )
 
 
 def _run(scorer: Scorer, source: reader.VisitFile, parts: writer.PartWriter, score_all: bool,

@@ -119,8 +119,9 @@ class ScoredChunk:
         return self.end - self.start
 
 
-def cut_batches(order: np.ndarray, slots: np.ndarray, batch_size: int,
-                batch_slots: int) -> list[np.ndarray]:
+def cut_batches(
+    order: np.ndarray, slots: np.ndarray, batch_size: int, batch_slots: int
+) -> list[np.ndarray]:
     """Cut `order` (sorted by history slots, `slots` ascending alongside it) into batches of
     at most `batch_size` visits whose padded history, visits x the last one's slots, stays
     within `batch_slots` (a visit alone may exceed it)."""

@@ -11,8 +11,10 @@ from tiny import make_tiny
 from cognet import checkpoint
 from cognet.evaluate import decode_patients, load_split
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
 
 
 def test_beam_search_on_cuda_equals_cpu(tmp_path):

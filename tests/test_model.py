@@ -22,9 +22,12 @@ D, P, M = 30, 20, 12
 
 def make_vocab(seed: int = 0) -> Vocab:
     rng = np.random.default_rng(seed)
-    return Vocab(tuple(f"d{i:02d}" for i in range(D)), tuple(f"p{i:02d}" for i in range(P)),
-                 tuple(f"m{i:02d}" for i in range(M)),
-                 tuple(int(x) for x in rng.integers(1, 50, M)))
+    return Vocab(
+        tuple(f"d{i:02d}" for i in range(D)),
+        tuple(f"p{i:02d}" for i in range(P)),
+        tuple(f"m{i:02d}" for i in range(M)),
+        tuple(int(x) for x in rng.integers(1, 50, M)),
+    )
 
 
 def random_patients(vocab: Vocab, n: int, seed: int = 0, max_visits: int = 5) -> list[list[Visit]]:
@@ -36,12 +39,12 @@ def random_patients(vocab: Vocab, n: int, seed: int = 0, max_visits: int = 5) ->
         meds = vocab.rare_first(rng.choice(M, rng.integers(1, 6), replace=False).tolist())
         return Visit(pid, f"{pid}-{i}", tuple(diag), tuple(proc), tuple(meds))
 
-    return [[visit(f"p{k}", i) for i in range(rng.integers(1, max_visits + 1))]
-            for k in range(n)]
+    return [[visit(f"p{k}", i) for i in range(rng.integers(1, max_visits + 1))] for k in range(n)]
 
 
-def make_model(vocab: Vocab, patients, ablation: str = "none", seed: int = 0,
-               dim: int = 32, heads: int = 4) -> COGNet:
+def make_model(
+    vocab: Vocab, patients, ablation: str = "none", seed: int = 0, dim: int = 32, heads: int = 4
+) -> COGNet:
     torch.manual_seed(seed)
     cfg = ModelConfig(D, P, M, dim=dim, heads=heads, ffn=64, ablation=ablation)
     rng = np.random.default_rng(seed)
@@ -63,7 +66,8 @@ def step_log_probs(model: COGNet, batch) -> torch.Tensor:
     out = []
     for t in range(length):
         lp, _, _, past_key, past_value = model.decoder_step(
-            batch["dec_input"][:, t : t + 1], parent, past_key, past_value, *memories)
+            batch["dec_input"][:, t : t + 1], parent, past_key, past_value, *memories
+        )
         out.append(lp[:, 0])
     return torch.stack(out, 1)
 
@@ -102,12 +106,24 @@ def test_padding_and_code_order_never_change_a_result():
     patients = random_patients(vocab, 5, 4)
     model = make_model(vocab, patients)
     rng = random.Random(0)
-    shuffled = [[Visit(v.patient_id, v.visit_id, tuple(rng.sample(v.diag, len(v.diag))),
-                       tuple(rng.sample(v.proc, len(v.proc))), v.meds) for v in p]
-                for p in patients]
+    shuffled = [
+        [
+            Visit(
+                v.patient_id,
+                v.visit_id,
+                tuple(rng.sample(v.diag, len(v.diag))),
+                tuple(rng.sample(v.proc, len(v.proc))),
+                v.meds,
+            )
+            for v in p
+        ]
+        for p in patients
+    ]
     # a longer extra patient forces more padding on every axis
-    extra = [Visit("x", f"x{i}", tuple(range(D - 1)), tuple(range(P - 1)), tuple(range(M)))
-             for i in range(6)]
+    extra = [
+        Visit("x", f"x{i}", tuple(range(D - 1)), tuple(range(P - 1)), tuple(range(M)))
+        for i in range(6)
+    ]
     with torch.no_grad():
         base = model(make_batch(patients, vocab))
         padded = model(make_batch([*shuffled, extra], vocab))
@@ -168,8 +184,11 @@ def test_tiny_dataset_is_overfit(sampling):
     patients = random_patients(vocab, 20, 8, max_visits=3)
     torch.manual_seed(0)
     cfg = TrainConfig(batch_size=4, lr=3e-3, dropout=0.0, dim=32, scheduled_sampling=sampling)
-    model = COGNet(ModelConfig(D, P, M, dim=32, heads=4, ffn=64, dropout=0.0),
-                   ehr_adjacency(patients, M), np.zeros((M, M), np.float32))
+    model = COGNet(
+        ModelConfig(D, P, M, dim=32, heads=4, ffn=64, dropout=0.0),
+        ehr_adjacency(patients, M),
+        np.zeros((M, M), np.float32),
+    )
     optim = torch.optim.Adam(model.parameters(), lr=cfg.lr)
     rng = random.Random(0)
     for _ in range(60):

@@ -210,7 +210,8 @@ def test_a_row_without_patient_id_does_not_split_its_patient(tiny, reference):
     row = out.filter(pa.compute.equal(out["visit_id"], vid[i])).to_pylist()
     assert len(row) == 1
     assert tuple(row[0]["medications"]) == tuple(
-        reference["vocab"].medications[m] for m in reference["by_id"][vid[i]].meds)
+        reference["vocab"].medications[m] for m in reference["by_id"][vid[i]].meds
+    )
 
 
 def test_beam_option_and_greedy(tiny, reference):

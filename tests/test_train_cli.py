@@ -24,20 +24,46 @@ def test_train_then_evaluate(tiny, tmp_path):
     _, data, _ = tiny
     out = tmp_path / "ckpt"
     runner = CliRunner()
-    res = runner.invoke(main, ["train", "--data", str(data), "--out", str(out), "--epochs", "2",
-                               "--seed", "3", "--quiet"])
+    res = runner.invoke(
+        main,
+        [
+            "train",
+            "--data",
+            str(data),
+            "--out",
+            str(out),
+            "--epochs",
+            "2",
+            "--seed",
+            "3",
+            "--quiet",
+        ],
+    )
     assert res.exit_code == 0, res.output
     assert "val jaccard" in res.output and "best epoch" in res.output
-    for name in ("config.json", "vocab.json", "model.safetensors", "graphs.npz",
-                 "train_log.jsonl"):
+    for name in ("config.json", "vocab.json", "model.safetensors", "graphs.npz", "train_log.jsonl"):
         assert (out / name).is_file()
     log = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
     assert [r["epoch"] for r in log] == [1, 2]
     report = tmp_path / "r.json"
     preds = tmp_path / "p.parquet"
-    res = runner.invoke(main, ["evaluate", "--checkpoint", str(out), "--data", str(data),
-                               "--rounds", "3", "--json", str(report), "--predictions",
-                               str(preds), "--quiet"])
+    res = runner.invoke(
+        main,
+        [
+            "evaluate",
+            "--checkpoint",
+            str(out),
+            "--data",
+            str(data),
+            "--rounds",
+            "3",
+            "--json",
+            str(report),
+            "--predictions",
+            str(preds),
+            "--quiet",
+        ],
+    )
     assert res.exit_code == 0, res.output
     assert "Jaccard" in res.output and "ground-truth DDI" in res.output
     rep = json.loads(report.read_text())
@@ -55,19 +81,35 @@ def test_training_is_deterministic_with_a_seed(tiny, tmp_path, sampling):
     _, data, _ = tiny
     runner = CliRunner()
     for name in ("a", "b"):
-        res = runner.invoke(main, ["train", "--data", str(data), "--out", str(tmp_path / name),
-                                   "--epochs", "1", "--seed", "7", "--quiet",
-                                   "--scheduled-sampling", sampling])
+        res = runner.invoke(
+            main,
+            [
+                "train",
+                "--data",
+                str(data),
+                "--out",
+                str(tmp_path / name),
+                "--epochs",
+                "1",
+                "--seed",
+                "7",
+                "--quiet",
+                "--scheduled-sampling",
+                sampling,
+            ],
+        )
         assert res.exit_code == 0, res.output
-    assert (tmp_path / "a" / "model.safetensors").read_bytes() == \
-        (tmp_path / "b" / "model.safetensors").read_bytes()
+    assert (tmp_path / "a" / "model.safetensors").read_bytes() == (
+        tmp_path / "b" / "model.safetensors"
+    ).read_bytes()
 
 
 @pytest.mark.parametrize("baseline", ["copy-last", "frequent", "lr"])
 def test_evaluate_baselines(tiny, baseline):
     _, data, _ = tiny
-    res = CliRunner().invoke(main, ["evaluate", "--data", str(data), "--baseline", baseline,
-                                    "--rounds", "2"])
+    res = CliRunner().invoke(
+        main, ["evaluate", "--data", str(data), "--baseline", baseline, "--rounds", "2"]
+    )
     assert res.exit_code == 0, res.output
     assert baseline in res.output
 
@@ -81,8 +123,7 @@ def test_evaluate_needs_a_checkpoint_or_baseline(tiny):
 
 def test_bad_checkpoint_is_a_one_line_input_error(tiny, tmp_path):
     _, data, _ = tiny
-    res = CliRunner().invoke(main, ["evaluate", "--checkpoint", str(tmp_path), "--data",
-                                    str(data)])
+    res = CliRunner().invoke(main, ["evaluate", "--checkpoint", str(tmp_path), "--data", str(data)])
     assert res.exit_code == 2
     assert "not a cognet checkpoint" in res.output
     assert "Traceback" not in res.output
@@ -115,8 +156,9 @@ def test_checkpoint_format_version_is_checked(tiny, tmp_path):
         checkpoint.load(bad)
 
 
-@pytest.mark.parametrize("args", [["--help"], ["train", "--help"], ["evaluate", "--help"],
-                                  ["data", "--help"]])
+@pytest.mark.parametrize(
+    "args", [["--help"], ["train", "--help"], ["evaluate", "--help"], ["data", "--help"]]
+)
 def test_help(args):
     res = CliRunner().invoke(main, args)
     assert res.exit_code == 0
