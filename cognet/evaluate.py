@@ -15,7 +15,7 @@ from cognet.batching import ddi_adjacency, make_batch
 from cognet.ddi import DDIPolicy
 from cognet.decode import MAX_LEN, Decoded, beam_search
 from cognet.history import Visit, patients_from_table
-from cognet.metrics import VisitResult, bootstrap_report, ddi_rate_of_sets
+from cognet.metrics import VisitResult, bootstrap_report, ddi_rate_of_sets, summarize
 from cognet.model import COGNet
 from cognet.vocab import Vocab
 
@@ -171,6 +171,7 @@ def run_evaluation(
                 ),
             )
     rep = report(results, ddi_adj, rounds=rounds, seed=seed)
+    rep["by_history"] = by_history(results, ddi_adj)
     if not baseline:
         rep["ddi_policy"] = ddi.to_json()
     rep.update(
@@ -180,12 +181,30 @@ def run_evaluation(
         unknown_codes=data.unknown_codes,
         unlabeled_visits=data.unlabeled_visits,
     )
+    parts = rep["by_history"]
     table = (
         format_table({name: rep}) + f"\nground-truth DDI rate of the {split} split: "
         f"{rep['ground_truth_ddi']:.4f}  ({rep['n_patients']} patients, "
-        f"{rep['n_visits']} visits, {data.unknown_codes} unknown codes dropped)"
+        f"{rep['n_visits']} visits, {data.unknown_codes} unknown codes dropped)\n"
+        + "; ".join(
+            f"{label}: Jaccard {parts[key]['jaccard']:.4f} ({parts[key]['n_visits']} visits)"
+            for key, label in (("first", "first visits (no history)"), ("later", "later visits"))
+            if parts[key]
+        )
     )
     return {"report": rep, "table": table}
+
+
+def by_history(results: Sequence[VisitResult], ddi_adj: np.ndarray) -> dict:
+    """The metrics (`summarize`, all patients) of the first evaluated visit of every patient
+    (no history: COGNet generates only) and of the later ones, each with its `n_visits`;
+    None for an empty part. `results` hold each patient's visits together, in order."""
+    first = [i == 0 or r.patient_id != results[i - 1].patient_id for i, r in enumerate(results)]
+    parts = {}
+    for key, want in (("first", True), ("later", False)):
+        subset = [r for r, f in zip(results, first, strict=True) if f == want]
+        parts[key] = {**summarize(subset, ddi_adj), "n_visits": len(subset)} if subset else None
+    return parts
 
 
 def _write_parquet(path, table: pa.Table) -> None:

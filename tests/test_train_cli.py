@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 from click.testing import CliRunner
 from tiny import make_tiny
@@ -69,6 +70,10 @@ def test_train_then_evaluate(tiny, tmp_path):
     rep = json.loads(report.read_text())
     for key in ("jaccard", "f1", "prauc", "ddi", "avg_drugs"):
         assert set(rep[key]) == {"mean", "std"}
+    first, later = rep["by_history"]["first"], rep["by_history"]["later"]
+    assert first["n_visits"] == rep["n_patients"]  # one first visit per patient
+    assert first["n_visits"] + later["n_visits"] == rep["n_visits"]
+    assert "first visits (no history): Jaccard" in res.output
     import pyarrow.parquet as pq
 
     table = pq.read_table(preds)
@@ -163,3 +168,20 @@ def test_help(args):
     res = CliRunner().invoke(main, args)
     assert res.exit_code == 0
     assert "Example" in res.output or args == ["data", "--help"]
+
+
+def test_by_history_splits_first_and_later_visits():
+    from cognet.evaluate import by_history
+    from cognet.metrics import VisitResult
+
+    ddi = np.zeros((4, 4), bool)
+    results = [
+        VisitResult("A", (0, 1), (0, 1)),  # first visit of A: Jaccard 1
+        VisitResult("A", (2,), (3,)),  # later: 0
+        VisitResult("B", (0,), (0, 1)),  # first visit of B: 0.5
+    ]
+    parts = by_history(results, ddi)
+    assert parts["first"]["jaccard"] == pytest.approx(0.75)  # per patient, then over patients
+    assert parts["first"]["n_visits"] == 2
+    assert parts["later"]["jaccard"] == 0.0 and parts["later"]["n_visits"] == 1
+    assert by_history(results[2:], ddi)["later"] is None
