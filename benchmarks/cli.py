@@ -15,6 +15,7 @@ from cognet.errors import InputError
 log = logging.getLogger(__name__)
 
 DEMO_PATIENTS, DEMO_EPOCHS = 2000, 8  # the Makefile's `make demo` model
+TRADEOFF_PATIENTS = 500  # test patients of the DDI trade-off (a policy ~ one torch decode)
 QUICK = {  # --quick: a smoke run of seconds (what CI runs)
     "batch_sizes": "1,8",
     "beams": "1,4",
@@ -134,6 +135,14 @@ def _ints(text: str, name: str) -> tuple[int, ...]:
     "estimated to take longer.",
 )
 @click.option(
+    "--ddi-tradeoff/--no-ddi-tradeoff",
+    default=True,
+    show_default=True,
+    help="Also report the checkpoint's DDI trade-off (off, hard, soft at several penalties) "
+    "on the test split of --data or of the demo data: a table in results.md and "
+    "ddi_tradeoff.png.",
+)
+@click.option(
     "--profile/--no-profile",
     default=True,
     show_default=True,
@@ -157,6 +166,7 @@ def main(
     past_visits,
     input_sizes,
     max_run_seconds,
+    ddi_tradeoff,
     profile,
     quick,
     verbose,
@@ -217,9 +227,11 @@ def main(
     torch.set_num_threads(threads)  # also for the demo training: see BENCHMARKS.md
     out.mkdir(parents=True, exist_ok=True)
     notes = []
+    labelled = data_dir
     if model_dir is None:
         model_dir, checkpoint, note = demo_model(out / "demo", quick)
         notes.append(note)
+        labelled = labelled or out / "demo" / "data"
     elif checkpoint is None:
         checkpoint = find_checkpoint(model_dir)
         if checkpoint is not None:
@@ -227,6 +239,8 @@ def main(
     ctx = make_context(model_dir, checkpoint, data_dir, out, settings, notes)
     started = time.perf_counter()
     results = run_all(ctx, settings, say=lambda s: click.echo(s, err=True))
+    if ddi_tradeoff:
+        results["ddi_tradeoff"] = run_ddi_tradeoff(checkpoint, labelled, out, quick, notes)
     results["seconds"] = round(time.perf_counter() - started, 1)
     paths = write_all(results, out)
     for beam in settings.beams:
@@ -247,6 +261,23 @@ def main(
             f"WARNING: {len(bad)} run(s) differ from torch-batched (see results.md)", err=True
         )
     click.echo("wrote " + ", ".join(str(p) for p in paths))
+
+
+def run_ddi_tradeoff(checkpoint, data_dir, out: Path, quick: bool, notes: list) -> dict | None:
+    """The DDI trade-off of the checkpoint (torch reference, `cognet.ddi_tradeoff`) on the
+    test split of `data_dir`, its plot written to OUT/ddi_tradeoff.png; None (and a note)
+    when there is no checkpoint or no labelled data."""
+    from cognet.ddi_tradeoff import plot, run_tradeoff
+
+    if checkpoint is None or data_dir is None:
+        notes.append("DDI trade-off skipped: it needs --checkpoint and --data (or the demo)")
+        return None
+    patients = 30 if quick else TRADEOFF_PATIENTS
+    click.echo(f"DDI trade-off on the test split of {data_dir} ({patients} patients)", err=True)
+    result = run_tradeoff(checkpoint, data_dir, rounds=2 if quick else 10, max_patients=patients)
+    plot(result.rows, out / "ddi_tradeoff.png", result.recommended,
+         title=f"DDI trade-off, test split of {Path(data_dir).name}")  # fmt: skip
+    return {**result.to_json(), "data": str(data_dir), "split": "test"}
 
 
 def demo_model(root: Path, quick: bool = False) -> tuple[Path, Path, str]:

@@ -16,6 +16,8 @@ def write_all(results: dict, out: Path) -> list[Path]:
     paths[0].write_text(json.dumps(results, indent=1) + "\n")
     paths[1].write_text(markdown(results))
     plot(results, paths[2])
+    if results.get("ddi_tradeoff") and (out / "ddi_tradeoff.png").is_file():
+        paths.append(out / "ddi_tradeoff.png")  # written by the trade-off run
     return paths
 
 
@@ -183,9 +185,31 @@ def markdown(results: dict) -> str:
             )
             + ".",
         ]
+    if results.get("ddi_tradeoff"):
+        lines += ["", *_tradeoff_section(results["ddi_tradeoff"])]
     if results.get("notes"):
         lines += ["", "## Notes", ""] + [f"- {n}" for n in results["notes"]]
     return "\n".join(lines) + "\n"
+
+
+def _tradeoff_section(t: dict) -> list[str]:
+    """The DDI trade-off (`cognet.ddi_tradeoff.TradeoffResult.to_json`) as Markdown."""
+    from cognet.ddi import DDIPolicy
+    from cognet.ddi_tradeoff import TradeoffRow, markdown_table
+
+    rows = [TradeoffRow(DDIPolicy(**r["policy"]), r["report"], r["seconds"]) for r in t["rows"]]
+    best = next((r for r in rows if r.policy.label == t["recommended"]), None)
+    first = rows[0].report
+    return [
+        "## DDI trade-off (torch reference, beam 4)",
+        "",
+        f"Test split of `{t['data']}`: {first['n_patients']} patients, {first['n_visits']} "
+        f"visits, ground-truth DDI rate {t['ground_truth_ddi']:.4f}; mean over "
+        f"{first['rounds']} bootstrap rounds. Recommended (lowest DDI rate within 0.01 "
+        f"Jaccard of off): {t['recommended'] or 'none'}. Plot: `ddi_tradeoff.png`.",
+        "",
+        markdown_table(rows, best),
+    ]
 
 
 def plot(results: dict, path: Path) -> None:

@@ -100,6 +100,17 @@ def test_results_md_has_the_ratio_and_table(quick_run):
     assert "x** torch-batched" in text and "x** torch-perpatient" in text
 
 
+def test_ddi_tradeoff_is_reported(quick_run):
+    result, out = quick_run
+    t = json.loads((out / "results.json").read_text())["ddi_tradeoff"]
+    labels = [r["label"] for r in t["rows"]]
+    assert labels[:2] == ["off", "hard"] and any(x.startswith("soft") for x in labels)
+    assert t["rows"][1]["report"]["ddi"]["mean"] == 0.0  # hard: no interacting pair
+    assert (out / "ddi_tradeoff.png").stat().st_size > 0
+    assert "## DDI trade-off" in (out / "results.md").read_text()
+    assert "ddi_tradeoff.png" in result.output
+
+
 @pytest.mark.parametrize("beam", [1, 4])
 def test_perpatient_decodes_like_the_reference(tiny, beam):
     torch.set_num_threads(1)
