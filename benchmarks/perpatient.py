@@ -36,7 +36,7 @@ from collections.abc import Sequence
 
 import torch
 
-from cognet.batching import make_batch
+from cognet.batching import make_batch, select_rows
 from cognet.decode import MAX_LEN
 from cognet.history import Visit
 from cognet.model import COGNet, history_inputs
@@ -130,18 +130,7 @@ def decode_patient(
 ) -> list[tuple[int, ...]]:
     """Recommendations for the visits `targets` (indices into `visits`) of one patient."""
     batch = make_batch([list(visits)], vocab, targets=False)
-    rows = torch.as_tensor(list(targets))
-    batch = dict(batch, target=batch["target"][rows])
-    for k in (
-        "hist_index",
-        "hist_mask",
-        "slot_visit_row",
-        "slot_pos",
-        "slot_visit",
-        "slot_med",
-        "slot_mask",
-    ):
-        batch[k] = batch[k][rows]
+    batch = select_rows(batch, torch.as_tensor(list(targets)))
     enc = model.encode_visits(batch["diagnoses"], batch["procedures"], batch["medications"])
     memories = model.decoder_init(*history_inputs(batch, *enc, model.cfg))
     beams = [Beam(beam, vocab.start, vocab.end, max_len) for _ in targets]

@@ -53,6 +53,24 @@ def make_batch(
     return {k: torch.from_numpy(np.ascontiguousarray(a)) for k, a in batch.items()}
 
 
+# Batch entries with one row per decoded visit (the rest index the encoded visits).
+PER_TARGET = (
+    "target",
+    "hist_index",
+    "hist_mask",
+    "slot_visit_row",
+    "slot_pos",
+    "slot_visit",
+    "slot_med",
+    "slot_mask",
+)
+
+
+def select_rows(batch: dict[str, torch.Tensor], rows: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The batch decoding only its target rows `rows` (all visits stay encoded)."""
+    return {**batch, **{k: batch[k][rows] for k in PER_TARGET}}
+
+
 def ehr_adjacency(patients: Sequence[Sequence[Visit]], n_med: int) -> np.ndarray:
     """Co-prescription graph of the training visits: A[i, j] = 1 if i and j share a visit."""
     adj = np.zeros((n_med, n_med), np.float32)

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from cognet.batching import select_rows
 from cognet.ddi import RATE_TOLERANCE, DDIPolicy  # noqa: F401 - DDIPolicy re-exported
 from cognet.model import COGNet, history_inputs
 
@@ -56,17 +57,7 @@ def beam_search(
     ddi_adj = ddi_adj - torch.diag(torch.diag(ddi_adj))  # the GCN adjacency holds self-loops
     cfg = model.cfg
     if rows is not None:
-        batch = dict(batch, target=batch["target"][rows])
-        for k in (
-            "hist_index",
-            "hist_mask",
-            "slot_visit_row",
-            "slot_pos",
-            "slot_visit",
-            "slot_med",
-            "slot_mask",
-        ):
-            batch[k] = batch[k][rows]
+        batch = select_rows(batch, rows)
     dev = next(model.parameters()).device
     batch = {k: v.to(dev) for k, v in batch.items()}
     enc = model.encode_visits(batch["diagnoses"], batch["procedures"], batch["medications"])
