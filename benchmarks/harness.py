@@ -58,6 +58,9 @@ class Settings:
     past_visits_n: int = 128  # visits per point of the past-visits series (one batch)
     series_batch_size: int = 256  # the cognet-batch default
     series_beam: int = 4
+    # the engine every other one is checked against: torch-batched on a CPU; on a GPU,
+    # torch-cuda, since torch-batched is too slow for batches of 16k+ visits
+    reference: str = REFERENCE
     input_sizes: tuple[int, ...] = (10_000, 50_000)  # rows per cognet-batch score run
     # Time budget of one run (so that `make bench` fits in 10 minutes on 2 cores): no repeat
     # starts that would end past it (the first always runs), and an engine skips a larger
@@ -249,9 +252,10 @@ def measure_block(
     """Run the jobs' passes interleaved (pass 1 of every engine, then pass 2, ...), so that
     a machine whose load changes over time slows every engine alike; returns one record per
     job that ran (a failed job has `error` set and no record)."""
+    reference = guard.reference.name if guard.reference is not None else None
     for job in jobs:
         job.engine.prepare(beam, job.batch_size)
-    if all(job.engine.name != REFERENCE for job in jobs):
+    if all(job.engine.name != reference for job in jobs):
         guard.ensure([b for job in jobs for b in job.batches], beam)
     for job in jobs:
         job.rss_before = release_memory()
@@ -270,14 +274,14 @@ def measure_block(
                 log.exception("%s failed", job.engine.name)
                 job.error = f"failed: {type(exc).__name__}: {exc}"
                 continue
-            if job.engine.name == REFERENCE and len(job.seconds) == 1:
+            if job.engine.name == reference and len(job.seconds) == 1:
                 guard.add(beam, job.recs)
     records = []
     for job in jobs:
         job.gpu_mb = job.engine.gpu_memory_mb()
         job.engine.release()
         if job.error is None:
-            if job.engine.name != REFERENCE:
+            if job.engine.name != reference:
                 guard.ensure(job.batches, beam)
             records.append({**job.record(beam), **guard.compare(beam, job.recs)})
     release_memory()
@@ -298,9 +302,9 @@ def run_all(ctx: Context, settings: Settings, say: Callable[[str], None] = print
     """Every measurement of `settings`; returns the results.json object."""
     machine = machine_info(settings.threads)
     loaded, skipped = load_engines(ctx, settings, say)
-    reference = loaded.get(REFERENCE)
-    if reference is None and eng.availability(REFERENCE, ctx.checkpoint) is None:
-        reference = eng.load(REFERENCE, ctx.model_dir, ctx.checkpoint, settings.threads)
+    reference = loaded.get(settings.reference)
+    if reference is None and eng.availability(settings.reference, ctx.checkpoint) is None:
+        reference = eng.load(settings.reference, ctx.model_dir, ctx.checkpoint, settings.threads)
     guard = Guard(reference)
     runs, over_budget = [], []
     for beam in settings.beams:
@@ -415,8 +419,8 @@ def profile_best(ctx: Context, settings: Settings, runs: list[dict], say) -> dic
 
 
 def load_engines(ctx: Context, settings: Settings, say) -> tuple[dict, dict]:
-    """Loaded engines (torch-batched first) and {name: reason} for the skipped ones."""
-    order = sorted(settings.engines, key=lambda n: n != REFERENCE)
+    """Loaded engines (the reference first) and {name: reason} for the skipped ones."""
+    order = sorted(settings.engines, key=lambda n: n != settings.reference)
     loaded, skipped = {}, {}
     for name in order:
         reason = eng.availability(name, ctx.checkpoint)

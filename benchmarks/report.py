@@ -87,7 +87,9 @@ def markdown(results: dict) -> str:
         "## Throughput and latency",
         "",
         "| engine | beam | batch | visits/s | meds/s | p50 ms | p90 ms | p99 ms "
-        "| peak RSS MB | GPU MB | matches torch-batched |",
+        "| peak RSS MB | GPU MB | matches "
+        + results["settings"].get("reference", "torch-batched")
+        + " |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for run in sorted(results["runs"], key=lambda r: (r["beam"], r["engine"], r["batch_size"])):

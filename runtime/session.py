@@ -51,7 +51,9 @@ def resolve_device(device: str) -> str:
         raise InputError(f"unknown device {device!r}; choose from {', '.join(DEVICES)}")
     available = ort.get_available_providers()
     if device == "auto":
-        return "cuda" if CUDA in available else "cpu"
+        device = "cuda" if CUDA in available else "cpu"
+    if device != "cpu":
+        _preload_cuda()
     wanted = {"cpu": CPU, "cuda": CUDA, "tensorrt": TRT}[device]
     if wanted not in available:
         raise InputError(
@@ -60,6 +62,18 @@ def resolve_device(device: str) -> str:
             "(and TensorRT) libraries, or use --device cpu"
         )
     return device
+
+
+def _preload_cuda() -> None:
+    """Load the CUDA / cuDNN libraries of the nvidia-* pip packages (onnxruntime-gpu >= 1.21
+    finds them only this way or through LD_LIBRARY_PATH); without them onnxruntime falls
+    back to the CPU, which `OrtModel` then reports."""
+    preload = getattr(ort, "preload_dlls", None)
+    if preload is not None:
+        try:
+            preload()
+        except Exception as exc:  # noqa: BLE001 - a missing library shows at session creation
+            log.debug("onnxruntime.preload_dlls: %s", exc)
 
 
 def providers(device: str, manifest: Manifest, graph: str) -> list:

@@ -35,3 +35,86 @@ def test_training_on_cuda(tmp_path):
     assert best["epoch"] in (1, 2)
     model, _, _ = checkpoint.load(tmp_path / "ckpt")
     assert next(model.parameters()).device.type == "cpu"
+
+
+# -- the runtime on onnxruntime's CUDA provider (onnxruntime-gpu installed) -----------------------
+def _ort_cuda() -> bool:
+    try:
+        import onnxruntime as ort
+    except ImportError:
+        return False
+    return "CUDAExecutionProvider" in ort.get_available_providers()
+
+
+needs_ort_cuda = pytest.mark.skipif(not _ort_cuda(), reason="needs onnxruntime-gpu (CUDA)")
+
+
+@pytest.fixture(scope="module")
+def real_size(tmp_path_factory):
+    """A synthetic dataset of real vocabulary sizes (131 medications, ~19 per visit), a
+    checkpoint trained one epoch on the GPU, and its export."""
+    from cognet.export import export
+
+    from cognet.synth import generate
+    from cognet.train import TrainConfig, train
+
+    root = tmp_path_factory.mktemp("real_size")
+    generate(root / "data", patients=600, seed=3)
+    train(root / "data", root / "ckpt", TrainConfig(epochs=1, device="cuda", seed=0))
+    export(root / "ckpt", root / "model", validate=False)
+    return root
+
+
+def _reference(root, device: str) -> tuple[list, dict]:
+    """The torch beam search of every visit of the dataset on `device`: (visits, by id)."""
+    from cognet.history import patients_from_table
+
+    model, vocab, _ = checkpoint.load(root / "ckpt")
+    visits = pq.read_table(root / "data" / "visits.parquet")
+    patients = list(patients_from_table(visits, vocab))
+    decoded = decode_patients(model.to(device), vocab, patients, beam=4)
+    flat = [v for p in patients for v in p]
+    by_id = {v.visit_id: vocab.med_codes(d.meds) for v, d in zip(flat, decoded, strict=True)}
+    return visits, by_id
+
+
+@needs_ort_cuda
+@pytest.mark.parametrize("batch_size", [7, 256, 4096])
+def test_ort_cuda_equals_torch_reference(real_size, batch_size):
+    import pyarrow as pa
+    from cognet.runtime import Scorer
+
+    visits, by_id = _reference(real_size, "cpu")
+    scorer = Scorer(real_size / "model", device="cuda", batch_size=batch_size)
+    assert scorer.providers[0] == "CUDAExecutionProvider"
+    out = pa.concat_tables([c.recommendations for c in scorer.score_table(visits, score_all=True)])
+    assert out.num_rows == visits.num_rows > 1000
+    got = {r["visit_id"]: r["medications"] for r in out.to_pylist()}
+    assert got == by_id
+
+
+@needs_ort_cuda
+def test_torch_cuda_equals_cpu_on_real_size(real_size):
+    _, cpu = _reference(real_size, "cpu")
+    _, gpu = _reference(real_size, "cuda")
+    assert gpu == cpu
+
+
+@needs_ort_cuda
+def test_batch_score_device_cuda_cli(real_size, tmp_path):
+    from click.testing import CliRunner
+    from cognet.runtime.cli import main
+
+    args = ["score", str(real_size / "data" / "visits.parquet"), "--model",
+            str(real_size / "model"), "--all"]  # fmt: skip
+    outs = {}
+    for device in ("cpu", "cuda"):
+        out = tmp_path / f"{device}.parquet"
+        summary = tmp_path / f"{device}.json"
+        res = CliRunner().invoke(
+            main, [*args, "--out", str(out), "--device", device, "--summary-json", str(summary)]
+        )
+        assert res.exit_code == 0, res.output
+        outs[device] = pq.read_table(out).select(["visit_id", "medications"]).to_pylist()
+    assert outs["cuda"] == outs["cpu"]
+    assert len(outs["cpu"]) > 500

@@ -1,0 +1,82 @@
+#!/usr/bin/env bash
+# The GPU check of the runtime, in one call on a machine with an NVIDIA GPU (about 5 minutes):
+#   1. installs onnxruntime-gpu from a wheel (or the split parts of one) under $WHEELS into
+#      /tmp/site, and the project itself (editable, no dependencies: the machine has them);
+#   2. prints onnxruntime's providers and opens a CUDA session (get_providers() read back);
+#   3. runs `pytest -m gpu` (ort-cuda and torch-cuda against the torch reference, the CLI);
+#   4. runs cognet-bench with ort-cuda and torch-cuda at beam 4 over 65,536 visits, batch
+#      sizes 4,096 / 16,384 / 65,536, torch-cuda as the correctness reference;
+#   5. writes results-<gpu>.json / .md / .png and the logs under $OUT (default gpu-check/).
+#
+# Usage (from the repository root):  WHEELS=.whl MODEL=bench/demo bash benchmarks/gpu_check.sh
+# MODEL holds model/ (cognet-export) and ckpt/ (its checkpoint); without it the demo model is
+# built on the GPU machine first. The wheel must match the machine's CUDA (onnxruntime-gpu
+# >= 1.27 for CUDA 13); see BENCHMARKS.md "GPU" for how it was carried there.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-gpu-check}
+WHEELS=${WHEELS:-.whl}
+MODEL=${MODEL:-}
+PY=${PYTHON:-python3}
+mkdir -p "$OUT"
+log() { echo "[gpu_check $(date +%T)] $*"; }
+
+# 1. onnxruntime-gpu and the project
+if [ ! -d /tmp/site/onnxruntime ]; then
+    wheel=$(ls "$WHEELS"/onnxruntime_gpu-*.whl 2>/dev/null | head -1)
+    if [ -z "$wheel" ] && ls "$WHEELS"/ort.part-* >/dev/null 2>&1; then
+        wheel=/tmp/onnxruntime_gpu-1.30.0-cp312-cp312-manylinux_2_28_x86_64.whl
+        cat "$WHEELS"/ort.part-* >"$wheel"
+    fi
+    [ -n "$wheel" ] || { log "no onnxruntime-gpu wheel under $WHEELS"; exit 2; }
+    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
+        "$wheel" || exit 2
+fi
+export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+# onnxruntime-gpu finds the CUDA 13 libraries of the nvidia-* wheels (torch's) this way too
+nv=$($PY -c "import nvidia, os; print(os.path.dirname(list(nvidia.__path__)[0]) + '/nvidia')" 2>/dev/null)
+if [ -n "$nv" ]; then
+    export LD_LIBRARY_PATH=$(find "$nv" -name 'lib*.so*' -printf '%h\n' | sort -u | paste -sd:)${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+fi
+$PY -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 \
+    || { log "project install failed"; tail -5 "$OUT/install.log"; exit 2; }
+bin=$(dirname "$(command -v $PY)")
+[ -x "$bin/cognet-bench" ] || bin=$($PY -c "import sys, os; print(os.path.dirname(sys.executable))")
+
+# 2. providers, read back from a real session
+if [ -z "$MODEL" ]; then
+    MODEL=$OUT/demo
+    log "no MODEL: building the demo model on the GPU"
+    "$bin/cognet" data synth --out "$MODEL/data" --patients 2000 --seed 0 \
+        && "$bin/cognet" train --data "$MODEL/data" --out "$MODEL/ckpt" --epochs 8 --device cuda --quiet \
+        && "$bin/cognet-export" --checkpoint "$MODEL/ckpt" --out "$MODEL/model" || exit 1
+fi
+$PY - "$MODEL/model" <<'EOF' 2>&1 | tee "$OUT/providers.txt"
+import sys, torch, onnxruntime as ort
+print("torch", torch.__version__, "cuda", torch.cuda.is_available(), torch.cuda.get_device_name(0))
+print("onnxruntime", ort.__version__, ort.__file__)
+print("available providers:", ort.get_available_providers())
+from cognet.runtime.session import OrtModel
+from cognet.manifest import load_manifest
+model = OrtModel(load_manifest(sys.argv[1]), device="cuda")
+for name, sess in model.sessions.items():
+    print(f"session {name}: get_providers() = {sess.get_providers()}")
+print("decoder:", type(model.decoder).__name__)
+EOF
+gpu=$($PY -c "import torch; print(torch.cuda.get_device_name(0).split()[1].lower())" 2>/dev/null || echo gpu)
+
+# 3. the GPU tests
+log "pytest -m gpu"
+timeout 240 $PY -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider 2>&1 | tee "$OUT/pytest-gpu.log" | tail -15
+
+# 4. the benchmark
+log "cognet-bench ort-cuda + torch-cuda"
+timeout 330 "$bin/cognet-bench" --model "$MODEL/model" --checkpoint "$MODEL/ckpt" \
+    --out "$OUT/bench" --engines ort-cuda,torch-cuda --reference torch-cuda --beams 4 \
+    --batch-sizes 4096,16384,65536 --visits 65536 --repeats 1 --past-visits '' \
+    --input-sizes '' --no-ddi-tradeoff --no-profile --max-run-seconds 90 2>&1 \
+    | tee "$OUT/bench.log" | grep -v "^\s*$" | tail -25
+for ext in json md; do cp "$OUT/bench/results.$ext" "$OUT/results-$gpu.$ext" 2>/dev/null; done
+cp "$OUT/bench/throughput.png" "$OUT/throughput-$gpu.png" 2>/dev/null
+rm -rf "$OUT/bench" "$OUT/demo"
+log "done: $(ls "$OUT" | tr '\n' ' ')"
