@@ -9,8 +9,8 @@ from pathlib import Path
 
 import click
 
-from cognet.clitools import handle_errors, setup_logging
-from cognet.errors import InputError
+from cognet.core.clitools import handle_errors, setup_logging
+from cognet.core.errors import InputError
 
 log = logging.getLogger(__name__)
 
@@ -313,7 +313,7 @@ def demo_model(root: Path, quick: bool = False) -> tuple[Path, Path, str]:
 def find_checkpoint(model_dir: Path) -> Path | None:
     """MODEL/../ckpt when it is the checkpoint the model was exported from."""
     from cognet.checkpoint import checkpoint_hash
-    from cognet.manifest import load_manifest
+    from cognet.core.manifest import load_manifest
 
     candidate = model_dir.parent / "ckpt"
     if not (candidate / "config.json").is_file():
@@ -336,7 +336,7 @@ def make_context(
     from cognet.benchmarks.harness import Context
     from cognet.benchmarks.workload import Pool, dataset_visits, synthetic_visits
 
-    from cognet.manifest import load_manifest
+    from cognet.core.manifest import load_manifest
 
     vocab = load_manifest(model_dir).vocabulary()
     need = settings.pool_size

@@ -194,7 +194,7 @@ def markdown(results: dict) -> str:
 
 def _tradeoff_section(t: dict) -> list[str]:
     """The DDI trade-off (`cognet.ddi_tradeoff.TradeoffResult.to_json`) as Markdown."""
-    from cognet.ddi import DDIPolicy
+    from cognet.core.ddi import DDIPolicy
     from cognet.ddi_tradeoff import TradeoffRow, markdown_table
 
     rows = [TradeoffRow(DDIPolicy(**r["policy"]), r["report"], r["seconds"]) for r in t["rows"]]

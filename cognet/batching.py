@@ -8,8 +8,8 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from cognet.history import Visit, history_index, pad
-from cognet.vocab import Vocab
+from cognet.core.history import Visit, history_index, pad
+from cognet.core.vocab import Vocab
 
 IGNORE = -100  # target padding, skipped by the loss
 
@@ -23,7 +23,7 @@ def make_batch(
     """Batch of all visits of `patients` (each decoded with its known-medication history).
 
     Returns encoder inputs [V, L*], `target` [N] (rows being decoded, here every visit),
-    history indexes (see `cognet.history.history_index`) and, when `targets`, `dec_input`
+    history indexes (see `cognet.core.history.history_index`) and, when `targets`, `dec_input`
     (START + medications) and `dec_target` (medications + END) [N, L].
     """
     visits = [v for p in patients for v in p]

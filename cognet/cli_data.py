@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-from cognet.clitools import handle_errors
+from cognet.core.clitools import handle_errors
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -85,7 +85,7 @@ def stats(dataset: Path, as_json: bool) -> None:
       cognet data stats data
       cognet data stats data --json > stats.json
     """
-    from cognet.schema import read_dataset
+    from cognet.core.schema import read_dataset
     from cognet.stats import compute_stats, format_stats
 
     figures = compute_stats(read_dataset(dataset))

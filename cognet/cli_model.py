@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from cognet.clitools import ddi_options, ddi_policy, handle_errors, progress, setup_logging
+from cognet.core.clitools import ddi_options, ddi_policy, handle_errors, progress, setup_logging
 
 ABLATION_CHOICES = (
     "none",

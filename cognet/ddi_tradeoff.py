@@ -30,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
-from cognet.ddi import DDIPolicy
+from cognet.core.ddi import DDIPolicy
 
 DEFAULT_PENALTIES = (0.25, 0.5, 1.0, 2.0, 4.0)
 MAX_JACCARD_DROP = 0.01  # accuracy a recommended penalty may cost against `off`
@@ -46,7 +46,7 @@ COLUMNS = (
 
 @dataclass(frozen=True)
 class TradeoffRow:
-    """One policy's report (`cognet.metrics.bootstrap_report`: {metric: {mean, std}})."""
+    """One policy's report (`cognet.core.metrics.bootstrap_report`: {metric: {mean, std}})."""
 
     policy: DDIPolicy
     report: dict
@@ -90,7 +90,7 @@ def tradeoff(model, vocab, patients, ddi_adj: np.ndarray, policy_list: Sequence[
              beam: int = 4, rounds: int = 10, seed: int = 0,
              on_policy: Callable[[TradeoffRow], None] | None = None
              ) -> list[TradeoffRow]:  # fmt: skip
-    """Decode `patients` (lists of `cognet.history.Visit`) under every policy; one row each.
+    """Decode `patients` (lists of `cognet.core.history.Visit`) under every policy; one row each.
 
     ddi_adj: bool [M, M] for the DDI rate (`cognet.evaluate.ddi_matrix`); the decoding
     itself uses the model's DDI graph, built from the same pairs."""
@@ -172,7 +172,7 @@ def plot(rows: Sequence[TradeoffRow], path: str | Path,
     try:
         import matplotlib
     except ImportError:
-        from cognet.errors import InputError
+        from cognet.core.errors import InputError
 
         raise InputError("--plot needs matplotlib: pip install 'cognet[bench]'") from None
     matplotlib.use("Agg")
@@ -223,9 +223,9 @@ def run_tradeoff(ckpt, data_dir, split: str = "test",
     policy of `policies(penalties, max_rates)` on a split of a dataset directory (its first
     `max_patients` patients when given: a policy costs about a torch decoding of the split)."""
     from cognet import checkpoint
-    from cognet.errors import InputError
+    from cognet.core.errors import InputError
+    from cognet.core.schema import read_dataset
     from cognet.evaluate import ddi_matrix, ground_truth_ddi, load_split
-    from cognet.schema import read_dataset
 
     dataset = read_dataset(data_dir)
     model, vocab, _ = checkpoint.load(ckpt)

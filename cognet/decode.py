@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from cognet.batching import select_rows
-from cognet.ddi import RATE_TOLERANCE, DDIPolicy  # noqa: F401 - DDIPolicy re-exported
+from cognet.core.ddi import RATE_TOLERANCE, DDIPolicy  # noqa: F401 - DDIPolicy re-exported
 from cognet.model import COGNet, history_inputs
 
 MAX_LEN = 45

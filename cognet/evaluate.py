@@ -12,12 +12,12 @@ import pyarrow as pa
 import torch
 
 from cognet.batching import ddi_adjacency, make_batch
-from cognet.ddi import DDIPolicy
+from cognet.core.ddi import DDIPolicy
+from cognet.core.history import Visit, patients_from_table
+from cognet.core.metrics import VisitResult, bootstrap_report, ddi_rate_of_sets, summarize
+from cognet.core.vocab import Vocab
 from cognet.decode import MAX_LEN, Decoded, beam_search
-from cognet.history import Visit, patients_from_table
-from cognet.metrics import VisitResult, bootstrap_report, ddi_rate_of_sets, summarize
 from cognet.model import COGNet
-from cognet.vocab import Vocab
 
 log = logging.getLogger(__name__)
 
@@ -132,9 +132,9 @@ def run_evaluation(
 ) -> dict:
     """What `cognet evaluate` does: returns {"report": dict, "table": str}."""
     from cognet import checkpoint
-    from cognet.clitools import progress
-    from cognet.metrics import format_table
-    from cognet.schema import read_dataset
+    from cognet.core.clitools import progress
+    from cognet.core.metrics import format_table
+    from cognet.core.schema import read_dataset
 
     dataset = read_dataset(data_dir)
     if ckpt:
@@ -146,7 +146,7 @@ def run_evaluation(
         )
     data = load_split(dataset.visits, vocab, split)
     if not data.patients:
-        from cognet.errors import InputError
+        from cognet.core.errors import InputError
 
         raise InputError(f"{data_dir}: the {split} split has no labelled visit")
     ddi_adj = ddi_matrix(vocab, dataset.ddi_pairs)

@@ -50,9 +50,9 @@ import click
 import pandas as pd
 import pyarrow as pa
 
-from cognet.clitools import handle_errors, setup_logging
-from cognet.errors import InputError, where
-from cognet.schema import DDI_FILE, VISITS_FILE, VISITS_SCHEMA, write_ddi, write_visits
+from cognet.core.clitools import handle_errors, setup_logging
+from cognet.core.errors import InputError, where
+from cognet.core.schema import DDI_FILE, VISITS_FILE, VISITS_SCHEMA, write_ddi, write_visits
 
 log = logging.getLogger(__name__)
 

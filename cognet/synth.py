@@ -31,7 +31,7 @@ Defaults reproduce the paper's statistics (issue 2, point 6) at 6,350 patients. 
 generated one by one from their own seeded random stream (patient i is the same whatever the
 cohort size) and written in row groups of whole patients, so memory stays bounded for any N
 (about 300 MB and 65 CPU seconds per million visits). `visits.parquet` carries a `split`
-column, `cognet.schema.split_patients(N, seed)`: what `read_dataset(split_seed=seed)` would
+column, `cognet.core.schema.split_patients(N, seed)`: what `read_dataset(split_seed=seed)` would
 draw for a file without one.
 """
 
@@ -50,7 +50,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-from cognet.schema import (
+from cognet.core.schema import (
     DDI_FILE,
     SPLITS,
     VISITS_FILE,

@@ -1,7 +1,7 @@
 """cognet.export: a trained checkpoint -> a model directory the torch-free runtime serves.
 
 `export(checkpoint, out)` writes `encoder.onnx`, `decoder_init.onnx`, `decoder_step.onnx`
-(plus `*.fp16.onnx` with `fp16=True`) and `manifest.json` (`cognet.manifest`), after checking
+(plus `*.fp16.onnx` with `fp16=True`) and `manifest.json` (`cognet.core.manifest`), after checking
 the graphs (`onnx.checker`, symbolic input axes) and, unless `validate=False`, their parity
 with the torch model (`cognet.export.validate`). The manifest is written last: a directory
 whose parity failed holds `parity_report.json` and no manifest, so no runtime loads it.
@@ -23,9 +23,9 @@ import warnings
 from contextlib import contextmanager, redirect_stderr, redirect_stdout
 from pathlib import Path
 
-from cognet.errors import InputError
-from cognet.graphspec import STEP_CACHE_INPUTS
-from cognet.manifest import (
+from cognet.core.errors import InputError
+from cognet.core.graphspec import STEP_CACHE_INPUTS
+from cognet.core.manifest import (
     GRAPHS,
     Dims,
     GraphSpec,
@@ -73,7 +73,7 @@ def export(
     """Export `checkpoint` to the model directory `out`; returns its manifest.
 
     Raises InputError for an unreadable checkpoint, TensorRTUnavailable, and
-    cognet.errors.ParityError when validation fails (the report is then in
+    cognet.core.errors.ParityError when validation fails (the report is then in
     `out/parity_report.json`). `n_patients`: random patients decoded by the parity check.
     """
     import torch

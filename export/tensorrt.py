@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
-from cognet.manifest import GRAPHS, Manifest
+from cognet.core.manifest import GRAPHS, Manifest
 
 CACHE_DIR = "trt_cache"
 # Symbolic axis -> (min, opt, max). T starts at 0 (first step, empty cache).

@@ -27,8 +27,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from cognet.runtime.reader import HashSet, patient_starts, string_hashes
 
-from cognet.history import history_index
-from cognet.vocab import Vocab
+from cognet.core.history import history_index
+from cognet.core.vocab import Vocab
 
 SCORED, REJECTED, SKIPPED = 0, 1, 2
 REASONS = ("missing_key", "duplicate_visit_id", "no_codes", "unknown_codes")

@@ -23,7 +23,7 @@ How the work is kept small:
   step probabilities) and explanations (gate, copy distribution and diagnosis attention
   at each step).
 
-DDI-aware decoding (`cognet.ddi.DDIPolicy`, the rules of the torch reference): with a
+DDI-aware decoding (`cognet.core.ddi.DDIPolicy`, the rules of the torch reference): with a
 `soft` or `hard` policy each step lowers (or sets to -inf) the log-probability of every
 medication by its clash count, (medications of the hypothesis) @ (DDI adjacency), before
 the candidates are ranked; with `max_rate` a visit is done when all its beams have finished
@@ -39,7 +39,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from cognet.ddi import RATE_TOLERANCE, DDIPolicy
+from cognet.core.ddi import RATE_TOLERANCE, DDIPolicy
 
 NEG_INF = np.float32(-np.inf)
 

@@ -14,8 +14,8 @@ from cognet.runtime import evaluation, reader, writer
 from cognet.runtime.scorer import Scorer
 from cognet.runtime.session import DEVICES
 
-from cognet.clitools import ddi_options, ddi_policy, handle_errors, progress, setup_logging
-from cognet.errors import InputError
+from cognet.core.clitools import ddi_options, ddi_policy, handle_errors, progress, setup_logging
+from cognet.core.errors import InputError
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})

@@ -1,7 +1,7 @@
 """Metrics of scored visits with known medications (`--all`), accumulated chunk by chunk.
 
 Only one row per patient is kept (its per-visit means and DDI pair counts), so memory
-stays small on large files; the report is `cognet.metrics.bootstrap_report`'s, computed
+stays small on large files; the report is `cognet.core.metrics.bootstrap_report`'s, computed
 from those rows (patients never span chunks, so chunk rows concatenate into the whole).
 """
 
@@ -11,8 +11,8 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
-from cognet.metrics import AVERAGED, METRICS, VisitResult, visit_metrics
-from cognet.vocab import Vocab
+from cognet.core.metrics import AVERAGED, METRICS, VisitResult, visit_metrics
+from cognet.core.vocab import Vocab
 
 COLUMNS = (*AVERAGED, "ddi_hit", "ddi_pairs")
 
@@ -54,7 +54,7 @@ def _summary(rows: np.ndarray) -> dict[str, float]:
 def report(
     rows: np.ndarray, n_visits: int, rounds: int = 10, fraction: float = 0.8, seed: int = 0
 ) -> dict:
-    """What `cognet.metrics.bootstrap_report` returns for the visits behind `rows`."""
+    """What `cognet.core.metrics.bootstrap_report` returns for the visits behind `rows`."""
     n = rows.shape[0]
     size = max(1, round(fraction * n))
     rng = np.random.default_rng(seed)

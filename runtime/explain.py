@@ -23,8 +23,8 @@ import pyarrow.compute as pc
 from cognet.runtime import reader
 from cognet.runtime.scorer import Scorer
 
-from cognet.errors import InputError
-from cognet.metrics import jaccard
+from cognet.core.errors import InputError
+from cognet.core.metrics import jaccard
 
 # Copy share from which a medication is called copied rather than generated.
 COPIED_FROM = 0.5

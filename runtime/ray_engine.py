@@ -70,9 +70,9 @@ import pyarrow.parquet as pq
 from cognet.runtime import evaluation, reader, writer
 from cognet.runtime.scorer import REJECTS_SCHEMA, Scorer, output_schema
 
-from cognet.ddi import DDIPolicy
-from cognet.errors import InputError, where
-from cognet.manifest import load_manifest
+from cognet.core.ddi import DDIPolicy
+from cognet.core.errors import InputError, where
+from cognet.core.manifest import load_manifest
 
 log = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from cognet.errors import InputError, where
+from cognet.core.errors import InputError, where
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +48,7 @@ def _one_line(exc: BaseException) -> str:
 def check_columns(schema: pa.Schema, path: object) -> None:
     """InputError for a missing or mistyped contract column (extra columns are ignored)."""
     try:
-        from cognet.schema import check_visits_columns
+        from cognet.core.schema import check_visits_columns
     except ImportError:  # pragma: no cover - the shared schema module is optional here
         check_visits_columns = None
     if check_visits_columns is not None:

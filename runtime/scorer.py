@@ -40,10 +40,10 @@ from cognet.runtime import assemble, evaluation, reader
 from cognet.runtime.beam import BeamConfig, BeamResult, DecoderSession, beam_search
 from cognet.runtime.session import OrtModel, default_threads
 
-from cognet.ddi import DDIPolicy
-from cognet.manifest import load_manifest
-from cognet.metrics import VisitResult
-from cognet.vocab import Vocab
+from cognet.core.ddi import DDIPolicy
+from cognet.core.manifest import load_manifest
+from cognet.core.metrics import VisitResult
+from cognet.core.vocab import Vocab
 
 log = logging.getLogger(__name__)
 
@@ -143,7 +143,7 @@ class Scorer:
     decoded together; threads: CPU threads in all (default: the cores this process may use);
     streams: batches decoded in parallel, each on threads // streams intra-op threads
     (default: one per thread on the CPU, 1 on a GPU); max_history_visits: keep only the last
-    K past visits (default all); ddi: DDI-aware decoding (`cognet.ddi.DDIPolicy`, default
+    K past visits (default all); ddi: DDI-aware decoding (`cognet.core.ddi.DDIPolicy`, default
     off) over the manifest's DDI pairs; batch_slots: a batch is cut smaller when its visits
     times its longest history (past-medication slots) would exceed this (default
     CPU_BATCH_SLOTS or GPU_BATCH_SLOTS).

@@ -27,9 +27,9 @@ from typing import Any
 import numpy as np
 import onnxruntime as ort
 
-from cognet.errors import InputError
-from cognet.graphspec import ENCODER_OUTPUTS, INIT_INPUTS, MEMORIES
-from cognet.manifest import GRAPHS, Manifest
+from cognet.core.errors import InputError
+from cognet.core.graphspec import ENCODER_OUTPUTS, INIT_INPUTS, MEMORIES
+from cognet.core.manifest import GRAPHS, Manifest
 
 log = logging.getLogger(__name__)
 

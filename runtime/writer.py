@@ -26,7 +26,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from cognet.runtime.scorer import REJECTS_SCHEMA, ScoredChunk, output_schema
 
-from cognet.errors import InputError
+from cognet.core.errors import InputError
 
 MARKER = "progress.json"
 FORMAT_VERSION = 1

@@ -17,9 +17,9 @@ from tiny import make_tiny
 
 from cognet import checkpoint
 from cognet.batching import make_batch
+from cognet.core.schema import read_dataset
 from cognet.decode import beam_search
 from cognet.evaluate import load_split
-from cognet.schema import read_dataset
 
 
 @pytest.fixture(scope="module")

@@ -22,11 +22,11 @@ from tiny import random_checkpoint
 from cognet import checkpoint, ddi_tradeoff
 from cognet.batching import make_batch
 from cognet.cli import main as cognet_main
-from cognet.ddi import RECOMMENDED_PENALTY, DDIPolicy, policy_from_options
+from cognet.core.ddi import RECOMMENDED_PENALTY, DDIPolicy, policy_from_options
+from cognet.core.graphspec import INIT_INPUTS
+from cognet.core.history import patients_from_table
 from cognet.decode import beam_search as torch_beam_search
 from cognet.evaluate import ddi_matrix, decode_patients, run_evaluation
-from cognet.graphspec import INIT_INPUTS
-from cognet.history import patients_from_table
 from cognet.model import history_inputs
 
 torch.set_num_threads(1)
@@ -263,7 +263,7 @@ def test_explanations_of_a_model_without_attention_output(tiny, reference):
     """Model directories exported before `diag_attention`: top_diagnoses is null."""
     from cognet.runtime.session import OrtModel
 
-    from cognet.manifest import load_manifest
+    from cognet.core.manifest import load_manifest
 
     manifest = load_manifest(tiny / "model")
     model = OrtModel(manifest, device="cpu", threads=1)

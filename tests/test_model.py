@@ -10,12 +10,12 @@ import pytest
 import torch
 
 from cognet.batching import ehr_adjacency, make_batch
+from cognet.core.history import Visit
+from cognet.core.metrics import jaccard
+from cognet.core.vocab import Vocab
 from cognet.decode import beam_search, greedy
-from cognet.history import Visit
-from cognet.metrics import jaccard
 from cognet.model import ABLATIONS, COGNet, ModelConfig, history_inputs
 from cognet.train import TrainConfig, mix_inputs, train_epoch
-from cognet.vocab import Vocab
 
 D, P, M = 30, 20, 12
 

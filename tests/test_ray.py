@@ -21,7 +21,7 @@ from cognet.runtime.cli import main
 from test_runtime_cli import last_visits_unknown
 from test_runtime_scorer import tiny_model_dir
 
-from cognet.errors import InputError
+from cognet.core.errors import InputError
 
 COUNTS = ("rows_read", "rows_scored", "rows_rejected", "rows_skipped", "unknown_codes",
           "visits_evaluated", "reject_reasons")  # fmt: skip

@@ -13,10 +13,11 @@ import torch
 from cognet.runtime import OUTPUT_SCHEMA, Scorer, evaluation
 from cognet.runtime.scorer import CPU_BATCH_SLOTS, cut_batches
 
-from cognet import checkpoint, metrics
+from cognet import checkpoint
+from cognet.core import metrics
+from cognet.core.history import patients_from_table
+from cognet.core.manifest import load_manifest
 from cognet.evaluate import ddi_matrix, decode_patients, visit_results
-from cognet.history import patients_from_table
-from cognet.manifest import load_manifest
 
 torch.set_num_threads(1)
 

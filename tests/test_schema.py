@@ -1,4 +1,4 @@
-"""The dataset contract (cognet.schema): reading, validation errors, splits and writing."""
+"""The dataset contract (cognet.core.schema): reading, validation errors, splits and writing."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import pytest
 from click.testing import CliRunner
 
 from cognet.cli_data import data
-from cognet.errors import InputError
-from cognet.schema import (
+from cognet.core.errors import InputError
+from cognet.core.schema import (
     DDI_SCHEMA,
     SPLITS,
     VISITS_SCHEMA,

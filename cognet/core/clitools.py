@@ -10,7 +10,7 @@ from typing import TypeVar
 
 import click
 
-from cognet.errors import InputError
+from cognet.core.errors import InputError
 
 T = TypeVar("T")
 
@@ -81,9 +81,9 @@ def progress(
 
 
 def ddi_options(func: Callable) -> Callable:
-    """--ddi-mode / --ddi-penalty / --ddi-max-rate (see `cognet.ddi`); turn them into a
+    """--ddi-mode / --ddi-penalty / --ddi-max-rate (see `cognet.core.ddi`); turn them into a
     policy with `ddi_policy`."""
-    from cognet.ddi import DDI_MODES, RECOMMENDED_PENALTY
+    from cognet.core.ddi import DDI_MODES, RECOMMENDED_PENALTY
 
     options = [
         click.option("--ddi-mode", type=click.Choice(DDI_MODES), default="off",
@@ -103,8 +103,8 @@ def ddi_options(func: Callable) -> Callable:
 
 
 def ddi_policy(mode: str, penalty: float | None, max_rate: float | None):
-    """The `cognet.ddi.DDIPolicy` of the ddi_options; click.UsageError on a bad mix."""
-    from cognet.ddi import policy_from_options
+    """The `cognet.core.ddi.DDIPolicy` of the ddi_options; click.UsageError on a bad mix."""
+    from cognet.core.ddi import policy_from_options
 
     try:
         return policy_from_options(mode, penalty, max_rate)

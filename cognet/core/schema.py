@@ -20,7 +20,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from cognet.errors import InputError, where
+from cognet.core.errors import InputError, where
 
 VISITS_FILE = "visits.parquet"
 DDI_FILE = "ddi.parquet"
