@@ -11,6 +11,7 @@ setup(
     packages=[
         "cognet",
         "cognet.core",
+        "cognet.data",
         "cognet.export",
         "cognet.runtime",
         "cognet.benchmarks",

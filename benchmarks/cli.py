@@ -296,7 +296,7 @@ def demo_model(root: Path, quick: bool = False) -> tuple[Path, Path, str]:
     )
     from cognet.export import export
 
-    from cognet.synth import generate
+    from cognet.data.synth import generate
     from cognet.train import TrainConfig, train
 
     started = time.perf_counter()

@@ -154,7 +154,7 @@ def with_history(table: pa.Table, past: int, patients: int) -> pa.Table:
 def synthetic_visits(out_dir: Path, patients: int, seed: int = 0) -> pa.Table:
     """Rows of synthetic patients TRAIN_PATIENTS..TRAIN_PATIENTS + patients - 1."""
     from cognet.core.schema import read_visits
-    from cognet.synth import generate
+    from cognet.data.synth import generate
 
     generate(out_dir, patients=TRAIN_PATIENTS + patients, seed=seed)
     table = read_visits(out_dir / "visits.parquet")

@@ -1,4 +1,4 @@
-"""cognet.core.manifest: the model-directory format (torch-free) and its integrity checks."""
+"""cognet.manifest: the model-directory format (torch-free) and its integrity checks."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Metrics against hand-computed examples (cognet.core.metrics)."""
+"""Metrics against hand-computed examples (cognet.metrics)."""
 
 import subprocess
 import sys

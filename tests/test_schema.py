@@ -1,4 +1,4 @@
-"""The dataset contract (cognet.core.schema): reading, validation errors, splits and writing."""
+"""The dataset contract (cognet.schema): reading, validation errors, splits and writing."""
 
 from __future__ import annotations
 

@@ -12,7 +12,7 @@ from click.testing import CliRunner
 
 from cognet.cli_data import data
 from cognet.core.schema import read_dataset, write_ddi, write_visits
-from cognet.stats import compute_stats, format_stats
+from cognet.data.stats import compute_stats, format_stats
 
 
 def write_dataset(root, rows, pairs):
