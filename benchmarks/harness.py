@@ -37,6 +37,8 @@ import pyarrow.parquet as pq
 from cognet.benchmarks import engines as eng
 from cognet.benchmarks.workload import Batch, Pool, repeat_patients, with_history
 
+from cognet.core.decoding import BEAM
+
 log = logging.getLogger(__name__)
 
 REFERENCE = "torch-batched"
@@ -57,7 +59,7 @@ class Settings:
     past_visits: tuple[int, ...] = (0, 1, 4, 16)
     past_visits_n: int = 128  # visits per point of the past-visits series (one batch)
     series_batch_size: int = 256  # the cognet-batch default
-    series_beam: int = 4
+    series_beam: int = BEAM
     input_sizes: tuple[int, ...] = (10_000, 50_000)  # rows per cognet-batch score run
     # Time budget of one run (so that `make bench` fits in 10 minutes on 2 cores): no repeat
     # starts that would end past it (the first always runs), and an engine skips a larger

@@ -37,8 +37,8 @@ from collections.abc import Sequence
 import torch
 
 from cognet.batching import make_batch, select_rows
+from cognet.core.decoding import MAX_LEN
 from cognet.core.history import Visit
-from cognet.decode import MAX_LEN
 from cognet.model import COGNet, history_inputs
 
 

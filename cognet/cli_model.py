@@ -8,6 +8,7 @@ from pathlib import Path
 import click
 
 from cognet.core.clitools import ddi_options, ddi_policy, handle_errors, progress, setup_logging
+from cognet.core.decoding import BEAM
 
 ABLATION_CHOICES = (
     "none",
@@ -143,7 +144,11 @@ def train(
     "--split", default="test", show_default=True, type=click.Choice(["train", "val", "test"])
 )
 @click.option(
-    "--beam", default=4, show_default=True, type=click.IntRange(1), help="Beam width; 1 = greedy."
+    "--beam",
+    default=BEAM,
+    show_default=True,
+    type=click.IntRange(1),
+    help="Beam width; 1 = greedy.",
 )
 @click.option(
     "--rounds",

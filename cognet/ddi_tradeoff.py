@@ -31,6 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from cognet.core.ddi import DDIPolicy
+from cognet.core.decoding import BEAM
 
 DEFAULT_PENALTIES = (0.25, 0.5, 1.0, 2.0, 4.0)
 MAX_JACCARD_DROP = 0.01  # accuracy a recommended penalty may cost against `off`
@@ -87,7 +88,7 @@ def policies(penalties: Sequence[float] = DEFAULT_PENALTIES,
 
 
 def tradeoff(model, vocab, patients, ddi_adj: np.ndarray, policy_list: Sequence[DDIPolicy],
-             beam: int = 4, rounds: int = 10, seed: int = 0,
+             beam: int = BEAM, rounds: int = 10, seed: int = 0,
              on_policy: Callable[[TradeoffRow], None] | None = None
              ) -> list[TradeoffRow]:  # fmt: skip
     """Decode `patients` (lists of `cognet.core.history.Visit`) under every policy; one row each.
@@ -216,7 +217,7 @@ def plot(rows: Sequence[TradeoffRow], path: str | Path,
 
 def run_tradeoff(ckpt, data_dir, split: str = "test",
                  penalties: Sequence[float] = DEFAULT_PENALTIES, max_rates: Sequence[float] = (),
-                 beam: int = 4, rounds: int = 10, seed: int = 0,
+                 beam: int = BEAM, rounds: int = 10, seed: int = 0,
                  on_policy: Callable[[TradeoffRow], None] | None = None,
                  max_patients: int | None = None) -> TradeoffResult:  # fmt: skip
     """What `cognet evaluate --ddi-tradeoff` does (and what `cognet-bench` may call): every

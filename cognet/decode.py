@@ -10,11 +10,9 @@ import numpy as np
 import torch
 
 from cognet.batching import select_rows
-from cognet.core.ddi import RATE_TOLERANCE, DDIPolicy  # noqa: F401 - DDIPolicy re-exported
+from cognet.core.ddi import RATE_TOLERANCE, DDIPolicy
+from cognet.core.decoding import BEAM, MAX_LEN
 from cognet.model import COGNet, history_inputs
-
-MAX_LEN = 45
-BEAM = 4
 
 
 @dataclass(frozen=True)

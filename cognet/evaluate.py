@@ -13,10 +13,11 @@ import torch
 
 from cognet.batching import ddi_adjacency, make_batch
 from cognet.core.ddi import DDIPolicy
+from cognet.core.decoding import BEAM, MAX_LEN
 from cognet.core.history import Visit, patients_from_table
 from cognet.core.metrics import VisitResult, bootstrap_report, ddi_rate_of_sets, summarize
 from cognet.core.vocab import Vocab
-from cognet.decode import MAX_LEN, Decoded, beam_search
+from cognet.decode import Decoded, beam_search
 from cognet.model import COGNet
 
 log = logging.getLogger(__name__)
@@ -51,7 +52,7 @@ def decode_patients(
     model: COGNet,
     vocab: Vocab,
     patients: Sequence[Sequence[Visit]],
-    beam: int = 4,
+    beam: int = BEAM,
     max_len: int = MAX_LEN,
     batch_patients: int = 128,
     on_batch: Callable[[int], None] | None = None,
@@ -122,7 +123,7 @@ def run_evaluation(
     ckpt,
     data_dir,
     split: str = "test",
-    beam: int = 4,
+    beam: int = BEAM,
     rounds: int = 10,
     seed: int = 0,
     predictions=None,

@@ -23,6 +23,7 @@ import warnings
 from contextlib import contextmanager, redirect_stderr, redirect_stdout
 from pathlib import Path
 
+from cognet.core.decoding import BEAM, MAX_LEN
 from cognet.core.errors import InputError
 from cognet.core.graphspec import STEP_CACHE_INPUTS
 from cognet.core.manifest import (
@@ -79,7 +80,6 @@ def export(
     import torch
 
     from cognet import checkpoint as ckpt
-    from cognet.decode import BEAM, MAX_LEN
 
     if tensorrt:
         from cognet.export.tensorrt import require_tensorrt

@@ -31,12 +31,13 @@ import onnxruntime as ort
 import torch
 from cognet.export.graphs import GRAPH_IO, WRAPPERS, Sizes, example_inputs
 
+from cognet.core.decoding import BEAM, MAX_LEN
 from cognet.core.errors import ParityError
 from cognet.core.graphspec import ENCODER_INPUTS, INIT_INPUTS
 from cognet.core.history import Visit
 from cognet.core.manifest import GRAPHS
 from cognet.core.vocab import Vocab
-from cognet.decode import BEAM, MAX_LEN, beam_search
+from cognet.decode import beam_search
 from cognet.model import COGNet
 
 FLOAT32_ATOL = 1e-4

@@ -40,6 +40,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from cognet.core.ddi import RATE_TOLERANCE, DDIPolicy
+from cognet.core.decoding import BEAM, MAX_LEN
 
 NEG_INF = np.float32(-np.inf)
 
@@ -75,8 +76,8 @@ class DecoderSession(Protocol):
 @dataclass(frozen=True)
 class BeamConfig:
     end: int  # END id (= number of medications M); START = END + 1
-    beam: int = 4
-    max_len: int = 45
+    beam: int = BEAM
+    max_len: int = MAX_LEN
     # Compact the batch (drop done visits from memories and cache) when the fraction of
     # live rows falls below this; 1.0 compacts at every finish, like the torch reference.
     compact_at: float = 0.75

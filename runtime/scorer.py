@@ -41,6 +41,7 @@ from cognet.runtime.beam import BeamConfig, BeamResult, DecoderSession, beam_sea
 from cognet.runtime.session import OrtModel, default_threads
 
 from cognet.core.ddi import DDIPolicy
+from cognet.core.decoding import BEAM, MAX_LEN
 from cognet.core.manifest import load_manifest
 from cognet.core.metrics import VisitResult
 from cognet.core.vocab import Vocab
@@ -191,8 +192,8 @@ class Scorer:
         vocab: Vocab,
         dim: int,
         ddi_pairs: Sequence[Sequence[str]] = (),
-        beam: int = 4,
-        max_len: int = 45,
+        beam: int = BEAM,
+        max_len: int = MAX_LEN,
         batch_size: int = CPU_BATCH,
         max_history_visits: int | None = None,
         **tuning,

@@ -215,7 +215,8 @@ def test_scheduled_sampling_replaces_only_medications_after_start():
 
 
 def test_hard_ddi_mode_never_emits_an_interacting_pair():
-    from cognet.decode import DDIPolicy, ddi_rate_of_beams
+    from cognet.core.ddi import DDIPolicy
+    from cognet.decode import ddi_rate_of_beams
 
     vocab = make_vocab()
     patients = random_patients(vocab, 10, 9)
