@@ -24,7 +24,7 @@ from contextlib import contextmanager, redirect_stderr, redirect_stdout
 from pathlib import Path
 
 from cognet.core.decoding import BEAM, MAX_LEN
-from cognet.core.errors import InputError
+from cognet.core.errors import InputError, one_line
 from cognet.core.graphspec import STEP_CACHE_INPUTS
 from cognet.core.manifest import (
     GRAPHS,
@@ -161,8 +161,7 @@ def _load_checkpoint(path: Path):
     except InputError:
         raise
     except (OSError, ValueError, KeyError, TypeError, RuntimeError, SafetensorError) as exc:
-        reason = " ".join(str(exc).split())[:200] or type(exc).__name__
-        raise InputError(f"{path}: cannot load checkpoint ({reason})") from None
+        raise InputError(f"{path}: cannot load checkpoint ({one_line(exc)[:200]})") from None
 
 
 def _export_graph(model, name: str, path: Path) -> None:

@@ -71,7 +71,7 @@ from cognet.runtime import evaluation, reader, writer
 from cognet.runtime.scorer import REJECTS_SCHEMA, Scorer, output_schema
 
 from cognet.core.ddi import DDIPolicy
-from cognet.core.errors import InputError, where
+from cognet.core.errors import InputError, one_line, where
 from cognet.core.manifest import load_manifest
 
 log = logging.getLogger(__name__)
@@ -219,7 +219,7 @@ def plan_input(source: str) -> InputFiles:
             meta = pq.ParquetFile(path).metadata
             schema = meta.schema.to_arrow_schema()
         except (pa.ArrowException, OSError) as exc:
-            raise InputError(f"{path}: not a readable Parquet file ({_one_line(exc)})") from None
+            raise InputError(f"{path}: not a readable Parquet file ({one_line(exc)})") from None
         reader.check_columns(schema, path)
         first_rows.append(start)
         for g in range(meta.num_row_groups):
@@ -246,7 +246,7 @@ def _read_units(batch: pa.Table, files: InputFiles, columns: list[str], buckets:
         try:
             table = pq.ParquetFile(path).read_row_group(g, columns=columns)
         except (pa.ArrowException, OSError) as exc:
-            raise InputError(f"{path}: not a readable Parquet file ({_one_line(exc)})") from None
+            raise InputError(f"{path}: not a readable Parquet file ({one_line(exc)})") from None
         table = reader.cast_input(table, path) if columns == COLUMNS else _cast_keys(table, path)
         table = table.append_column(ROW, pa.array(np.arange(first, first + len(table))))
         if buckets:
@@ -262,7 +262,7 @@ def _cast_keys(table: pa.Table, path: str) -> pa.Table:
         try:
             out[name] = table[name].cast(kind)
         except (pa.ArrowException, ValueError) as exc:
-            detail = _one_line(exc)
+            detail = one_line(exc)
             raise InputError(f"{where(path, name)}: cannot read as {kind} ({detail})") from None
     return pa.table(out)
 
@@ -598,7 +598,7 @@ def _ray_session(ray, address: str | None, verbose: bool) -> Iterator[None]:
         try:
             ray.init(address=address, log_to_driver=verbose, logging_level=level, **extra)
         except (ConnectionError, RuntimeError, ValueError) as exc:
-            detail = _one_line(exc)
+            detail = one_line(exc)
             raise InputError(f"--address {address}: cannot connect to Ray ({detail})") from None
     loggers = [logging.getLogger(name) for name in ("ray", "ray.data")]
     levels = [lg.level for lg in loggers]
@@ -660,7 +660,3 @@ def _input_errors() -> Iterator[None]:
         if found:
             raise InputError(" ".join(found.group(1).split())) from None
         raise
-
-
-def _one_line(exc: BaseException) -> str:
-    return " ".join(str(exc).split()) or type(exc).__name__

@@ -22,7 +22,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from cognet.core.errors import InputError, where
+from cognet.core.errors import InputError, one_line, where
 
 log = logging.getLogger(__name__)
 
@@ -39,10 +39,6 @@ INPUT_SCHEMA = pa.schema(
     ]
 )
 KEYS = ("patient_id", "visit_id", "visit_seq")
-
-
-def _one_line(exc: BaseException) -> str:
-    return " ".join(str(exc).split()) or type(exc).__name__
 
 
 def check_columns(schema: pa.Schema, path: object) -> None:
@@ -71,7 +67,7 @@ def cast_input(table: pa.Table | pa.RecordBatch, path: object) -> pa.Table:
                 column = column.cast(field.type)
             except (pa.ArrowException, ValueError) as exc:
                 raise InputError(
-                    f"{where(path, field.name)}: cannot read as {field.type} ({_one_line(exc)})"
+                    f"{where(path, field.name)}: cannot read as {field.type} ({one_line(exc)})"
                 ) from None
         columns.append(column)
     return pa.Table.from_arrays(columns, schema=INPUT_SCHEMA)
@@ -88,7 +84,7 @@ class VisitFile:
             self._file = pq.ParquetFile(self.path)
         except (pa.ArrowException, OSError) as exc:
             raise InputError(
-                f"{self.path}: not a readable Parquet file ({_one_line(exc)})"
+                f"{self.path}: not a readable Parquet file ({one_line(exc)})"
             ) from None
         check_columns(self._file.schema_arrow, self.path)
         self.num_rows = self._file.metadata.num_rows
@@ -105,7 +101,7 @@ class VisitFile:
                 start += len(table)
         except (pa.ArrowException, OSError) as exc:
             raise InputError(
-                f"{self.path}: not a readable Parquet file ({_one_line(exc)})"
+                f"{self.path}: not a readable Parquet file ({one_line(exc)})"
             ) from None
 
     def _cast(self, batch: pa.RecordBatch, columns: list[str]) -> pa.Table:

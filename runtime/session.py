@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 import onnxruntime as ort
 
-from cognet.core.errors import InputError
+from cognet.core.errors import InputError, one_line
 from cognet.core.graphspec import ENCODER_OUTPUTS, INIT_INPUTS, MEMORIES
 from cognet.core.manifest import GRAPHS, Manifest
 
@@ -122,8 +122,7 @@ class OrtModel:
             try:
                 self.sessions[name] = ort.InferenceSession(str(path), opts, providers=wanted)
             except Exception as exc:  # noqa: BLE001 - any load failure is a bad model file
-                detail = " ".join(str(exc).split())
-                raise InputError(f"{path}: cannot load the ONNX graph ({detail})") from None
+                raise InputError(f"{path}: cannot load the ONNX graph ({one_line(exc)})") from None
             got = self.sessions[name].get_providers()
             first = wanted[0] if isinstance(wanted[0], str) else wanted[0][0]
             if first not in got:

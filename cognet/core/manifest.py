@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from cognet.core.errors import InputError
+from cognet.core.errors import InputError, one_line
 from cognet.core.vocab import Vocab
 
 FORMAT_VERSION = 1
@@ -229,7 +229,7 @@ def load_manifest(model_dir: str | Path, verify: bool = True) -> Manifest:
     try:
         obj = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise InputError(f"{path}: unreadable manifest ({_one_line(exc)})") from None
+        raise InputError(f"{path}: unreadable manifest ({one_line(exc)})") from None
     if not isinstance(obj, dict) or obj.get("format_version") != FORMAT_VERSION:
         found = obj.get("format_version") if isinstance(obj, dict) else None
         raise InputError(
@@ -239,7 +239,7 @@ def load_manifest(model_dir: str | Path, verify: bool = True) -> Manifest:
     try:
         manifest = Manifest.from_json(obj, model_dir)
     except (KeyError, TypeError, ValueError) as exc:
-        raise InputError(f"{path}: malformed manifest ({_one_line(exc)})") from None
+        raise InputError(f"{path}: malformed manifest ({one_line(exc)})") from None
     if verify:
         verify_graphs(manifest)
     return manifest
@@ -267,7 +267,3 @@ def write_manifest(model_dir: str | Path, manifest: Manifest) -> Path:
     tmp.write_text(json.dumps(manifest.to_json(), indent=1) + "\n")
     os.replace(tmp, path)
     return path
-
-
-def _one_line(exc: BaseException) -> str:
-    return " ".join(str(exc).split()) or type(exc).__name__

@@ -49,7 +49,7 @@ from pathlib import Path
 import pandas as pd
 import pyarrow as pa
 
-from cognet.core.errors import InputError, where
+from cognet.core.errors import InputError, one_line, where
 from cognet.core.schema import DDI_FILE, VISITS_FILE, VISITS_SCHEMA, write_ddi, write_visits
 
 log = logging.getLogger(__name__)
@@ -165,10 +165,6 @@ def _require_file(path: Path) -> None:
         raise InputError(f"{path}: file not found")
 
 
-def _one_line(exc: Exception) -> str:
-    return " ".join(str(exc).split())
-
-
 def read_csv_columns(path: Path, columns: Sequence[str]) -> pd.DataFrame:
     """Read ``columns`` (matched case-insensitively) of a CSV as stripped strings.
 
@@ -185,7 +181,7 @@ def read_csv_columns(path: Path, columns: Sequence[str]) -> pd.DataFrame:
         usecols = [actual[c.upper()] for c in columns]
         frame = pd.read_csv(path, usecols=usecols, dtype=str, keep_default_na=False, na_values=[""])
     except (pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError, OSError) as exc:
-        raise InputError(f"{path}: not a readable CSV ({_one_line(exc)})") from None
+        raise InputError(f"{path}: not a readable CSV ({one_line(exc)})") from None
     frame = frame.rename(columns={actual[c.upper()]: c for c in columns})[list(columns)]
     for column in columns:
         values = frame[column].str.strip()
@@ -269,7 +265,7 @@ def read_ndc_rxnorm(path: Path) -> dict[str, str]:
         except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError) as exc:
             raise InputError(
                 f"{path}: not a dict literal of NDC -> RxCUI "
-                f"({type(exc).__name__}: {_one_line(exc)})"
+                f"({type(exc).__name__}: {one_line(exc)})"
             ) from None
     if not isinstance(mapping, dict):
         raise InputError(f"{path}: expected a dict of NDC -> RxCUI, got {type(mapping).__name__}")
