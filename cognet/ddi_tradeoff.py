@@ -30,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
-from cognet.core.ddi import DDIPolicy
+from cognet.core.ddi import DDIPolicy, ddi_matrix
 from cognet.core.decoding import BEAM
 
 DEFAULT_PENALTIES = (0.25, 0.5, 1.0, 2.0, 4.0)
@@ -93,7 +93,7 @@ def tradeoff(model, vocab, patients, ddi_adj: np.ndarray, policy_list: Sequence[
              ) -> list[TradeoffRow]:  # fmt: skip
     """Decode `patients` (lists of `cognet.core.history.Visit`) under every policy; one row each.
 
-    ddi_adj: bool [M, M] for the DDI rate (`cognet.evaluate.ddi_matrix`); the decoding
+    ddi_adj: bool [M, M] for the DDI rate (`cognet.core.ddi.ddi_matrix`); the decoding
     itself uses the model's DDI graph, built from the same pairs."""
     from cognet.evaluate import decode_patients, report, visit_results
 
@@ -226,7 +226,7 @@ def run_tradeoff(ckpt, data_dir, split: str = "test",
     from cognet import checkpoint
     from cognet.core.errors import InputError
     from cognet.core.schema import read_dataset
-    from cognet.evaluate import ddi_matrix, ground_truth_ddi, load_split
+    from cognet.evaluate import ground_truth_ddi, load_split
 
     dataset = read_dataset(data_dir)
     model, vocab, _ = checkpoint.load(ckpt)

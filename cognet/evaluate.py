@@ -11,8 +11,8 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from cognet.batching import ddi_adjacency, make_batch
-from cognet.core.ddi import DDIPolicy
+from cognet.batching import make_batch
+from cognet.core.ddi import DDIPolicy, ddi_matrix
 from cognet.core.decoding import BEAM, MAX_LEN
 from cognet.core.history import Visit, patients_from_table
 from cognet.core.metrics import VisitResult, bootstrap_report, ddi_rate_of_sets, summarize
@@ -108,10 +108,6 @@ def predictions_table(
             "score": pa.array(scores, pa.float32()),
         }
     )
-
-
-def ddi_matrix(vocab: Vocab, pairs) -> np.ndarray:
-    return ddi_adjacency([tuple(p) for p in pairs], vocab) > 0
 
 
 def model_name(beam: int, ddi: DDIPolicy = DDIPolicy()) -> str:

@@ -10,10 +10,11 @@ import time
 from pathlib import Path
 
 import click
-from cognet.runtime import evaluation, reader, writer
+from cognet.runtime import reader, writer
 from cognet.runtime.scorer import Scorer
 from cognet.runtime.session import DEVICES
 
+from cognet.core import metrics
 from cognet.core.clitools import ddi_options, ddi_policy, handle_errors, progress, setup_logging
 from cognet.core.errors import InputError
 
@@ -175,7 +176,7 @@ def _finish(scorer: Scorer, source: reader.VisitFile, parts: writer.PartWriter,
     }  # fmt: skip
     if score_all:
         summary["metrics"] = (
-            evaluation.report(metric_rows, totals["visits_evaluated"])
+            metrics.report(metric_rows, totals["visits_evaluated"])
             if metric_rows is not None and len(metric_rows) else None
         )  # fmt: skip
     return summary

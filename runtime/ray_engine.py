@@ -67,9 +67,10 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
-from cognet.runtime import evaluation, reader, writer
+from cognet.runtime import reader, writer
 from cognet.runtime.scorer import REJECTS_SCHEMA, Scorer, output_schema
 
+from cognet.core import metrics
 from cognet.core.ddi import DDIPolicy
 from cognet.core.errors import InputError, one_line, where
 from cognet.core.manifest import load_manifest
@@ -436,7 +437,7 @@ def _metric_rows(kept: pa.Table, recs: pa.Table, metrics: list[np.ndarray]) -> b
     evaluated = kept.filter(pc.and_(pc.is_in(kept["visit_id"], value_set=recs["visit_id"]),
                                     kept["medications"].is_valid()))  # fmt: skip
     first = evaluated[ROW].to_numpy()[reader.patient_starts(evaluated)] if len(evaluated) else []
-    rows = np.concatenate(metrics) if metrics else np.zeros((0, len(evaluation.COLUMNS)))
+    rows = np.concatenate(metrics) if metrics else np.zeros((0, len(metrics.PATIENT_COLUMNS)))
     if len(first) != len(rows):
         raise RuntimeError(f"{len(first)} patients evaluated, {len(rows)} metric rows")
     buf = io.BytesIO()
@@ -581,7 +582,7 @@ def _summary(files: InputFiles, rows: list[dict], so: ScoreOptions, stages: dict
     if so.score_all:
         both = np.concatenate(metric_rows) if metric_rows else np.zeros((0, 1))
         both = both[np.argsort(both[:, 0], kind="stable")]  # patients in file order
-        summary["metrics"] = (evaluation.report(both[:, 1:], totals["visits_evaluated"])
+        summary["metrics"] = (metrics.report(both[:, 1:], totals["visits_evaluated"])
                               if len(both) else None)  # fmt: skip
     return summary
 

@@ -36,14 +36,14 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
-from cognet.runtime import assemble, evaluation, reader
+from cognet.runtime import assemble, reader
 from cognet.runtime.beam import BeamConfig, BeamResult, DecoderSession, beam_search
 from cognet.runtime.session import OrtModel, default_threads
 
-from cognet.core.ddi import DDIPolicy
+from cognet.core.ddi import DDIPolicy, ddi_matrix
 from cognet.core.decoding import BEAM, MAX_LEN
 from cognet.core.manifest import load_manifest
-from cognet.core.metrics import VisitResult
+from cognet.core.metrics import PATIENT_COLUMNS, VisitResult, patient_rows
 from cognet.core.vocab import Vocab
 
 log = logging.getLogger(__name__)
@@ -110,8 +110,8 @@ class ScoredChunk:
     reject_reasons: dict[str, int]
     unknown_codes: int  # codes dropped from kept rows
     seconds: float  # time spent scoring this chunk
-    # [patients, len(evaluation.COLUMNS)] over the scored visits with known medications
-    # (score_all only, else None), and how many such visits there were
+    # `cognet.core.metrics.patient_rows` [patients, len(PATIENT_COLUMNS)] over the scored
+    # visits with known medications (score_all only, else None), and how many there were
     patient_metrics: np.ndarray | None = field(default=None, repr=False)
     visits_evaluated: int = 0
 
@@ -230,7 +230,7 @@ class Scorer:
             raise ValueError("batch_size, streams and batch_slots must be >= 1")
         self.encode, self.decoder, self.vocab, self.dim = encode, decoder, vocab, dim
         self.ddi_pairs = [tuple(p) for p in ddi_pairs]
-        self._ddi_adj = evaluation.ddi_matrix(vocab, self.ddi_pairs)  # bool [M, M]
+        self._ddi_adj = ddi_matrix(vocab, self.ddi_pairs)  # bool [M, M]
         ddi = ddi or DDIPolicy()
         if ddi.active and not self._ddi_adj.any():
             log.warning("DDI policy %r: the model knows no interacting pair", ddi.label)
@@ -485,8 +485,8 @@ class Scorer:
                 )
             )
         if not results:
-            return np.zeros((0, len(evaluation.COLUMNS))), 0
-        return evaluation.patient_rows(results, self._ddi_adj), len(results)
+            return np.zeros((0, len(PATIENT_COLUMNS))), 0
+        return patient_rows(results, self._ddi_adj), len(results)
 
 
 def _rejects(plan: assemble.Plan) -> pa.Table:

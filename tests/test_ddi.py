@@ -22,11 +22,11 @@ from tiny import random_checkpoint
 from cognet import checkpoint, ddi_tradeoff
 from cognet.batching import make_batch
 from cognet.cli import main as cognet_main
-from cognet.core.ddi import RECOMMENDED_PENALTY, DDIPolicy, policy_from_options
+from cognet.core.ddi import RECOMMENDED_PENALTY, DDIPolicy, ddi_matrix, policy_from_options
 from cognet.core.graphspec import INIT_INPUTS
 from cognet.core.history import patients_from_table
 from cognet.decode import beam_search as torch_beam_search
-from cognet.evaluate import ddi_matrix, decode_patients, run_evaluation
+from cognet.evaluate import decode_patients, run_evaluation
 from cognet.model import history_inputs
 
 torch.set_num_threads(1)

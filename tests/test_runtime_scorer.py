@@ -10,14 +10,16 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-from cognet.runtime import OUTPUT_SCHEMA, Scorer, evaluation
+from cognet.runtime import OUTPUT_SCHEMA, Scorer
 from cognet.runtime.scorer import CPU_BATCH_SLOTS, cut_batches
 
 from cognet import checkpoint
 from cognet.core import metrics
+from cognet.core import metrics as evaluation  # runtime/evaluation.py merged into metrics
+from cognet.core.ddi import ddi_matrix
 from cognet.core.history import patients_from_table
 from cognet.core.manifest import load_manifest
-from cognet.evaluate import ddi_matrix, decode_patients, visit_results
+from cognet.evaluate import decode_patients, visit_results
 
 torch.set_num_threads(1)
 

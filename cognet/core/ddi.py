@@ -19,7 +19,12 @@ are ranked.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+
+import numpy as np
+
+from cognet.core.vocab import Vocab
 
 DDI_MODES = ("off", "soft", "hard")
 # The soft penalty recommended by the trade-off on the synthetic test split (README): the
@@ -55,6 +60,21 @@ class DDIPolicy:
 
     def to_json(self) -> dict:
         return {"mode": self.mode, "penalty": self.penalty, "max_rate": self.max_rate}
+
+
+def ddi_matrix(vocab: Vocab, pairs: Iterable[Sequence[str]]) -> np.ndarray:
+    """bool [M, M]: the DDI adjacency over the vocabulary's medication ids, symmetric with a
+    zero diagonal; pairs naming a code the vocabulary does not know are ignored.
+
+    The one place that turns DDI pairs (codes) into the matrix that decoding, the DDI rate
+    and the model's DDI graph (`cognet.batching.ddi_adjacency`, float32) use."""
+    index = {code: i for i, code in enumerate(vocab.medications)}
+    adj = np.zeros((vocab.n_med, vocab.n_med), bool)
+    for a, b in pairs:
+        i, j = index.get(a), index.get(b)
+        if i is not None and j is not None and i != j:
+            adj[i, j] = adj[j, i] = True
+    return adj
 
 
 def policy_from_options(
