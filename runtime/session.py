@@ -7,9 +7,9 @@ CUDA / TensorRT: the memories and the KV cache live on the device as OrtValues a
 passed from step to step by IO binding; only tokens/parents go up and log-probabilities
 (plus gate and copy distribution when explaining) come back each step. Dropping finished
 visits (`take`) goes through the host, a few times per batch, not per step.
-TensorRT reuses the engines that `cognet-export --tensorrt` built: the provider options
-(engine/timing cache in the model directory, min/opt/max shape profiles per graph) come
-from the manifest's `tensorrt` entry.
+TensorRT reuses the engines that `cognet-export --tensorrt` built: the provider options are
+the exporter's (`cognet.core.tensorrt`), with the cache folder and the min/opt/max shape
+profile of each graph from the manifest's `tensorrt` entry.
 
 ONNX Runtime falls back to the CPU silently when a provider cannot be loaded: `providers`
 is what the sessions really got, and a requested provider missing from it is logged as a
@@ -21,12 +21,12 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import onnxruntime as ort
 
+from cognet.core import tensorrt
 from cognet.core.errors import InputError, one_line
 from cognet.core.graphspec import ENCODER_OUTPUTS, INIT_INPUTS, MEMORIES
 from cognet.core.manifest import GRAPHS, Manifest
@@ -75,17 +75,10 @@ def providers(device: str, manifest: Manifest, graph: str) -> list:
             f"{manifest.model_dir}: --device tensorrt needs engines built by "
             "`cognet-export --tensorrt` (the manifest has none)"
         )
-    cache = str(Path(manifest.model_dir or ".") / trt["cache_dir"])
-    options = {
-        "device_id": 0,
-        "trt_engine_cache_enable": "True",
-        "trt_engine_cache_path": cache,
-        "trt_timing_cache_enable": "True",
-        "trt_timing_cache_path": cache,
-        "trt_fp16_enable": str(bool(trt.get("fp16"))),
-        **trt["profiles"][graph],
-    }
-    return [(TRT, options), cuda, CPU]
+    options = tensorrt.provider_options(
+        manifest.model_dir, bool(trt.get("fp16")), trt["profiles"][graph], trt["cache_dir"]
+    )
+    return [(TRT, {"device_id": 0, **options}), cuda, CPU]
 
 
 def session_options(threads: int | None) -> ort.SessionOptions:
