@@ -44,10 +44,8 @@ paths on a file system that every node of the cluster sees.
 
 from __future__ import annotations
 
-import bisect
 import contextlib
 import functools
-import glob
 import io
 import json
 import logging
@@ -68,7 +66,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from cognet.runtime import reader, writer
-from cognet.runtime.scorer import REJECTS_SCHEMA, Scorer, output_schema
+from cognet.runtime.outputs import REJECTS_SCHEMA, output_schema
+from cognet.runtime.scorer import Scorer
 
 from cognet.core import metrics
 from cognet.core.ddi import DDIPolicy
@@ -174,70 +173,17 @@ def score(input_path: str | Path, model_dir: str | Path, out: str | Path,
     return summary
 
 
-# -- input files --------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class InputFiles:
-    """The Parquet files of INPUT in name order and where each row group starts."""
-
-    source: str  # INPUT as given
-    paths: tuple[str, ...]
-    first_rows: tuple[int, ...]  # row number of each file's first row
-    units: tuple[tuple[int, int, int], ...]  # (file, row group, row number of its first row)
-    num_rows: int
-
-    def where(self, column: str, row: int) -> str:
-        """`FILE: column C, row R` of a row number (R: the row in that file)."""
-        i = bisect.bisect_right(self.first_rows, row) - 1
-        return where(self.paths[i], column, row - self.first_rows[i])
-
-
-def list_files(source: str) -> list[str]:
-    """The Parquet files of a file, a directory (`*.parquet`, recursively, skipping names that
-    start with `.` or `_`) or a glob, in name order; InputError when there is none."""
-    if any(c in source for c in "*?["):
-        paths = [p for p in glob.glob(source, recursive=True) if os.path.isfile(p)]
-    elif os.path.isdir(source):
-        paths = []
-        for root, dirs, names in os.walk(source):
-            dirs[:] = [d for d in dirs if not d.startswith((".", "_"))]
-            paths += [os.path.join(root, n) for n in names
-                      if n.endswith(".parquet") and not n.startswith((".", "_"))]  # fmt: skip
-    elif os.path.isfile(source):
-        paths = [source]
-    else:
-        raise InputError(f"{source}: file not found")
-    if not paths:
-        raise InputError(f"{source}: no Parquet file found")
-    return sorted(os.path.abspath(p) for p in paths)
-
-
-def plan_input(source: str) -> InputFiles:
-    """List INPUT and read its footers (readable, contract columns, rows per row group)."""
-    paths = list_files(source)
-    first_rows, units, start = [], [], 0
-    for i, path in enumerate(paths):
-        try:
-            meta = pq.ParquetFile(path).metadata
-            schema = meta.schema.to_arrow_schema()
-        except (pa.ArrowException, OSError) as exc:
-            raise InputError(f"{path}: not a readable Parquet file ({one_line(exc)})") from None
-        reader.check_columns(schema, path)
-        first_rows.append(start)
-        for g in range(meta.num_row_groups):
-            units.append((i, g, start))
-            start += meta.row_group(g).num_rows
-    return InputFiles(source, tuple(paths), tuple(first_rows), tuple(units), start)
-
-
-def _plan(source: str, outputs: list[str]) -> InputFiles:
+def _plan(source: str, outputs: list[str]) -> reader.InputFiles:
     """Ray task: the input's plan, after checking that the outputs may be written."""
-    files = plan_input(source)
+    files = reader.plan_input(source)
     for path in outputs:
         _check_out(path)
     return files
 
 
-def _read_units(batch: pa.Table, files: InputFiles, columns: list[str], buckets: int) -> pa.Table:
+def _read_units(
+    batch: pa.Table, files: reader.InputFiles, columns: list[str], buckets: int
+) -> pa.Table:
     """Ray Data UDF: the rows of the row groups in `batch` (columns file, group, first),
     cast to reader.INPUT_SCHEMA's types, with their row number (and bucket when buckets)."""
     tables = []
@@ -333,7 +279,7 @@ class BucketScorer:
     """
 
     def __init__(self, model_files: dict[str, bytes], options: ScoreOptions, threads: int,
-                 files: InputFiles, duplicates: dict[str, int]):  # fmt: skip
+                 files: reader.InputFiles, duplicates: dict[str, int]):  # fmt: skip
         self._model = tempfile.TemporaryDirectory(prefix="cognet-model-")
         for name, data in model_files.items():
             Path(self._model.name, name).parent.mkdir(parents=True, exist_ok=True)
@@ -449,7 +395,7 @@ def _metric_rows(kept: pa.Table, recs: pa.Table, metrics: list[np.ndarray]) -> b
 class _Run:
     """Stages 2-5 over the planned input (see the module docstring)."""
 
-    def __init__(self, ray, files: InputFiles, so: ScoreOptions, options: RayOptions,
+    def __init__(self, ray, files: reader.InputFiles, so: ScoreOptions, options: RayOptions,
                  workers: int):  # fmt: skip
         self.ray, self.files, self.so, self.options, self.workers = ray, files, so, options, workers
         self.buckets = max(4 * workers, math.ceil(files.num_rows / options.block_rows))
@@ -551,7 +497,7 @@ def _commit(staged: list[tuple[str, str, pa.Schema]]) -> None:
         os.replace(tmp, final)
 
 
-def _summary(files: InputFiles, rows: list[dict], so: ScoreOptions, stages: dict) -> dict:
+def _summary(files: reader.InputFiles, rows: list[dict], so: ScoreOptions, stages: dict) -> dict:
     """The local engine's summary from the buckets' stats; checks the row invariant."""
     totals = dict.fromkeys(COUNTS, 0)
     reasons: dict[str, int] = {}

@@ -31,13 +31,13 @@ import logging
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
 from cognet.runtime import assemble, reader
 from cognet.runtime.beam import BeamConfig, BeamResult, DecoderSession, beam_search
+from cognet.runtime.outputs import EXPLANATION, ScoredChunk, output_schema, rejects_table
 from cognet.runtime.session import OrtModel, default_threads
 
 from cognet.core.ddi import DDIPolicy, ddi_matrix
@@ -63,61 +63,6 @@ CPU_BATCH_SLOTS, GPU_BATCH_SLOTS = 1 << 12, 1 << 20
 # Diagnoses a medication attended to most: top TOP_DIAGNOSES codes by the diagnosis
 # cross-attention (mean over heads) at the step that emitted it, heaviest first.
 TOP_DIAGNOSES = 3
-ATTENDED = pa.struct([("code", pa.string()), ("weight", pa.float32())])
-EXPLANATION = pa.struct(
-    [
-        ("copy_share", pa.float32()),
-        ("source_visit", pa.string()),
-        ("top_diagnoses", pa.list_(ATTENDED)),  # null when the model has no attention output
-    ]
-)
-OUTPUT_SCHEMA = pa.schema(
-    [
-        ("patient_id", pa.string()),
-        ("visit_id", pa.string()),
-        ("medications", pa.list_(pa.string())),  # generation order
-        ("score", pa.float32()),  # sum of log-probabilities of the hypothesis, END included
-        ("probabilities", pa.list_(pa.float32())),  # of each medication at its step
-    ]
-)
-EXPLAIN_FIELD = pa.field("explanations", pa.list_(EXPLANATION))
-REJECTS_SCHEMA = pa.schema(
-    [
-        ("row", pa.int64()),  # 0-based row in the input file
-        ("patient_id", pa.string()),
-        ("visit_id", pa.string()),
-        ("reason", pa.string()),  # one of assemble.REASONS
-    ]
-)
-
-
-def output_schema(explain: bool) -> pa.Schema:
-    return OUTPUT_SCHEMA.append(EXPLAIN_FIELD) if explain else OUTPUT_SCHEMA
-
-
-@dataclass
-class ScoredChunk:
-    """The results of one chunk of input rows [start, end) (stream positions)."""
-
-    index: int
-    start: int
-    end: int
-    recommendations: pa.Table  # output_schema(explain), in input order
-    rejects: pa.Table  # REJECTS_SCHEMA
-    rows_scored: int
-    rows_rejected: int
-    rows_skipped: int
-    reject_reasons: dict[str, int]
-    unknown_codes: int  # codes dropped from kept rows
-    seconds: float  # time spent scoring this chunk
-    # `cognet.core.metrics.patient_rows` [patients, len(PATIENT_COLUMNS)] over the scored
-    # visits with known medications (score_all only, else None), and how many there were
-    patient_metrics: np.ndarray | None = field(default=None, repr=False)
-    visits_evaluated: int = 0
-
-    @property
-    def rows_read(self) -> int:
-        return self.end - self.start
 
 
 def cut_batches(
@@ -347,7 +292,7 @@ class Scorer:
             start=chunk.start,
             end=chunk.end,
             recommendations=out,
-            rejects=_rejects(plan),
+            rejects=rejects_table(plan),
             rows_scored=counts["scored"],
             rows_rejected=counts["rejected"],
             rows_skipped=counts["skipped"],
@@ -487,18 +432,3 @@ class Scorer:
         if not results:
             return np.zeros((0, len(PATIENT_COLUMNS))), 0
         return patient_rows(results, self._ddi_adj), len(results)
-
-
-def _rejects(plan: assemble.Plan) -> pa.Table:
-    rows = np.flatnonzero(plan.status == assemble.REJECTED)
-    table = plan.table.take(pa.array(rows))
-    reasons = np.asarray(assemble.REASONS, dtype=object)[plan.reason[rows]]
-    return pa.table(
-        {
-            "row": table[reader.ROW],
-            "patient_id": table["patient_id"],
-            "visit_id": table["visit_id"],
-            "reason": pa.array(list(reasons), pa.string()),
-        },
-        schema=REJECTS_SCHEMA,
-    )

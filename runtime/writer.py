@@ -1,10 +1,10 @@
 """Output files, written in parts so that a killed run can resume, then merged atomically.
 
 For `--out OUT` (e.g. `recs.parquet`):
-- `OUT`: the recommendations (`scorer.output_schema`), in input order;
+- `OUT`: the recommendations (`outputs.output_schema`), in input order;
 - `OUT` with `.parquet` replaced by `.rejects.parquet` (`recs.rejects.parquet`; or
   `OUT.rejects.parquet` when OUT does not end in `.parquet`): the rejected rows with their
-  input row number and reason (`scorer.REJECTS_SCHEMA`), always written, maybe empty;
+  input row number and reason (`outputs.REJECTS_SCHEMA`), always written, maybe empty;
 - while running: the work directory `OUT.parts/` holding one Parquet part per chunk
   (recommendations, rejects, and per-patient metric rows with `--all`) and
   `progress.json`, the list of committed parts with their counts, rewritten atomically
@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
-from cognet.runtime.scorer import REJECTS_SCHEMA, ScoredChunk, output_schema
+from cognet.runtime.outputs import REJECTS_SCHEMA, ScoredChunk, output_schema
 
 from cognet.core.errors import InputError
 

@@ -16,7 +16,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from click.testing import CliRunner
-from cognet.runtime import ray_engine
+from cognet.runtime import reader as ray_engine  # listing INPUT moved to the reader
 from cognet.runtime.cli import main
 from test_runtime_cli import last_visits_unknown
 from test_runtime_scorer import tiny_model_dir

@@ -14,7 +14,7 @@ import pyarrow.parquet as pq
 import pytest
 from click.testing import CliRunner
 from cognet.runtime.cli import main
-from cognet.runtime.scorer import OUTPUT_SCHEMA, REJECTS_SCHEMA
+from cognet.runtime.outputs import OUTPUT_SCHEMA, REJECTS_SCHEMA
 from test_runtime_scorer import tiny_model_dir
 
 REPO = Path(__file__).resolve().parents[1]
