@@ -4,7 +4,8 @@ Imports numpy, pyarrow, onnxruntime and the torch-free cognet modules only. Entr
 `Scorer` (Python API) and `cognet-batch score` (`cognet.runtime.cli`).
 """
 
+from cognet.runtime.options import ScoreOptions
 from cognet.runtime.outputs import OUTPUT_SCHEMA, REJECTS_SCHEMA, ScoredChunk
 from cognet.runtime.scorer import Scorer
 
-__all__ = ["OUTPUT_SCHEMA", "REJECTS_SCHEMA", "ScoredChunk", "Scorer"]
+__all__ = ["OUTPUT_SCHEMA", "REJECTS_SCHEMA", "ScoreOptions", "ScoredChunk", "Scorer"]

@@ -5,7 +5,7 @@
 
 The visit's patient is read from the file (two streaming passes: find the visit, then keep
 its patient's rows), its earlier visits with known medications are its history, and the
-visit is scored alone with explanations (`Scorer(..., ddi=...)` policies apply). Each
+visit is scored alone with explanations (the scorer's `ScoreOptions.ddi` policy applies). Each
 recommended medication comes with its probability at its step, whether it was mostly
 generated or copied (copy share = 1 - w_g), the past visit it was copied from, and the
 diagnoses it attended to most. When the visit's medications are known they are shown as

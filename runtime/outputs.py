@@ -46,6 +46,17 @@ def output_schema(explain: bool) -> pa.Schema:
     return OUTPUT_SCHEMA.append(EXPLAIN_FIELD) if explain else OUTPUT_SCHEMA
 
 
+# The counts of a chunk (and of a run: `cognet.runtime.summary`).
+COUNTS = (
+    "rows_read",
+    "rows_scored",
+    "rows_rejected",
+    "rows_skipped",
+    "unknown_codes",
+    "visits_evaluated",
+)
+
+
 @dataclass
 class ScoredChunk:
     """The results of one chunk of input rows [start, end) (stream positions)."""
@@ -69,6 +80,10 @@ class ScoredChunk:
     @property
     def rows_read(self) -> int:
         return self.end - self.start
+
+    def counts(self) -> dict:
+        """COUNTS and the reject reasons of this chunk."""
+        return {**{k: getattr(self, k) for k in COUNTS}, "reject_reasons": self.reject_reasons}
 
 
 def rejects_table(plan: assemble.Plan) -> pa.Table:

@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 import onnxruntime as ort
+from cognet.runtime.options import DEVICES
 
 from cognet.core import tensorrt
 from cognet.core.errors import InputError, one_line
@@ -33,7 +34,6 @@ from cognet.core.manifest import GRAPHS, Manifest
 
 log = logging.getLogger(__name__)
 
-DEVICES = ("auto", "cpu", "cuda", "tensorrt")
 CPU, CUDA, TRT = "CPUExecutionProvider", "CUDAExecutionProvider", "TensorrtExecutionProvider"
 
 

@@ -25,6 +25,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 from cognet.runtime.outputs import REJECTS_SCHEMA, ScoredChunk, output_schema
+from cognet.runtime.summary import total_counts
 
 from cognet.core.errors import InputError
 
@@ -128,28 +129,7 @@ class PartWriter:
 
     def totals(self) -> dict:
         """Counts summed over every committed part (this run's and resumed ones)."""
-        out = {
-            "rows_read": self.rows_done,
-            "rows_scored": 0,
-            "rows_rejected": 0,
-            "rows_skipped": 0,
-            "unknown_codes": 0,
-            "visits_evaluated": 0,
-        }
-        reasons: dict[str, int] = {}
-        for part in self.parts:
-            for key in (
-                "rows_scored",
-                "rows_rejected",
-                "rows_skipped",
-                "unknown_codes",
-                "visits_evaluated",
-            ):
-                out[key] += part[key]
-            for reason, count in part["reject_reasons"].items():
-                reasons[reason] = reasons.get(reason, 0) + count
-        out["reject_reasons"] = dict(sorted(reasons.items()))
-        return out
+        return total_counts({**p, "rows_read": p["end"] - p["start"]} for p in self.parts)
 
     def patient_metrics(self) -> np.ndarray | None:
         """Per-patient metric rows of every part (None when no part has metrics)."""
