@@ -185,8 +185,9 @@ def main(
     """
     setup_logging(verbose)
     from cognet.benchmarks import engines as eng
-    from cognet.benchmarks.harness import Settings, run_all
+    from cognet.benchmarks.harness import run_all
     from cognet.benchmarks.report import ratios, write_all
+    from cognet.benchmarks.settings import Settings
 
     if quick:
         ctx = click.get_current_context()
@@ -333,7 +334,7 @@ def make_context(
     settings,
     notes: list[str],
 ):
-    from cognet.benchmarks.harness import Context
+    from cognet.benchmarks.settings import Context
     from cognet.benchmarks.workload import Pool, dataset_visits, synthetic_visits
 
     from cognet.core.manifest import load_manifest

@@ -10,7 +10,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 from cognet.benchmarks.cli import main
-from cognet.benchmarks.harness import Guard
+from cognet.benchmarks.guard import Guard
 from cognet.benchmarks.perpatient import decode_perpatient
 from cognet.benchmarks.report import markdown, ratios
 from tiny import make_tiny
