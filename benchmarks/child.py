@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pyarrow.parquet as pq
+
 from cognet.benchmarks.settings import Context, Settings
 from cognet.benchmarks.workload import Pool, repeat_patients
 

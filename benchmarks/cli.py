@@ -276,8 +276,12 @@ def run_ddi_tradeoff(checkpoint, data_dir, out: Path, quick: bool, notes: list) 
     patients = 30 if quick else TRADEOFF_PATIENTS
     click.echo(f"DDI trade-off on the test split of {data_dir} ({patients} patients)", err=True)
     result = run_tradeoff(checkpoint, data_dir, rounds=2 if quick else 10, max_patients=patients)
-    plot(result.rows, out / "ddi_tradeoff.png", result.recommended,
-         title=f"DDI trade-off, test split of {Path(data_dir).name}")  # fmt: skip
+    plot(
+        result.rows,
+        out / "ddi_tradeoff.png",
+        result.recommended,
+        title=f"DDI trade-off, test split of {Path(data_dir).name}",
+    )
     return {**result.to_json(), "data": str(data_dir), "split": "test"}
 
 
@@ -295,9 +299,8 @@ def demo_model(root: Path, quick: bool = False) -> tuple[Path, Path, str]:
         f"patients, {epochs} epoch(s) of training, export)",
         err=True,
     )
-    from cognet.export import export
-
     from cognet.data.synth import generate
+    from cognet.export import export
     from cognet.train import TrainConfig, train
 
     started = time.perf_counter()
@@ -336,7 +339,6 @@ def make_context(
 ):
     from cognet.benchmarks.settings import Context
     from cognet.benchmarks.workload import Pool, dataset_visits, synthetic_visits
-
     from cognet.core.manifest import load_manifest
 
     vocab = load_manifest(model_dir).vocabulary()

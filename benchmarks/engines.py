@@ -22,7 +22,6 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from cognet.benchmarks.workload import Batch
-
 from cognet.core.decoding import BEAM
 
 ENGINES = ("torch-perpatient", "torch-batched", "ort-cpu", "ort-cuda", "ort-tensorrt", "torch-cuda")

@@ -24,6 +24,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
+
 from cognet.benchmarks import engines as eng
 from cognet.benchmarks.child import input_size_series
 from cognet.benchmarks.guard import Guard

@@ -13,6 +13,7 @@ import platform
 import resource
 
 import numpy as np
+
 from cognet.benchmarks import engines as eng
 from cognet.benchmarks.workload import Pool
 

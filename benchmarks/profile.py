@@ -25,6 +25,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import onnxruntime as ort
+
 from cognet.benchmarks.workload import Batch
 
 

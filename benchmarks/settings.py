@@ -7,7 +7,6 @@ from pathlib import Path
 
 from cognet.benchmarks import engines as eng
 from cognet.benchmarks.workload import Pool
-
 from cognet.core.decoding import BEAM
 
 

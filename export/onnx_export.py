@@ -19,10 +19,9 @@ import warnings
 from contextlib import contextmanager, redirect_stderr, redirect_stdout
 from pathlib import Path
 
-from cognet.export.errors import ExportError
-
 from cognet.core.graphspec import STEP_CACHE_INPUTS
 from cognet.core.manifest import TensorSpec
+from cognet.export.errors import ExportError
 
 OPSET = 18
 
@@ -31,6 +30,7 @@ def export_graph(model, name: str, path: Path) -> None:
     """torch.onnx.export one graph with every symbolic axis dynamic, warnings silenced."""
     import onnx
     import torch
+
     from cognet.export.graphs import GRAPH_IO, WRAPPERS, Sizes, example_inputs, tensor_specs
 
     ins, outs = GRAPH_IO[name]

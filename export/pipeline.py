@@ -13,8 +13,6 @@ import logging
 import os
 from pathlib import Path
 
-from cognet.export.onnx_export import OPSET, export_graph
-
 from cognet.core.decoding import BEAM, MAX_LEN
 from cognet.core.errors import InputError, one_line
 from cognet.core.manifest import (
@@ -27,6 +25,7 @@ from cognet.core.manifest import (
     file_sha256,
     write_manifest,
 )
+from cognet.export.onnx_export import OPSET, export_graph
 
 log = logging.getLogger(__name__)
 
@@ -148,6 +147,7 @@ def _graph_spec(
 
 def _write_fp16(src: Path, dst: Path, name: str, specs: dict[str, TensorSpec]) -> GraphSpec:
     import onnx
+
     from cognet.export.fp16 import to_float16
 
     half = to_float16(onnx.load(str(src)))

@@ -35,6 +35,7 @@ PROFILE_AXES = {
 def require_tensorrt() -> None:
     """Raise TensorRTUnavailable unless ONNX Runtime has the TensorRT EP and a GPU is visible."""
     import onnxruntime as ort
+
     from cognet.export.errors import TensorRTUnavailable
 
     if "TensorrtExecutionProvider" not in ort.get_available_providers():
@@ -75,6 +76,7 @@ def build_engines(manifest: Manifest, fp16: bool = False) -> Manifest:
     """Build (and cache) one engine per graph by running it once at the profile's opt shape."""
     import numpy as np
     import onnxruntime as ort
+
     from cognet.export.errors import TensorRTUnavailable
 
     (Path(manifest.model_dir or ".") / CACHE_DIR).mkdir(exist_ok=True)

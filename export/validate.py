@@ -29,7 +29,6 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 import torch
-from cognet.export.graphs import GRAPH_IO, WRAPPERS, Sizes, example_inputs
 
 from cognet.core.decoding import BEAM, MAX_LEN
 from cognet.core.errors import ParityError
@@ -38,6 +37,7 @@ from cognet.core.history import Visit
 from cognet.core.manifest import GRAPHS
 from cognet.core.vocab import Vocab
 from cognet.decode import beam_search
+from cognet.export.graphs import GRAPH_IO, WRAPPERS, Sizes, example_inputs
 from cognet.model import COGNet
 
 FLOAT32_ATOL = 1e-4

@@ -212,8 +212,17 @@ def beam_search(
         used = np.zeros(raw.shape, bool) if used is None else used[row_ix, parent]
         used[row_ix, np.arange(b), tokens] = True
         finished = ~live | (tokens == end)
-        step = _Step(rows, parent, tokens, live, chosen, raw if prauc else None,
-                     out.get("gate"), out.get("copy_probs"), out.get("diag_attention"))  # fmt: skip
+        step = _Step(
+            rows,
+            parent,
+            tokens,
+            live,
+            chosen,
+            raw if prauc else None,
+            out.get("gate"),
+            out.get("copy_probs"),
+            out.get("diag_attention"),
+        )
         trace.append(step)
 
         # the best hypothesis is final once beam 0 is finished; choosing by DDI rate needs all
@@ -222,8 +231,7 @@ def beam_search(
         if newly.any():
             choice = 0
             if policy.max_rate is not None:
-                choice = _within_rate(used[newly, :, :end], scores[newly], ddi_adj,
-                                      policy.max_rate)  # fmt: skip
+                choice = _within_rate(used[newly, :, :end], scores[newly], ddi_adj, policy.max_rate)
                 end_beam[rows[newly]] = choice
             end_step[rows[newly]] = t
             final_score[rows[newly]] = scores[newly, choice]
@@ -241,8 +249,9 @@ def beam_search(
     return _trace_back(trace, end_step, end_beam, final_score, end, prauc, explain)
 
 
-def _penalise(raw: np.ndarray, used: np.ndarray, ddi_adj: np.ndarray,
-              policy: DDIPolicy) -> np.ndarray:  # fmt: skip
+def _penalise(
+    raw: np.ndarray, used: np.ndarray, ddi_adj: np.ndarray, policy: DDIPolicy
+) -> np.ndarray:
     """A copy of the log-probabilities raw [R, B, V1] with the medications that interact with
     the hypothesis (used [R, B, V1]) at -inf (hard) or lowered by penalty x pairs (soft)."""
     m = ddi_adj.shape[0]
@@ -264,8 +273,9 @@ def ddi_rates(used: np.ndarray, ddi_adj: np.ndarray) -> np.ndarray:
     return np.where(total > 0, pairs / np.maximum(total, 1), np.float32(0))
 
 
-def _within_rate(used: np.ndarray, scores: np.ndarray, ddi_adj: np.ndarray,
-                 max_rate: float) -> np.ndarray:  # fmt: skip
+def _within_rate(
+    used: np.ndarray, scores: np.ndarray, ddi_adj: np.ndarray, max_rate: float
+) -> np.ndarray:
     """int64 [k]: per visit, the first beam (score order) with a finite score and a DDI rate
     <= max_rate, else the beam of lowest rate (first in beam order among ties)."""
     rate = ddi_rates(used, ddi_adj)  # [k, B]

@@ -13,14 +13,14 @@ from pathlib import Path
 
 import click
 import numpy as np
-from cognet.runtime import reader, summary, writer
-from cognet.runtime.options import DEVICES, ScoreOptions
-from cognet.runtime.scorer import Scorer
 
 from cognet.core.clitools import ddi_options, ddi_policy, handle_errors, progress, setup_logging
 from cognet.core.decoding import BEAM
 from cognet.core.errors import InputError
 from cognet.core.metrics import PATIENT_COLUMNS
+from cognet.runtime import reader, summary, writer
+from cognet.runtime.options import DEVICES, ScoreOptions
+from cognet.runtime.scorer import Scorer
 
 BEAM_HELP = f"Beam width (default: the model's, {BEAM}; 1 = greedy)."
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import pyarrow as pa
+
 from cognet.runtime import assemble, reader
 
 ATTENDED = pa.struct([("code", pa.string()), ("weight", pa.float32())])

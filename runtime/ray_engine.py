@@ -62,6 +62,9 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
+
+from cognet.core.errors import InputError, one_line
+from cognet.core.manifest import load_manifest
 from cognet.runtime import reader, writer
 from cognet.runtime.options import GPU_DEVICES, ScoreOptions
 from cognet.runtime.outputs import REJECTS_SCHEMA, output_schema
@@ -80,9 +83,6 @@ from cognet.runtime.ray_tasks import (
     visit_rows,
 )
 from cognet.runtime.summary import check_rows, run_summary, total_counts
-
-from cognet.core.errors import InputError, one_line
-from cognet.core.manifest import load_manifest
 
 log = logging.getLogger(__name__)
 

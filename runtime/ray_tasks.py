@@ -21,14 +21,14 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
+
+from cognet.core.errors import InputError, one_line, where
+from cognet.core.metrics import PATIENT_COLUMNS
 from cognet.runtime import reader
 from cognet.runtime.options import ScoreOptions
 from cognet.runtime.outputs import COUNTS, REJECTS_SCHEMA, output_schema
 from cognet.runtime.scorer import Scorer
 from cognet.runtime.summary import total_counts
-
-from cognet.core.errors import InputError, one_line, where
-from cognet.core.metrics import PATIENT_COLUMNS
 
 ROW, BUCKET = reader.ROW, "_bucket"
 KEYS = ["patient_id", "visit_id", "visit_seq"]

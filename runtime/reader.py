@@ -335,8 +335,11 @@ def list_files(source: str) -> list[str]:
         paths = []
         for root, dirs, names in os.walk(source):
             dirs[:] = [d for d in dirs if not d.startswith((".", "_"))]
-            paths += [os.path.join(root, n) for n in names
-                      if n.endswith(".parquet") and not n.startswith((".", "_"))]  # fmt: skip
+            paths += [
+                os.path.join(root, n)
+                for n in names
+                if n.endswith(".parquet") and not n.startswith((".", "_"))
+            ]
     elif os.path.isfile(source):
         paths = [source]
     else:

@@ -32,17 +32,17 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
-from cognet.runtime import assemble, reader
-from cognet.runtime.beam import BeamConfig, BeamResult, DecoderSession, beam_search
-from cognet.runtime.options import GPU_DEVICES, ScoreOptions
-from cognet.runtime.outputs import EXPLANATION, ScoredChunk, output_schema, rejects_table
-from cognet.runtime.session import OrtModel, default_threads
 
 from cognet.core.ddi import ddi_matrix
 from cognet.core.decoding import BEAM, MAX_LEN
 from cognet.core.manifest import Manifest, load_manifest
 from cognet.core.metrics import PATIENT_COLUMNS, VisitResult, patient_rows
 from cognet.core.vocab import Vocab
+from cognet.runtime import assemble, reader
+from cognet.runtime.beam import BeamConfig, BeamResult, DecoderSession, beam_search
+from cognet.runtime.options import GPU_DEVICES, ScoreOptions
+from cognet.runtime.outputs import EXPLANATION, ScoredChunk, output_schema, rejects_table
+from cognet.runtime.session import OrtModel, default_threads
 
 log = logging.getLogger(__name__)
 
@@ -273,9 +273,16 @@ class Scorer:
                 plan, enc, plan.targets[part], [plan.histories[i] for i in part]
             )
             memories = self.decoder.init(inputs)
-            result = beam_search(self.decoder, memories, part.size, self.beam_config,
-                                 prauc=score_all, explain=explain, ddi_adj=self._ddi_adj,
-                                 attention=self._attention)  # fmt: skip
+            result = beam_search(
+                self.decoder,
+                memories,
+                part.size,
+                self.beam_config,
+                prauc=score_all,
+                explain=explain,
+                ddi_adj=self._ddi_adj,
+                attention=self._attention,
+            )
             return result, inputs
 
         slots: dict[int, tuple[BeamResult, int, dict]] = {}
@@ -397,8 +404,9 @@ class Scorer:
             )
         return pa.array(out, pa.list_(EXPLANATION))
 
-    def _top_diagnoses(self, plan: assemble.Plan, row: int, attention: list | None, k: int,
-                       n_meds: int) -> list:  # fmt: skip
+    def _top_diagnoses(
+        self, plan: assemble.Plan, row: int, attention: list | None, k: int, n_meds: int
+    ) -> list:
         """Per medication of one visit: [{code, weight}] of its TOP_DIAGNOSES most attended
         diagnoses (positions of the attention = the row's diagnosis ids, in plan order)."""
         if attention is None:

@@ -25,12 +25,12 @@ from typing import Any
 
 import numpy as np
 import onnxruntime as ort
-from cognet.runtime.options import DEVICES
 
 from cognet.core import tensorrt
 from cognet.core.errors import InputError, one_line
 from cognet.core.graphspec import ENCODER_OUTPUTS, INIT_INPUTS, MEMORIES
 from cognet.core.manifest import GRAPHS, Manifest
+from cognet.runtime.options import DEVICES
 
 log = logging.getLogger(__name__)
 
@@ -123,8 +123,9 @@ class OrtModel:
         self.providers = self.sessions["decoder_step"].get_providers()
         self.on_device = self.providers[0] in (CUDA, TRT)
         decoder = DeviceDecoder if self.on_device else HostDecoder
-        self.decoder = decoder(self.sessions["decoder_init"], self.sessions["decoder_step"],
-                               manifest)  # fmt: skip
+        self.decoder = decoder(
+            self.sessions["decoder_init"], self.sessions["decoder_step"], manifest
+        )
 
     def encode(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Encoder outputs (`graphspec.ENCODER_OUTPUTS`) as host arrays."""
@@ -135,8 +136,7 @@ class OrtModel:
 class HostDecoder:
     """Decoder init and step on the CPU provider (numpy arrays throughout)."""
 
-    def __init__(self, init: ort.InferenceSession, step: ort.InferenceSession,
-                 manifest: Manifest):  # fmt: skip
+    def __init__(self, init: ort.InferenceSession, step: ort.InferenceSession, manifest: Manifest):
         self._init, self._step = init, step
         self._heads, self._head_dim = manifest.dims.heads, manifest.dims.head_dim
         # what `step` can return (models exported before `diag_attention` lack it)
@@ -148,13 +148,21 @@ class HostDecoder:
 
     def empty_cache(self, n: int, beam: int) -> tuple[np.ndarray, np.ndarray]:
         h, dh = self._heads, self._head_dim
-        return (np.zeros((n, beam, h, dh, 0), np.float32),
-                np.zeros((n, beam, h, 0, dh), np.float32))  # fmt: skip
+        return (
+            np.zeros((n, beam, h, dh, 0), np.float32),
+            np.zeros((n, beam, h, 0, dh), np.float32),
+        )
 
-    def step(self, tokens: np.ndarray, parent: np.ndarray, cache, memories,
-             outputs: Sequence[str]) -> tuple[dict[str, np.ndarray], Any]:  # fmt: skip
-        feed = {"tokens": tokens, "parent": parent, "past_key": cache[0],
-                "past_value": cache[1], **memories}  # fmt: skip
+    def step(
+        self, tokens: np.ndarray, parent: np.ndarray, cache, memories, outputs: Sequence[str]
+    ) -> tuple[dict[str, np.ndarray], Any]:
+        feed = {
+            "tokens": tokens,
+            "parent": parent,
+            "past_key": cache[0],
+            "past_value": cache[1],
+            **memories,
+        }
         out = self._step.run([*outputs, "present_key", "present_value"], feed)
         return dict(zip(outputs, out[: len(outputs)], strict=True)), (out[-2], out[-1])
 
@@ -172,8 +180,13 @@ class DeviceDecoder:
     Handles are OrtValues on the device, except the empty cache of the first step, a
     zero-size host array that ONNX Runtime copies itself."""
 
-    def __init__(self, init: ort.InferenceSession, step: ort.InferenceSession,
-                 manifest: Manifest, device: tuple[str, int] = ("cuda", 0)):  # fmt: skip
+    def __init__(
+        self,
+        init: ort.InferenceSession,
+        step: ort.InferenceSession,
+        manifest: Manifest,
+        device: tuple[str, int] = ("cuda", 0),
+    ):
         self._init, self._step = init, step
         self._device = device  # ("cpu", 0) runs the same bindings on the CPU (tests)
         self._heads, self._head_dim = manifest.dims.heads, manifest.dims.head_dim
@@ -201,8 +214,9 @@ class DeviceDecoder:
     def empty_cache(self, n: int, beam: int) -> tuple[np.ndarray, np.ndarray]:
         return HostDecoder.empty_cache(self, n, beam)
 
-    def step(self, tokens: np.ndarray, parent: np.ndarray, cache, memories,
-             outputs: Sequence[str]) -> tuple[dict[str, np.ndarray], Any]:  # fmt: skip
+    def step(
+        self, tokens: np.ndarray, parent: np.ndarray, cache, memories, outputs: Sequence[str]
+    ) -> tuple[dict[str, np.ndarray], Any]:
         io = self._step.io_binding()
         self._bind(io, "tokens", tokens)
         self._bind(io, "parent", parent)

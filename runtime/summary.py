@@ -13,10 +13,10 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
-from cognet.runtime.options import ScoreOptions
-from cognet.runtime.outputs import COUNTS
 
 from cognet.core import metrics
+from cognet.runtime.options import ScoreOptions
+from cognet.runtime.outputs import COUNTS
 
 
 def total_counts(items: Iterable[Mapping]) -> dict:

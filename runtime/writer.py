@@ -24,10 +24,10 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
-from cognet.runtime.outputs import REJECTS_SCHEMA, ScoredChunk, output_schema
-from cognet.runtime.summary import total_counts
 
 from cognet.core.errors import InputError
+from cognet.runtime.outputs import REJECTS_SCHEMA, ScoredChunk, output_schema
+from cognet.runtime.summary import total_counts
 
 MARKER = "progress.json"
 FORMAT_VERSION = 1

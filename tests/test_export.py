@@ -14,10 +14,6 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 from click.testing import CliRunner
-from cognet.export import FP16_FILES, GRAPH_FILES, OPSET, cache_tensors, export
-from cognet.export import validate as val
-from cognet.export.cli import main
-from cognet.export.graphs import GRAPH_IO, Sizes, StepGraph, example_inputs, tensor_specs
 from tiny import make_tiny
 
 from cognet import checkpoint
@@ -26,6 +22,10 @@ from cognet.core.graphspec import STEP_INPUTS, STEP_OUTPUTS
 from cognet.core.history import patients_from_table
 from cognet.core.manifest import GRAPHS, Manifest, load_manifest
 from cognet.core.vocab import Vocab
+from cognet.export import FP16_FILES, GRAPH_FILES, OPSET, cache_tensors, export
+from cognet.export import validate as val
+from cognet.export.cli import main
+from cognet.export.graphs import GRAPH_IO, Sizes, StepGraph, example_inputs, tensor_specs
 from cognet.model import COGNet
 
 ALLOWLIST = Path(__file__).parents[1] / "export" / "onnx_ops_allowlist.txt"

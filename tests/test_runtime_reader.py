@@ -7,7 +7,6 @@ import numpy as np
 import pyarrow as pa
 import pytest
 import torch
-from cognet.runtime import assemble, reader
 from test_runtime_beam import make_case, torch_encoder
 
 from cognet.batching import make_batch
@@ -15,6 +14,7 @@ from cognet.core.errors import InputError
 from cognet.core.graphspec import INIT_INPUTS
 from cognet.core.history import patients_from_table
 from cognet.model import history_inputs
+from cognet.runtime import assemble, reader
 
 torch.set_num_threads(1)
 

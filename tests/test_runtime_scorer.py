@@ -10,8 +10,6 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-from cognet.runtime import OUTPUT_SCHEMA, Scorer
-from cognet.runtime.scorer import CPU_BATCH_SLOTS, cut_batches
 
 from cognet import checkpoint
 from cognet.core import metrics
@@ -20,6 +18,8 @@ from cognet.core.ddi import ddi_matrix
 from cognet.core.history import patients_from_table
 from cognet.core.manifest import load_manifest
 from cognet.evaluate import decode_patients, visit_results
+from cognet.runtime import OUTPUT_SCHEMA, Scorer
+from cognet.runtime.scorer import CPU_BATCH_SLOTS, cut_batches
 
 torch.set_num_threads(1)
 
@@ -29,8 +29,9 @@ def tiny_model_dir(base: Path) -> Path:
     test session under `base` (shared by the runtime test files)."""
     root = base / "runtime_tiny"
     if not (root / "model" / "manifest.json").is_file():
-        from cognet.export import export
         from tiny import make_tiny
+
+        from cognet.export import export
 
         _, ckpt = make_tiny(root, n_patients=80)
         export(ckpt, root / "model", validate=False)

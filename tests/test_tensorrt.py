@@ -6,12 +6,12 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from cognet.export.tensorrt import profile_shapes, provider_options
-from cognet.runtime.session import TRT, providers
 from test_runtime_scorer import tiny_model_dir
 
 from cognet.core.manifest import GRAPHS, load_manifest
 from cognet.core.tensorrt import CACHE_DIR
+from cognet.export.tensorrt import profile_shapes, provider_options
+from cognet.runtime.session import TRT, providers
 
 
 @pytest.fixture(scope="module")

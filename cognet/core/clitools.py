@@ -86,17 +86,29 @@ def ddi_options(func: Callable) -> Callable:
     from cognet.core.ddi import DDI_MODES, RECOMMENDED_PENALTY
 
     options = [
-        click.option("--ddi-mode", type=click.Choice(DDI_MODES), default="off",
-                     show_default=True,
-                     help="DDI-aware decoding: hard = never emit a medication interacting "
-                          "with one already recommended; soft = penalise it per pair."),
-        click.option("--ddi-penalty", type=click.FloatRange(min=0), default=None,
-                     help="soft: log-probability removed per interacting pair "
-                          f"(default {RECOMMENDED_PENALTY:g})."),
-        click.option("--ddi-max-rate", type=click.FloatRange(0, 1), default=None,
-                     help="Return the best finished beam whose DDI rate is <= this "
-                          "(else the lowest-rate beam)."),
-    ]  # fmt: skip
+        click.option(
+            "--ddi-mode",
+            type=click.Choice(DDI_MODES),
+            default="off",
+            show_default=True,
+            help="DDI-aware decoding: hard = never emit a medication interacting "
+            "with one already recommended; soft = penalise it per pair.",
+        ),
+        click.option(
+            "--ddi-penalty",
+            type=click.FloatRange(min=0),
+            default=None,
+            help="soft: log-probability removed per interacting pair "
+            f"(default {RECOMMENDED_PENALTY:g}).",
+        ),
+        click.option(
+            "--ddi-max-rate",
+            type=click.FloatRange(0, 1),
+            default=None,
+            help="Return the best finished beam whose DDI rate is <= this "
+            "(else the lowest-rate beam).",
+        ),
+    ]
     for option in reversed(options):
         func = option(func)
     return func
