@@ -1,6 +1,7 @@
 """Reference decoding in torch: batched beam search (and greedy = beam 1) with the KV-cached
 decoder step. The runtime re-implements exactly these semantics in numpy; see
-docs/INTERNALS.md "Beam search" for the rules both follow."""
+docs/INTERNALS.md "Beam search" for the rules both follow, `cognet.core.ddi` for the DDI
+policies and `cognet.core.decoding` for the defaults (beam 4, max length 45)."""
 
 from __future__ import annotations
 

@@ -23,12 +23,7 @@ How the work is kept small:
   step probabilities) and explanations (gate, copy distribution and diagnosis attention
   at each step).
 
-DDI-aware decoding (`cognet.core.ddi.DDIPolicy`, the rules of the torch reference): with a
-`soft` or `hard` policy each step lowers (or sets to -inf) the log-probability of every
-medication by its clash count, (medications of the hypothesis) @ (DDI adjacency), before
-the candidates are ranked; with `max_rate` a visit is done when all its beams have finished
-and its answer is the first beam (score order) within the rate, else the lowest-rate beam.
-The default policy (`off`) adds no work to a step.
+DDI-aware decoding (`cfg.ddi`) follows the rules written in `cognet.core.ddi`.
 """
 
 from __future__ import annotations
