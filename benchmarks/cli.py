@@ -9,7 +9,7 @@ from pathlib import Path
 
 import click
 
-from cognet.core.clitools import handle_errors, setup_logging
+from cognet.core.clitools import count_option, handle_errors, setup_logging
 from cognet.core.errors import InputError
 
 log = logging.getLogger(__name__)
@@ -76,13 +76,7 @@ def _ints(text: str, name: str) -> tuple[int, ...]:
     "--batch-sizes", default="1,16,256,4096", show_default=True, help="Visits decoded together."
 )
 @click.option("--beams", default="1,4", show_default=True, help="Beam widths.")
-@click.option(
-    "--repeats",
-    type=click.IntRange(min=1),
-    default=3,
-    show_default=True,
-    help="Timed passes per run (the median is reported).",
-)
+@count_option("--repeats", default=3, help="Timed passes per run (the median is reported).")
 @click.option(
     "--engines",
     "engine_names",
@@ -91,26 +85,14 @@ def _ints(text: str, name: str) -> tuple[int, ...]:
     help="Comma-separated subset of: torch-perpatient, torch-batched, ort-cpu, "
     "ort-cuda, ort-tensorrt, torch-cuda.",
 )
-@click.option(
-    "--threads",
-    type=click.IntRange(min=1),
-    default=1,
-    show_default=True,
-    help="Intra-op threads of every engine (torch and ONNX Runtime alike).",
+@count_option(
+    "--threads", default=1, help="Intra-op threads of every engine (torch and ONNX Runtime alike)."
 )
-@click.option(
-    "--visits",
-    type=click.IntRange(min=1),
-    default=256,
-    show_default=True,
-    help="Visits per run (a batch size above it runs one full batch).",
+@count_option(
+    "--visits", default=256, help="Visits per run (a batch size above it runs one full batch)."
 )
-@click.option(
-    "--perpatient-visits",
-    type=click.IntRange(min=1),
-    default=64,
-    show_default=True,
-    help="Visits decoded by the slow torch-perpatient engine.",
+@count_option(
+    "--perpatient-visits", default=64, help="Visits decoded by the slow torch-perpatient engine."
 )
 @click.option(
     "--past-visits",

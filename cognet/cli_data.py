@@ -9,7 +9,7 @@ from pathlib import Path
 
 import click
 
-from cognet.core.clitools import handle_errors, setup_logging
+from cognet.core.clitools import count_option, handle_errors, setup_logging
 from cognet.data.mimic3 import DDI_TYPES, build_mimic3
 
 
@@ -34,13 +34,7 @@ def data() -> None:
     type=click.Path(file_okay=False, path_type=Path),
     help="Directory to write visits.parquet and ddi.parquet into.",
 )
-@click.option(
-    "--patients",
-    default=6350,
-    show_default=True,
-    type=click.IntRange(min=1),
-    help="Number of patients (about 2.4 visits each).",
-)
+@count_option("--patients", default=6350, help="Number of patients (about 2.4 visits each).")
 @click.option(
     "--seed",
     default=0,

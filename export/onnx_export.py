@@ -6,6 +6,7 @@ checkpoint (dim 64, 2000/1400/131 codes, 2 cores): it exports the three graphs i
 and after ONNX Runtime's optimisations the graphs run at the same speed. Both give plain
 graphs (no If/Loop); see `onnx_ops_allowlist.txt` for the operator set.
 
+`graph_spec` describes a written file for the manifest; `write_fp16` adds its float16 variant.
 After the export: the inputs an ablation leaves unused are put back, fixed axes are pinned,
 the KV-cache Reshapes of the step graph keep literal zeros (`allowzero`), and the graph's
 I/O is checked against `cognet.core.graphspec` with its symbolic axes.
@@ -20,7 +21,7 @@ from contextlib import contextmanager, redirect_stderr, redirect_stdout
 from pathlib import Path
 
 from cognet.core.graphspec import STEP_CACHE_INPUTS
-from cognet.core.manifest import TensorSpec
+from cognet.core.manifest import GraphSpec, TensorSpec, file_sha256
 from cognet.export.errors import ExportError
 
 OPSET = 18
@@ -187,3 +188,34 @@ def _check_io(proto, name: str, specs: dict[str, TensorSpec]) -> None:
                     f"{name}: {v.name} has shape {dims}, expected {want} "
                     "(an axis was specialised to its example size?)"
                 )
+
+
+def graph_spec(
+    path: Path, name: str, specs: dict[str, TensorSpec], dtype_of=lambda spec: spec.dtype
+) -> GraphSpec:
+    """The manifest entry of a written graph file: its sha256 and typed inputs/outputs."""
+    from cognet.export.graphs import GRAPH_IO
+
+    ins, outs = GRAPH_IO[name]
+    typed = lambda k: TensorSpec(k, dtype_of(specs[k]), specs[k].shape)  # noqa: E731
+    return GraphSpec(path.name, file_sha256(path), tuple(map(typed, ins)), tuple(map(typed, outs)))
+
+
+def write_fp16(src: Path, dst: Path, name: str, specs: dict[str, TensorSpec]) -> GraphSpec:
+    """The float16 variant of the graph file `src`, checked and written to `dst`."""
+    import onnx
+
+    from cognet.export.fp16 import to_float16
+
+    half = to_float16(onnx.load(str(src)))
+    onnx.checker.check_model(half, full_check=True)
+    tmp = dst.with_name(dst.name + ".tmp")
+    onnx.save(half, str(tmp))
+    os.replace(tmp, dst)
+    dtypes = {v.name: v.type.tensor_type.elem_type for v in (*half.graph.input, *half.graph.output)}
+    names = {
+        onnx.TensorProto.FLOAT16: "float16",
+        onnx.TensorProto.FLOAT: "float32",
+        onnx.TensorProto.INT64: "int64",
+    }
+    return graph_spec(dst, name, specs, dtype_of=lambda spec: names[dtypes[spec.name]])

@@ -10,22 +10,12 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from pathlib import Path
 
 from cognet.core.decoding import BEAM, MAX_LEN
 from cognet.core.errors import InputError, one_line
-from cognet.core.manifest import (
-    GRAPHS,
-    Dims,
-    GraphSpec,
-    Manifest,
-    Special,
-    TensorSpec,
-    file_sha256,
-    write_manifest,
-)
-from cognet.export.onnx_export import OPSET, export_graph
+from cognet.core.manifest import GRAPHS, Dims, Manifest, Special, write_manifest
+from cognet.export.onnx_export import OPSET, export_graph, graph_spec, write_fp16
 
 log = logging.getLogger(__name__)
 
@@ -72,13 +62,13 @@ def export(
         for name in GRAPHS:
             log.info("exporting %s", name)
             export_graph(model, name, paths[name])
-    graphs = {name: _graph_spec(paths[name], name, specs) for name in GRAPHS}
+    graphs = {name: graph_spec(paths[name], name, specs) for name in GRAPHS}
     variants = {}
     fp16_paths = None
     if fp16:
         fp16_paths = {name: out / FP16_FILES[name] for name in GRAPHS}
         variants["fp16"] = {
-            name: _write_fp16(paths[name], fp16_paths[name], name, specs) for name in GRAPHS
+            name: write_fp16(paths[name], fp16_paths[name], name, specs) for name in GRAPHS
         }
 
     parity = None
@@ -133,35 +123,6 @@ def _load_checkpoint(path: Path):
         raise
     except (OSError, ValueError, KeyError, TypeError, RuntimeError, SafetensorError) as exc:
         raise InputError(f"{path}: cannot load checkpoint ({one_line(exc)[:200]})") from None
-
-
-def _graph_spec(
-    path: Path, name: str, specs: dict[str, TensorSpec], dtype_of=lambda spec: spec.dtype
-) -> GraphSpec:
-    from cognet.export.graphs import GRAPH_IO
-
-    ins, outs = GRAPH_IO[name]
-    typed = lambda k: TensorSpec(k, dtype_of(specs[k]), specs[k].shape)  # noqa: E731
-    return GraphSpec(path.name, file_sha256(path), tuple(map(typed, ins)), tuple(map(typed, outs)))
-
-
-def _write_fp16(src: Path, dst: Path, name: str, specs: dict[str, TensorSpec]) -> GraphSpec:
-    import onnx
-
-    from cognet.export.fp16 import to_float16
-
-    half = to_float16(onnx.load(str(src)))
-    onnx.checker.check_model(half, full_check=True)
-    tmp = dst.with_name(dst.name + ".tmp")
-    onnx.save(half, str(tmp))
-    os.replace(tmp, dst)
-    dtypes = {v.name: v.type.tensor_type.elem_type for v in (*half.graph.input, *half.graph.output)}
-    names = {
-        onnx.TensorProto.FLOAT16: "float16",
-        onnx.TensorProto.FLOAT: "float32",
-        onnx.TensorProto.INT64: "int64",
-    }
-    return _graph_spec(dst, name, specs, dtype_of=lambda spec: names[dtypes[spec.name]])
 
 
 def _ops(paths) -> set[str]:

@@ -14,7 +14,14 @@ from pathlib import Path
 import click
 import numpy as np
 
-from cognet.core.clitools import ddi_options, ddi_policy, handle_errors, progress, setup_logging
+from cognet.core.clitools import (
+    count_option,
+    ddi_options,
+    ddi_policy,
+    handle_errors,
+    progress,
+    setup_logging,
+)
 from cognet.core.decoding import BEAM
 from cognet.core.errors import InputError
 from cognet.core.metrics import PATIENT_COLUMNS
@@ -23,6 +30,13 @@ from cognet.runtime.options import DEVICES, ScoreOptions
 from cognet.runtime.scorer import Scorer
 
 BEAM_HELP = f"Beam width (default: the model's, {BEAM}; 1 = greedy)."
+model_option = click.option(
+    "--model",
+    "model_dir",
+    required=True,
+    type=click.Path(file_okay=False),
+    help="Model directory written by cognet-export.",
+)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -62,38 +76,26 @@ def score_options(func):
         )
         return func(*args, options=options, **kwargs)
 
+    # The option stacks of this file stay compact (fmt: off): an option reads as one unit on
+    # two or three lines, where ruff's layout (a line per keyword) doubles the stacks into
+    # runs of look-alike lines.
+    # fmt: off
     options = [
-        click.option("--beam", type=click.IntRange(min=1), default=None, help=BEAM_HELP),
-        click.option(
-            "--device",
-            type=click.Choice(DEVICES),
-            default="auto",
-            show_default=True,
-            help="Execution provider; auto = CUDA when available, else CPU.",
-        ),
-        click.option(
-            "--batch-size",
-            type=click.IntRange(min=1),
-            default=None,
-            help="Visits decoded together at most (default: 128 on the CPU, 512 on a GPU); "
-            "batches of long histories are cut smaller (at most 4,096 padded "
-            "past-medication slots per batch on the CPU).",
-        ),
-        click.option(
-            "--threads",
-            type=click.IntRange(min=1),
-            default=None,
-            help="CPU threads (default: the cores this process may use; --engine ray: per "
-            "worker, default 1).",
-        ),
-        click.option(
-            "--max-history-visits",
-            type=click.IntRange(min=0),
-            default=None,
-            help="History = only the last K earlier visits with known medications "
-            "(default: all; 0 = none, generation without copy).",
-        ),
+        count_option("--beam", help=BEAM_HELP),
+        click.option("--device", type=click.Choice(DEVICES), default="auto", show_default=True,
+                     help="Execution provider; auto = CUDA when available, else CPU."),
+        count_option("--batch-size",
+                     help="Visits decoded together at most (default: 128 on the CPU, 512 on a "
+                          "GPU); batches of long histories are cut smaller (at most 4,096 "
+                          "padded past-medication slots per batch on the CPU)."),
+        count_option("--threads",
+                     help="CPU threads (default: the cores this process may use; --engine "
+                          "ray: per worker, default 1)."),
+        click.option("--max-history-visits", type=click.IntRange(min=0), default=None,
+                     help="History = only the last K earlier visits with known medications "
+                          "(default: all; 0 = none, generation without copy)."),
     ]
+    # fmt: on
     for option in reversed(options):
         wrapper = option(wrapper)
     return ddi_options(wrapper)
@@ -112,93 +114,52 @@ def ray_options(func):
             ray = RayOptions(address, num_workers, gpus_per_worker, block_rows)
         return func(*args, ray=ray, **kwargs)
 
+    # fmt: off
     options = [
-        click.option(
-            "--engine",
-            type=click.Choice(["local", "ray"]),
-            default="local",
-            show_default=True,
-            help="local: this process; ray: a Ray cluster, INPUT may be a directory or a "
-            "glob of Parquet files.",
-        ),
-        click.option(
-            "--address",
-            default=None,
-            help="--engine ray: auto or ray://HOST:10001 (default: start Ray here).",
-        ),
-        click.option(
-            "--num-workers",
-            type=click.IntRange(min=1),
-            default=None,
-            help="--engine ray: scoring workers (default: as many as the cluster holds).",
-        ),
-        click.option(
-            "--gpus-per-worker",
-            type=click.FloatRange(min=0),
-            default=0.0,
-            help="--engine ray: GPUs of each worker (default 0: CPU workers).",
-        ),
-        click.option(
-            "--block-rows",
-            type=click.IntRange(min=1),
-            default=16384,
-            show_default=True,
-            help="--engine ray: rows of whole patients a worker scores at a time.",
-        ),
+        click.option("--engine", type=click.Choice(["local", "ray"]), default="local",
+                     show_default=True, help="local: this process; ray: a Ray cluster, INPUT "
+                                             "may be a directory or a glob of Parquet files."),
+        click.option("--address", default=None,
+                     help="--engine ray: auto or ray://HOST:10001 (default: start Ray here)."),
+        count_option("--num-workers",
+                     help="--engine ray: scoring workers (default: as many as the cluster "
+                          "holds)."),
+        click.option("--gpus-per-worker", type=click.FloatRange(min=0), default=0.0,
+                     help="--engine ray: GPUs of each worker (default 0: CPU workers)."),
+        count_option("--block-rows", default=16384,
+                     help="--engine ray: rows of whole patients a worker scores at a time."),
     ]
+    # fmt: on
     for option in reversed(options):
         wrapper = option(wrapper)
     return wrapper
 
 
+# fmt: off
 @main.command()
 @click.argument("input_path", metavar="INPUT", type=click.Path())
-@click.option(
-    "--model",
-    "model_dir",
-    required=True,
-    type=click.Path(file_okay=False),
-    help="Model directory written by cognet-export.",
-)
-@click.option(
-    "--out",
-    required=True,
-    type=click.Path(),
-    help="Output Parquet file (--engine ray: a directory); rejected rows go to OUT with "
-    ".rejects.parquet.",
-)
+@model_option
+@click.option("--out", required=True, type=click.Path(),
+              help="Output Parquet file (--engine ray: a directory); rejected rows go to OUT "
+                   "with .rejects.parquet.")
 @score_options
-@click.option(
-    "--all",
-    "score_all",
-    is_flag=True,
-    help="Score every visit, not only those with null medications, and report metrics "
-    "against the known medications.",
-)
-@click.option(
-    "--explain",
-    is_flag=True,
-    help="Add per medication its copy share, the past visit it came from and the diagnoses "
-    "it attended to most.",
-)
-@click.option(
-    "--resume", is_flag=True, help="Finish an interrupted run (same input, model and options)."
-)
-@click.option(
-    "--summary-json",
-    type=click.Path(dir_okay=False),
-    default=None,
-    help="Write counts, reject reasons, speed, providers, options (and metrics) as JSON.",
-)
+@click.option("--all", "score_all", is_flag=True,
+              help="Score every visit, not only those with null medications, and report "
+                   "metrics against the known medications.")
+@click.option("--explain", is_flag=True,
+              help="Add per medication its copy share, the past visit it came from and the "
+                   "diagnoses it attended to most.")
+@click.option("--resume", is_flag=True,
+              help="Finish an interrupted run (same input, model and options).")
+@click.option("--summary-json", type=click.Path(dir_okay=False), default=None,
+              help="Write counts, reject reasons, speed, providers, options (and metrics) as "
+                   "JSON.")
 @ray_options
-@click.option(
-    "--sort",
-    "sort_rows",
-    is_flag=True,
-    help="Sort the rows by patient and visit_seq in memory (files that fit).",
-)
+@click.option("--sort", "sort_rows", is_flag=True,
+              help="Sort the rows by patient and visit_seq in memory (files that fit).")
 @click.option("--quiet", is_flag=True, help="No progress bar nor closing line.")
 @click.option("--verbose", is_flag=True, help="Log what happens on stderr.")
+# fmt: on
 @handle_errors
 def score(
     input_path: str,
@@ -352,15 +313,9 @@ def _signature(
 
 @main.command()
 @click.argument("input_path", metavar="INPUT", type=click.Path(dir_okay=False))
-@click.option(
-    "--model",
-    "model_dir",
-    required=True,
-    type=click.Path(file_okay=False),
-    help="Model directory written by cognet-export.",
-)
+@model_option
 @click.option("--visit-id", required=True, help="The visit to explain.")
-@click.option("--beam", type=click.IntRange(min=1), default=None, help=BEAM_HELP)
+@count_option("--beam", help=BEAM_HELP)
 @ddi_options
 @click.option("--json", "as_json", is_flag=True, help="Print the explanation as JSON.")
 @handle_errors

@@ -80,6 +80,15 @@ def progress(
     )
 
 
+def count_option(
+    *decls: str, help: str | None = None, default: int | None = None, **kwargs
+) -> Callable:
+    """A click option taking a positive integer (a count: beam width, threads, visits per
+    batch, ...); its default, when it has one, shows in --help."""
+    kwargs.setdefault("show_default", default is not None)
+    return click.option(*decls, type=click.IntRange(min=1), default=default, help=help, **kwargs)
+
+
 def ddi_options(func: Callable) -> Callable:
     """--ddi-mode / --ddi-penalty / --ddi-max-rate (see `cognet.core.ddi`); turn them into a
     policy with `ddi_policy`."""
