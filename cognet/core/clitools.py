@@ -1,4 +1,5 @@
-"""Helpers shared by the cognet command lines: error mapping and progress bars."""
+"""Helpers shared by the cognet command lines: error mapping, logging, progress bars and the
+options several commands take (`count_option`, `ddi_options`)."""
 
 from __future__ import annotations
 
