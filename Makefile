@@ -40,9 +40,11 @@ test: install
 bench: install
 	$(VENV)/bin/cognet-bench --out bench
 
+# ruff, then the layering of DESIGN.md §1 and the 450-line rule (tools/check_layout.py)
 lint: install
-	$(VENV)/bin/ruff check cognet export runtime benchmarks tests
-	$(VENV)/bin/ruff format --check cognet export runtime benchmarks tests
+	$(VENV)/bin/ruff check cognet export runtime benchmarks tests tools
+	$(VENV)/bin/ruff format --check cognet export runtime benchmarks tests tools
+	$(PY) tools/check_layout.py
 
 clean:
 	rm -rf $(DEMO_DIR) bench

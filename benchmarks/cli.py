@@ -9,8 +9,8 @@ from pathlib import Path
 
 import click
 
-from cognet.clitools import handle_errors, setup_logging
-from cognet.errors import InputError
+from cognet.core.clitools import count_option, handle_errors, setup_logging
+from cognet.core.errors import InputError
 
 log = logging.getLogger(__name__)
 
@@ -76,13 +76,7 @@ def _ints(text: str, name: str) -> tuple[int, ...]:
     "--batch-sizes", default="1,16,256,4096", show_default=True, help="Visits decoded together."
 )
 @click.option("--beams", default="1,4", show_default=True, help="Beam widths.")
-@click.option(
-    "--repeats",
-    type=click.IntRange(min=1),
-    default=3,
-    show_default=True,
-    help="Timed passes per run (the median is reported).",
-)
+@count_option("--repeats", default=3, help="Timed passes per run (the median is reported).")
 @click.option(
     "--engines",
     "engine_names",
@@ -91,26 +85,14 @@ def _ints(text: str, name: str) -> tuple[int, ...]:
     help="Comma-separated subset of: torch-perpatient, torch-batched, ort-cpu, "
     "ort-cuda, ort-tensorrt, torch-cuda.",
 )
-@click.option(
-    "--threads",
-    type=click.IntRange(min=1),
-    default=1,
-    show_default=True,
-    help="Intra-op threads of every engine (torch and ONNX Runtime alike).",
+@count_option(
+    "--threads", default=1, help="Intra-op threads of every engine (torch and ONNX Runtime alike)."
 )
-@click.option(
-    "--visits",
-    type=click.IntRange(min=1),
-    default=256,
-    show_default=True,
-    help="Visits per run (a batch size above it runs one full batch).",
+@count_option(
+    "--visits", default=256, help="Visits per run (a batch size above it runs one full batch)."
 )
-@click.option(
-    "--perpatient-visits",
-    type=click.IntRange(min=1),
-    default=64,
-    show_default=True,
-    help="Visits decoded by the slow torch-perpatient engine.",
+@count_option(
+    "--perpatient-visits", default=64, help="Visits decoded by the slow torch-perpatient engine."
 )
 @click.option(
     "--past-visits",
@@ -194,8 +176,9 @@ def main(
     """
     setup_logging(verbose)
     from cognet.benchmarks import engines as eng
-    from cognet.benchmarks.harness import Settings, run_all
+    from cognet.benchmarks.harness import run_all
     from cognet.benchmarks.report import ratios, write_all
+    from cognet.benchmarks.settings import Settings
 
     if quick:
         ctx = click.get_current_context()
@@ -283,8 +266,12 @@ def run_ddi_tradeoff(checkpoint, data_dir, out: Path, quick: bool, notes: list) 
     patients = 30 if quick else TRADEOFF_PATIENTS
     click.echo(f"DDI trade-off on the test split of {data_dir} ({patients} patients)", err=True)
     result = run_tradeoff(checkpoint, data_dir, rounds=2 if quick else 10, max_patients=patients)
-    plot(result.rows, out / "ddi_tradeoff.png", result.recommended,
-         title=f"DDI trade-off, test split of {Path(data_dir).name}")  # fmt: skip
+    plot(
+        result.rows,
+        out / "ddi_tradeoff.png",
+        result.recommended,
+        title=f"DDI trade-off, test split of {Path(data_dir).name}",
+    )
     return {**result.to_json(), "data": str(data_dir), "split": "test"}
 
 
@@ -302,9 +289,8 @@ def demo_model(root: Path, quick: bool = False) -> tuple[Path, Path, str]:
         f"patients, {epochs} epoch(s) of training, export)",
         err=True,
     )
+    from cognet.data.synth import generate
     from cognet.export import export
-
-    from cognet.synth import generate
     from cognet.train import TrainConfig, train
 
     started = time.perf_counter()
@@ -321,7 +307,7 @@ def demo_model(root: Path, quick: bool = False) -> tuple[Path, Path, str]:
 def find_checkpoint(model_dir: Path) -> Path | None:
     """MODEL/../ckpt when it is the checkpoint the model was exported from."""
     from cognet.checkpoint import checkpoint_hash
-    from cognet.manifest import load_manifest
+    from cognet.core.manifest import load_manifest
 
     candidate = model_dir.parent / "ckpt"
     if not (candidate / "config.json").is_file():
@@ -341,10 +327,9 @@ def make_context(
     settings,
     notes: list[str],
 ):
-    from cognet.benchmarks.harness import Context
+    from cognet.benchmarks.settings import Context
     from cognet.benchmarks.workload import Pool, dataset_visits, synthetic_visits
-
-    from cognet.manifest import load_manifest
+    from cognet.core.manifest import load_manifest
 
     vocab = load_manifest(model_dir).vocabulary()
     need = settings.pool_size

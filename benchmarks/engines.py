@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from cognet.benchmarks.workload import Batch
+from cognet.core.decoding import BEAM
 
 ENGINES = ("torch-perpatient", "torch-batched", "ort-cpu", "ort-cuda", "ort-tensorrt", "torch-cuda")
 TORCH_ENGINES = ("torch-perpatient", "torch-batched", "torch-cuda")
@@ -162,28 +163,27 @@ class OrtEngine:
         self.name, self.model_dir, self.threads = name, model_dir, threads
         self.device = ORT_DEVICES[name]
         self.scorer = None
-        self.load_s = self._load(4, 256)
+        self.load_s = self._load(BEAM, 256)
         self.providers = list(self.scorer.providers)
+
+    def options(self, beam: int, batch_size: int):
+        """The `cognet.runtime.ScoreOptions` of a run at this beam width and batch size."""
+        from cognet.runtime import ScoreOptions
+
+        return ScoreOptions(
+            beam=beam, device=self.device, threads=self.threads, batch_size=batch_size
+        )
 
     def _load(self, beam: int, batch_size: int) -> float:
         from cognet.runtime import Scorer
 
         started = time.perf_counter()
         self.scorer = None  # free the previous sessions first
-        self.scorer = Scorer(
-            self.model_dir,
-            device=self.device,
-            beam=beam,
-            batch_size=batch_size,
-            threads=self.threads,
-        )
+        self.scorer = Scorer(self.model_dir, self.options(beam, batch_size))
         return time.perf_counter() - started
 
     def prepare(self, beam: int, batch_size: int) -> None:
-        if self.scorer is None or (
-            self.scorer.settings()["beam"],
-            self.scorer.settings()["batch_size"],
-        ) != (beam, batch_size):
+        if self.scorer is None or self.scorer.options != self.options(beam, batch_size):
             self._load(beam, batch_size)
 
     def release(self) -> None:

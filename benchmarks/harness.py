@@ -11,159 +11,38 @@ recommendation equals torch-batched's (`matches_reference`).
 
 The slow `torch-perpatient` engine runs once per beam width on a small subset of the
 visits, one patient per batch. Scaling series: throughput against the number of past
-visits, and end to end through `cognet-batch score` against the input size (a subprocess
-per point: its wall time, from process start to the output file, and its own peak RSS).
+visits, and end to end through `cognet-batch score` against the input size (`child`: a
+subprocess per point, its wall time from process start to the output file, and its own
+peak RSS). The correctness guard is `guard`, the /proc probes `probes`.
 """
 
 from __future__ import annotations
 
-import ctypes
-import gc
-import json
 import logging
-import os
-import platform
-import resource
-import subprocess
-import sys
-import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
 import numpy as np
-import pyarrow.parquet as pq
+
 from cognet.benchmarks import engines as eng
-from cognet.benchmarks.workload import Batch, Pool, repeat_patients, with_history
+from cognet.benchmarks.child import input_size_series
+from cognet.benchmarks.guard import Guard
+from cognet.benchmarks.probes import (
+    loadavg,
+    machine_info,
+    peak_rss_mb,
+    release_memory,
+    reset_peak_rss,
+    workload_info,
+)
+from cognet.benchmarks.settings import Context, Settings
+from cognet.benchmarks.workload import Batch, Pool, with_history
 
 log = logging.getLogger(__name__)
 
-REFERENCE = "torch-batched"
 PERPATIENT = "torch-perpatient"
 SERIES_ENGINES = ("torch-batched", "ort-cpu", "ort-cuda", "ort-tensorrt", "torch-cuda")
-
-
-@dataclass(frozen=True)
-class Settings:
-    batch_sizes: tuple[int, ...] = (1, 16, 256, 4096)
-    beams: tuple[int, ...] = (1, 4)
-    repeats: int = 3
-    engines: tuple[str, ...] = eng.ENGINES
-    threads: int = 1  # intra-op threads of every engine (torch and ONNX Runtime alike)
-    visits: int = 256  # visits per run (at least one full batch)
-    warmup_visits: int = 64  # size of the untimed warm-up batch (at most the batch size)
-    perpatient_visits: int = 64  # visits decoded by torch-perpatient, one patient at a time
-    past_visits: tuple[int, ...] = (0, 1, 4, 16)
-    past_visits_n: int = 128  # visits per point of the past-visits series (one batch)
-    series_batch_size: int = 256  # the cognet-batch default
-    series_beam: int = 4
-    # the engine every other one is checked against: torch-batched on a CPU; on a GPU,
-    # torch-cuda, since torch-batched is too slow for batches of 16k+ visits
-    reference: str = REFERENCE
-    input_sizes: tuple[int, ...] = (10_000, 50_000)  # rows per cognet-batch score run
-    # Time budget of one run (so that `make bench` fits in 10 minutes on 2 cores): no repeat
-    # starts that would end past it (the first always runs), and an engine skips a larger
-    # batch size whose one pass is estimated to take longer: at the rate of its previous
-    # batch size, slowed down again by the factor its rate fell by at the last step.
-    max_run_s: float = 45.0
-    profile: bool = True  # profile ort-cpu at beam 4 and its best batch size
-
-    def __post_init__(self) -> None:
-        if min(self.batch_sizes, default=0) < 1 or min(self.beams, default=0) < 1:
-            raise ValueError("batch sizes and beams must be >= 1")
-        if self.repeats < 1 or self.threads < 1 or self.visits < 1:
-            raise ValueError("repeats, threads and visits must be >= 1")
-        unknown = [e for e in self.engines if e not in eng.ENGINES]
-        if unknown:
-            raise ValueError(f"unknown engines {unknown}; choose from {', '.join(eng.ENGINES)}")
-
-    @property
-    def pool_size(self) -> int:
-        return max(max(self.batch_sizes), self.visits, self.perpatient_visits)
-
-
-# -- memory ----------------------------------------------------------------------------------
-def release_memory() -> float:
-    """Collect garbage and hand freed heap pages back to the OS (glibc), so that what an
-    earlier run freed does not count in the next run's RSS; returns the RSS in MB after."""
-    gc.collect()
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
-    return _status_mb("VmRSS:") or 0.0
-
-
-def _status_mb(key: str) -> float | None:
-    try:
-        with open("/proc/self/status") as fh:
-            for line in fh:
-                if line.startswith(key):
-                    return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return None
-
-
-def reset_peak_rss() -> bool:
-    """Reset the process' peak RSS (Linux VmHWM); False where the kernel does not allow it."""
-    try:
-        with open("/proc/self/clear_refs", "w") as fh:
-            fh.write("5")
-        return True
-    except OSError:
-        return False
-
-
-def peak_rss_mb() -> float:
-    peak = _status_mb("VmHWM:")
-    return peak if peak is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
-# -- the correctness guard -----------------------------------------------------------------------
-class Guard:
-    """Recommendations of torch-batched per (beam, visit_id); every run is compared to them."""
-
-    def __init__(self, reference: eng.Engine | None):
-        self.reference = reference
-        self.recs: dict[tuple[int, str], tuple[str, ...]] = {}
-
-    def ensure(self, batches: Sequence[Batch], beam: int, chunk: int = 32) -> None:
-        """Decode (untimed, `chunk` patients at a time: torch-batched's fastest) the visits
-        of `batches` that have no reference yet."""
-        if self.reference is None:
-            return
-        todo = [p for b in batches for p in b.patients if (beam, p[-1].visit_id) not in self.recs]
-        self.reference.prepare(beam, chunk)
-        for lo in range(0, len(todo), chunk):
-            part = todo[lo : lo + chunk]
-            batch = Batch(None, part, [p[-1].visit_id for p in part])  # torch needs no table
-            self.add(beam, self.reference.recommendations(batch, self.reference.run(batch)))
-
-    def add(self, beam: int, recs: dict[str, tuple[str, ...]]) -> None:
-        for vid, meds in recs.items():
-            self.recs.setdefault((beam, vid), meds)
-
-    def compare(self, beam: int, recs: dict[str, tuple[str, ...]]) -> dict:
-        if self.reference is None:
-            return {"matches_reference": None, "compared": 0, "mismatches": 0, "examples": []}
-        compared, examples, bad = 0, [], 0
-        for vid, meds in recs.items():
-            ref = self.recs.get((beam, vid))
-            if ref is None:
-                continue
-            compared += 1
-            if ref != meds:
-                bad += 1
-                if len(examples) < 3:
-                    examples.append({"visit_id": vid, "reference": list(ref), "got": list(meds)})
-        return {
-            "matches_reference": bad == 0 and compared == len(recs),
-            "compared": compared,
-            "mismatches": bad,
-            "examples": examples,
-        }
 
 
 # -- one block of runs -------------------------------------------------------------------------
@@ -289,15 +168,6 @@ def measure_block(
 
 
 # -- the whole benchmark ---------------------------------------------------------------------------
-@dataclass
-class Context:
-    model_dir: Path
-    checkpoint: Path | None
-    pool: Pool
-    workdir: Path  # scratch space for the input-size series
-    notes: list[str] = field(default_factory=list)
-
-
 def run_all(ctx: Context, settings: Settings, say: Callable[[str], None] = print) -> dict:
     """Every measurement of `settings`; returns the results.json object."""
     machine = machine_info(settings.threads)
@@ -369,7 +239,7 @@ def run_all(ctx: Context, settings: Settings, say: Callable[[str], None] = print
         "input_size": input_size_series(ctx, settings, say),
     }
     profile = profile_best(ctx, settings, runs, say) if settings.profile else None
-    machine["load_average_end"] = _loadavg()
+    machine["load_average_end"] = loadavg()
     return {
         "machine": machine,
         "settings": {
@@ -456,167 +326,6 @@ def past_visits_series(
             out.append(run)
             say(f"past visits {past:>2}: " + _run_line(run))
     return out
-
-
-def input_size_series(ctx: Context, settings: Settings, say) -> list[dict]:
-    """`cognet-batch score` end to end (a subprocess) on inputs of growing row counts."""
-    out = []
-    for rows in settings.input_sizes:
-        path = ctx.workdir / f"input_{rows}.parquet"
-        n_scored = write_input(ctx.pool, rows, path)
-        with tempfile.TemporaryDirectory(dir=ctx.workdir) as tmp:
-            cmd = [
-                sys.executable,
-                "-c",
-                _CHILD,
-                "score",
-                str(path),
-                "--model",
-                str(ctx.model_dir),
-                "--out",
-                f"{tmp}/recs.parquet",
-                "--beam",
-                str(settings.series_beam),
-                "--batch-size",
-                str(settings.series_batch_size),
-                "--device",
-                "cpu",
-                "--threads",
-                str(settings.threads),
-                "--quiet",
-                "--summary-json",
-                f"{tmp}/summary.json",
-            ]
-            seconds, rss_mb, rc, err = run_child(cmd)
-            summary = json.loads(Path(f"{tmp}/summary.json").read_text()) if rc == 0 else {}
-        path.unlink(missing_ok=True)
-        point = {
-            "engine": "cognet-batch score (ort-cpu)",
-            "rows": rows,
-            "visits_scored": summary.get("rows_scored", n_scored),
-            "returncode": rc,
-            "seconds": seconds,
-            "rows_per_s": rows / seconds,
-            "visits_per_s": summary.get("rows_scored", 0) / seconds,
-            "scoring_visits_per_s": summary.get("visits_per_s"),
-            "peak_rss_mb": rss_mb,
-            "batch_size": settings.series_batch_size,
-            "beam": settings.series_beam,
-        }
-        if rc != 0:
-            point["error"] = err.strip().splitlines()[-1] if err.strip() else f"exit {rc}"
-        out.append(point)
-        say(
-            f"cognet-batch score {rows:>8} rows: {seconds:7.1f}s, "
-            f"{point['visits_per_s']:8.1f} scored visits/s, peak RSS {_num(rss_mb)} MB"
-            + (f" FAILED ({point['error']})" if rc else "")
-        )
-    return out
-
-
-def write_input(pool: Pool, rows: int, path: Path) -> int:
-    """A visits file of `rows` rows: the pool's patients repeated under new ids; returns the
-    number of visits to score (last visits of the patients whose rows are all in)."""
-    table = pool.table
-    table = repeat_patients(table, -(-rows // len(table))).slice(0, rows)
-    pq.write_table(table, path)
-    return int(table["medications"].null_count)
-
-
-# `cognet-batch` in a child that writes its own peak RSS (VmHWM) at exit: the rusage of a
-# child is no good here, Linux carries the parent's peak into it across fork + exec.
-_CHILD = """\
-import atexit, os, sys
-def _peak():
-    with open('/proc/self/status') as f, open(os.environ['COGNET_BENCH_PEAK'], 'w') as o:
-        o.write(next(x for x in f if x.startswith('VmHWM:')).split()[1])
-atexit.register(_peak)
-sys.argv[0] = 'cognet-batch'
-from cognet.runtime.cli import main
-main()
-"""
-
-
-def run_child(cmd: list[str]) -> tuple[float, float | None, int, str]:
-    """(wall seconds, peak RSS MB or None, return code, stderr) of a subprocess."""
-    with tempfile.TemporaryDirectory() as tmp:
-        peak = Path(tmp) / "peak"
-        env = {**os.environ, "COGNET_BENCH_PEAK": str(peak)}
-        started = time.perf_counter()
-        proc = subprocess.run(
-            cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env, check=False
-        )
-        seconds = time.perf_counter() - started
-        rss = int(peak.read_text()) / 1024 if peak.is_file() else None
-    return seconds, rss, proc.returncode, proc.stderr.decode(errors="replace")
-
-
-# -- descriptions ----------------------------------------------------------------------------------
-def machine_info(threads: int) -> dict:
-    cpu = platform.processor()
-    try:
-        with open("/proc/cpuinfo") as fh:
-            names = [ln.split(":", 1)[1].strip() for ln in fh if ln.startswith("model name")]
-            cpu = names[0] if names else cpu
-    except OSError:
-        pass
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # pragma: no cover
-        cores = os.cpu_count()
-    info = {
-        "cpu": cpu,
-        "cores": cores,
-        "threads": threads,
-        "memory_gb": _memory_gb(),
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "gpu": _gpu_name(),
-        "versions": _versions(),
-        "load_average_start": _loadavg(),
-    }
-    return info
-
-
-def workload_info(pool: Pool) -> dict:
-    past = pool.history_lengths()
-    return {
-        "source": pool.description,
-        "patients": len(pool),
-        "past_visits_mean": float(past.mean()),
-        "past_visits_max": int(past.max()),
-        "codes_mean": float(np.mean([len(p[-1].diag) + len(p[-1].proc) for p in pool.patients])),
-    }
-
-
-def _versions() -> dict:
-    out = {}
-    for mod in ("numpy", "pyarrow", "onnxruntime", "torch"):
-        try:
-            out[mod] = __import__(mod).__version__
-        except ImportError:
-            out[mod] = None
-    return out
-
-
-def _gpu_name() -> str | None:
-    out = (eng.nvidia_smi("--query-gpu=name") or "").strip()
-    return out.splitlines()[0] if out else None
-
-
-def _memory_gb() -> float | None:
-    try:
-        with open("/proc/meminfo") as fh:
-            return round(int(fh.readline().split()[1]) / 2**20, 1)
-    except (OSError, ValueError, IndexError):
-        return None
-
-
-def _loadavg() -> list[float] | None:
-    try:
-        return [round(x, 2) for x in os.getloadavg()]
-    except OSError:
-        return None
 
 
 def _num(x: float | None, fmt: str = ".0f") -> str:

@@ -37,8 +37,8 @@ from collections.abc import Sequence
 import torch
 
 from cognet.batching import make_batch, select_rows
-from cognet.decode import MAX_LEN
-from cognet.history import Visit
+from cognet.core.decoding import MAX_LEN
+from cognet.core.history import Visit
 from cognet.model import COGNet, history_inputs
 
 

@@ -25,6 +25,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import onnxruntime as ort
+
 from cognet.benchmarks.workload import Batch
 
 
@@ -38,9 +39,10 @@ def profile_ort(
     top: int = 10,
 ) -> dict:
     def scorer():
-        from cognet.runtime import Scorer
+        from cognet.runtime import ScoreOptions, Scorer
 
-        s = Scorer(model_dir, device=device, beam=beam, batch_size=batch_size, threads=threads)
+        options = ScoreOptions(beam=beam, device=device, threads=threads, batch_size=batch_size)
+        s = Scorer(model_dir, options)
         list(s.score_table(batches[0].table))  # warm-up
         return s
 

@@ -6,6 +6,8 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 
+from cognet.core.decoding import BEAM
+
 BASELINES = ("torch-batched", "torch-perpatient")
 MAIN = "ort-cpu"
 
@@ -21,7 +23,7 @@ def write_all(results: dict, out: Path) -> list[Path]:
     return paths
 
 
-def ratios(results: dict, beam: int = 4, engine: str = MAIN, mode: str | None = None) -> dict:
+def ratios(results: dict, beam: int = BEAM, engine: str = MAIN, mode: str | None = None) -> dict:
     """visits/s of `engine` at its best batch size (among runs of `mode`, default any) over
     each baseline at its own best."""
     best: dict[str, dict] = {}
@@ -196,7 +198,7 @@ def markdown(results: dict) -> str:
 
 def _tradeoff_section(t: dict) -> list[str]:
     """The DDI trade-off (`cognet.ddi_tradeoff.TradeoffResult.to_json`) as Markdown."""
-    from cognet.ddi import DDIPolicy
+    from cognet.core.ddi import DDIPolicy
     from cognet.ddi_tradeoff import TradeoffRow, markdown_table
 
     rows = [TradeoffRow(DDIPolicy(**r["policy"]), r["report"], r["seconds"]) for r in t["rows"]]

@@ -8,7 +8,7 @@ pads little, whichever engine decodes it), handed to each engine in its own inpu
 prepared outside the timer:
 
 - the runtime gets the Arrow table of the patients' rows (`Batch.table`);
-- the torch engines get the same patients as `cognet.history.Visit` lists (`Batch.patients`).
+- the torch engines get the same patients as `cognet.core.history.Visit` lists (`Batch.patients`).
 
 The pool comes from a dataset directory (`--data`) or from the synthetic generator; when it
 holds fewer patients than the largest batch, its patients are repeated under new ids.
@@ -23,8 +23,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from cognet.history import Visit, patients_from_table
-from cognet.vocab import Vocab
+from cognet.core.history import Visit, patients_from_table
+from cognet.core.vocab import Vocab
 
 COLUMNS = ("patient_id", "visit_id", "visit_seq", "diagnoses", "procedures", "medications")
 # Patients 0..TRAIN_PATIENTS-1 of the synthetic generator train the demo model; benchmark
@@ -153,8 +153,8 @@ def with_history(table: pa.Table, past: int, patients: int) -> pa.Table:
 
 def synthetic_visits(out_dir: Path, patients: int, seed: int = 0) -> pa.Table:
     """Rows of synthetic patients TRAIN_PATIENTS..TRAIN_PATIENTS + patients - 1."""
-    from cognet.schema import read_visits
-    from cognet.synth import generate
+    from cognet.core.schema import read_visits
+    from cognet.data.synth import generate
 
     generate(out_dir, patients=TRAIN_PATIENTS + patients, seed=seed)
     table = read_visits(out_dir / "visits.parquet")
@@ -172,7 +172,7 @@ def _patient_id_at(table: pa.Table, k: int) -> str:
 
 def dataset_visits(data_dir: Path) -> pa.Table:
     """Every row of a dataset directory's visits.parquet (patients contiguous, ordered)."""
-    from cognet.schema import read_visits
+    from cognet.core.schema import read_visits
 
     return read_visits(Path(data_dir) / "visits.parquet")
 

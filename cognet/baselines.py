@@ -31,9 +31,9 @@ from dataclasses import dataclass
 import numpy as np
 import pyarrow as pa
 
-from cognet.errors import InputError
-from cognet.metrics import VisitResult
-from cognet.vocab import Vocab
+from cognet.core.errors import InputError
+from cognet.core.metrics import VisitResult
+from cognet.core.vocab import Vocab
 
 log = logging.getLogger(__name__)
 

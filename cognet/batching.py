@@ -8,8 +8,9 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from cognet.history import Visit, history_index, pad
-from cognet.vocab import Vocab
+from cognet.core.ddi import ddi_matrix
+from cognet.core.history import Visit, history_index, pad
+from cognet.core.vocab import Vocab
 
 IGNORE = -100  # target padding, skipped by the loss
 
@@ -23,7 +24,7 @@ def make_batch(
     """Batch of all visits of `patients` (each decoded with its known-medication history).
 
     Returns encoder inputs [V, L*], `target` [N] (rows being decoded, here every visit),
-    history indexes (see `cognet.history.history_index`) and, when `targets`, `dec_input`
+    history indexes (see `cognet.core.history.history_index`) and, when `targets`, `dec_input`
     (START + medications) and `dec_target` (medications + END) [N, L].
     """
     visits = [v for p in patients for v in p]
@@ -84,10 +85,5 @@ def ehr_adjacency(patients: Sequence[Sequence[Visit]], n_med: int) -> np.ndarray
 
 
 def ddi_adjacency(pairs: Sequence[tuple[str, str]], vocab: Vocab) -> np.ndarray:
-    """Symmetric DDI graph over the vocabulary's medications (unknown codes ignored)."""
-    adj = np.zeros((vocab.n_med, vocab.n_med), np.float32)
-    for a, b in pairs:
-        ids, unknown = vocab.encode("medications", [a, b])
-        if not unknown and len(ids) == 2:
-            adj[ids[0], ids[1]] = adj[ids[1], ids[0]] = 1.0
-    return adj
+    """The DDI graph of the model's GCN: `cognet.core.ddi.ddi_matrix` as float32 0/1."""
+    return ddi_matrix(vocab, pairs).astype(np.float32)

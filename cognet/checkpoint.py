@@ -13,9 +13,9 @@ from pathlib import Path
 import numpy as np
 from safetensors.torch import load_file, save_file
 
-from cognet.errors import InputError
+from cognet.core.errors import InputError
+from cognet.core.vocab import Vocab
 from cognet.model import COGNet, ModelConfig
-from cognet.vocab import Vocab
 
 FORMAT_VERSION = 1
 FILES = ("config.json", "vocab.json", "model.safetensors", "graphs.npz")

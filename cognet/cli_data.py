@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 import click
 
-from cognet.clitools import handle_errors
+from cognet.core.clitools import count_option, handle_errors, setup_logging
+from cognet.data.mimic3 import DDI_TYPES, build_mimic3
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -32,13 +34,7 @@ def data() -> None:
     type=click.Path(file_okay=False, path_type=Path),
     help="Directory to write visits.parquet and ddi.parquet into.",
 )
-@click.option(
-    "--patients",
-    default=6350,
-    show_default=True,
-    type=click.IntRange(min=1),
-    help="Number of patients (about 2.4 visits each).",
-)
+@count_option("--patients", default=6350, help="Number of patients (about 2.4 visits each).")
 @click.option(
     "--seed",
     default=0,
@@ -58,7 +54,7 @@ def synth(out_dir: Path, patients: int, seed: int) -> None:
     Example:
       cognet data synth --out data --patients 6350 --seed 0
     """
-    from cognet.synth import generate
+    from cognet.data.synth import generate
 
     start = time.perf_counter()
     generate(out_dir, patients=patients, seed=seed)
@@ -85,17 +81,89 @@ def stats(dataset: Path, as_json: bool) -> None:
       cognet data stats data
       cognet data stats data --json > stats.json
     """
-    from cognet.schema import read_dataset
-    from cognet.stats import compute_stats, format_stats
+    from cognet.core.schema import read_dataset
+    from cognet.data.stats import compute_stats, format_stats
 
     figures = compute_stats(read_dataset(dataset))
     click.echo(json.dumps(figures, indent=2) if as_json else format_stats(figures))
 
 
-try:  # the MIMIC-III ingestion lives in its own module, which may not be there yet
-    from cognet.mimic3 import mimic3_command
-except ModuleNotFoundError as exc:
-    if exc.name != "cognet.mimic3":
-        raise
-else:
-    data.add_command(mimic3_command)
+@data.command("mimic3", context_settings={"help_option_names": ["-h", "--help"]})
+@click.option(
+    "--mimic-dir",
+    required=True,
+    type=click.Path(path_type=Path),
+    help="MIMIC-III v1.4 folder: PRESCRIPTIONS, DIAGNOSES_ICD, PROCEDURES_ICD, "
+    "ADMISSIONS (.csv or .csv.gz).",
+)
+@click.option(
+    "--ndc-rxnorm",
+    required=True,
+    type=click.Path(path_type=Path),
+    help="ndc2rxnorm_mapping.txt: a dict literal NDC -> RxCUI (parsed, never run).",
+)
+@click.option(
+    "--rxnorm-atc",
+    required=True,
+    type=click.Path(path_type=Path),
+    help="RXCUI2atc4.csv / ndc2atc_level4.csv with columns RXCUI and ATC4.",
+)
+@click.option(
+    "--drug-atc",
+    required=True,
+    type=click.Path(path_type=Path),
+    help="drug-atc.csv: lines 'STITCH CID,ATC,ATC,...'.",
+)
+@click.option(
+    "--ddi",
+    required=True,
+    type=click.Path(path_type=Path),
+    help="TWOSIDES drug-DDI.csv with columns 'STITCH 1', 'STITCH 2', 'Polypharmacy Side Effect'.",
+)
+@click.option(
+    "--out",
+    required=True,
+    type=click.Path(path_type=Path),
+    help="Dataset folder to write (visits.parquet, ddi.parquet).",
+)
+@click.option(
+    "--ddi-types",
+    type=click.Choice(DDI_TYPES),
+    default="top40",
+    show_default=True,
+    help="top40: pairs of the 40 most frequent side-effect types. reference: the "
+    "40 least frequent, as the SafeDrug/COGNet script keeps because of a sort "
+    "bug (bug-compatible, to compare with published numbers).",
+)
+@click.option("-v", "--verbose", is_flag=True, help="Log each step.")
+@handle_errors
+def mimic3_command(
+    mimic_dir: Path,
+    ndc_rxnorm: Path,
+    rxnorm_atc: Path,
+    drug_atc: Path,
+    ddi: Path,
+    out: Path,
+    ddi_types: str,
+    verbose: bool,
+) -> None:
+    """Build a dataset from MIMIC-III CSVs with the SafeDrug / COGNet preprocessing.
+
+    Keeps patients with 2+ admissions, maps NDC -> RxCUI -> ATC-3 (300 commonest), the 2000
+    commonest ICD-9 diagnoses and every procedure, orders visits by admission time, and
+    takes DDI pairs from TWOSIDES through STITCH CID -> ATC.
+
+    About --ddi-types: the reference script sorts the side-effect counts in descending
+    order and then keeps the last 40 rows, i.e. the 40 LEAST frequent types (a sort bug).
+    The default, top40, keeps the 40 most frequent as the papers describe; 'reference'
+    reproduces the bug.
+
+    \b
+    Example:
+      cognet data mimic3 --mimic-dir mimic-iii-clinical-database-1.4 \\
+        --ndc-rxnorm ndc2rxnorm_mapping.txt --rxnorm-atc ndc2atc_level4.csv \\
+        --drug-atc drug-atc.csv --ddi drug-DDI.csv --out data/mimic3
+    """
+    setup_logging(verbose)
+    summary = build_mimic3(mimic_dir, ndc_rxnorm, rxnorm_atc, drug_atc, ddi, out, ddi_types)
+    click.echo(f"wrote {out}: " + ", ".join(f"{k} {v}" for k, v in asdict(summary).items()))

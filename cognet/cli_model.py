@@ -7,7 +7,15 @@ from pathlib import Path
 
 import click
 
-from cognet.clitools import ddi_options, ddi_policy, handle_errors, progress, setup_logging
+from cognet.core.clitools import (
+    count_option,
+    ddi_options,
+    ddi_policy,
+    handle_errors,
+    progress,
+    setup_logging,
+)
+from cognet.core.decoding import BEAM
 
 ABLATION_CHOICES = (
     "none",
@@ -30,22 +38,12 @@ ABLATION_CHOICES = (
 @click.option(
     "--out", required=True, type=click.Path(file_okay=False), help="Checkpoint directory to write."
 )
-@click.option("--epochs", default=50, show_default=True, type=click.IntRange(1))
+@count_option("--epochs", default=50)
 @click.option("--seed", default=0, show_default=True, type=int)
 @click.option("--lr", default=1e-3, show_default=True, type=float)
-@click.option(
-    "--batch-size",
-    default=16,
-    show_default=True,
-    type=click.IntRange(1),
-    help="Patients per optimisation step.",
-)
-@click.option(
-    "--patience",
-    default=8,
-    show_default=True,
-    type=click.IntRange(1),
-    help="Epochs without a better validation Jaccard before stopping.",
+@count_option("--batch-size", default=16, help="Patients per optimisation step.")
+@count_option(
+    "--patience", default=8, help="Epochs without a better validation Jaccard before stopping."
 )
 @click.option(
     "--scheduled-sampling",
@@ -63,29 +61,14 @@ ABLATION_CHOICES = (
     type=click.Choice(ABLATION_CHOICES),
     help="Paper Table 4 variants.",
 )
-@click.option(
+@count_option(
     "--threads",
-    type=click.IntRange(1),
-    default=None,
     help="torch intra-op threads (default: torch's choice). Use 1 on a shared "
     "machine: torch's thread pool stalls when another job holds a core.",
 )
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 @handle_errors
-def train(
-    data_dir,
-    out,
-    epochs,
-    seed,
-    lr,
-    batch_size,
-    patience,
-    scheduled_sampling,
-    device,
-    ablation,
-    threads,
-    quiet,
-):
+def train(data_dir, out, threads, quiet, **config):
     """Train COGNet on the train split, keeping the epoch with the best validation Jaccard.
 
     \b
@@ -100,16 +83,7 @@ def train(
     setup_logging()
     if threads:
         torch.set_num_threads(threads)
-    cfg = TrainConfig(
-        epochs=epochs,
-        lr=lr,
-        batch_size=batch_size,
-        seed=seed,
-        patience=patience,
-        scheduled_sampling=scheduled_sampling,
-        ablation=ablation,
-        device=device,
-    )
+    cfg = TrainConfig(**config)  # the other options are TrainConfig's fields
 
     def on_epoch(r: dict) -> None:
         click.echo(
@@ -142,16 +116,8 @@ def train(
 @click.option(
     "--split", default="test", show_default=True, type=click.Choice(["train", "val", "test"])
 )
-@click.option(
-    "--beam", default=4, show_default=True, type=click.IntRange(1), help="Beam width; 1 = greedy."
-)
-@click.option(
-    "--rounds",
-    default=10,
-    show_default=True,
-    type=click.IntRange(1),
-    help="Bootstrap rounds of 80%% of the patients.",
-)
+@count_option("--beam", default=BEAM, help="Beam width; 1 = greedy.")
+@count_option("--rounds", default=10, help="Bootstrap rounds of 80%% of the patients.")
 @click.option("--seed", default=0, show_default=True, type=int)
 @click.option("--json", "json_out", type=click.Path(dir_okay=False), help="Write the report.")
 @click.option(
@@ -227,35 +193,21 @@ def evaluate(
         if ddi_tradeoff or ddi_mode != "off" or ddi_max_rate is not None:
             raise click.UsageError("the DDI options decode a --checkpoint, not a --baseline")
     policy = ddi_policy(ddi_mode, ddi_penalty, ddi_max_rate)
+    settings = {"split": split, "beam": beam, "rounds": rounds, "seed": seed}
     if ddi_tradeoff:
         if policy.active or predictions:
             raise click.UsageError(
                 "--ddi-tradeoff runs every policy: drop --ddi-mode, "
                 "--ddi-penalty, --ddi-max-rate and --predictions"
             )
-        _tradeoff(
-            ckpt,
-            data_dir,
-            split,
-            beam,
-            rounds,
-            seed,
-            penalties,
-            max_rates,
-            plot_out,
-            json_out,
-            quiet,
-        )
+        _tradeoff(ckpt, data_dir, settings, penalties, max_rates, plot_out, json_out, quiet)
         return
     if plot_out:
         raise click.UsageError("--plot goes with --ddi-tradeoff")
     result = run_evaluation(
         ckpt,
         data_dir,
-        split=split,
-        beam=beam,
-        rounds=rounds,
-        seed=seed,
+        **settings,
         predictions=predictions,
         baseline=baseline,
         quiet=quiet,
@@ -276,8 +228,9 @@ def _floats(text: str, option: str) -> tuple[float, ...]:
 
 
 def _tradeoff(
-    ckpt, data_dir, split, beam, rounds, seed, penalties, max_rates, plot_out, json_out, quiet
+    ckpt, data_dir, settings: dict, penalties, max_rates, plot_out, json_out, quiet
 ) -> None:
+    """--ddi-tradeoff; settings: split, beam, rounds and seed, as `run_evaluation` takes them."""
     from cognet import ddi_tradeoff
 
     pens, caps = _floats(penalties, "--penalties"), _floats(max_rates, "--max-rates")
@@ -293,15 +246,7 @@ def _tradeoff(
             )
 
     result = ddi_tradeoff.run_tradeoff(
-        ckpt,
-        data_dir,
-        split=split,
-        penalties=pens,
-        max_rates=caps,
-        beam=beam,
-        rounds=rounds,
-        seed=seed,
-        on_policy=done,
+        ckpt, data_dir, **settings, penalties=pens, max_rates=caps, on_policy=done
     )
     click.echo(result.table)
     if plot_out:

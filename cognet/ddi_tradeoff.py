@@ -30,7 +30,8 @@ from pathlib import Path
 
 import numpy as np
 
-from cognet.ddi import DDIPolicy
+from cognet.core.ddi import DDIPolicy, ddi_matrix
+from cognet.core.decoding import BEAM
 
 DEFAULT_PENALTIES = (0.25, 0.5, 1.0, 2.0, 4.0)
 MAX_JACCARD_DROP = 0.01  # accuracy a recommended penalty may cost against `off`
@@ -46,7 +47,7 @@ COLUMNS = (
 
 @dataclass(frozen=True)
 class TradeoffRow:
-    """One policy's report (`cognet.metrics.bootstrap_report`: {metric: {mean, std}})."""
+    """One policy's report (`cognet.core.metrics.bootstrap_report`: {metric: {mean, std}})."""
 
     policy: DDIPolicy
     report: dict
@@ -56,8 +57,12 @@ class TradeoffRow:
         return float(self.report[key]["mean"])
 
     def to_json(self) -> dict:
-        return {"policy": self.policy.to_json(), "label": self.policy.label,
-                "report": self.report, "seconds": round(self.seconds, 3)}  # fmt: skip
+        return {
+            "policy": self.policy.to_json(),
+            "label": self.policy.label,
+            "report": self.report,
+            "seconds": round(self.seconds, 3),
+        }
 
 
 @dataclass(frozen=True)
@@ -75,8 +80,9 @@ class TradeoffResult:
         }
 
 
-def policies(penalties: Sequence[float] = DEFAULT_PENALTIES,
-             max_rates: Sequence[float] = ()) -> list[DDIPolicy]:  # fmt: skip
+def policies(
+    penalties: Sequence[float] = DEFAULT_PENALTIES, max_rates: Sequence[float] = ()
+) -> list[DDIPolicy]:
     """off, hard, soft at each penalty, then off capped at each max rate."""
     return [
         DDIPolicy("off"),
@@ -86,13 +92,20 @@ def policies(penalties: Sequence[float] = DEFAULT_PENALTIES,
     ]
 
 
-def tradeoff(model, vocab, patients, ddi_adj: np.ndarray, policy_list: Sequence[DDIPolicy],
-             beam: int = 4, rounds: int = 10, seed: int = 0,
-             on_policy: Callable[[TradeoffRow], None] | None = None
-             ) -> list[TradeoffRow]:  # fmt: skip
-    """Decode `patients` (lists of `cognet.history.Visit`) under every policy; one row each.
+def tradeoff(
+    model,
+    vocab,
+    patients,
+    ddi_adj: np.ndarray,
+    policy_list: Sequence[DDIPolicy],
+    beam: int = BEAM,
+    rounds: int = 10,
+    seed: int = 0,
+    on_policy: Callable[[TradeoffRow], None] | None = None,
+) -> list[TradeoffRow]:
+    """Decode `patients` (lists of `cognet.core.history.Visit`) under every policy; one row each.
 
-    ddi_adj: bool [M, M] for the DDI rate (`cognet.evaluate.ddi_matrix`); the decoding
+    ddi_adj: bool [M, M] for the DDI rate (`cognet.core.ddi.ddi_matrix`); the decoding
     itself uses the model's DDI graph, built from the same pairs."""
     from cognet.evaluate import decode_patients, report, visit_results
 
@@ -108,15 +121,21 @@ def tradeoff(model, vocab, patients, ddi_adj: np.ndarray, policy_list: Sequence[
     return rows
 
 
-def recommend(rows: Sequence[TradeoffRow],
-              max_jaccard_drop: float = MAX_JACCARD_DROP) -> TradeoffRow | None:  # fmt: skip
+def recommend(
+    rows: Sequence[TradeoffRow], max_jaccard_drop: float = MAX_JACCARD_DROP
+) -> TradeoffRow | None:
     """The soft row with the lowest DDI rate whose Jaccard is at most `max_jaccard_drop`
     below `off`'s (ties: the smaller penalty); None without an `off` row or a fitting one."""
     off = next((r for r in rows if not r.policy.active), None)
     if off is None:
         return None
-    fits = [r for r in rows if r.policy.mode == "soft" and r.policy.max_rate is None
-            and off.mean("jaccard") - r.mean("jaccard") <= max_jaccard_drop + 1e-12]  # fmt: skip
+    fits = [
+        r
+        for r in rows
+        if r.policy.mode == "soft"
+        and r.policy.max_rate is None
+        and off.mean("jaccard") - r.mean("jaccard") <= max_jaccard_drop + 1e-12
+    ]
     return min(fits, key=lambda r: (r.mean("ddi"), r.policy.penalty), default=None)
 
 
@@ -137,12 +156,18 @@ def format_table(rows: Sequence[TradeoffRow], recommended: TradeoffRow | None = 
             cells.append(f"{(r.mean('ddi') - base) / base:+.0%}" if base > 0 else "")
         body.append(cells)
     widths = [max(len(row[i]) for row in [head, *body]) for i in range(len(head))]
-    lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w)
-                       for i, (c, w) in enumerate(zip(row, widths, strict=True)))
-             for row in [head, *body]]  # fmt: skip
+    lines = [
+        "  ".join(
+            c.ljust(w) if i == 0 else c.rjust(w)
+            for i, (c, w) in enumerate(zip(row, widths, strict=True))
+        )
+        for row in [head, *body]
+    ]
     if recommended is not None:
-        lines.append(f"* recommended: {recommended.policy.label} (lowest DDI rate within "
-                     f"{MAX_JACCARD_DROP} Jaccard of off)")  # fmt: skip
+        lines.append(
+            f"* recommended: {recommended.policy.label} (lowest DDI rate within "
+            f"{MAX_JACCARD_DROP} Jaccard of off)"
+        )
     return "\n".join(lines)
 
 
@@ -158,21 +183,27 @@ def markdown_table(rows: Sequence[TradeoffRow], recommended: TradeoffRow | None 
             cells += ["", ""]
         else:
             base = off.mean("ddi")
-            cells += [f"{r.mean('jaccard') - off.mean('jaccard'):+.4f}",
-                      f"{(r.mean('ddi') - base) / base:+.0%}" if base > 0 else ""]  # fmt: skip
+            cells += [
+                f"{r.mean('jaccard') - off.mean('jaccard'):+.4f}",
+                f"{(r.mean('ddi') - base) / base:+.0%}" if base > 0 else "",
+            ]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
-def plot(rows: Sequence[TradeoffRow], path: str | Path,
-         recommended: TradeoffRow | None = None, title: str = "") -> Path:  # fmt: skip
+def plot(
+    rows: Sequence[TradeoffRow],
+    path: str | Path,
+    recommended: TradeoffRow | None = None,
+    title: str = "",
+) -> Path:
     """Jaccard against DDI rate, one point per policy (bootstrap std as error bars), off and
     the soft penalties joined in order, dotted lines at `off` - MAX_JACCARD_DROP and at 70%
     of off's DDI rate; a PNG at `path`. Needs matplotlib (imported here)."""
     try:
         import matplotlib
     except ImportError:
-        from cognet.errors import InputError
+        from cognet.core.errors import InputError
 
         raise InputError("--plot needs matplotlib: pip install 'cognet[bench]'") from None
     matplotlib.use("Agg")
@@ -180,12 +211,20 @@ def plot(rows: Sequence[TradeoffRow], path: str | Path,
 
     fig, ax = plt.subplots(figsize=(6.4, 4.4), dpi=120)
     off = next((r for r in rows if not r.policy.active), None)
-    soft = sorted((r for r in rows if r.policy.mode == "soft" and r.policy.max_rate is None),
-                  key=lambda r: r.policy.penalty)  # fmt: skip
+    soft = sorted(
+        (r for r in rows if r.policy.mode == "soft" and r.policy.max_rate is None),
+        key=lambda r: r.policy.penalty,
+    )
     curve = ([off] if off else []) + soft  # off is penalty 0
     if len(curve) > 1:
-        ax.plot([r.mean("ddi") for r in curve], [r.mean("jaccard") for r in curve], "-",
-                color="tab:blue", alpha=0.5, zorder=1)  # fmt: skip
+        ax.plot(
+            [r.mean("ddi") for r in curve],
+            [r.mean("jaccard") for r in curve],
+            "-",
+            color="tab:blue",
+            alpha=0.5,
+            zorder=1,
+        )
     if off is not None:  # the region a recommended penalty must reach
         ax.axhline(off.mean("jaccard") - MAX_JACCARD_DROP, color="gray", ls=":", lw=1)
         ax.axvline(0.7 * off.mean("ddi"), color="gray", ls=":", lw=1)
@@ -198,10 +237,19 @@ def plot(rows: Sequence[TradeoffRow], path: str | Path,
         if r.policy.max_rate is not None:
             marker, color = "^", "tab:green"
         label = r.policy.label + (" (recommended)" if r is recommended else "")
-        ax.errorbar(r.mean("ddi"), r.mean("jaccard"), xerr=r.report["ddi"]["std"],
-                    yerr=r.report["jaccard"]["std"], fmt=marker, color=color, ms=8 if r is
-                    recommended else 6, mec="black" if r is recommended else color, capsize=2,
-                    zorder=2, label=label)  # fmt: skip
+        ax.errorbar(
+            r.mean("ddi"),
+            r.mean("jaccard"),
+            xerr=r.report["ddi"]["std"],
+            yerr=r.report["jaccard"]["std"],
+            fmt=marker,
+            color=color,
+            ms=8 if r is recommended else 6,
+            mec="black" if r is recommended else color,
+            capsize=2,
+            zorder=2,
+            label=label,
+        )
     ax.legend(fontsize=8, loc="lower right")
     ax.set_xlabel("DDI rate (lower is safer)")
     ax.set_ylabel("Jaccard")
@@ -214,18 +262,25 @@ def plot(rows: Sequence[TradeoffRow], path: str | Path,
     return path
 
 
-def run_tradeoff(ckpt, data_dir, split: str = "test",
-                 penalties: Sequence[float] = DEFAULT_PENALTIES, max_rates: Sequence[float] = (),
-                 beam: int = 4, rounds: int = 10, seed: int = 0,
-                 on_policy: Callable[[TradeoffRow], None] | None = None,
-                 max_patients: int | None = None) -> TradeoffResult:  # fmt: skip
+def run_tradeoff(
+    ckpt,
+    data_dir,
+    split: str = "test",
+    penalties: Sequence[float] = DEFAULT_PENALTIES,
+    max_rates: Sequence[float] = (),
+    beam: int = BEAM,
+    rounds: int = 10,
+    seed: int = 0,
+    on_policy: Callable[[TradeoffRow], None] | None = None,
+    max_patients: int | None = None,
+) -> TradeoffResult:
     """What `cognet evaluate --ddi-tradeoff` does (and what `cognet-bench` may call): every
     policy of `policies(penalties, max_rates)` on a split of a dataset directory (its first
     `max_patients` patients when given: a policy costs about a torch decoding of the split)."""
     from cognet import checkpoint
-    from cognet.errors import InputError
-    from cognet.evaluate import ddi_matrix, ground_truth_ddi, load_split
-    from cognet.schema import read_dataset
+    from cognet.core.errors import InputError
+    from cognet.core.schema import read_dataset
+    from cognet.evaluate import ground_truth_ddi, load_split
 
     dataset = read_dataset(data_dir)
     model, vocab, _ = checkpoint.load(ckpt)
@@ -233,11 +288,22 @@ def run_tradeoff(ckpt, data_dir, split: str = "test",
     if not patients:
         raise InputError(f"{data_dir}: the {split} split has no labelled visit")
     ddi_adj = ddi_matrix(vocab, dataset.ddi_pairs)
-    rows = tradeoff(model, vocab, patients, ddi_adj, policies(penalties, max_rates),
-                    beam=beam, rounds=rounds, seed=seed, on_policy=on_policy)  # fmt: skip
+    rows = tradeoff(
+        model,
+        vocab,
+        patients,
+        ddi_adj,
+        policies(penalties, max_rates),
+        beam=beam,
+        rounds=rounds,
+        seed=seed,
+        on_policy=on_policy,
+    )
     best = recommend(rows)
     truth = ground_truth_ddi(patients, ddi_adj)
-    table = (f"{format_table(rows, best)}\nground-truth DDI rate of the {split} split: "
-             f"{truth:.4f} ({rows[0].report['n_patients']} patients, "
-             f"{rows[0].report['n_visits']} visits, beam {beam})")  # fmt: skip
+    table = (
+        f"{format_table(rows, best)}\nground-truth DDI rate of the {split} split: "
+        f"{truth:.4f} ({rows[0].report['n_patients']} patients, "
+        f"{rows[0].report['n_visits']} visits, beam {beam})"
+    )
     return TradeoffResult(rows, best, table, truth)

@@ -1,6 +1,7 @@
 """Reference decoding in torch: batched beam search (and greedy = beam 1) with the KV-cached
 decoder step. The runtime re-implements exactly these semantics in numpy; see
-docs/INTERNALS.md "Beam search" for the rules both follow."""
+docs/INTERNALS.md "Beam search" for the rules both follow, `cognet.core.ddi` for the DDI
+policies and `cognet.core.decoding` for the defaults (beam 4, max length 45)."""
 
 from __future__ import annotations
 
@@ -10,11 +11,9 @@ import numpy as np
 import torch
 
 from cognet.batching import select_rows
-from cognet.ddi import RATE_TOLERANCE, DDIPolicy  # noqa: F401 - DDIPolicy re-exported
+from cognet.core.ddi import RATE_TOLERANCE, DDIPolicy
+from cognet.core.decoding import BEAM, MAX_LEN
 from cognet.model import COGNet, history_inputs
-
-MAX_LEN = 45
-BEAM = 4
 
 
 @dataclass(frozen=True)

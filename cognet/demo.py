@@ -16,7 +16,7 @@ import pyarrow.parquet as pq
 
 
 def make_input(data_dir: str, out: str, split: str = "test") -> int:
-    from cognet.schema import read_dataset
+    from cognet.core.schema import read_dataset
 
     visits = read_dataset(data_dir).visits
     visits = visits.filter(pc.equal(visits.column("split"), split)).drop_columns(["split"])

@@ -11,13 +11,14 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from cognet.batching import ddi_adjacency, make_batch
-from cognet.ddi import DDIPolicy
-from cognet.decode import MAX_LEN, Decoded, beam_search
-from cognet.history import Visit, patients_from_table
-from cognet.metrics import VisitResult, bootstrap_report, ddi_rate_of_sets, summarize
+from cognet.batching import make_batch
+from cognet.core.ddi import DDIPolicy, ddi_matrix
+from cognet.core.decoding import BEAM, MAX_LEN
+from cognet.core.history import Visit, patients_from_table
+from cognet.core.metrics import VisitResult, bootstrap_report, ddi_rate_of_sets, summarize
+from cognet.core.vocab import Vocab
+from cognet.decode import Decoded, beam_search
 from cognet.model import COGNet
-from cognet.vocab import Vocab
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +52,7 @@ def decode_patients(
     model: COGNet,
     vocab: Vocab,
     patients: Sequence[Sequence[Visit]],
-    beam: int = 4,
+    beam: int = BEAM,
     max_len: int = MAX_LEN,
     batch_patients: int = 128,
     on_batch: Callable[[int], None] | None = None,
@@ -109,10 +110,6 @@ def predictions_table(
     )
 
 
-def ddi_matrix(vocab: Vocab, pairs) -> np.ndarray:
-    return ddi_adjacency([tuple(p) for p in pairs], vocab) > 0
-
-
 def model_name(beam: int, ddi: DDIPolicy = DDIPolicy()) -> str:
     name = f"COGNet (beam {beam})" if beam > 1 else "COGNet (greedy)"
     return name if not ddi.active else f"{name[:-1]}, DDI {ddi.label})"
@@ -122,7 +119,7 @@ def run_evaluation(
     ckpt,
     data_dir,
     split: str = "test",
-    beam: int = 4,
+    beam: int = BEAM,
     rounds: int = 10,
     seed: int = 0,
     predictions=None,
@@ -132,9 +129,9 @@ def run_evaluation(
 ) -> dict:
     """What `cognet evaluate` does: returns {"report": dict, "table": str}."""
     from cognet import checkpoint
-    from cognet.clitools import progress
-    from cognet.metrics import format_table
-    from cognet.schema import read_dataset
+    from cognet.core.clitools import progress
+    from cognet.core.metrics import format_table
+    from cognet.core.schema import read_dataset
 
     dataset = read_dataset(data_dir)
     if ckpt:
@@ -146,7 +143,7 @@ def run_evaluation(
         )
     data = load_split(dataset.visits, vocab, split)
     if not data.patients:
-        from cognet.errors import InputError
+        from cognet.core.errors import InputError
 
         raise InputError(f"{data_dir}: the {split} split has no labelled visit")
     ddi_adj = ddi_matrix(vocab, dataset.ddi_pairs)

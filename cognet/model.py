@@ -1,7 +1,7 @@
 """COGNet: the copy-or-predict medication recommender of Wu et al. (WWW 2022), in PyTorch.
 
 The model is written as the three graphs that the exporter turns into ONNX (see
-`cognet.graphspec` for their inputs and outputs):
+`cognet.core.graphspec` for their inputs and outputs):
 
 - `encode_visits`: diagnosis, procedure and medication-set encoders (one Transformer
   encoder layer each, no positional encoding: codes are sets) and gated aggregation into
@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from cognet.graphspec import NEG, PROB_FLOOR
+from cognet.core.graphspec import NEG, PROB_FLOOR
 
 ABLATIONS = ("none", "no-copy", "no-visit-score", "no-graph", "no-diagnoses", "no-procedures")
 FORMAT_VERSION = 1

@@ -18,10 +18,10 @@ import torch.nn.functional as F
 
 from cognet import checkpoint
 from cognet.batching import IGNORE, ddi_adjacency, ehr_adjacency, make_batch
+from cognet.core.schema import read_dataset
+from cognet.core.vocab import Vocab
 from cognet.evaluate import decode_patients, load_split, report, split_table, visit_results
 from cognet.model import COGNet, ModelConfig, history_inputs
-from cognet.schema import read_dataset
-from cognet.vocab import Vocab
 
 log = logging.getLogger(__name__)
 

@@ -6,8 +6,8 @@ import sys
 
 import click
 
-from cognet.clitools import handle_errors, setup_logging
-from cognet.errors import ParityError
+from cognet.core.clitools import handle_errors, setup_logging
+from cognet.core.errors import ParityError
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from cognet.graphspec import (
+from cognet.core.graphspec import (
     ENCODER_INPUTS,
     ENCODER_OUTPUTS,
     INIT_INPUTS,
@@ -21,7 +21,7 @@ from cognet.graphspec import (
     STEP_INPUTS,
     STEP_OUTPUTS,
 )
-from cognet.manifest import TensorSpec
+from cognet.core.manifest import TensorSpec
 from cognet.model import COGNet
 
 

@@ -2,11 +2,11 @@
 
 Engines are built once at export time into `MODEL/trt_cache` (engine cache and timing
 cache), one explicit min/opt/max optimisation profile per graph (`PROFILE_AXES`). The
-runtime must pass the same provider options (`provider_options(...)`, recorded in the
-manifest's `tensorrt` entry) to reuse the engines; TensorRT rebuilds them on another GPU
-or TensorRT version. With `fp16` the float32 graphs are built with TensorRT's float16 mode
-(`trt_fp16_enable`), not the `.fp16.onnx` variant. Untested here (no TensorRT/GPU): written
-against the ORT TensorRT EP's documented provider options.
+runtime must pass the same provider options (`cognet.core.tensorrt.provider_options`, with
+the profiles recorded in the manifest's `tensorrt` entry) to reuse the engines; TensorRT
+rebuilds them on another GPU or TensorRT version. With `fp16` the float32 graphs are built
+with TensorRT's float16 mode (`trt_fp16_enable`), not the `.fp16.onnx` variant. Untested
+here (no TensorRT/GPU): written against the ORT TensorRT EP's documented provider options.
 """
 
 from __future__ import annotations
@@ -14,14 +14,16 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
-from cognet.manifest import GRAPHS, Manifest
+from cognet.core import tensorrt
+from cognet.core.decoding import MAX_LEN
+from cognet.core.manifest import GRAPHS, Manifest
+from cognet.core.tensorrt import CACHE_DIR
 
-CACHE_DIR = "trt_cache"
 # Symbolic axis -> (min, opt, max). T starts at 0 (first step, empty cache).
 PROFILE_AXES = {
     "N": (1, 64, 512),
     "B": (1, 4, 8),
-    "T": (0, 16, 45),
+    "T": (0, 16, MAX_LEN),
     "Ld": (1, 16, 128),
     "Lp": (1, 8, 64),
     "Lm": (1, 16, 64),
@@ -33,7 +35,8 @@ PROFILE_AXES = {
 def require_tensorrt() -> None:
     """Raise TensorRTUnavailable unless ONNX Runtime has the TensorRT EP and a GPU is visible."""
     import onnxruntime as ort
-    from cognet.export import TensorRTUnavailable
+
+    from cognet.export.errors import TensorRTUnavailable
 
     if "TensorrtExecutionProvider" not in ort.get_available_providers():
         raise TensorRTUnavailable(
@@ -65,22 +68,16 @@ def profile_shapes(manifest: Manifest, graph: str, variant: str | None = None) -
 
 
 def provider_options(manifest: Manifest, graph: str, fp16: bool = False) -> dict:
-    cache = str(Path(manifest.model_dir or ".") / CACHE_DIR)
-    return {
-        "trt_engine_cache_enable": "True",
-        "trt_engine_cache_path": cache,
-        "trt_timing_cache_enable": "True",
-        "trt_timing_cache_path": cache,
-        "trt_fp16_enable": str(bool(fp16)),
-        **profile_shapes(manifest, graph),
-    }
+    """The provider options of one graph's engine (`cognet.core.tensorrt`)."""
+    return tensorrt.provider_options(manifest.model_dir, fp16, profile_shapes(manifest, graph))
 
 
 def build_engines(manifest: Manifest, fp16: bool = False) -> Manifest:
     """Build (and cache) one engine per graph by running it once at the profile's opt shape."""
     import numpy as np
     import onnxruntime as ort
-    from cognet.export import TensorRTUnavailable
+
+    from cognet.export.errors import TensorRTUnavailable
 
     (Path(manifest.model_dir or ".") / CACHE_DIR).mkdir(exist_ok=True)
     entry = {"cache_dir": CACHE_DIR, "fp16": fp16, "profiles": {}}

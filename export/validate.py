@@ -29,15 +29,16 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 import torch
-from cognet.export.graphs import GRAPH_IO, WRAPPERS, Sizes, example_inputs
 
-from cognet.decode import BEAM, MAX_LEN, beam_search
-from cognet.errors import ParityError
-from cognet.graphspec import ENCODER_INPUTS, INIT_INPUTS
-from cognet.history import Visit
-from cognet.manifest import GRAPHS
+from cognet.core.decoding import BEAM, MAX_LEN
+from cognet.core.errors import ParityError
+from cognet.core.graphspec import ENCODER_INPUTS, INIT_INPUTS
+from cognet.core.history import Visit
+from cognet.core.manifest import GRAPHS
+from cognet.core.vocab import Vocab
+from cognet.decode import beam_search
+from cognet.export.graphs import GRAPH_IO, WRAPPERS, Sizes, example_inputs
 from cognet.model import COGNet
-from cognet.vocab import Vocab
 
 FLOAT32_ATOL = 1e-4
 # float16 (CPU provider), measured over the shape cases: worst abs diff 4.2e-3 on a checkpoint

@@ -1,9 +1,12 @@
 """cognet.runtime: torch-free batch scoring of visits with an exported COGNet model.
 
-Imports numpy, pyarrow, onnxruntime and the torch-free cognet modules only. Entry points:
-`Scorer` (Python API) and `cognet-batch score` (`cognet.runtime.cli`).
+Imports numpy, pyarrow, onnxruntime and `cognet.core` only (`make lint` checks it). Entry
+points: `Scorer`, configured by one `ScoreOptions` (Python API), and `cognet-batch score`
+(`cognet.runtime.cli`).
 """
 
-from cognet.runtime.scorer import OUTPUT_SCHEMA, REJECTS_SCHEMA, ScoredChunk, Scorer
+from cognet.runtime.options import ScoreOptions
+from cognet.runtime.outputs import OUTPUT_SCHEMA, REJECTS_SCHEMA, ScoredChunk
+from cognet.runtime.scorer import Scorer
 
-__all__ = ["OUTPUT_SCHEMA", "REJECTS_SCHEMA", "ScoredChunk", "Scorer"]
+__all__ = ["OUTPUT_SCHEMA", "REJECTS_SCHEMA", "ScoreOptions", "ScoredChunk", "Scorer"]

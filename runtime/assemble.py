@@ -25,10 +25,10 @@ from dataclasses import dataclass
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-from cognet.runtime.reader import HashSet, patient_starts, string_hashes
 
-from cognet.history import history_index
-from cognet.vocab import Vocab
+from cognet.core.history import history_index
+from cognet.core.vocab import Vocab
+from cognet.runtime.reader import HashSet, patient_starts, string_hashes
 
 SCORED, REJECTED, SKIPPED = 0, 1, 2
 REASONS = ("missing_key", "duplicate_visit_id", "no_codes", "unknown_codes")
@@ -198,9 +198,19 @@ class Assembler:
         used[targets] = True
         for h in histories:
             used[h] = True
-        return Plan(table=table, status=status, reason=reason, diag=diag, proc=proc,
-                    meds=meds, has_meds=has_meds, targets=targets, histories=histories,
-                    encode_rows=np.flatnonzero(used), unknown_codes=dropped)  # fmt: skip
+        return Plan(
+            table=table,
+            status=status,
+            reason=reason,
+            diag=diag,
+            proc=proc,
+            meds=meds,
+            has_meds=has_meds,
+            targets=targets,
+            histories=histories,
+            encode_rows=np.flatnonzero(used),
+            unknown_codes=dropped,
+        )
 
     def _histories(
         self, patient: np.ndarray, history_rows: np.ndarray, targets: np.ndarray

@@ -23,12 +23,7 @@ How the work is kept small:
   step probabilities) and explanations (gate, copy distribution and diagnosis attention
   at each step).
 
-DDI-aware decoding (`cognet.ddi.DDIPolicy`, the rules of the torch reference): with a
-`soft` or `hard` policy each step lowers (or sets to -inf) the log-probability of every
-medication by its clash count, (medications of the hypothesis) @ (DDI adjacency), before
-the candidates are ranked; with `max_rate` a visit is done when all its beams have finished
-and its answer is the first beam (score order) within the rate, else the lowest-rate beam.
-The default policy (`off`) adds no work to a step.
+DDI-aware decoding (`cfg.ddi`) follows the rules written in `cognet.core.ddi`.
 """
 
 from __future__ import annotations
@@ -39,7 +34,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from cognet.ddi import RATE_TOLERANCE, DDIPolicy
+from cognet.core.ddi import RATE_TOLERANCE, DDIPolicy
+from cognet.core.decoding import BEAM, MAX_LEN
 
 NEG_INF = np.float32(-np.inf)
 
@@ -75,8 +71,8 @@ class DecoderSession(Protocol):
 @dataclass(frozen=True)
 class BeamConfig:
     end: int  # END id (= number of medications M); START = END + 1
-    beam: int = 4
-    max_len: int = 45
+    beam: int = BEAM
+    max_len: int = MAX_LEN
     # Compact the batch (drop done visits from memories and cache) when the fraction of
     # live rows falls below this; 1.0 compacts at every finish, like the torch reference.
     compact_at: float = 0.75
@@ -211,8 +207,17 @@ def beam_search(
         used = np.zeros(raw.shape, bool) if used is None else used[row_ix, parent]
         used[row_ix, np.arange(b), tokens] = True
         finished = ~live | (tokens == end)
-        step = _Step(rows, parent, tokens, live, chosen, raw if prauc else None,
-                     out.get("gate"), out.get("copy_probs"), out.get("diag_attention"))  # fmt: skip
+        step = _Step(
+            rows,
+            parent,
+            tokens,
+            live,
+            chosen,
+            raw if prauc else None,
+            out.get("gate"),
+            out.get("copy_probs"),
+            out.get("diag_attention"),
+        )
         trace.append(step)
 
         # the best hypothesis is final once beam 0 is finished; choosing by DDI rate needs all
@@ -221,8 +226,7 @@ def beam_search(
         if newly.any():
             choice = 0
             if policy.max_rate is not None:
-                choice = _within_rate(used[newly, :, :end], scores[newly], ddi_adj,
-                                      policy.max_rate)  # fmt: skip
+                choice = _within_rate(used[newly, :, :end], scores[newly], ddi_adj, policy.max_rate)
                 end_beam[rows[newly]] = choice
             end_step[rows[newly]] = t
             final_score[rows[newly]] = scores[newly, choice]
@@ -240,8 +244,9 @@ def beam_search(
     return _trace_back(trace, end_step, end_beam, final_score, end, prauc, explain)
 
 
-def _penalise(raw: np.ndarray, used: np.ndarray, ddi_adj: np.ndarray,
-              policy: DDIPolicy) -> np.ndarray:  # fmt: skip
+def _penalise(
+    raw: np.ndarray, used: np.ndarray, ddi_adj: np.ndarray, policy: DDIPolicy
+) -> np.ndarray:
     """A copy of the log-probabilities raw [R, B, V1] with the medications that interact with
     the hypothesis (used [R, B, V1]) at -inf (hard) or lowered by penalty x pairs (soft)."""
     m = ddi_adj.shape[0]
@@ -263,8 +268,9 @@ def ddi_rates(used: np.ndarray, ddi_adj: np.ndarray) -> np.ndarray:
     return np.where(total > 0, pairs / np.maximum(total, 1), np.float32(0))
 
 
-def _within_rate(used: np.ndarray, scores: np.ndarray, ddi_adj: np.ndarray,
-                 max_rate: float) -> np.ndarray:  # fmt: skip
+def _within_rate(
+    used: np.ndarray, scores: np.ndarray, ddi_adj: np.ndarray, max_rate: float
+) -> np.ndarray:
     """int64 [k]: per visit, the first beam (score order) with a finite score and a DDI rate
     <= max_rate, else the beam of lowest rate (first in beam order among ties)."""
     rate = ddi_rates(used, ddi_adj)  # [k, B]

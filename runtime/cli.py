@@ -1,21 +1,42 @@
 """The `cognet-batch` command line: score Parquet files of visits with an exported model.
 
-A thin layer over `cognet.runtime.Scorer` (scoring), `cognet.runtime.reader` (input) and
-`cognet.runtime.writer` (output parts, resume, atomic files); see `score --help`.
+A thin layer over `cognet.runtime.Scorer` (scoring, configured by one `ScoreOptions`),
+`cognet.runtime.reader` (input), `cognet.runtime.writer` (output parts, resume, atomic
+files) and `cognet.runtime.summary` (the run summary); see `score --help`.
 """
 
 from __future__ import annotations
 
+import functools
 import time
 from pathlib import Path
 
 import click
-from cognet.runtime import evaluation, reader, writer
-from cognet.runtime.scorer import Scorer
-from cognet.runtime.session import DEVICES
+import numpy as np
 
-from cognet.clitools import ddi_options, ddi_policy, handle_errors, progress, setup_logging
-from cognet.errors import InputError
+from cognet.core.clitools import (
+    count_option,
+    ddi_options,
+    ddi_policy,
+    handle_errors,
+    progress,
+    setup_logging,
+)
+from cognet.core.decoding import BEAM
+from cognet.core.errors import InputError
+from cognet.core.metrics import PATIENT_COLUMNS
+from cognet.runtime import reader, summary, writer
+from cognet.runtime.options import DEVICES, ScoreOptions
+from cognet.runtime.scorer import Scorer
+
+BEAM_HELP = f"Beam width (default: the model's, {BEAM}; 1 = greedy)."
+model_option = click.option(
+    "--model",
+    "model_dir",
+    required=True,
+    type=click.Path(file_okay=False),
+    help="Model directory written by cognet-export.",
+)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -28,22 +49,100 @@ def main() -> None:
     """
 
 
+def score_options(func):
+    """--beam, --device, --batch-size, --threads, --max-history-visits and the DDI options,
+    given to `func` as one `options: ScoreOptions`."""
+
+    @functools.wraps(func)
+    def wrapper(
+        *args,
+        beam,
+        device,
+        batch_size,
+        threads,
+        max_history_visits,
+        ddi_mode,
+        ddi_penalty,
+        ddi_max_rate,
+        **kwargs,
+    ):
+        options = ScoreOptions(
+            beam=beam,
+            ddi=ddi_policy(ddi_mode, ddi_penalty, ddi_max_rate),
+            max_history_visits=max_history_visits,
+            device=device,
+            threads=threads,
+            batch_size=batch_size,
+        )
+        return func(*args, options=options, **kwargs)
+
+    # The option stacks of this file stay compact (fmt: off): an option reads as one unit on
+    # two or three lines, where ruff's layout (a line per keyword) doubles the stacks into
+    # runs of look-alike lines.
+    # fmt: off
+    options = [
+        count_option("--beam", help=BEAM_HELP),
+        click.option("--device", type=click.Choice(DEVICES), default="auto", show_default=True,
+                     help="Execution provider; auto = CUDA when available, else CPU."),
+        count_option("--batch-size",
+                     help="Visits decoded together at most (default: 128 on the CPU, 512 on a "
+                          "GPU); batches of long histories are cut smaller (at most 4,096 "
+                          "padded past-medication slots per batch on the CPU)."),
+        count_option("--threads",
+                     help="CPU threads (default: the cores this process may use; --engine "
+                          "ray: per worker, default 1)."),
+        click.option("--max-history-visits", type=click.IntRange(min=0), default=None,
+                     help="History = only the last K earlier visits with known medications "
+                          "(default: all; 0 = none, generation without copy)."),
+    ]
+    # fmt: on
+    for option in reversed(options):
+        wrapper = option(wrapper)
+    return ddi_options(wrapper)
+
+
+def ray_options(func):
+    """--engine and the options of --engine ray, given to `func` as `ray`: a
+    `ray_engine.RayOptions`, or None for the local engine."""
+
+    @functools.wraps(func)
+    def wrapper(*args, engine, address, num_workers, gpus_per_worker, block_rows, **kwargs):
+        ray = None
+        if engine == "ray":
+            from cognet.runtime.ray_engine import RayOptions
+
+            ray = RayOptions(address, num_workers, gpus_per_worker, block_rows)
+        return func(*args, ray=ray, **kwargs)
+
+    # fmt: off
+    options = [
+        click.option("--engine", type=click.Choice(["local", "ray"]), default="local",
+                     show_default=True, help="local: this process; ray: a Ray cluster, INPUT "
+                                             "may be a directory or a glob of Parquet files."),
+        click.option("--address", default=None,
+                     help="--engine ray: auto or ray://HOST:10001 (default: start Ray here)."),
+        count_option("--num-workers",
+                     help="--engine ray: scoring workers (default: as many as the cluster "
+                          "holds)."),
+        click.option("--gpus-per-worker", type=click.FloatRange(min=0), default=0.0,
+                     help="--engine ray: GPUs of each worker (default 0: CPU workers)."),
+        count_option("--block-rows", default=16384,
+                     help="--engine ray: rows of whole patients a worker scores at a time."),
+    ]
+    # fmt: on
+    for option in reversed(options):
+        wrapper = option(wrapper)
+    return wrapper
+
+
 # fmt: off
 @main.command()
 @click.argument("input_path", metavar="INPUT", type=click.Path())
-@click.option("--model", "model_dir", required=True, type=click.Path(file_okay=False),
-              help="Model directory written by cognet-export.")
+@model_option
 @click.option("--out", required=True, type=click.Path(),
               help="Output Parquet file (--engine ray: a directory); rejected rows go to OUT "
                    "with .rejects.parquet.")
-@click.option("--beam", type=click.IntRange(min=1), default=None,
-              help="Beam width (default: the model's, 4; 1 = greedy).")
-@click.option("--device", type=click.Choice(DEVICES), default="auto", show_default=True,
-              help="Execution provider; auto = CUDA when available, else CPU.")
-@click.option("--batch-size", type=click.IntRange(min=1), default=None,
-              help="Visits decoded together at most (default: 128 on the CPU, 512 on a "
-                   "GPU); batches of long histories are cut smaller (at most 4,096 padded "
-                   "past-medication slots per batch on the CPU).")
+@score_options
 @click.option("--all", "score_all", is_flag=True,
               help="Score every visit, not only those with null medications, and report "
                    "metrics against the known medications.")
@@ -53,33 +152,29 @@ def main() -> None:
 @click.option("--resume", is_flag=True,
               help="Finish an interrupted run (same input, model and options).")
 @click.option("--summary-json", type=click.Path(dir_okay=False), default=None,
-              help="Write counts, reject reasons, speed, providers (and metrics) as JSON.")
-@click.option("--engine", type=click.Choice(["local", "ray"]), default="local",
-              show_default=True, help="local: this process; ray: a Ray cluster, INPUT may be "
-                                      "a directory or a glob of Parquet files.")
-@click.option("--address", default=None,
-              help="--engine ray: auto or ray://HOST:10001 (default: start Ray here).")
-@click.option("--num-workers", type=click.IntRange(min=1), default=None,
-              help="--engine ray: scoring workers (default: as many as the cluster holds).")
-@click.option("--gpus-per-worker", type=click.FloatRange(min=0), default=0.0,
-              help="--engine ray: GPUs of each worker (default 0: CPU workers).")
-@click.option("--block-rows", type=click.IntRange(min=1), default=16384, show_default=True,
-              help="--engine ray: rows of whole patients a worker scores at a time.")
+              help="Write counts, reject reasons, speed, providers, options (and metrics) as "
+                   "JSON.")
+@ray_options
 @click.option("--sort", "sort_rows", is_flag=True,
               help="Sort the rows by patient and visit_seq in memory (files that fit).")
-@click.option("--threads", type=click.IntRange(min=1), default=None,
-              help="CPU threads (default: the cores this process may use; --engine ray: "
-                   "per worker, default 1).")
-@click.option("--max-history-visits", type=click.IntRange(min=0), default=None,
-              help="History = only the last K earlier visits with known medications "
-                   "(default: all; 0 = none, generation without copy).")
-@ddi_options
 @click.option("--quiet", is_flag=True, help="No progress bar nor closing line.")
 @click.option("--verbose", is_flag=True, help="Log what happens on stderr.")
+# fmt: on
 @handle_errors
-def score(input_path, model_dir, out, beam, device, batch_size, score_all, explain, resume,
-          summary_json, engine, address, num_workers, gpus_per_worker, block_rows, sort_rows,
-          threads, max_history_visits, ddi_mode, ddi_penalty, ddi_max_rate, quiet, verbose):
+def score(
+    input_path: str,
+    model_dir: str,
+    out: str,
+    options: ScoreOptions,
+    score_all: bool,
+    explain: bool,
+    resume: bool,
+    summary_json: str | None,
+    ray,
+    sort_rows: bool,
+    quiet: bool,
+    verbose: bool,
+) -> None:
     """Recommend medications for the visits of INPUT (DESIGN.md §2 visits.parquet shape).
 
     A visit's history is its patient's earlier visits (smaller visit_seq) with known
@@ -95,23 +190,18 @@ def score(input_path, model_dir, out, beam, device, batch_size, score_all, expla
           --explain --summary-json summary.json
     """
     setup_logging(verbose)
-    if engine == "ray":  # the same Scorer on a Ray cluster (cognet.runtime.ray_engine)
+    if ray is not None:  # the same Scorer on a Ray cluster (cognet.runtime.ray_engine)
         from cognet.runtime import ray_engine
 
         if resume:
             raise InputError("--resume is for --engine local; rerun the --engine ray command")
-        summary = ray_engine.score(
-            input_path, model_dir, out,
-            ray_engine.RayOptions(address, num_workers, threads or 1, gpus_per_worker, block_rows),
-            ray_engine.ScoreOptions(device, beam, batch_size, max_history_visits, score_all,
-                                    explain, ddi_policy(ddi_mode, ddi_penalty, ddi_max_rate)),
-            verbose=verbose)
-        _report(summary, summary_json, quiet, f"{summary['workers']} Ray worker(s)")
+        result = ray_engine.score(
+            input_path, model_dir, out, ray, options, score_all, explain, verbose=verbose
+        )
+        _report(result, summary_json, quiet, f"{result['workers']} Ray worker(s)")
         return
     loading = time.perf_counter()
-    scorer = Scorer(model_dir, device=device, beam=beam, batch_size=batch_size,
-                    threads=threads, max_history_visits=max_history_visits,
-                    ddi=ddi_policy(ddi_mode, ddi_penalty, ddi_max_rate))
+    scorer = Scorer(model_dir, options)
     source = reader.VisitFile(input_path)
     if not sort_rows:  # fail on a misordered file before scoring anything
         reader.check_order(source.batches(["patient_id", "visit_seq"]), input_path)
@@ -119,35 +209,47 @@ def score(input_path, model_dir, out, beam, device, batch_size, score_all, expla
     parts = writer.PartWriter(out, signature, explain, resume)
     started = time.perf_counter()
     scored = _run(scorer, source, parts, score_all, explain, sort_rows, quiet)
-    summary = _finish(scorer, source, parts, score_all, scored, started - loading,
-                      time.perf_counter() - started)
-    _report(summary, summary_json, quiet, scorer.providers[0])
-# fmt: on
+    result = _finish(
+        scorer, source, parts, score_all, scored, started - loading, time.perf_counter() - started
+    )
+    _report(result, summary_json, quiet, scorer.providers[0])
 
 
-def _report(summary: dict, summary_json, quiet: bool, where: str) -> None:
+def _report(result: dict, summary_json: str | None, quiet: bool, where: str) -> None:
     """Write the summary JSON and print the one-line result on stderr."""
     if summary_json:
-        writer.write_json(Path(summary_json), summary)
+        writer.write_json(Path(summary_json), result)
     if not quiet:
         click.echo(
-            f"scored {summary['rows_scored']} of {summary['rows_read']} visits "
-            f"({summary['rows_rejected']} rejected, {summary['rows_skipped']} skipped) "
-            f"in {summary['seconds']:.1f}s, {summary['visits_per_s']:.0f} visits/s on "
-            f"{where} -> {summary['output']}",
+            f"scored {result['rows_scored']} of {result['rows_read']} visits "
+            f"({result['rows_rejected']} rejected, {result['rows_skipped']} skipped) "
+            f"in {result['seconds']:.1f}s, {result['visits_per_s']:.0f} visits/s on "
+            f"{where} -> {result['output']}",
             err=True,
         )
 
 
-def _run(scorer: Scorer, source: reader.VisitFile, parts: writer.PartWriter, score_all: bool,
-         explain: bool, sort_rows: bool, quiet: bool) -> int:  # fmt: skip
+def _run(
+    scorer: Scorer,
+    source: reader.VisitFile,
+    parts: writer.PartWriter,
+    score_all: bool,
+    explain: bool,
+    sort_rows: bool,
+    quiet: bool,
+) -> int:
     """Score the chunks not yet committed, committing each; returns visits scored now."""
     batches = source.sorted_batches() if sort_rows else source.batches()
     scored = 0
     with progress(total=source.num_rows, desc="scoring", unit="visit", quiet=quiet) as bar:
         bar.update(parts.rows_done)
-        chunks = scorer.score_batches(batches, score_all=score_all, explain=explain,
-                                      source=source.path, skip_rows=parts.rows_done)  # fmt: skip
+        chunks = scorer.score_batches(
+            batches,
+            score_all=score_all,
+            explain=explain,
+            source=source.path,
+            skip_rows=parts.rows_done,
+        )
         for chunk in chunks:
             parts.write(chunk)
             scored += chunk.rows_scored
@@ -156,56 +258,77 @@ def _run(scorer: Scorer, source: reader.VisitFile, parts: writer.PartWriter, sco
     return scored
 
 
-def _finish(scorer: Scorer, source: reader.VisitFile, parts: writer.PartWriter,
-            score_all: bool, scored: int, load_seconds: float, seconds: float) -> dict:  # fmt: skip
+def _finish(
+    scorer: Scorer,
+    source: reader.VisitFile,
+    parts: writer.PartWriter,
+    score_all: bool,
+    scored: int,
+    load_seconds: float,
+    seconds: float,
+) -> dict:
     """Check the row accounting, merge the parts into the outputs, and build the summary."""
     totals = parts.totals()
-    accounted = totals["rows_scored"] + totals["rows_rejected"] + totals["rows_skipped"]
-    if not totals["rows_read"] == accounted == source.num_rows:
-        raise RuntimeError(f"row accounting is off ({source.num_rows} rows in the file): {totals}")
-    metric_rows = parts.patient_metrics()
-    out, rejects = parts.finish()
-    summary = {
-        "input": str(source.path), "output": str(out), "rejects": str(rejects), **totals,
-        "resumed_rows": parts.resumed_rows, "load_seconds": round(load_seconds, 3),
-        "seconds": round(seconds, 3), "visits_per_s": round(scored / max(seconds, 1e-9), 2),
-        "providers": scorer.providers, "threads": scorer.threads,
-        "beam": scorer.beam_config.beam, "batch_size": scorer.batch_size,
-        "ddi": scorer.beam_config.ddi.to_json(),
-    }  # fmt: skip
+    summary.check_rows(totals, source.num_rows)
+    metric_rows = None
     if score_all:
-        summary["metrics"] = (
-            evaluation.report(metric_rows, totals["visits_evaluated"])
-            if metric_rows is not None and len(metric_rows) else None
-        )  # fmt: skip
-    return summary
+        metric_rows = parts.patient_metrics()
+        if metric_rows is None:
+            metric_rows = np.zeros((0, len(PATIENT_COLUMNS)))
+    out, rejects = parts.finish()
+    return summary.run_summary(
+        source=source.path,
+        output=out,
+        rejects=rejects,
+        totals=totals,
+        resumed_rows=parts.resumed_rows,
+        load_seconds=load_seconds,
+        seconds=seconds,
+        visits_scored=scored,
+        providers=scorer.providers,
+        threads=scorer.threads,
+        beam=scorer.beam_config.beam,
+        batch_size=scorer.batch_size,
+        options=scorer.options,
+        metric_rows=metric_rows,
+    )
 
 
-def _signature(input_path, scorer: Scorer, score_all: bool, explain: bool,
-               sort_rows: bool) -> dict:  # fmt: skip
+def _signature(
+    input_path: str, scorer: Scorer, score_all: bool, explain: bool, sort_rows: bool
+) -> dict:
     """What a resumed run must share with the interrupted one."""
     stat = Path(input_path).stat()
     return {
-        "input": str(Path(input_path).resolve()), "input_size": stat.st_size,
+        "input": str(Path(input_path).resolve()),
+        "input_size": stat.st_size,
         "input_mtime_ns": stat.st_mtime_ns,
         "model": {name: spec.sha256 for name, spec in scorer.manifest.graphs.items()},
-        "score_all": score_all, "explain": explain, "sort": sort_rows, **scorer.settings(),
-    }  # fmt: skip
+        "score_all": score_all,
+        "explain": explain,
+        "sort": sort_rows,
+        **scorer.settings(),
+    }
 
 
-# fmt: off
 @main.command()
 @click.argument("input_path", metavar="INPUT", type=click.Path(dir_okay=False))
-@click.option("--model", "model_dir", required=True, type=click.Path(file_okay=False),
-              help="Model directory written by cognet-export.")
+@model_option
 @click.option("--visit-id", required=True, help="The visit to explain.")
-@click.option("--beam", type=click.IntRange(min=1), default=None,
-              help="Beam width (default: the model's, 4; 1 = greedy).")
+@count_option("--beam", help=BEAM_HELP)
 @ddi_options
 @click.option("--json", "as_json", is_flag=True, help="Print the explanation as JSON.")
 @handle_errors
-def explain(input_path, model_dir, visit_id, beam, ddi_mode, ddi_penalty, ddi_max_rate,
-            as_json):
+def explain(
+    input_path: str,
+    model_dir: str,
+    visit_id: str,
+    beam: int | None,
+    ddi_mode: str,
+    ddi_penalty: float | None,
+    ddi_max_rate: float | None,
+    as_json: bool,
+) -> None:
     """Print one visit's decoding step by step: medication, probability, generated or
     copied (copy share), the past visit it was copied from and the diagnoses it attended
     to most (the paper's case study). Its patient's earlier visits with known medications
@@ -220,11 +343,10 @@ def explain(input_path, model_dir, visit_id, beam, ddi_mode, ddi_penalty, ddi_ma
     from cognet.runtime.explain import explain_visit, format_explanation
 
     setup_logging()
-    scorer = Scorer(model_dir, device="cpu", beam=beam, threads=1,
-                    ddi=ddi_policy(ddi_mode, ddi_penalty, ddi_max_rate))
+    ddi = ddi_policy(ddi_mode, ddi_penalty, ddi_max_rate)
+    scorer = Scorer(model_dir, ScoreOptions(beam=beam, ddi=ddi, device="cpu", threads=1))
     result = explain_visit(scorer, input_path, visit_id)
     click.echo(json.dumps(result.to_json(), indent=1) if as_json else format_explanation(result))
-# fmt: on
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@
 
 The visit's patient is read from the file (two streaming passes: find the visit, then keep
 its patient's rows), its earlier visits with known medications are its history, and the
-visit is scored alone with explanations (`Scorer(..., ddi=...)` policies apply). Each
+visit is scored alone with explanations (the scorer's `ScoreOptions.ddi` policy applies). Each
 recommended medication comes with its probability at its step, whether it was mostly
 generated or copied (copy share = 1 - w_g), the past visit it was copied from, and the
 diagnoses it attended to most. When the visit's medications are known they are shown as
@@ -20,11 +20,11 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+
+from cognet.core.errors import InputError
+from cognet.core.metrics import jaccard
 from cognet.runtime import reader
 from cognet.runtime.scorer import Scorer
-
-from cognet.errors import InputError
-from cognet.metrics import jaccard
 
 # Copy share from which a medication is called copied rather than generated.
 COPIED_FROM = 0.5
@@ -79,14 +79,17 @@ def patient_rows(path: str | Path, visit_id: str) -> tuple[pa.Table, dict]:
     if target is None:
         raise InputError(f"{path}: column 'visit_id': no visit {visit_id!r}")
     if target["patient_id"] is None or target["visit_seq"] is None:
-        raise InputError(f"{path}: row {target[reader.ROW]}: visit {visit_id!r} has no "
-                         "patient_id or visit_seq")  # fmt: skip
+        raise InputError(
+            f"{path}: row {target[reader.ROW]}: visit {visit_id!r} has no patient_id or visit_seq"
+        )
     parts = []
     for batch in source.batches():
         mine = pc.fill_null(pc.equal(batch["patient_id"], target["patient_id"]), False)
         earlier = pc.less(batch["visit_seq"], target["visit_seq"])
-        keep = pc.or_(pc.and_(mine, pc.fill_null(earlier, False)),
-                      pc.equal(batch[reader.ROW], target[reader.ROW]))  # fmt: skip
+        keep = pc.or_(
+            pc.and_(mine, pc.fill_null(earlier, False)),
+            pc.equal(batch[reader.ROW], target[reader.ROW]),
+        )
         parts.append(batch.filter(keep))
     table = pa.concat_tables(parts)
     order = np.lexsort((table[reader.ROW].to_numpy(), table["visit_seq"].to_numpy()))
@@ -101,15 +104,19 @@ def explain_visit(scorer: Scorer, path: str | Path, visit_id: str) -> VisitExpla
     is_target = pc.equal(table[reader.ROW], row[reader.ROW])
     meds = table["medications"]
     unknown = pa.nulls(len(table), meds.type)
-    table = table.set_column(table.schema.get_field_index("medications"), "medications",
-                             pc.if_else(is_target, unknown, meds))  # fmt: skip
+    table = table.set_column(
+        table.schema.get_field_index("medications"),
+        "medications",
+        pc.if_else(is_target, unknown, meds),
+    )
     chunks = list(scorer.score_batches([table], explain=True, source=path))
     recs = pa.concat_tables([c.recommendations for c in chunks]).to_pylist()
     if not recs:
         rejects = pa.concat_tables([c.rejects for c in chunks]).to_pylist()
         reason = next((r["reason"] for r in rejects if r["row"] == row[reader.ROW]), "not scored")
-        raise InputError(f"{path}: row {row[reader.ROW]}: visit {visit_id!r} cannot be scored "
-                         f"({reason})")  # fmt: skip
+        raise InputError(
+            f"{path}: row {row[reader.ROW]}: visit {visit_id!r} cannot be scored ({reason})"
+        )
     rec = recs[0]
     truth = row["medications"]
     steps = [
@@ -119,14 +126,15 @@ def explain_visit(scorer: Scorer, path: str | Path, visit_id: str) -> VisitExpla
             probability=float(prob),
             copy_share=float(ex["copy_share"]),
             source_visit=ex["source_visit"],
-            top_diagnoses=None if ex["top_diagnoses"] is None
+            top_diagnoses=None
+            if ex["top_diagnoses"] is None
             else [(d["code"], float(d["weight"])) for d in ex["top_diagnoses"]],
             in_truth=None if truth is None else med in truth,
         )
         for i, (med, prob, ex) in enumerate(
             zip(rec["medications"], rec["probabilities"], rec["explanations"], strict=True)
         )
-    ]  # fmt: skip
+    ]
     earlier = [r for r in table.to_pylist() if r[reader.ROW] != row[reader.ROW]]
     cfg = scorer.beam_config
     return VisitExplanation(
@@ -154,8 +162,15 @@ def format_explanation(e: VisitExplanation) -> str:
         f"procedures ({len(e.procedures)}): {' '.join(e.procedures) or '-'}",
         "",
     ]
-    head = ["step", "medication", "prob", "origin", "copy share", "from visit",
-            "attended diagnoses"]  # fmt: skip
+    head = [
+        "step",
+        "medication",
+        "prob",
+        "origin",
+        "copy share",
+        "from visit",
+        "attended diagnoses",
+    ]
     if e.truth is not None:
         head.append("in truth")
     body = []
@@ -165,8 +180,15 @@ def format_explanation(e: VisitExplanation) -> str:
             if s.top_diagnoses is None
             else ", ".join(f"{c} {w:.2f}" for c, w in s.top_diagnoses) or "-"
         )
-        cells = [str(s.step), s.medication, f"{s.probability:.3f}", s.origin,
-                 f"{s.copy_share:.2f}", s.source_visit or "-", top]  # fmt: skip
+        cells = [
+            str(s.step),
+            s.medication,
+            f"{s.probability:.3f}",
+            s.origin,
+            f"{s.copy_share:.2f}",
+            s.source_visit or "-",
+            top,
+        ]
         if e.truth is not None:
             cells.append("yes" if s.in_truth else "no")
         body.append(cells)

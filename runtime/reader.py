@@ -8,11 +8,17 @@ ordered by strictly increasing visit_seq; the first row that breaks this raises
 
 Every table this module yields has the columns of `INPUT_SCHEMA` (nullable: a row with a
 null key is rejected later, not here) plus `ROW`, the row's 0-based index in the file.
+
+INPUT of several files (`--engine ray`): `list_files` finds them (a file, a directory or a
+glob) and `plan_input` reads their footers into `InputFiles`, the row numbering across them.
 """
 
 from __future__ import annotations
 
+import bisect
+import glob
 import logging
+import os
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,7 +28,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from cognet.errors import InputError, where
+from cognet.core.errors import InputError, one_line, where
+from cognet.core.schema import check_visits_columns
 
 log = logging.getLogger(__name__)
 
@@ -41,22 +48,9 @@ INPUT_SCHEMA = pa.schema(
 KEYS = ("patient_id", "visit_id", "visit_seq")
 
 
-def _one_line(exc: BaseException) -> str:
-    return " ".join(str(exc).split()) or type(exc).__name__
-
-
 def check_columns(schema: pa.Schema, path: object) -> None:
     """InputError for a missing or mistyped contract column (extra columns are ignored)."""
-    try:
-        from cognet.schema import check_visits_columns
-    except ImportError:  # pragma: no cover - the shared schema module is optional here
-        check_visits_columns = None
-    if check_visits_columns is not None:
-        check_visits_columns(schema, path)
-        return
-    for field in INPUT_SCHEMA:  # pragma: no cover
-        if field.name not in schema.names:
-            raise InputError(f"{where(path, field.name)}: missing column")
+    check_visits_columns(schema, path)
 
 
 def cast_input(table: pa.Table | pa.RecordBatch, path: object) -> pa.Table:
@@ -71,7 +65,7 @@ def cast_input(table: pa.Table | pa.RecordBatch, path: object) -> pa.Table:
                 column = column.cast(field.type)
             except (pa.ArrowException, ValueError) as exc:
                 raise InputError(
-                    f"{where(path, field.name)}: cannot read as {field.type} ({_one_line(exc)})"
+                    f"{where(path, field.name)}: cannot read as {field.type} ({one_line(exc)})"
                 ) from None
         columns.append(column)
     return pa.Table.from_arrays(columns, schema=INPUT_SCHEMA)
@@ -88,7 +82,7 @@ class VisitFile:
             self._file = pq.ParquetFile(self.path)
         except (pa.ArrowException, OSError) as exc:
             raise InputError(
-                f"{self.path}: not a readable Parquet file ({_one_line(exc)})"
+                f"{self.path}: not a readable Parquet file ({one_line(exc)})"
             ) from None
         check_columns(self._file.schema_arrow, self.path)
         self.num_rows = self._file.metadata.num_rows
@@ -105,7 +99,7 @@ class VisitFile:
                 start += len(table)
         except (pa.ArrowException, OSError) as exc:
             raise InputError(
-                f"{self.path}: not a readable Parquet file ({_one_line(exc)})"
+                f"{self.path}: not a readable Parquet file ({one_line(exc)})"
             ) from None
 
     def _cast(self, batch: pa.RecordBatch, columns: list[str]) -> pa.Table:
@@ -313,3 +307,61 @@ def chunks(
         yield from emit(final=False)
     if pending:
         yield from emit(final=True)
+
+
+# -- several input files (--engine ray) ------------------------------------------------------
+@dataclass(frozen=True)
+class InputFiles:
+    """The Parquet files of INPUT in name order and where each row group starts."""
+
+    source: str  # INPUT as given
+    paths: tuple[str, ...]
+    first_rows: tuple[int, ...]  # row number of each file's first row
+    units: tuple[tuple[int, int, int], ...]  # (file, row group, row number of its first row)
+    num_rows: int
+
+    def where(self, column: str, row: int) -> str:
+        """`FILE: column C, row R` of a row number (R: the row in that file)."""
+        i = bisect.bisect_right(self.first_rows, row) - 1
+        return where(self.paths[i], column, row - self.first_rows[i])
+
+
+def list_files(source: str) -> list[str]:
+    """The Parquet files of a file, a directory (`*.parquet`, recursively, skipping names that
+    start with `.` or `_`) or a glob, in name order; InputError when there is none."""
+    if any(c in source for c in "*?["):
+        paths = [p for p in glob.glob(source, recursive=True) if os.path.isfile(p)]
+    elif os.path.isdir(source):
+        paths = []
+        for root, dirs, names in os.walk(source):
+            dirs[:] = [d for d in dirs if not d.startswith((".", "_"))]
+            paths += [
+                os.path.join(root, n)
+                for n in names
+                if n.endswith(".parquet") and not n.startswith((".", "_"))
+            ]
+    elif os.path.isfile(source):
+        paths = [source]
+    else:
+        raise InputError(f"{source}: file not found")
+    if not paths:
+        raise InputError(f"{source}: no Parquet file found")
+    return sorted(os.path.abspath(p) for p in paths)
+
+
+def plan_input(source: str) -> InputFiles:
+    """List INPUT and read its footers (readable, contract columns, rows per row group)."""
+    paths = list_files(source)
+    first_rows, units, start = [], [], 0
+    for i, path in enumerate(paths):
+        try:
+            meta = pq.ParquetFile(path).metadata
+            schema = meta.schema.to_arrow_schema()
+        except (pa.ArrowException, OSError) as exc:
+            raise InputError(f"{path}: not a readable Parquet file ({one_line(exc)})") from None
+        check_columns(schema, path)
+        first_rows.append(start)
+        for g in range(meta.num_row_groups):
+            units.append((i, g, start))
+            start += meta.row_group(g).num_rows
+    return InputFiles(source, tuple(paths), tuple(first_rows), tuple(units), start)

@@ -1,49 +1,48 @@
 """`Scorer`: recommendations for a stream of visits, chunk by chunk, from a model directory.
 
-    scorer = Scorer("model", device="cpu", beam=4)
+    scorer = Scorer("model", ScoreOptions(device="cpu", beam=4))
     for chunk in scorer.score_file("visits.parquet"):
         print(chunk.recommendations.num_rows, chunk.reject_reasons)
 
 Per chunk (whole patients, see `reader.chunks`): plan the rows (`assemble.Assembler`),
 encode every needed visit once (sorted by length), cut the visits to score into batches of
 similar history and code lengths, run the decoder init once per batch and the beam search
-(`beam.beam_search`), then build the output rows in input order. Results come lazily, one
-`ScoredChunk` at a time, so a caller can write them as they arrive.
+(`beam.beam_search`), then build the output rows in input order (`outputs`). Results come
+lazily, one `ScoredChunk` at a time, so a caller can write them as they arrive.
 
-Performance (2 cores of a Xeon, beam 4, real-size random model: dim 64, 4 heads, 2038/1413/
-131 codes, 2000 last visits of synthetic patients, mean 25.6 medications): 1020 visits/s,
-vs 344 for the torch reference batched beam search (`cognet.decode`) on the same visits
-(best torch batch), with identical medication lists. What decides it, measured:
+What decides the speed (figures: BENCHMARKS.md, "Where the time goes in ort-cpu" and
+"Findings"; the batch constants below carry their own sweeps):
 - Parallel streams: on the CPU each core decodes its own batch with a single-threaded
-  session (1020 visits/s) instead of one batch on two intra-op threads (699; 617 when
-  ONNX Runtime's threads spin, which is why spinning is off).
-- Batch size 128 (64: 968, 256: 721): past that, a batch's memories and KV cache no longer
-  fit the core's cache.
-- Where one core's time goes: decoder step graph 70%, encoder 14%, decoder init 4%,
-  dropping done visits 3%, Python (beam bookkeeping, assembly, output) 9%. Inside the step:
-  the two cross-attention softmaxes over short code axes 16%, the self-attention KV cache
-  append and reorder (Concat, Gather) 17%, copy scatter matmul 7%.
+  session rather than one batch on several intra-op threads (whose spinning is off: it
+  took the core the Python side needs).
+- Small CPU batches (CPU_BATCH): past them a batch's memories and KV cache no longer fit
+  the core's cache; batches of long histories are cut smaller (CPU_BATCH_SLOTS).
+- Most of the time goes to the decoder step graph, then the encoder; the Python side
+  (beam bookkeeping, assembly, output) takes the rest.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
-from cognet.runtime import assemble, evaluation, reader
-from cognet.runtime.beam import BeamConfig, BeamResult, DecoderSession, beam_search
-from cognet.runtime.session import OrtModel, default_threads
 
-from cognet.ddi import DDIPolicy
-from cognet.manifest import load_manifest
-from cognet.metrics import VisitResult
-from cognet.vocab import Vocab
+from cognet.core.ddi import ddi_matrix
+from cognet.core.decoding import BEAM, MAX_LEN
+from cognet.core.manifest import Manifest, load_manifest
+from cognet.core.metrics import PATIENT_COLUMNS, VisitResult, patient_rows
+from cognet.core.vocab import Vocab
+from cognet.runtime import assemble, reader
+from cognet.runtime.beam import BeamConfig, BeamResult, DecoderSession, beam_search
+from cognet.runtime.options import GPU_DEVICES, ScoreOptions
+from cognet.runtime.outputs import EXPLANATION, ScoredChunk, output_schema, rejects_table
+from cognet.runtime.session import OrtModel, default_threads
 
 log = logging.getLogger(__name__)
 
@@ -62,61 +61,6 @@ CPU_BATCH_SLOTS, GPU_BATCH_SLOTS = 1 << 12, 1 << 20
 # Diagnoses a medication attended to most: top TOP_DIAGNOSES codes by the diagnosis
 # cross-attention (mean over heads) at the step that emitted it, heaviest first.
 TOP_DIAGNOSES = 3
-ATTENDED = pa.struct([("code", pa.string()), ("weight", pa.float32())])
-EXPLANATION = pa.struct(
-    [
-        ("copy_share", pa.float32()),
-        ("source_visit", pa.string()),
-        ("top_diagnoses", pa.list_(ATTENDED)),  # null when the model has no attention output
-    ]
-)
-OUTPUT_SCHEMA = pa.schema(
-    [
-        ("patient_id", pa.string()),
-        ("visit_id", pa.string()),
-        ("medications", pa.list_(pa.string())),  # generation order
-        ("score", pa.float32()),  # sum of log-probabilities of the hypothesis, END included
-        ("probabilities", pa.list_(pa.float32())),  # of each medication at its step
-    ]
-)
-EXPLAIN_FIELD = pa.field("explanations", pa.list_(EXPLANATION))
-REJECTS_SCHEMA = pa.schema(
-    [
-        ("row", pa.int64()),  # 0-based row in the input file
-        ("patient_id", pa.string()),
-        ("visit_id", pa.string()),
-        ("reason", pa.string()),  # one of assemble.REASONS
-    ]
-)
-
-
-def output_schema(explain: bool) -> pa.Schema:
-    return OUTPUT_SCHEMA.append(EXPLAIN_FIELD) if explain else OUTPUT_SCHEMA
-
-
-@dataclass
-class ScoredChunk:
-    """The results of one chunk of input rows [start, end) (stream positions)."""
-
-    index: int
-    start: int
-    end: int
-    recommendations: pa.Table  # output_schema(explain), in input order
-    rejects: pa.Table  # REJECTS_SCHEMA
-    rows_scored: int
-    rows_rejected: int
-    rows_skipped: int
-    reject_reasons: dict[str, int]
-    unknown_codes: int  # codes dropped from kept rows
-    seconds: float  # time spent scoring this chunk
-    # [patients, len(evaluation.COLUMNS)] over the scored visits with known medications
-    # (score_all only, else None), and how many such visits there were
-    patient_metrics: np.ndarray | None = field(default=None, repr=False)
-    visits_evaluated: int = 0
-
-    @property
-    def rows_read(self) -> int:
-        return self.end - self.start
 
 
 def cut_batches(
@@ -136,117 +80,117 @@ def cut_batches(
     return parts
 
 
-class Scorer:
-    """Batched beam search over visits with a model directory from `cognet-export`.
+@dataclass(frozen=True)
+class ScoringModel:
+    """What a `Scorer` runs: an encoder (inputs -> `graphspec.ENCODER_OUTPUTS`), a decoder
+    session (`beam.DecoderSession`) and what the model says about itself.
 
-    device: auto | cpu | cuda | tensorrt; beam: default the manifest's; batch_size: visits
-    decoded together; threads: CPU threads in all (default: the cores this process may use);
-    streams: batches decoded in parallel, each on threads // streams intra-op threads
-    (default: one per thread on the CPU, 1 on a GPU); max_history_visits: keep only the last
-    K past visits (default all); ddi: DDI-aware decoding (`cognet.ddi.DDIPolicy`, default
-    off) over the manifest's DDI pairs; batch_slots: a batch is cut smaller when its visits
-    times its longest history (past-medication slots) would exceed this (default
-    CPU_BATCH_SLOTS or GPU_BATCH_SLOTS).
+    `open_model` makes one from a model directory with ONNX Runtime; `Scorer.from_session`
+    from any encoder and decoder (the tests plug torch in)."""
+
+    encode: Callable[[Mapping[str, np.ndarray]], Mapping[str, np.ndarray]]
+    decoder: DecoderSession
+    vocab: Vocab
+    dim: int
+    ddi_pairs: tuple[tuple[str, str], ...] = ()
+    beam: int = BEAM  # the model's beam width, used unless the options name one
+    max_len: int = MAX_LEN
+    attention: bool = True  # diagnosis attention means something (not `no-diagnoses`)
+    on_device: bool = False  # memories and caches live on a GPU
+    providers: tuple[str, ...] = ("custom",)
+    threads: int | None = None  # intra-op threads of each stream's sessions
+    streams: int = 1  # batches decoded in parallel
+    manifest: Manifest | None = None
+
+
+def open_model(model_dir: str | Path, options: ScoreOptions) -> ScoringModel:
+    """The ONNX Runtime sessions of a model directory for `options` (device, threads,
+    streams, variant). CPU: one single-threaded stream per thread by default; GPU: one."""
+    manifest = load_manifest(model_dir)
+    threads = options.threads or default_threads()
+    streams = options.streams or (1 if options.device in GPU_DEVICES else threads)
+    model = OrtModel(manifest, options.device, max(1, threads // streams), options.variant)
+    return ScoringModel(
+        encode=model.encode,
+        decoder=model.decoder,
+        vocab=manifest.vocabulary(),
+        dim=manifest.dims.dim,
+        ddi_pairs=manifest.ddi_pairs,
+        beam=manifest.beam,
+        max_len=manifest.max_len,
+        attention=manifest.ablation != "no-diagnoses",
+        on_device=model.on_device,
+        providers=tuple(model.providers),
+        threads=model.threads,
+        streams=1 if model.on_device else streams,
+        manifest=manifest,
+    )
+
+
+class Scorer:
+    """Batched decoding of visits with a model directory from `cognet-export`, configured by
+    one `ScoreOptions` (see `cognet.runtime.options`; keywords change its fields):
+
+        Scorer("model", ScoreOptions(device="cpu", beam=1))
+        Scorer("model", device="cpu", beam=1)
+
+    `options` is the options as given; `settings()` what decides the results, resolved.
     """
 
     def __init__(
         self,
-        model_dir: str | Path,
-        device: str = "auto",
-        beam: int | None = None,
-        batch_size: int | None = None,
-        threads: int | None = None,
-        max_history_visits: int | None = None,
-        variant: str | None = None,
-        streams: int | None = None,
-        ddi: DDIPolicy | None = None,
-        batch_slots: int | None = None,
+        model: str | Path | ScoringModel,
+        options: ScoreOptions | None = None,
+        **changes,
     ):
-        manifest = load_manifest(model_dir)
-        threads = threads or default_threads()
-        if streams is None:  # CPU: one single-threaded batch per core; GPU: one stream
-            streams = 1 if device in ("cuda", "tensorrt") else threads
-        model = OrtModel(
-            manifest, device=device, threads=max(1, threads // streams), variant=variant
-        )
-        if model.on_device:
-            streams = 1
-        batch_size = batch_size or (GPU_BATCH if model.on_device else CPU_BATCH)
-        batch_slots = batch_slots or (GPU_BATCH_SLOTS if model.on_device else CPU_BATCH_SLOTS)
-        self.manifest = manifest
-        self._setup(model.encode, model.decoder, manifest.vocabulary(), manifest.dims.dim,
-                    manifest.ddi_pairs, beam or manifest.beam, manifest.max_len, batch_size,
-                    max_history_visits, streams=streams, ddi=ddi,
-                    batch_slots=batch_slots)  # fmt: skip
-        if manifest.ablation == "no-diagnoses":  # attention weights of unused diagnoses
-            self._attention = False
+        options = replace(options or ScoreOptions(), **changes)
+        if not isinstance(model, ScoringModel):
+            model = open_model(model, options)
+        self.options, self.manifest, self.vocab = options, model.manifest, model.vocab
+        self.encode, self.decoder, self.dim = model.encode, model.decoder, model.dim
         self.providers = list(model.providers)
-        self.threads = model.threads * streams
+        self.streams = model.streams
+        self.threads = None if model.threads is None else model.threads * model.streams
+        self.batch_size = options.batch_size or (GPU_BATCH if model.on_device else CPU_BATCH)
+        gpu = model.on_device
+        self.batch_slots = options.batch_slots or (GPU_BATCH_SLOTS if gpu else CPU_BATCH_SLOTS)
+        self.max_history = options.max_history_visits
+        self.chunk_targets = options.chunk_targets or 16 * self.batch_size
+        self.chunk_rows, self.encode_batch = options.chunk_rows, options.encode_batch
+        self.ddi_pairs = [tuple(p) for p in model.ddi_pairs]
+        self._ddi_adj = ddi_matrix(self.vocab, self.ddi_pairs)  # bool [M, M]
+        if options.ddi.active and not self._ddi_adj.any():
+            log.warning("DDI policy %r: the model knows no interacting pair", options.ddi.label)
+        self.beam_config = BeamConfig(
+            end=self.vocab.end,
+            beam=options.beam or model.beam,
+            max_len=model.max_len,
+            compact_at=options.compact_at,
+            ddi=options.ddi,
+        )
+        step_outputs = getattr(model.decoder, "step_outputs", ())
+        self._attention = model.attention and "diag_attention" in step_outputs
+        self._pool = ThreadPoolExecutor(self.streams, "cognet-batch") if self.streams > 1 else None
+        self._codes = pa.array(self.vocab.medications, pa.string())
+        self._diag_codes = np.asarray(self.vocab.diagnoses, dtype=object)
 
     @classmethod
     def from_session(
         cls,
-        encode,
+        encode: Callable[[Mapping[str, np.ndarray]], Mapping[str, np.ndarray]],
         decoder: DecoderSession,
         vocab: Vocab,
         dim: int,
         ddi_pairs: Sequence[Sequence[str]] = (),
-        beam: int = 4,
-        max_len: int = 45,
-        batch_size: int = CPU_BATCH,
-        max_history_visits: int | None = None,
-        **tuning,
+        options: ScoreOptions | None = None,
+        **changes,
     ) -> Scorer:
-        """A scorer over any encoder callable and decoder session (tests plug torch in)."""
-        self = cls.__new__(cls)
-        self.manifest = None
-        self._setup(encode, decoder, vocab, dim, ddi_pairs, beam, max_len, batch_size,
-                    max_history_visits, **tuning)  # fmt: skip
-        self.providers = ["custom"]
-        self.threads = None
-        return self
-
-    def _setup(
-        self,
-        encode,
-        decoder,
-        vocab,
-        dim,
-        ddi_pairs,
-        beam,
-        max_len,
-        batch_size,
-        max_history_visits,
-        compact_at: float = 0.75,
-        chunk_targets: int | None = None,
-        chunk_rows: int = 1 << 15,
-        encode_batch: int = 64,
-        streams: int = 1,
-        ddi: DDIPolicy | None = None,
-        batch_slots: int = CPU_BATCH_SLOTS,
-    ) -> None:
-        if batch_size < 1 or streams < 1 or batch_slots < 1:
-            raise ValueError("batch_size, streams and batch_slots must be >= 1")
-        self.encode, self.decoder, self.vocab, self.dim = encode, decoder, vocab, dim
-        self.ddi_pairs = [tuple(p) for p in ddi_pairs]
-        self._ddi_adj = evaluation.ddi_matrix(vocab, self.ddi_pairs)  # bool [M, M]
-        ddi = ddi or DDIPolicy()
-        if ddi.active and not self._ddi_adj.any():
-            log.warning("DDI policy %r: the model knows no interacting pair", ddi.label)
-        self.beam_config = BeamConfig(
-            end=vocab.end, beam=beam, max_len=max_len, compact_at=compact_at, ddi=ddi
-        )
-        self._attention = "diag_attention" in getattr(decoder, "step_outputs", ())
-        self.batch_size = batch_size
-        self.batch_slots = batch_slots
-        self.max_history = max_history_visits
-        self.chunk_targets = chunk_targets or 16 * batch_size
-        self.chunk_rows = chunk_rows
-        self.encode_batch = encode_batch
-        self.streams = streams
-        self._pool = ThreadPoolExecutor(streams, "cognet-batch") if streams > 1 else None
-        self._codes = pa.array(vocab.medications, pa.string())
-        self._diag_codes = np.asarray(vocab.diagnoses, dtype=object)
+        """A scorer over any encoder callable and decoder session (tests plug torch in):
+        beam 4, max length 45, `options.streams` or one stream."""
+        options = replace(options or ScoreOptions(), **changes)
+        pairs = tuple((str(a), str(b)) for a, b in ddi_pairs)
+        model = ScoringModel(encode, decoder, vocab, dim, pairs, streams=options.streams or 1)
+        return cls(model, options)
 
     # -- public API ---------------------------------------------------------------------------
     def interacting_pairs(self, medications: Sequence[str]) -> list[tuple[str, str]]:
@@ -329,9 +273,16 @@ class Scorer:
                 plan, enc, plan.targets[part], [plan.histories[i] for i in part]
             )
             memories = self.decoder.init(inputs)
-            result = beam_search(self.decoder, memories, part.size, self.beam_config,
-                                 prauc=score_all, explain=explain, ddi_adj=self._ddi_adj,
-                                 attention=self._attention)  # fmt: skip
+            result = beam_search(
+                self.decoder,
+                memories,
+                part.size,
+                self.beam_config,
+                prauc=score_all,
+                explain=explain,
+                ddi_adj=self._ddi_adj,
+                attention=self._attention,
+            )
             return result, inputs
 
         slots: dict[int, tuple[BeamResult, int, dict]] = {}
@@ -346,7 +297,7 @@ class Scorer:
             start=chunk.start,
             end=chunk.end,
             recommendations=out,
-            rejects=_rejects(plan),
+            rejects=rejects_table(plan),
             rows_scored=counts["scored"],
             rows_rejected=counts["rejected"],
             rows_skipped=counts["skipped"],
@@ -453,8 +404,9 @@ class Scorer:
             )
         return pa.array(out, pa.list_(EXPLANATION))
 
-    def _top_diagnoses(self, plan: assemble.Plan, row: int, attention: list | None, k: int,
-                       n_meds: int) -> list:  # fmt: skip
+    def _top_diagnoses(
+        self, plan: assemble.Plan, row: int, attention: list | None, k: int, n_meds: int
+    ) -> list:
         """Per medication of one visit: [{code, weight}] of its TOP_DIAGNOSES most attended
         diagnoses (positions of the attention = the row's diagnosis ids, in plan order)."""
         if attention is None:
@@ -484,20 +436,5 @@ class Scorer:
                 )
             )
         if not results:
-            return np.zeros((0, len(evaluation.COLUMNS))), 0
-        return evaluation.patient_rows(results, self._ddi_adj), len(results)
-
-
-def _rejects(plan: assemble.Plan) -> pa.Table:
-    rows = np.flatnonzero(plan.status == assemble.REJECTED)
-    table = plan.table.take(pa.array(rows))
-    reasons = np.asarray(assemble.REASONS, dtype=object)[plan.reason[rows]]
-    return pa.table(
-        {
-            "row": table[reader.ROW],
-            "patient_id": table["patient_id"],
-            "visit_id": table["visit_id"],
-            "reason": pa.array(list(reasons), pa.string()),
-        },
-        schema=REJECTS_SCHEMA,
-    )
+            return np.zeros((0, len(PATIENT_COLUMNS))), 0
+        return patient_rows(results, self._ddi_adj), len(results)

@@ -7,9 +7,9 @@ CUDA / TensorRT: the memories and the KV cache live on the device as OrtValues a
 passed from step to step by IO binding; only tokens/parents go up and log-probabilities
 (plus gate and copy distribution when explaining) come back each step. Dropping finished
 visits (`take`) goes through the host, a few times per batch, not per step.
-TensorRT reuses the engines that `cognet-export --tensorrt` built: the provider options
-(engine/timing cache in the model directory, min/opt/max shape profiles per graph) come
-from the manifest's `tensorrt` entry.
+TensorRT reuses the engines that `cognet-export --tensorrt` built: the provider options are
+the exporter's (`cognet.core.tensorrt`), with the cache folder and the min/opt/max shape
+profile of each graph from the manifest's `tensorrt` entry.
 
 ONNX Runtime falls back to the CPU silently when a provider cannot be loaded: `providers`
 is what the sessions really got, and a requested provider missing from it is logged as a
@@ -21,19 +21,19 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import onnxruntime as ort
 
-from cognet.errors import InputError
-from cognet.graphspec import ENCODER_OUTPUTS, INIT_INPUTS, MEMORIES
-from cognet.manifest import GRAPHS, Manifest
+from cognet.core import tensorrt
+from cognet.core.errors import InputError, one_line
+from cognet.core.graphspec import ENCODER_OUTPUTS, INIT_INPUTS, MEMORIES
+from cognet.core.manifest import GRAPHS, Manifest
+from cognet.runtime.options import DEVICES
 
 log = logging.getLogger(__name__)
 
-DEVICES = ("auto", "cpu", "cuda", "tensorrt")
 CPU, CUDA, TRT = "CPUExecutionProvider", "CUDAExecutionProvider", "TensorrtExecutionProvider"
 
 
@@ -92,17 +92,10 @@ def providers(device: str, manifest: Manifest, graph: str) -> list:
             f"{manifest.model_dir}: --device tensorrt needs engines built by "
             "`cognet-export --tensorrt` (the manifest has none)"
         )
-    cache = str(Path(manifest.model_dir or ".") / trt["cache_dir"])
-    options = {
-        "device_id": 0,
-        "trt_engine_cache_enable": "True",
-        "trt_engine_cache_path": cache,
-        "trt_timing_cache_enable": "True",
-        "trt_timing_cache_path": cache,
-        "trt_fp16_enable": str(bool(trt.get("fp16"))),
-        **trt["profiles"][graph],
-    }
-    return [(TRT, options), cuda, CPU]
+    options = tensorrt.provider_options(
+        manifest.model_dir, bool(trt.get("fp16")), trt["profiles"][graph], trt["cache_dir"]
+    )
+    return [(TRT, {"device_id": 0, **options}), cuda, CPU]
 
 
 def session_options(threads: int | None) -> ort.SessionOptions:
@@ -139,8 +132,7 @@ class OrtModel:
             try:
                 self.sessions[name] = ort.InferenceSession(str(path), opts, providers=wanted)
             except Exception as exc:  # noqa: BLE001 - any load failure is a bad model file
-                detail = " ".join(str(exc).split())
-                raise InputError(f"{path}: cannot load the ONNX graph ({detail})") from None
+                raise InputError(f"{path}: cannot load the ONNX graph ({one_line(exc)})") from None
             got = self.sessions[name].get_providers()
             first = wanted[0] if isinstance(wanted[0], str) else wanted[0][0]
             if first not in got:
@@ -148,8 +140,9 @@ class OrtModel:
         self.providers = self.sessions["decoder_step"].get_providers()
         self.on_device = self.providers[0] in (CUDA, TRT)
         decoder = DeviceDecoder if self.on_device else HostDecoder
-        self.decoder = decoder(self.sessions["decoder_init"], self.sessions["decoder_step"],
-                               manifest)  # fmt: skip
+        self.decoder = decoder(
+            self.sessions["decoder_init"], self.sessions["decoder_step"], manifest
+        )
 
     def encode(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Encoder outputs (`graphspec.ENCODER_OUTPUTS`) as host arrays."""
@@ -160,8 +153,7 @@ class OrtModel:
 class HostDecoder:
     """Decoder init and step on the CPU provider (numpy arrays throughout)."""
 
-    def __init__(self, init: ort.InferenceSession, step: ort.InferenceSession,
-                 manifest: Manifest):  # fmt: skip
+    def __init__(self, init: ort.InferenceSession, step: ort.InferenceSession, manifest: Manifest):
         self._init, self._step = init, step
         self._heads, self._head_dim = manifest.dims.heads, manifest.dims.head_dim
         # what `step` can return (models exported before `diag_attention` lack it)
@@ -173,13 +165,21 @@ class HostDecoder:
 
     def empty_cache(self, n: int, beam: int) -> tuple[np.ndarray, np.ndarray]:
         h, dh = self._heads, self._head_dim
-        return (np.zeros((n, beam, h, dh, 0), np.float32),
-                np.zeros((n, beam, h, 0, dh), np.float32))  # fmt: skip
+        return (
+            np.zeros((n, beam, h, dh, 0), np.float32),
+            np.zeros((n, beam, h, 0, dh), np.float32),
+        )
 
-    def step(self, tokens: np.ndarray, parent: np.ndarray, cache, memories,
-             outputs: Sequence[str]) -> tuple[dict[str, np.ndarray], Any]:  # fmt: skip
-        feed = {"tokens": tokens, "parent": parent, "past_key": cache[0],
-                "past_value": cache[1], **memories}  # fmt: skip
+    def step(
+        self, tokens: np.ndarray, parent: np.ndarray, cache, memories, outputs: Sequence[str]
+    ) -> tuple[dict[str, np.ndarray], Any]:
+        feed = {
+            "tokens": tokens,
+            "parent": parent,
+            "past_key": cache[0],
+            "past_value": cache[1],
+            **memories,
+        }
         out = self._step.run([*outputs, "present_key", "present_value"], feed)
         return dict(zip(outputs, out[: len(outputs)], strict=True)), (out[-2], out[-1])
 
@@ -197,8 +197,13 @@ class DeviceDecoder:
     Handles are OrtValues on the device, except the empty cache of the first step, a
     zero-size host array that ONNX Runtime copies itself."""
 
-    def __init__(self, init: ort.InferenceSession, step: ort.InferenceSession,
-                 manifest: Manifest, device: tuple[str, int] = ("cuda", 0)):  # fmt: skip
+    def __init__(
+        self,
+        init: ort.InferenceSession,
+        step: ort.InferenceSession,
+        manifest: Manifest,
+        device: tuple[str, int] = ("cuda", 0),
+    ):
         self._init, self._step = init, step
         self._device = device  # ("cpu", 0) runs the same bindings on the CPU (tests)
         self._heads, self._head_dim = manifest.dims.heads, manifest.dims.head_dim
@@ -226,8 +231,9 @@ class DeviceDecoder:
     def empty_cache(self, n: int, beam: int) -> tuple[np.ndarray, np.ndarray]:
         return HostDecoder.empty_cache(self, n, beam)
 
-    def step(self, tokens: np.ndarray, parent: np.ndarray, cache, memories,
-             outputs: Sequence[str]) -> tuple[dict[str, np.ndarray], Any]:  # fmt: skip
+    def step(
+        self, tokens: np.ndarray, parent: np.ndarray, cache, memories, outputs: Sequence[str]
+    ) -> tuple[dict[str, np.ndarray], Any]:
         io = self._step.io_binding()
         self._bind(io, "tokens", tokens)
         self._bind(io, "parent", parent)

@@ -1,10 +1,10 @@
 """Output files, written in parts so that a killed run can resume, then merged atomically.
 
 For `--out OUT` (e.g. `recs.parquet`):
-- `OUT`: the recommendations (`scorer.output_schema`), in input order;
+- `OUT`: the recommendations (`outputs.output_schema`), in input order;
 - `OUT` with `.parquet` replaced by `.rejects.parquet` (`recs.rejects.parquet`; or
   `OUT.rejects.parquet` when OUT does not end in `.parquet`): the rejected rows with their
-  input row number and reason (`scorer.REJECTS_SCHEMA`), always written, maybe empty;
+  input row number and reason (`outputs.REJECTS_SCHEMA`), always written, maybe empty;
 - while running: the work directory `OUT.parts/` holding one Parquet part per chunk
   (recommendations, rejects, and per-patient metric rows with `--all`) and
   `progress.json`, the list of committed parts with their counts, rewritten atomically
@@ -24,9 +24,10 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
-from cognet.runtime.scorer import REJECTS_SCHEMA, ScoredChunk, output_schema
 
-from cognet.errors import InputError
+from cognet.core.errors import InputError
+from cognet.runtime.outputs import REJECTS_SCHEMA, ScoredChunk, output_schema
+from cognet.runtime.summary import total_counts
 
 MARKER = "progress.json"
 FORMAT_VERSION = 1
@@ -128,28 +129,7 @@ class PartWriter:
 
     def totals(self) -> dict:
         """Counts summed over every committed part (this run's and resumed ones)."""
-        out = {
-            "rows_read": self.rows_done,
-            "rows_scored": 0,
-            "rows_rejected": 0,
-            "rows_skipped": 0,
-            "unknown_codes": 0,
-            "visits_evaluated": 0,
-        }
-        reasons: dict[str, int] = {}
-        for part in self.parts:
-            for key in (
-                "rows_scored",
-                "rows_rejected",
-                "rows_skipped",
-                "unknown_codes",
-                "visits_evaluated",
-            ):
-                out[key] += part[key]
-            for reason, count in part["reject_reasons"].items():
-                reasons[reason] = reasons.get(reason, 0) + count
-        out["reject_reasons"] = dict(sorted(reasons.items()))
-        return out
+        return total_counts({**p, "rows_read": p["end"] - p["start"]} for p in self.parts)
 
     def patient_metrics(self) -> np.ndarray | None:
         """Per-patient metric rows of every part (None when no part has metrics)."""

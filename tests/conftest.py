@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from cognet.synth import generate
+from cognet.data.synth import generate
 
 TINY_PATIENTS = 60
 SMALL_PATIENTS = 1500

@@ -7,10 +7,10 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from cognet import metrics
 from cognet.baselines import LRConfig, run_baseline, train_logistic
-from cognet.errors import InputError
-from cognet.vocab import Vocab
+from cognet.core import metrics
+from cognet.core.errors import InputError
+from cognet.core.vocab import Vocab
 
 CODES = pa.list_(pa.string())
 

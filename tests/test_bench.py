@@ -9,17 +9,17 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
-from cognet.benchmarks.cli import main
-from cognet.benchmarks.harness import Guard
-from cognet.benchmarks.perpatient import decode_perpatient
-from cognet.benchmarks.report import markdown, ratios
 from tiny import make_tiny
 
 from cognet import checkpoint
 from cognet.batching import make_batch
+from cognet.benchmarks.cli import main
+from cognet.benchmarks.guard import Guard
+from cognet.benchmarks.perpatient import decode_perpatient
+from cognet.benchmarks.report import markdown, ratios
+from cognet.core.schema import read_dataset
 from cognet.decode import beam_search
 from cognet.evaluate import load_split
-from cognet.schema import read_dataset
 
 
 @pytest.fixture(scope="module")

@@ -12,9 +12,6 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 from click.testing import CliRunner
-from cognet.runtime import Scorer
-from cognet.runtime.beam import BeamConfig, beam_search, ddi_rates
-from cognet.runtime.cli import main as batch_main
 from test_runtime_beam import TorchDecoder, make_case
 from test_runtime_scorer import tiny_model_dir
 from tiny import random_checkpoint
@@ -22,12 +19,15 @@ from tiny import random_checkpoint
 from cognet import checkpoint, ddi_tradeoff
 from cognet.batching import make_batch
 from cognet.cli import main as cognet_main
-from cognet.ddi import RECOMMENDED_PENALTY, DDIPolicy, policy_from_options
+from cognet.core.ddi import RECOMMENDED_PENALTY, DDIPolicy, ddi_matrix, policy_from_options
+from cognet.core.graphspec import INIT_INPUTS
+from cognet.core.history import patients_from_table
 from cognet.decode import beam_search as torch_beam_search
-from cognet.evaluate import ddi_matrix, decode_patients, run_evaluation
-from cognet.graphspec import INIT_INPUTS
-from cognet.history import patients_from_table
+from cognet.evaluate import decode_patients, run_evaluation
 from cognet.model import history_inputs
+from cognet.runtime import Scorer
+from cognet.runtime.beam import BeamConfig, beam_search, ddi_rates
+from cognet.runtime.cli import main as batch_main
 
 torch.set_num_threads(1)
 
@@ -261,9 +261,8 @@ def test_explain_prints_the_decoding_step_by_step(tiny, reference):
 
 def test_explanations_of_a_model_without_attention_output(tiny, reference):
     """Model directories exported before `diag_attention`: top_diagnoses is null."""
+    from cognet.core.manifest import load_manifest
     from cognet.runtime.session import OrtModel
-
-    from cognet.manifest import load_manifest
 
     manifest = load_manifest(tiny / "model")
     model = OrtModel(manifest, device="cpu", threads=1)

@@ -14,19 +14,19 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 from click.testing import CliRunner
+from tiny import make_tiny
+
+from cognet import checkpoint
+from cognet.core.errors import InputError
+from cognet.core.graphspec import STEP_INPUTS, STEP_OUTPUTS
+from cognet.core.history import patients_from_table
+from cognet.core.manifest import GRAPHS, Manifest, load_manifest
+from cognet.core.vocab import Vocab
 from cognet.export import FP16_FILES, GRAPH_FILES, OPSET, cache_tensors, export
 from cognet.export import validate as val
 from cognet.export.cli import main
 from cognet.export.graphs import GRAPH_IO, Sizes, StepGraph, example_inputs, tensor_specs
-from tiny import make_tiny
-
-from cognet import checkpoint
-from cognet.errors import InputError
-from cognet.graphspec import STEP_INPUTS, STEP_OUTPUTS
-from cognet.history import patients_from_table
-from cognet.manifest import GRAPHS, Manifest, load_manifest
 from cognet.model import COGNet
-from cognet.vocab import Vocab
 
 ALLOWLIST = Path(__file__).parents[1] / "export" / "onnx_ops_allowlist.txt"
 

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from cognet.errors import InputError
-from cognet.manifest import (
+from cognet.core.errors import InputError
+from cognet.core.manifest import (
     FORMAT_VERSION,
     GRAPHS,
     MANIFEST_FILE,
@@ -23,7 +23,7 @@ from cognet.manifest import (
     load_manifest,
     write_manifest,
 )
-from cognet.vocab import Vocab
+from cognet.core.vocab import Vocab
 
 
 def _graph(model_dir: Path, name: str, suffix: str = "") -> GraphSpec:
@@ -131,7 +131,7 @@ def test_not_a_model_directory(tmp_path: Path):
 
 def test_manifest_module_is_torch_free():
     code = (
-        "import sys, cognet.manifest; "
+        "import sys, cognet.core.manifest; "
         "sys.exit(1 if any(m.split('.')[0] in ('torch', 'onnx') for m in sys.modules) "
         "else 0)"
     )

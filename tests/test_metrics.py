@@ -6,8 +6,8 @@ import sys
 import numpy as np
 import pytest
 
-from cognet import metrics
-from cognet.metrics import VisitResult
+from cognet.core import metrics
+from cognet.core.metrics import VisitResult
 
 M = 6
 
@@ -229,5 +229,5 @@ def test_format_table_rows_and_columns():
 
 
 def test_metrics_module_is_torch_free():
-    code = "import sys, cognet.metrics; assert 'torch' not in sys.modules"
+    code = "import sys, cognet.core.metrics; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -12,9 +12,10 @@ import pyarrow.parquet as pq
 import pytest
 from click.testing import CliRunner
 
-from cognet.errors import InputError
-from cognet.mimic3 import build_mimic3, load_prescriptions, mimic3_command, ranked_codes
-from cognet.schema import read_dataset
+from cognet.cli_data import mimic3_command
+from cognet.core.errors import InputError
+from cognet.core.schema import read_dataset
+from cognet.data.mimic3 import build_mimic3, load_prescriptions, ranked_codes
 
 N1, N2, N3, N4, N5, N6, N7, N8 = (f"0000{i}00000{i}" for i in range(1, 9))
 

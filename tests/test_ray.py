@@ -16,12 +16,12 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from click.testing import CliRunner
-from cognet.runtime import ray_engine
-from cognet.runtime.cli import main
 from test_runtime_cli import last_visits_unknown
 from test_runtime_scorer import tiny_model_dir
 
-from cognet.errors import InputError
+from cognet.core.errors import InputError
+from cognet.runtime import reader as ray_engine  # listing INPUT moved to the reader
+from cognet.runtime.cli import main
 
 COUNTS = ("rows_read", "rows_scored", "rows_rejected", "rows_skipped", "unknown_codes",
           "visits_evaluated", "reject_reasons")  # fmt: skip

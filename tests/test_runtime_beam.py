@@ -6,14 +6,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from cognet.runtime.beam import BeamConfig, beam_search, top_k_stable
 
 from cognet.batching import make_batch
+from cognet.core.graphspec import ENCODER_INPUTS, ENCODER_OUTPUTS, INIT_INPUTS
+from cognet.core.history import Visit
+from cognet.core.vocab import Vocab
 from cognet.decode import beam_search as torch_beam_search
-from cognet.graphspec import ENCODER_INPUTS, ENCODER_OUTPUTS, INIT_INPUTS
-from cognet.history import Visit
 from cognet.model import COGNet, ModelConfig, history_inputs
-from cognet.vocab import Vocab
+from cognet.runtime.beam import BeamConfig, beam_search, top_k_stable
 
 torch.set_num_threads(1)  # tiny tensors: threads only add contention
 

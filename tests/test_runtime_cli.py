@@ -13,9 +13,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from click.testing import CliRunner
-from cognet.runtime.cli import main
-from cognet.runtime.scorer import OUTPUT_SCHEMA, REJECTS_SCHEMA
 from test_runtime_scorer import tiny_model_dir
+
+from cognet.runtime.cli import main
+from cognet.runtime.outputs import OUTPUT_SCHEMA, REJECTS_SCHEMA
 
 REPO = Path(__file__).resolve().parents[1]
 

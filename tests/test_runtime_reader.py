@@ -7,14 +7,14 @@ import numpy as np
 import pyarrow as pa
 import pytest
 import torch
-from cognet.runtime import assemble, reader
 from test_runtime_beam import make_case, torch_encoder
 
 from cognet.batching import make_batch
-from cognet.errors import InputError
-from cognet.graphspec import INIT_INPUTS
-from cognet.history import patients_from_table
+from cognet.core.errors import InputError
+from cognet.core.graphspec import INIT_INPUTS
+from cognet.core.history import patients_from_table
 from cognet.model import history_inputs
+from cognet.runtime import assemble, reader
 
 torch.set_num_threads(1)
 

@@ -10,13 +10,16 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-from cognet.runtime import OUTPUT_SCHEMA, Scorer, evaluation
-from cognet.runtime.scorer import CPU_BATCH_SLOTS, cut_batches
 
-from cognet import checkpoint, metrics
-from cognet.evaluate import ddi_matrix, decode_patients, visit_results
-from cognet.history import patients_from_table
-from cognet.manifest import load_manifest
+from cognet import checkpoint
+from cognet.core import metrics
+from cognet.core import metrics as evaluation  # runtime/evaluation.py merged into metrics
+from cognet.core.ddi import ddi_matrix
+from cognet.core.history import patients_from_table
+from cognet.core.manifest import load_manifest
+from cognet.evaluate import decode_patients, visit_results
+from cognet.runtime import OUTPUT_SCHEMA, Scorer
+from cognet.runtime.scorer import CPU_BATCH_SLOTS, cut_batches
 
 torch.set_num_threads(1)
 
@@ -26,8 +29,9 @@ def tiny_model_dir(base: Path) -> Path:
     test session under `base` (shared by the runtime test files)."""
     root = base / "runtime_tiny"
     if not (root / "model" / "manifest.json").is_file():
-        from cognet.export import export
         from tiny import make_tiny
+
+        from cognet.export import export
 
         _, ckpt = make_tiny(root, n_patients=80)
         export(ckpt, root / "model", validate=False)

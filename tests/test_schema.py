@@ -12,8 +12,8 @@ import pytest
 from click.testing import CliRunner
 
 from cognet.cli_data import data
-from cognet.errors import InputError
-from cognet.schema import (
+from cognet.core.errors import InputError
+from cognet.core.schema import (
     DDI_SCHEMA,
     SPLITS,
     VISITS_SCHEMA,

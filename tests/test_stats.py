@@ -11,8 +11,8 @@ import pytest
 from click.testing import CliRunner
 
 from cognet.cli_data import data
-from cognet.schema import read_dataset, write_ddi, write_visits
-from cognet.stats import compute_stats, format_stats
+from cognet.core.schema import read_dataset, write_ddi, write_visits
+from cognet.data.stats import compute_stats, format_stats
 
 
 def write_dataset(root, rows, pairs):

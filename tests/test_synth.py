@@ -13,8 +13,8 @@ import pytest
 from click.testing import CliRunner
 
 from cognet.cli_data import data
-from cognet.schema import VISITS_SCHEMA, read_dataset
-from cognet.synth import MEDICATIONS, generate
+from cognet.core.schema import VISITS_SCHEMA, read_dataset
+from cognet.data.synth import MEDICATIONS, generate
 
 ICD9_DIAGNOSIS = re.compile(r"(\d{3}(\.\d{1,2})?|V\d{2}(\.\d{1,2})?|E\d{3}(\.\d)?)")
 ICD9_PROCEDURE = re.compile(r"\d{2}\.\d{1,2}")
@@ -29,7 +29,7 @@ def test_same_seed_same_bytes(tmp_path, tiny_dataset):
 
 def test_same_bytes_in_another_process(tmp_path, tiny_dataset):
     """String hashing differs between processes: nothing may depend on set order."""
-    code = "import sys; from cognet.synth import generate; generate(sys.argv[1], 60, 0)"
+    code = "import sys; from cognet.data.synth import generate; generate(sys.argv[1], 60, 0)"
     env = {**os.environ, "PYTHONHASHSEED": "12345"}
     subprocess.run([sys.executable, "-c", code, str(tmp_path)], env=env, check=True)
     for name in ("visits.parquet", "ddi.parquet"):

@@ -11,7 +11,7 @@ from tiny import make_tiny
 
 from cognet import checkpoint
 from cognet.cli import main
-from cognet.errors import InputError
+from cognet.core.errors import InputError
 
 
 @pytest.fixture(scope="module")
@@ -171,8 +171,8 @@ def test_help(args):
 
 
 def test_by_history_splits_first_and_later_visits():
+    from cognet.core.metrics import VisitResult
     from cognet.evaluate import by_history
-    from cognet.metrics import VisitResult
 
     ddi = np.zeros((4, 4), bool)
     results = [

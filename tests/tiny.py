@@ -105,9 +105,9 @@ def random_checkpoint(
 
     from cognet import checkpoint
     from cognet.batching import ddi_adjacency, ehr_adjacency
+    from cognet.core.vocab import Vocab
     from cognet.evaluate import load_split, split_table
     from cognet.model import COGNet, ModelConfig
-    from cognet.vocab import Vocab
 
     visits = pq.read_table(Path(data) / "visits.parquet")
     ddi_table = pq.read_table(Path(data) / "ddi.parquet")

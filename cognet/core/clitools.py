@@ -1,4 +1,5 @@
-"""Helpers shared by the cognet command lines: error mapping and progress bars."""
+"""Helpers shared by the cognet command lines: error mapping, logging, progress bars and the
+options several commands take (`count_option`, `ddi_options`)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from typing import TypeVar
 
 import click
 
-from cognet.errors import InputError
+from cognet.core.errors import InputError
 
 T = TypeVar("T")
 
@@ -80,31 +81,52 @@ def progress(
     )
 
 
+def count_option(
+    *decls: str, help: str | None = None, default: int | None = None, **kwargs
+) -> Callable:
+    """A click option taking a positive integer (a count: beam width, threads, visits per
+    batch, ...); its default, when it has one, shows in --help."""
+    kwargs.setdefault("show_default", default is not None)
+    return click.option(*decls, type=click.IntRange(min=1), default=default, help=help, **kwargs)
+
+
 def ddi_options(func: Callable) -> Callable:
-    """--ddi-mode / --ddi-penalty / --ddi-max-rate (see `cognet.ddi`); turn them into a
+    """--ddi-mode / --ddi-penalty / --ddi-max-rate (see `cognet.core.ddi`); turn them into a
     policy with `ddi_policy`."""
-    from cognet.ddi import DDI_MODES, RECOMMENDED_PENALTY
+    from cognet.core.ddi import DDI_MODES, RECOMMENDED_PENALTY
 
     options = [
-        click.option("--ddi-mode", type=click.Choice(DDI_MODES), default="off",
-                     show_default=True,
-                     help="DDI-aware decoding: hard = never emit a medication interacting "
-                          "with one already recommended; soft = penalise it per pair."),
-        click.option("--ddi-penalty", type=click.FloatRange(min=0), default=None,
-                     help="soft: log-probability removed per interacting pair "
-                          f"(default {RECOMMENDED_PENALTY:g})."),
-        click.option("--ddi-max-rate", type=click.FloatRange(0, 1), default=None,
-                     help="Return the best finished beam whose DDI rate is <= this "
-                          "(else the lowest-rate beam)."),
-    ]  # fmt: skip
+        click.option(
+            "--ddi-mode",
+            type=click.Choice(DDI_MODES),
+            default="off",
+            show_default=True,
+            help="DDI-aware decoding: hard = never emit a medication interacting "
+            "with one already recommended; soft = penalise it per pair.",
+        ),
+        click.option(
+            "--ddi-penalty",
+            type=click.FloatRange(min=0),
+            default=None,
+            help="soft: log-probability removed per interacting pair "
+            f"(default {RECOMMENDED_PENALTY:g}).",
+        ),
+        click.option(
+            "--ddi-max-rate",
+            type=click.FloatRange(0, 1),
+            default=None,
+            help="Return the best finished beam whose DDI rate is <= this "
+            "(else the lowest-rate beam).",
+        ),
+    ]
     for option in reversed(options):
         func = option(func)
     return func
 
 
 def ddi_policy(mode: str, penalty: float | None, max_rate: float | None):
-    """The `cognet.ddi.DDIPolicy` of the ddi_options; click.UsageError on a bad mix."""
-    from cognet.ddi import policy_from_options
+    """The `cognet.core.ddi.DDIPolicy` of the ddi_options; click.UsageError on a bad mix."""
+    from cognet.core.ddi import policy_from_options
 
     try:
         return policy_from_options(mode, penalty, max_rate)

@@ -43,16 +43,14 @@ import json
 import logging
 import os
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
-import click
 import pandas as pd
 import pyarrow as pa
 
-from cognet.clitools import handle_errors, setup_logging
-from cognet.errors import InputError, where
-from cognet.schema import DDI_FILE, VISITS_FILE, VISITS_SCHEMA, write_ddi, write_visits
+from cognet.core.errors import InputError, one_line, where
+from cognet.core.schema import DDI_FILE, VISITS_FILE, VISITS_SCHEMA, write_ddi, write_visits
 
 log = logging.getLogger(__name__)
 
@@ -167,10 +165,6 @@ def _require_file(path: Path) -> None:
         raise InputError(f"{path}: file not found")
 
 
-def _one_line(exc: Exception) -> str:
-    return " ".join(str(exc).split())
-
-
 def read_csv_columns(path: Path, columns: Sequence[str]) -> pd.DataFrame:
     """Read ``columns`` (matched case-insensitively) of a CSV as stripped strings.
 
@@ -187,7 +181,7 @@ def read_csv_columns(path: Path, columns: Sequence[str]) -> pd.DataFrame:
         usecols = [actual[c.upper()] for c in columns]
         frame = pd.read_csv(path, usecols=usecols, dtype=str, keep_default_na=False, na_values=[""])
     except (pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError, OSError) as exc:
-        raise InputError(f"{path}: not a readable CSV ({_one_line(exc)})") from None
+        raise InputError(f"{path}: not a readable CSV ({one_line(exc)})") from None
     frame = frame.rename(columns={actual[c.upper()]: c for c in columns})[list(columns)]
     for column in columns:
         values = frame[column].str.strip()
@@ -271,7 +265,7 @@ def read_ndc_rxnorm(path: Path) -> dict[str, str]:
         except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError) as exc:
             raise InputError(
                 f"{path}: not a dict literal of NDC -> RxCUI "
-                f"({type(exc).__name__}: {_one_line(exc)})"
+                f"({type(exc).__name__}: {one_line(exc)})"
             ) from None
     if not isinstance(mapping, dict):
         raise InputError(f"{path}: expected a dict of NDC -> RxCUI, got {type(mapping).__name__}")
@@ -413,87 +407,3 @@ def _visits_table(visits: pd.DataFrame) -> pa.Table:
     }
     schema = pa.schema([VISITS_SCHEMA.field(name) for name in columns])
     return pa.Table.from_pydict(columns, schema=schema)
-
-
-# ---------------------------------------------------------------- command line
-
-
-@click.command("mimic3", context_settings={"help_option_names": ["-h", "--help"]})
-@click.option(
-    "--mimic-dir",
-    required=True,
-    type=click.Path(path_type=Path),
-    help="MIMIC-III v1.4 folder: PRESCRIPTIONS, DIAGNOSES_ICD, PROCEDURES_ICD, "
-    "ADMISSIONS (.csv or .csv.gz).",
-)
-@click.option(
-    "--ndc-rxnorm",
-    required=True,
-    type=click.Path(path_type=Path),
-    help="ndc2rxnorm_mapping.txt: a dict literal NDC -> RxCUI (parsed, never run).",
-)
-@click.option(
-    "--rxnorm-atc",
-    required=True,
-    type=click.Path(path_type=Path),
-    help="RXCUI2atc4.csv / ndc2atc_level4.csv with columns RXCUI and ATC4.",
-)
-@click.option(
-    "--drug-atc",
-    required=True,
-    type=click.Path(path_type=Path),
-    help="drug-atc.csv: lines 'STITCH CID,ATC,ATC,...'.",
-)
-@click.option(
-    "--ddi",
-    required=True,
-    type=click.Path(path_type=Path),
-    help="TWOSIDES drug-DDI.csv with columns 'STITCH 1', 'STITCH 2', 'Polypharmacy Side Effect'.",
-)
-@click.option(
-    "--out",
-    required=True,
-    type=click.Path(path_type=Path),
-    help="Dataset folder to write (visits.parquet, ddi.parquet).",
-)
-@click.option(
-    "--ddi-types",
-    type=click.Choice(DDI_TYPES),
-    default="top40",
-    show_default=True,
-    help="top40: pairs of the 40 most frequent side-effect types. reference: the "
-    "40 least frequent, as the SafeDrug/COGNet script keeps because of a sort "
-    "bug (bug-compatible, to compare with published numbers).",
-)
-@click.option("-v", "--verbose", is_flag=True, help="Log each step.")
-@handle_errors
-def mimic3_command(
-    mimic_dir: Path,
-    ndc_rxnorm: Path,
-    rxnorm_atc: Path,
-    drug_atc: Path,
-    ddi: Path,
-    out: Path,
-    ddi_types: str,
-    verbose: bool,
-) -> None:
-    """Build a dataset from MIMIC-III CSVs with the SafeDrug / COGNet preprocessing.
-
-    Keeps patients with 2+ admissions, maps NDC -> RxCUI -> ATC-3 (300 commonest), the 2000
-    commonest ICD-9 diagnoses and every procedure, orders visits by admission time, and
-    takes DDI pairs from TWOSIDES through STITCH CID -> ATC.
-
-    About --ddi-types: the reference script sorts the side-effect counts in descending
-    order and then keeps the last 40 rows, i.e. the 40 LEAST frequent types (a sort bug).
-    The default, top40, keeps the 40 most frequent as the papers describe; 'reference'
-    reproduces the bug.
-
-    \b
-    Example:
-      cognet data mimic3 --mimic-dir mimic-iii-clinical-database-1.4 \\
-        --ndc-rxnorm ndc2rxnorm_mapping.txt --rxnorm-atc ndc2atc_level4.csv \\
-        --drug-atc drug-atc.csv --ddi drug-DDI.csv --out data/mimic3
-    """
-    setup_logging(verbose)
-    summary = build_mimic3(mimic_dir, ndc_rxnorm, rxnorm_atc, drug_atc, ddi, out, ddi_types)
-    click.echo(f"wrote {out}: " + ", ".join(f"{k} {v}" for k, v in asdict(summary).items()))

@@ -1,5 +1,7 @@
-"""DDI-aware decoding policy, shared by the torch reference (`cognet.decode`) and the runtime
-(`cognet.runtime.beam`), torch-free.
+"""DDI-aware decoding: the policy and its rules, the one place they are written (torch-free).
+
+The torch reference (`cognet.decode`) and the runtime (`cognet.runtime.beam`) both follow
+these rules and are tested equal; docs/INTERNALS.md and their docstrings point here.
 
 The paper's decoding (`off`) recommends what doctors prescribe, interacting pairs included.
 A policy lets whoever runs the model bound that risk at inference time, without retraining:
@@ -7,19 +9,27 @@ A policy lets whoever runs the model bound that risk at inference time, without 
 - `hard`: a medication that interacts with one already in the hypothesis cannot be emitted
   (its log-probability is -inf), so every recommendation has a DDI rate of 0.
 - `soft`: its log-probability is lowered by `penalty` per interacting pair with the
-  hypothesis (the hypothesis score includes the penalties; reported probabilities do not).
-- `max_rate`: decoding runs until every beam has finished and returns the best beam (score
-  order) whose DDI rate is <= max_rate, else the beam with the lowest rate (best score
-  first among ties). Combines with any mode.
+  hypothesis (float32: the hypothesis score includes the penalties; the emitted
+  probabilities and the PRAUC scores use the raw log-probabilities).
+- `max_rate`: a visit is done when ALL its beams have finished (or at max_len), and its
+  answer is the first beam in score order with a finite score and a DDI rate (float32)
+  <= max_rate + RATE_TOLERANCE, else the beam with the lowest rate (a stable sort: the
+  first beam among ties, beams with a -inf score last). Combines with any mode.
 
-Both decoders compute the clash count of a candidate as (medications of the hypothesis) @
-(DDI adjacency over medication ids, symmetric, zero diagonal) before the beam's candidates
-are ranked.
+At each step, the clash count of every candidate medication is (medications of the
+hypothesis) @ (DDI adjacency: `ddi_matrix`, symmetric 0/1 with a zero diagonal), [n, B, M];
+it is applied to the step's log-probabilities after the mask of medications already used and
+before the candidates are ranked. The default policy (`off`) adds no work to a step.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+
+import numpy as np
+
+from cognet.core.vocab import Vocab
 
 DDI_MODES = ("off", "soft", "hard")
 # The soft penalty recommended by the trade-off on the synthetic test split (README): the
@@ -55,6 +65,21 @@ class DDIPolicy:
 
     def to_json(self) -> dict:
         return {"mode": self.mode, "penalty": self.penalty, "max_rate": self.max_rate}
+
+
+def ddi_matrix(vocab: Vocab, pairs: Iterable[Sequence[str]]) -> np.ndarray:
+    """bool [M, M]: the DDI adjacency over the vocabulary's medication ids, symmetric with a
+    zero diagonal; pairs naming a code the vocabulary does not know are ignored.
+
+    The one place that turns DDI pairs (codes) into the matrix that decoding, the DDI rate
+    and the model's DDI graph (`cognet.batching.ddi_adjacency`, float32) use."""
+    index = {code: i for i, code in enumerate(vocab.medications)}
+    adj = np.zeros((vocab.n_med, vocab.n_med), bool)
+    for a, b in pairs:
+        i, j = index.get(a), index.get(b)
+        if i is not None and j is not None and i != j:
+            adj[i, j] = adj[j, i] = True
+    return adj
 
 
 def policy_from_options(

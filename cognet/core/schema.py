@@ -20,7 +20,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from cognet.errors import InputError, where
+from cognet.core.errors import InputError, one_line, where
 
 VISITS_FILE = "visits.parquet"
 DDI_FILE = "ddi.parquet"
@@ -280,16 +280,14 @@ def _open(path: Path) -> pq.ParquetFile:
     try:
         return pq.ParquetFile(path)
     except (pa.ArrowException, OSError) as exc:
-        detail = " ".join(str(exc).split())
-        raise InputError(f"{path}: not a readable Parquet file ({detail})") from None
+        raise InputError(f"{path}: not a readable Parquet file ({one_line(exc)})") from None
 
 
 def _read(file: pq.ParquetFile, path: Path, columns: list[str]) -> pa.Table:
     try:
         return file.read(columns=columns)
     except (pa.ArrowException, OSError) as exc:
-        detail = " ".join(str(exc).split())
-        raise InputError(f"{path}: not a readable Parquet file ({detail})") from None
+        raise InputError(f"{path}: not a readable Parquet file ({one_line(exc)})") from None
 
 
 def read_visits(path: str | os.PathLike, split_seed: int = 0) -> pa.Table:

@@ -12,6 +12,12 @@ class ParityError(RuntimeError):
     """An exported graph or runtime disagrees with the torch model."""
 
 
+def one_line(exc: BaseException) -> str:
+    """An exception's message on one line (white space folded), or its type's name when it
+    has none: the detail of an input error's single line."""
+    return " ".join(str(exc).split()) or type(exc).__name__
+
+
 def where(path: object, column: str | None = None, row: int | None = None) -> str:
     """Format the location prefix of an input error: ``FILE: column C, row R``."""
     parts = [str(path)]

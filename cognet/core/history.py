@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 import pyarrow as pa
 
-from cognet.vocab import Vocab
+from cognet.core.vocab import Vocab
 
 
 @dataclass(frozen=True)

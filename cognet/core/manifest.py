@@ -1,12 +1,12 @@
 """The model-directory format shared by `cognet-export` and the runtime (torch-free).
 
 A model directory holds `manifest.json` and the ONNX graphs it names; nothing else is
-needed to score. Graph I/O names and their order come from `cognet.graphspec`.
+needed to score. Graph I/O names and their order come from `cognet.core.graphspec`.
 
 API (stable; the runtime codes against it):
 
 - `load_manifest(model_dir, verify=True) -> Manifest`: read `model_dir/manifest.json`.
-  Raises `cognet.errors.InputError` (one line naming the file) when the directory or the
+  Raises `cognet.core.errors.InputError` (one line naming the file) when the directory or the
   manifest is missing or malformed, when `format_version` is not `FORMAT_VERSION`, or - with
   `verify` - when a graph file (of the main graphs and of every variant) is missing or its
   sha256 differs from the manifest's.
@@ -17,7 +17,7 @@ API (stable; the runtime codes against it):
       `manifest.graph_path(name, variant=None) -> Path` for `name` in `GRAPHS`
       ("encoder", "decoder_init", "decoder_step") and `variant` None (float32) or a key of
       `manifest.variants` (e.g. "fp16");
-    - `manifest.vocabulary() -> cognet.vocab.Vocab`;
+    - `manifest.vocabulary() -> cognet.core.vocab.Vocab`;
     - `manifest.to_json()` / `Manifest.from_json(obj, model_dir=None)`.
 
 `manifest.json` fields: `format_version`, `opset`, `dims` (dim, heads, head_dim, n_diag,
@@ -40,8 +40,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from cognet.errors import InputError
-from cognet.vocab import Vocab
+from cognet.core.errors import InputError, one_line
+from cognet.core.vocab import Vocab
 
 FORMAT_VERSION = 1
 MANIFEST_FILE = "manifest.json"
@@ -229,7 +229,7 @@ def load_manifest(model_dir: str | Path, verify: bool = True) -> Manifest:
     try:
         obj = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise InputError(f"{path}: unreadable manifest ({_one_line(exc)})") from None
+        raise InputError(f"{path}: unreadable manifest ({one_line(exc)})") from None
     if not isinstance(obj, dict) or obj.get("format_version") != FORMAT_VERSION:
         found = obj.get("format_version") if isinstance(obj, dict) else None
         raise InputError(
@@ -239,7 +239,7 @@ def load_manifest(model_dir: str | Path, verify: bool = True) -> Manifest:
     try:
         manifest = Manifest.from_json(obj, model_dir)
     except (KeyError, TypeError, ValueError) as exc:
-        raise InputError(f"{path}: malformed manifest ({_one_line(exc)})") from None
+        raise InputError(f"{path}: malformed manifest ({one_line(exc)})") from None
     if verify:
         verify_graphs(manifest)
     return manifest
@@ -267,7 +267,3 @@ def write_manifest(model_dir: str | Path, manifest: Manifest) -> Path:
     tmp.write_text(json.dumps(manifest.to_json(), indent=1) + "\n")
     os.replace(tmp, path)
     return path
-
-
-def _one_line(exc: BaseException) -> str:
-    return " ".join(str(exc).split()) or type(exc).__name__

@@ -17,10 +17,12 @@ visits, then over patients. The DDI rate is a pooled ratio instead, as in the Sa
 COGNet reference code: interacting pairs / all unordered pairs, each summed over every
 evaluated visit (single-drug and empty sets add no pair); 0.0 when there is no pair at all.
 
-Test figures (`bootstrap_report`) are the mean and std (ddof=0, as numpy's default used by
-the reference code) over seeded rounds that each draw 80% of the patients *without*
-replacement (the reference code draws with replacement; without it a round never counts a
-patient twice).
+Test figures (`bootstrap_report`; `report` of per-patient rows) are the mean and std (ddof=0,
+as numpy's default used by the reference code) over seeded rounds that each draw 80% of the
+patients *without* replacement (the reference code draws with replacement; without it a round
+never counts a patient twice). Per-patient rows (`patient_rows`) are what a caller that sees
+visits in chunks of whole patients keeps: the runtime's `--all` and `cognet evaluate` report
+through the same functions.
 """
 
 from __future__ import annotations
@@ -33,6 +35,8 @@ import numpy as np
 # Metrics averaged per patient then over patients, in the order reports list them.
 AVERAGED = ("jaccard", "precision", "recall", "f1", "prauc", "avg_drugs")
 METRICS = (*AVERAGED, "ddi")
+# Columns of `patient_rows`: the averaged metrics, then the DDI pair counts (summed).
+PATIENT_COLUMNS = (*AVERAGED, "ddi_hit", "ddi_pairs")
 # Columns of the paper's Table 2: (report key, header).
 TABLE_COLUMNS = (
     ("jaccard", "Jaccard"),
@@ -167,18 +171,20 @@ def visit_metrics(result: VisitResult, ddi_adj: np.ndarray) -> dict[str, float]:
 # -- over visits and patients -----------------------------------------------------------------
 
 
-def _per_patient(results: Sequence[VisitResult], ddi_adj: np.ndarray) -> np.ndarray:
-    """float [n_patients, len(AVERAGED) + 2]: per-patient means of the averaged metrics,
-    then the patient's summed DDI hits and pairs. Patients in order of first appearance."""
+def patient_rows(results: Sequence[VisitResult], ddi_adj: np.ndarray) -> np.ndarray:
+    """float64 [patients, len(PATIENT_COLUMNS)]: per patient (in order of first appearance)
+    the mean of each averaged metric over its visits, then its summed DDI hits and pairs.
+
+    Everything `summary_of` and `report` need: a caller that sees its visits in chunks of
+    whole patients (the runtime, `cognet-batch score --all`) keeps these rows only and
+    concatenates them."""
     if not results:
         raise ValueError("no visit to evaluate")
     rows: dict[str, list[np.ndarray]] = {}
     for r in results:
         vm = visit_metrics(r, ddi_adj)
-        rows.setdefault(r.patient_id, []).append(
-            np.array([vm[k] for k in AVERAGED] + [vm["ddi_hit"], vm["ddi_pairs"]])
-        )
-    out = np.empty((len(rows), len(AVERAGED) + 2))
+        rows.setdefault(r.patient_id, []).append(np.array([vm[k] for k in PATIENT_COLUMNS]))
+    out = np.empty((len(rows), len(PATIENT_COLUMNS)))
     for i, visits in enumerate(rows.values()):
         v = np.stack(visits)
         out[i, :-2] = v[:, :-2].mean(axis=0)
@@ -186,9 +192,11 @@ def _per_patient(results: Sequence[VisitResult], ddi_adj: np.ndarray) -> np.ndar
     return out
 
 
-def _summary_of(per_patient: np.ndarray) -> dict[str, float]:
-    means = per_patient[:, :-2].mean(axis=0)
-    hit, pairs = per_patient[:, -2:].sum(axis=0)
+def summary_of(rows: np.ndarray) -> dict[str, float]:
+    """The metrics of the patients behind `patient_rows` rows: the averaged metrics' means over
+    patients and the pooled DDI rate."""
+    means = rows[:, :-2].mean(axis=0)
+    hit, pairs = rows[:, -2:].sum(axis=0)
     out = {k: float(v) for k, v in zip(AVERAGED, means, strict=True)}
     out["ddi"] = float(hit / pairs) if pairs else 0.0
     return out
@@ -197,7 +205,32 @@ def _summary_of(per_patient: np.ndarray) -> dict[str, float]:
 def summarize(results: Sequence[VisitResult], ddi_adj: np.ndarray) -> dict[str, float]:
     """jaccard, precision, recall, f1, prauc, avg_drugs (per patient, then over patients) and
     the pooled ddi rate of all results; ddi_adj: bool [M, M]."""
-    return _summary_of(_per_patient(results, np.asarray(ddi_adj, dtype=bool)))
+    return summary_of(patient_rows(results, np.asarray(ddi_adj, dtype=bool)))
+
+
+def report(
+    rows: np.ndarray, n_visits: int, rounds: int = 10, fraction: float = 0.8, seed: int = 0
+) -> dict:
+    """Mean and std of every metric over `rounds` draws of `fraction` of the patients behind
+    `patient_rows` rows (without replacement, numpy Generator seeded with `seed`).
+
+    Returns {metric: {"mean", "std"}, "n_patients", "n_visits", "rounds"}; rounds=1 with
+    fraction=1.0 reproduces `summary_of` exactly.
+    """
+    if rounds < 1 or not 0 < fraction <= 1:
+        raise ValueError("rounds must be >= 1 and fraction in (0, 1]")
+    n = rows.shape[0]
+    size = max(1, round(fraction * n))
+    rng = np.random.default_rng(seed)
+    draws = [
+        summary_of(rows[np.sort(rng.choice(n, size=size, replace=False))]) for _ in range(rounds)
+    ]
+    out: dict = {}
+    for k in METRICS:
+        values = np.array([d[k] for d in draws])
+        out[k] = {"mean": float(values.mean()), "std": float(values.std())}
+    out.update(n_patients=n, n_visits=n_visits, rounds=rounds)
+    return out
 
 
 def bootstrap_report(
@@ -207,28 +240,10 @@ def bootstrap_report(
     fraction: float = 0.8,
     seed: int = 0,
 ) -> dict:
-    """Mean and std of every metric over `rounds` draws of `fraction` of the patients
-    (without replacement, numpy Generator seeded with `seed`).
-
-    Returns {metric: {"mean", "std"}, "n_patients", "n_visits", "rounds"}; rounds=1 with
-    fraction=1.0 reproduces `summarize` exactly.
-    """
-    if rounds < 1 or not 0 < fraction <= 1:
-        raise ValueError("rounds must be >= 1 and fraction in (0, 1]")
-    per_patient = _per_patient(results, np.asarray(ddi_adj, dtype=bool))
-    n = per_patient.shape[0]
-    size = max(1, round(fraction * n))
-    rng = np.random.default_rng(seed)
-    draws = [
-        _summary_of(per_patient[np.sort(rng.choice(n, size=size, replace=False))])
-        for _ in range(rounds)
-    ]
-    report: dict = {}
-    for k in METRICS:
-        values = np.array([d[k] for d in draws])
-        report[k] = {"mean": float(values.mean()), "std": float(values.std())}
-    report.update(n_patients=n, n_visits=len(results), rounds=rounds)
-    return report
+    """`report` of the patients of `results`: what `cognet evaluate` prints and what
+    `cognet-batch score --all` computes chunk by chunk; ddi_adj: bool [M, M]."""
+    rows = patient_rows(results, np.asarray(ddi_adj, dtype=bool))
+    return report(rows, len(results), rounds, fraction, seed)
 
 
 def format_table(reports: dict[str, dict]) -> str:

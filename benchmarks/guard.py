@@ -1,0 +1,53 @@
+"""The correctness guard of `cognet-bench`: every engine's recommendations must equal
+torch-batched's (the reference) on the same visits, or the run says MISMATCH."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from cognet.benchmarks import engines as eng
+from cognet.benchmarks.workload import Batch
+
+
+class Guard:
+    """Recommendations of torch-batched per (beam, visit_id); every run is compared to them."""
+
+    def __init__(self, reference: eng.Engine | None):
+        self.reference = reference
+        self.recs: dict[tuple[int, str], tuple[str, ...]] = {}
+
+    def ensure(self, batches: Sequence[Batch], beam: int, chunk: int = 32) -> None:
+        """Decode (untimed, `chunk` patients at a time: torch-batched's fastest) the visits
+        of `batches` that have no reference yet."""
+        if self.reference is None:
+            return
+        todo = [p for b in batches for p in b.patients if (beam, p[-1].visit_id) not in self.recs]
+        self.reference.prepare(beam, chunk)
+        for lo in range(0, len(todo), chunk):
+            part = todo[lo : lo + chunk]
+            batch = Batch(None, part, [p[-1].visit_id for p in part])  # torch needs no table
+            self.add(beam, self.reference.recommendations(batch, self.reference.run(batch)))
+
+    def add(self, beam: int, recs: dict[str, tuple[str, ...]]) -> None:
+        for vid, meds in recs.items():
+            self.recs.setdefault((beam, vid), meds)
+
+    def compare(self, beam: int, recs: dict[str, tuple[str, ...]]) -> dict:
+        if self.reference is None:
+            return {"matches_reference": None, "compared": 0, "mismatches": 0, "examples": []}
+        compared, examples, bad = 0, [], 0
+        for vid, meds in recs.items():
+            ref = self.recs.get((beam, vid))
+            if ref is None:
+                continue
+            compared += 1
+            if ref != meds:
+                bad += 1
+                if len(examples) < 3:
+                    examples.append({"visit_id": vid, "reference": list(ref), "got": list(meds)})
+        return {
+            "matches_reference": bad == 0 and compared == len(recs),
+            "compared": compared,
+            "mismatches": bad,
+            "examples": examples,
+        }

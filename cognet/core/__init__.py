@@ -1,0 +1,10 @@
+"""cognet.core: the torch-free pieces that training, export and the runtime all import.
+
+errors (`InputError`), the dataset contract (`schema`), vocabularies (`vocab`), history
+assembly (`history`), the model-directory format (`manifest`) and graph I/O names
+(`graphspec`), DDI policies (`ddi`), metrics (`metrics`), decoding defaults (`decoding`),
+TensorRT provider options (`tensorrt`) and the command-line helpers (`clitools`).
+
+Nothing here imports torch nor any cognet module outside `cognet.core` (`make lint` checks
+it), so a scoring box installs the runtime without torch.
+"""

@@ -1,0 +1,143 @@
+"""The export pipeline: a checkpoint -> a model directory (`cognet.export.export`).
+
+Writes the three graphs (`onnx_export`), their float16 variants (`fp16`), checks their parity
+with the torch model (`validate`), optionally builds TensorRT engines (`tensorrt`), and
+writes `manifest.json` last (`cognet.core.manifest`): a directory whose parity failed holds
+`parity_report.json` and no manifest, so no runtime loads it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+from cognet.core.decoding import BEAM, MAX_LEN
+from cognet.core.errors import InputError, one_line
+from cognet.core.manifest import GRAPHS, Dims, Manifest, Special, write_manifest
+from cognet.export.onnx_export import OPSET, export_graph, graph_spec, write_fp16
+
+log = logging.getLogger(__name__)
+
+GRAPH_FILES = {name: f"{name}.onnx" for name in GRAPHS}
+FP16_FILES = {name: f"{name}.fp16.onnx" for name in GRAPHS}
+REPORT_FILE = "parity_report.json"
+
+
+def export(
+    checkpoint: str | Path,
+    out: str | Path,
+    validate: bool = True,
+    fp16: bool = False,
+    tensorrt: bool = False,
+    n_patients: int = 64,
+) -> Manifest:
+    """Export `checkpoint` to the model directory `out`; returns its manifest.
+
+    Raises InputError for an unreadable checkpoint, TensorRTUnavailable, and
+    cognet.core.errors.ParityError when validation fails (the report is then in
+    `out/parity_report.json`). `n_patients`: random patients decoded by the parity check.
+    """
+    import torch
+
+    from cognet import checkpoint as ckpt
+
+    if tensorrt:
+        from cognet.export.tensorrt import require_tensorrt
+
+        require_tensorrt()
+    model, vocab, config = _load_checkpoint(Path(checkpoint))
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    # the manifest goes first (the directory is not servable until the end), then every
+    # file a previous export may have left
+    for stale in ("manifest.json", REPORT_FILE, *GRAPH_FILES.values(), *FP16_FILES.values()):
+        (out / stale).unlink(missing_ok=True)
+
+    from cognet.export.graphs import tensor_specs
+
+    specs = tensor_specs(model)
+    paths = {name: out / GRAPH_FILES[name] for name in GRAPHS}
+    with torch.no_grad():
+        for name in GRAPHS:
+            log.info("exporting %s", name)
+            export_graph(model, name, paths[name])
+    graphs = {name: graph_spec(paths[name], name, specs) for name in GRAPHS}
+    variants = {}
+    fp16_paths = None
+    if fp16:
+        fp16_paths = {name: out / FP16_FILES[name] for name in GRAPHS}
+        variants["fp16"] = {
+            name: write_fp16(paths[name], fp16_paths[name], name, specs) for name in GRAPHS
+        }
+
+    parity = None
+    if validate:
+        from cognet.export.validate import check
+        from cognet.export.validate import validate as run_validation
+
+        parity = run_validation(
+            model, vocab, paths, fp16_paths, n_patients=n_patients, log=log.info
+        )
+        parity["ops"] = sorted(_ops(paths.values()) | _ops((fp16_paths or {}).values()))
+        if not parity["passed"]:
+            report = out / REPORT_FILE
+            report.write_text(json.dumps(parity, indent=1) + "\n")
+            check(parity, report)
+
+    cfg = model.cfg
+    manifest = Manifest(
+        opset=OPSET,
+        dims=Dims(
+            cfg.dim, cfg.heads, cfg.head_dim, cfg.n_diag, cfg.n_proc, cfg.n_med, cfg.out_size
+        ),
+        special=Special(vocab.end, vocab.start, vocab.med_pad, vocab.diag_pad, vocab.proc_pad),
+        vocab=vocab.to_json(),
+        max_len=MAX_LEN,
+        beam=BEAM,
+        ablation=cfg.ablation,
+        ddi_pairs=tuple((str(a), str(b)) for a, b in config.get("ddi_pairs", [])),
+        graphs=graphs,
+        variants=variants,
+        checkpoint_sha256=ckpt.checkpoint_hash(checkpoint),
+        versions=_versions(),
+        parity=parity,
+        model_dir=out,
+    )
+    if tensorrt:
+        from cognet.export.tensorrt import build_engines
+
+        manifest = build_engines(manifest, fp16=fp16)
+    write_manifest(out, manifest)
+    return manifest
+
+
+def _load_checkpoint(path: Path):
+    from safetensors import SafetensorError
+
+    from cognet import checkpoint as ckpt
+
+    try:
+        return ckpt.load(path)
+    except InputError:
+        raise
+    except (OSError, ValueError, KeyError, TypeError, RuntimeError, SafetensorError) as exc:
+        raise InputError(f"{path}: cannot load checkpoint ({one_line(exc)[:200]})") from None
+
+
+def _ops(paths) -> set[str]:
+    import onnx
+
+    return {node.op_type for p in paths for node in onnx.load(str(p)).graph.node}
+
+
+def _versions() -> dict[str, str]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {}
+    for pkg in ("torch", "onnx", "onnxruntime", "cognet"):
+        try:
+            out[pkg] = version(pkg)
+        except PackageNotFoundError:
+            out[pkg] = "unknown"
+    return out

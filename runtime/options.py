@@ -1,0 +1,73 @@
+"""`ScoreOptions`: how a `Scorer` decodes, on what and in what batches, in one frozen value.
+
+Every caller configures scoring with one: `cognet-batch score` and `explain`, the Ray
+workers (`--engine ray`), and the benchmarks. It is validated once, on creation, and
+`cognet-batch score --summary-json` records it (`to_json`) under "options".
+
+    Scorer("model", ScoreOptions(device="cpu", beam=1))
+    Scorer("model", device="cpu", beam=1)  # the same: fields of ScoreOptions as keywords
+
+None means "the model's or the machine's default", resolved by the scorer: beam from the
+manifest (4), batch_size 128 on the CPU / 512 on a GPU, batch_slots 2^12 / 2^20, threads
+the cores this process may use, streams one per thread on the CPU / 1 on a GPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from cognet.core.ddi import DDIPolicy
+from cognet.core.decoding import DECODINGS, DEFAULT_DECODING
+from cognet.core.errors import InputError
+
+DEVICES = ("auto", "cpu", "cuda", "tensorrt")
+GPU_DEVICES = ("cuda", "tensorrt")
+
+
+@dataclass(frozen=True)
+class ScoreOptions:
+    # -- decoding
+    decoding: str = DEFAULT_DECODING  # one of cognet.core.decoding.DECODINGS
+    beam: int | None = None  # beam width (1 = greedy); None: the model's
+    ddi: DDIPolicy = DDIPolicy()  # DDI-aware decoding over the model's DDI pairs; off
+    max_history_visits: int | None = None  # keep only the last K past visits; None: all
+    # -- where
+    device: str = "auto"  # one of DEVICES; auto = CUDA when available, else CPU
+    threads: int | None = None  # CPU threads in all
+    streams: int | None = None  # batches decoded in parallel, threads // streams each
+    variant: str | None = None  # graphs of a manifest variant ("fp16"); None: float32
+    # -- batching
+    batch_size: int | None = None  # visits decoded together at most
+    batch_slots: int | None = None  # cap on visits x longest history (past-medication slots)
+    compact_at: float = 0.75  # drop done visits when the live share falls below this
+    chunk_targets: int | None = None  # visits to score per chunk; None: 16 x batch_size
+    chunk_rows: int = 1 << 15  # rows per chunk at most
+    encode_batch: int = 64  # visits per encoder call
+
+    def __post_init__(self) -> None:
+        if self.ddi is None:  # accepted for "off"
+            object.__setattr__(self, "ddi", DDIPolicy())
+        if self.decoding not in DECODINGS:
+            raise InputError(f"unknown decoding {self.decoding!r}; choose from {_names(DECODINGS)}")
+        if self.device not in DEVICES:
+            raise InputError(f"unknown device {self.device!r}; choose from {_names(DEVICES)}")
+        if not isinstance(self.ddi, DDIPolicy):
+            raise InputError(f"ddi must be a cognet.core.ddi.DDIPolicy, not {self.ddi!r}")
+        at_least_one = ("beam", "threads", "streams", "batch_size", "batch_slots", "chunk_targets")
+        for name in at_least_one:
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise InputError(f"{name} must be >= 1, not {value}")
+        if self.chunk_rows < 1 or self.encode_batch < 1:
+            raise InputError("chunk_rows and encode_batch must be >= 1")
+        if self.max_history_visits is not None and self.max_history_visits < 0:
+            raise InputError(f"max_history_visits must be >= 0, not {self.max_history_visits}")
+        if not 0.0 < self.compact_at <= 1.0:
+            raise InputError(f"compact_at must be in (0, 1], not {self.compact_at}")
+
+    def to_json(self) -> dict:
+        return {**asdict(self), "ddi": self.ddi.to_json()}
+
+
+def _names(choices: tuple[str, ...]) -> str:
+    return ", ".join(choices)

@@ -1,0 +1,103 @@
+"""What scoring produces: the output and rejects schemas, and the results of one chunk.
+
+`cognet-batch score` writes OUTPUT_SCHEMA rows (plus `explanations` with `--explain`) to OUT
+and REJECTS_SCHEMA rows to the rejects file; `ScoredChunk` carries both for one chunk of
+input rows, with its counts and (with `--all`) its per-patient metric rows. The scorer
+(`cognet.runtime.scorer`) builds them; the writer and the Ray engine only read them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import pyarrow as pa
+
+from cognet.runtime import assemble, reader
+
+ATTENDED = pa.struct([("code", pa.string()), ("weight", pa.float32())])
+EXPLANATION = pa.struct(
+    [
+        ("copy_share", pa.float32()),
+        ("source_visit", pa.string()),
+        ("top_diagnoses", pa.list_(ATTENDED)),  # null when the model has no attention output
+    ]
+)
+OUTPUT_SCHEMA = pa.schema(
+    [
+        ("patient_id", pa.string()),
+        ("visit_id", pa.string()),
+        ("medications", pa.list_(pa.string())),  # generation order
+        ("score", pa.float32()),  # sum of log-probabilities of the hypothesis, END included
+        ("probabilities", pa.list_(pa.float32())),  # of each medication at its step
+    ]
+)
+EXPLAIN_FIELD = pa.field("explanations", pa.list_(EXPLANATION))
+REJECTS_SCHEMA = pa.schema(
+    [
+        ("row", pa.int64()),  # 0-based row in the input file
+        ("patient_id", pa.string()),
+        ("visit_id", pa.string()),
+        ("reason", pa.string()),  # one of assemble.REASONS
+    ]
+)
+
+
+def output_schema(explain: bool) -> pa.Schema:
+    return OUTPUT_SCHEMA.append(EXPLAIN_FIELD) if explain else OUTPUT_SCHEMA
+
+
+# The counts of a chunk (and of a run: `cognet.runtime.summary`).
+COUNTS = (
+    "rows_read",
+    "rows_scored",
+    "rows_rejected",
+    "rows_skipped",
+    "unknown_codes",
+    "visits_evaluated",
+)
+
+
+@dataclass
+class ScoredChunk:
+    """The results of one chunk of input rows [start, end) (stream positions)."""
+
+    index: int
+    start: int
+    end: int
+    recommendations: pa.Table  # output_schema(explain), in input order
+    rejects: pa.Table  # REJECTS_SCHEMA
+    rows_scored: int
+    rows_rejected: int
+    rows_skipped: int
+    reject_reasons: dict[str, int]
+    unknown_codes: int  # codes dropped from kept rows
+    seconds: float  # time spent scoring this chunk
+    # `cognet.core.metrics.patient_rows` [patients, len(PATIENT_COLUMNS)] over the scored
+    # visits with known medications (score_all only, else None), and how many there were
+    patient_metrics: np.ndarray | None = field(default=None, repr=False)
+    visits_evaluated: int = 0
+
+    @property
+    def rows_read(self) -> int:
+        return self.end - self.start
+
+    def counts(self) -> dict:
+        """COUNTS and the reject reasons of this chunk."""
+        return {**{k: getattr(self, k) for k in COUNTS}, "reject_reasons": self.reject_reasons}
+
+
+def rejects_table(plan: assemble.Plan) -> pa.Table:
+    """The rejected rows of a planned chunk (REJECTS_SCHEMA), in input order."""
+    rows = np.flatnonzero(plan.status == assemble.REJECTED)
+    table = plan.table.take(pa.array(rows))
+    reasons = np.asarray(assemble.REASONS, dtype=object)[plan.reason[rows]]
+    return pa.table(
+        {
+            "row": table[reader.ROW],
+            "patient_id": table["patient_id"],
+            "visit_id": table["visit_id"],
+            "reason": pa.array(list(reasons), pa.string()),
+        },
+        schema=REJECTS_SCHEMA,
+    )

@@ -1,0 +1,100 @@
+"""The layering of DESIGN.md §1 and the 450-line rule (tools/check_layout.py, run by `make
+lint`): the tree keeps them, and the check fails on a tree that breaks any of them."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "tools" / "check_layout.py"
+_spec = importlib.util.spec_from_file_location("check_layout", SCRIPT)
+check_layout = sys.modules["check_layout"] = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(check_layout)
+
+SETUP = """from setuptools import setup
+
+setup(
+    name="cognet",
+    package_dir={
+        "cognet": "cognet",
+        "cognet.export": "export",
+        "cognet.runtime": "runtime",
+        "cognet.benchmarks": "benchmarks",
+    },
+)
+"""
+# a small tree that keeps every rule: file -> source
+CLEAN = {
+    "cognet/__init__.py": "",
+    "cognet/core/__init__.py": "",
+    "cognet/core/errors.py": "class InputError(ValueError):\n    pass\n",
+    "cognet/core/vocab.py": "from cognet.core.errors import InputError\n",
+    "cognet/data/__init__.py": "",
+    "cognet/data/synth.py": "import numpy as np\n\nfrom cognet.core import vocab\n",
+    "cognet/model.py": "import torch\n\nfrom cognet.core.vocab import InputError\n",
+    "cognet/train.py": "from cognet import model\nfrom cognet.data import synth\n",
+    "export/__init__.py": "",
+    "export/pipeline.py": (
+        "import torch\n\nfrom cognet import model\n\n\n"
+        "def validate():\n    from cognet.runtime import scorer\n"
+    ),
+    "runtime/__init__.py": "",
+    "runtime/scorer.py": (
+        "import onnxruntime\n\nfrom cognet.core import vocab\nfrom . import reader\n"
+    ),
+    "runtime/reader.py": "import pyarrow\n",
+    "benchmarks/__init__.py": "",
+    "benchmarks/engines.py": "from cognet import model\nfrom cognet.runtime import scorer\n",
+}
+
+
+def write_tree(root: Path, changes: dict[str, str]) -> Path:
+    (root / "setup.py").write_text(SETUP)
+    for name, text in {**CLEAN, **changes}.items():
+        path = root / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    return root
+
+
+def test_the_tree_keeps_the_layering_and_the_size_rule():
+    result = subprocess.run([sys.executable, str(SCRIPT)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_a_clean_tree_passes(tmp_path):
+    assert check_layout.violations(write_tree(tmp_path, {})) == []
+
+
+@pytest.mark.parametrize(
+    "file,source,rule",
+    [
+        ("runtime/scorer.py", "import torch\n", "runtime: cognet.runtime imports torch"),
+        ("runtime/beam.py", "def f():\n    import torch.nn\n", "runtime: cognet.runtime"),
+        ("runtime/scorer.py", "from cognet import model\n", "runtime: cognet.runtime.scorer"),
+        ("runtime/scorer.py", "from cognet.data import synth\n", "runtime: "),
+        ("cognet/core/vocab.py", "import torch\n", "core: cognet.core imports torch"),
+        ("cognet/core/vocab.py", "from cognet import train\n", "core: cognet.core.vocab"),
+        ("cognet/core/vocab.py", "from ..runtime import scorer\n", "no-runtime: "),
+        ("cognet/data/synth.py", "import torch\n", "data: cognet.data imports torch"),
+        ("cognet/data/synth.py", "from cognet.model import x\n", "data: cognet.data.synth"),
+        ("cognet/train.py", "def f():\n    from cognet.runtime import scorer\n", "no-runtime"),
+        ("export/pipeline.py", "from cognet.runtime.scorer import x\n", "at module level"),
+        ("cognet/model.py", "from cognet.benchmarks import engines\n", "benchmarks-on-top"),
+        ("cognet/model.py", "import cognet.export.pipeline\n", "model: cognet.model imports"),
+        ("runtime/reader.py", "x = 1\n" * 451, "size: 451 lines"),
+    ],
+)
+def test_the_check_fails_when_a_rule_is_broken(tmp_path, file, source, rule):
+    root = write_tree(tmp_path, {file: source})
+    found = check_layout.violations(root)
+    assert len(found) == 1 and rule in found[0] and found[0].startswith(file), found
+    result = subprocess.run(
+        [sys.executable, str(SCRIPT), "--root", str(root)], capture_output=True, text=True
+    )
+    assert result.returncode == 1 and rule in result.stdout
