@@ -8,7 +8,7 @@ setup(
     description="COGNet (copy-or-predict medication recommendation) training, ONNX export "
     "and a torch-free batch inference runtime",
     python_requires=">=3.10",
-    packages=["cognet", "cognet.export", "cognet.runtime", "cognet.benchmarks"],
+    packages=["cognet", "cognet.data", "cognet.export", "cognet.runtime", "cognet.benchmarks"],
     package_dir={
         "cognet": "cognet",
         "cognet.export": "export",

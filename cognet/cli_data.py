@@ -99,3 +99,68 @@ except ModuleNotFoundError as exc:
         raise
 else:
     data.add_command(mimic3_command)
+
+
+def _echo_report(report) -> None:
+    """Each step's kept and dropped rows, the dataset written, and warnings on stderr."""
+    for line in report.lines():
+        click.echo(line)
+    click.echo(f"summary: {report.out / 'summary.json'}")
+    for warning in report.warnings:
+        click.echo(f"Warning: {warning}", err=True)
+
+
+@data.command()
+@click.option(
+    "--cdm",
+    required=True,
+    type=click.Path(path_type=Path),
+    help="Folder with the OMOP CDM v5.4 tables person, visit_occurrence, "
+    "condition_occurrence, procedure_occurrence, drug_exposure, concept and "
+    "concept_ancestor (.csv comma or tab, .csv.gz or .parquet, any case).",
+)
+@click.option(
+    "--out",
+    required=True,
+    type=click.Path(file_okay=False, path_type=Path),
+    help="Dataset folder to write (visits.parquet, ddi.parquet, summary.json).",
+)
+@click.option(
+    "--ddi",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="Interacting ATC-3 pairs, CSV or Parquet with columns drug_a, drug_b. "
+    "Without it ddi.parquet is empty.",
+)
+@click.option(
+    "--visit-concepts",
+    default=None,
+    metavar="IDS",
+    help="Keep only visits of these visit_concept_ids, e.g. 9201,262 (inpatient).",
+)
+@click.option(
+    "--source-codes",
+    is_flag=True,
+    help="Code conditions and procedures by their source concept (ICD10CM/I10) "
+    "instead of the standard one (SNOMED/38341003).",
+)
+@handle_errors
+def omop(
+    cdm: Path, out: Path, ddi: Path | None, visit_concepts: str | None, source_codes: bool
+) -> None:
+    """Build a dataset from an OMOP CDM extract.
+
+    One visit per visit_occurrence, ordered by visit_start_date within a person; diagnoses
+    and procedures as VOCABULARY/CODE of their concepts; medications as the ATC 3rd classes
+    among each drug's ancestors in concept_ancestor (null when no drug maps). Prints what
+    each step kept and dropped, and writes it to OUT/summary.json.
+
+    \b
+    Example:
+      cognet data omop --cdm omop_extract --out data/omop --ddi ddi_atc3.csv \\
+        --visit-concepts 9201,262
+    """  # fmt: skip
+    from cognet.data.omop import build_omop, parse_concept_ids
+
+    concepts = parse_concept_ids(visit_concepts)
+    _echo_report(build_omop(cdm, out, ddi, concepts, source_codes))
