@@ -105,7 +105,6 @@ def _echo_report(report) -> None:
     """Each step's kept and dropped rows, the dataset written, and warnings on stderr."""
     for line in report.lines():
         click.echo(line)
-    click.echo(f"summary: {report.out / 'summary.json'}")
     for warning in report.warnings:
         click.echo(f"Warning: {warning}", err=True)
 
@@ -159,8 +158,81 @@ def omop(
     Example:
       cognet data omop --cdm omop_extract --out data/omop --ddi ddi_atc3.csv \\
         --visit-concepts 9201,262
-    """  # fmt: skip
+    """
     from cognet.data.omop import build_omop, parse_concept_ids
 
     concepts = parse_concept_ids(visit_concepts)
     _echo_report(build_omop(cdm, out, ddi, concepts, source_codes))
+
+
+@data.command()
+@click.option(
+    "--mimic-dir",
+    required=True,
+    type=click.Path(path_type=Path),
+    help="MIMIC-IV folder (or its hosp/ folder): admissions, diagnoses_icd, "
+    "procedures_icd, prescriptions (.csv.gz as shipped, or .csv).",
+)
+@click.option(
+    "--ndc-rxnorm",
+    required=True,
+    type=click.Path(path_type=Path),
+    help="ndc2rxnorm_mapping.txt: a dict literal NDC -> RxCUI (parsed, never run).",
+)
+@click.option(
+    "--rxnorm-atc",
+    required=True,
+    type=click.Path(path_type=Path),
+    help="RXCUI2atc4.csv / ndc2atc_level4.csv with columns RXCUI and ATC4.",
+)
+@click.option(
+    "--drug-atc",
+    required=True,
+    type=click.Path(path_type=Path),
+    help="drug-atc.csv: lines 'STITCH CID,ATC,ATC,...'.",
+)
+@click.option(
+    "--ddi",
+    required=True,
+    type=click.Path(path_type=Path),
+    help="TWOSIDES drug-DDI.csv ('STITCH 1', 'STITCH 2', 'Polypharmacy Side Effect').",
+)
+@click.option(
+    "--out",
+    required=True,
+    type=click.Path(file_okay=False, path_type=Path),
+    help="Dataset folder to write (visits.parquet, ddi.parquet, summary.json).",
+)
+@click.option(
+    "--ddi-types",
+    type=click.Choice(["top40", "reference"]),
+    default="top40",
+    show_default=True,
+    help="Side-effect types whose pairs count, as for `cognet data mimic3`.",
+)
+@handle_errors
+def mimic4(
+    mimic_dir: Path,
+    ndc_rxnorm: Path,
+    rxnorm_atc: Path,
+    drug_atc: Path,
+    ddi: Path,
+    out: Path,
+    ddi_types: str,
+) -> None:
+    """Build a dataset from MIMIC-IV (hosp module) with the mimic3 preprocessing.
+
+    The SafeDrug / COGNet steps of `cognet data mimic3` with the same mapping files; ICD
+    codes keep their version as OMOP vocabulary tokens with OMOP's dots: ICD9CM/401.9,
+    ICD10CM/I10, ICD9Proc/36.06, ICD10PCS/02703ZZ. Prints what each step kept and dropped,
+    and writes it to OUT/summary.json.
+
+    \b
+    Example:
+      cognet data mimic4 --mimic-dir mimiciv/3.1 --ndc-rxnorm ndc2rxnorm_mapping.txt \\
+        --rxnorm-atc ndc2atc_level4.csv --drug-atc drug-atc.csv --ddi drug-DDI.csv \\
+        --out data/mimic4
+    """
+    from cognet.data.mimic4 import build_mimic4
+
+    _echo_report(build_mimic4(mimic_dir, ndc_rxnorm, rxnorm_atc, drug_atc, ddi, out, ddi_types))

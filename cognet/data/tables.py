@@ -78,7 +78,8 @@ class Report:
 
     def lines(self) -> list[str]:
         counts = ", ".join(f"{k.replace('_', ' ')} {v:,}" for k, v in self.dataset.items())
-        return [s.line() for s in self.steps] + [f"wrote {self.out}: {counts}"]
+        written = f"wrote {self.out}: {counts}; summary {self.out / SUMMARY_FILE}"
+        return [s.line() for s in self.steps] + [written]
 
     def to_json(self) -> dict:
         return {
