@@ -13,9 +13,11 @@ reads. Only the columns used are required; visit_start_datetime is optional.
   (the OMOP-to-MEDS convention), or of the *_source_concept_id with ``source_codes``.
 - Medications: the ``ATC 3rd`` concepts among the ancestors of drug_concept_id in
   concept_ancestor (a combination drug may give several), plus the drug concept itself when it
-  is an ATC 3rd class, or the ATC 3rd class of its code (first four characters) when it is an
-  ATC 4th / 5th class. A visit with no mapped drug gets medications = null: a visit to
-  recommend for, not an empty prescription.
+  is an ATC class. An ATC 4th / 5th class (as ancestor or as the drug itself) stands for its
+  3rd-level class, the first four characters of its code: the same classes as a full
+  concept_ancestor gives, and extracts that keep only the lowest ATC level work too.
+  concept_class_id is matched in any case. A visit with no mapped drug gets medications =
+  null: a visit to recommend for, not an empty prescription.
 - Every row that gives nothing is counted under its reason (`tables.Step`): no
   visit_occurrence_id, a visit not in visit_occurrence, a visit dropped before, concept_id 0,
   a concept missing from concept, no ATC 3rd ancestor. Code lists are sorted; the output is
@@ -58,8 +60,9 @@ CLINICAL = (
     "drug_exposure",
 )
 VOCABULARY = ("concept", "concept_ancestor")
-ATC3 = "ATC 3rd"
-ATC_BELOW = ("ATC 4th", "ATC 5th")  # a drug concept that is itself one of these classes
+# concept_class_id (any case) of the ATC classes at or below the 3rd level: the first four
+# characters of their code are their 3rd-level class
+ATC_CLASSES = ("atc 3rd", "atc 4th", "atc 5th")
 US_PER_DAY = 86_400_000_000
 ROW_GROUP = 1 << 16
 NO_DDI = "no --ddi file: ddi.parquet is empty, so the DDI graph and the DDI metrics will be empty"
@@ -218,8 +221,7 @@ class Vocabulary:
     ids: np.ndarray  # int64 concept ids in use, sorted
     tokens: np.ndarray  # "<vocabulary_id>/<concept_code>" of each (object)
     atc_ids: np.ndarray  # int64 ATC 3rd / 4th / 5th concept ids
-    atc_classes: np.ndarray  # concept_class_id of each (object)
-    atc_codes: np.ndarray  # ATC-3 code of each: its concept_code, cut to 4 characters
+    atc_codes: np.ndarray  # the ATC-3 code of each: its concept_code, cut to 4 characters
 
 
 def read_concepts(table: SourceTable, needed: np.ndarray, steps: list[Step]) -> Vocabulary:
@@ -229,7 +231,8 @@ def read_concepts(table: SourceTable, needed: np.ndarray, steps: list[Step]) -> 
     for start, cols in table.batches(columns):
         ids = table.ints(cols["concept_id"], "concept_id", start, required=True)[0]
         text = {c: table.text(cols[c]) for c in columns[1:]}
-        atc = pc.is_in(text["concept_class_id"], pa.array([ATC3, *ATC_BELOW]))
+        text["concept_class_id"] = pc.utf8_lower(text["concept_class_id"])
+        atc = pc.is_in(text["concept_class_id"], pa.array(ATC_CLASSES))
         want = np.isin(ids, needed) | atc.to_numpy(zero_copy_only=False)
         take = pa.array(np.flatnonzero(want))
         for column in ("vocabulary_id", "concept_code"):  # required of the rows used
@@ -241,11 +244,11 @@ def read_concepts(table: SourceTable, needed: np.ndarray, steps: list[Step]) -> 
     ids, first = np.unique(_cat(parts["concept_id"]), return_index=True)  # first row wins
     vocab, klass, code = (np.concatenate(parts[c])[first] for c in columns[1:])
     used = np.isin(ids, needed)
-    atc = np.isin(klass, [ATC3, *ATC_BELOW]) & (np.array([len(c) for c in code], int) >= 4)
+    atc = np.isin(klass, ATC_CLASSES) & (np.array([len(c) for c in code], int) >= 4)
     steps.append(Step("concept", rows, int((used | atc).sum()), "kept (codes in use, ATC)"))
     tokens = np.array([f"{v}/{c}" for v, c in zip(vocab[used], code[used], strict=True)], object)
     atc_codes = np.array([c[:4] for c in code[atc]], object)
-    return Vocabulary(ids[used], tokens, ids[atc], klass[atc], atc_codes)
+    return Vocabulary(ids[used], tokens, ids[atc], atc_codes)
 
 
 def resolve_codes(
@@ -266,24 +269,24 @@ def read_atc_map(
     table: SourceTable, vocab: Vocabulary, steps: list[Step]
 ) -> tuple[np.ndarray, np.ndarray, list[str]]:
     """(concept ids, medication index) pairs sorted by concept, and the medications (ATC-3
-    codes, sorted): each ATC 3rd ancestor of a concept, and the ATC classes themselves."""
+    codes, sorted): the 3rd-level class of each ATC ancestor of a concept (its ATC 3rd
+    ancestors, in a full concept_ancestor), and of the ATC classes themselves."""
     medications = sorted(set(vocab.atc_codes))
     index = {code: i for i, code in enumerate(medications)}
-    atc_med = np.array([index[c] for c in vocab.atc_codes], np.int64)
-    third = vocab.atc_classes == ATC3
-    order = np.argsort(vocab.atc_ids[third])
-    third_ids, third_med = vocab.atc_ids[third][order], atc_med[third][order]
+    order = np.argsort(vocab.atc_ids)
+    atc_ids = vocab.atc_ids[order]
+    atc_med = np.array([index[c] for c in vocab.atc_codes[order]], np.int64)
     ancestors, descendants, rows = [], [], 0
     for start, cols in table.batches(["ancestor_concept_id", "descendant_concept_id"]):
         up, down = (table.ints(cols[c], c, start, required=True)[0] for c in cols)
-        hit = np.isin(up, third_ids)
+        hit = np.isin(up, atc_ids)
         ancestors.append(up[hit])
         descendants.append(down[hit])
         rows += len(up)
     ancestors, descendants = _cat(ancestors), _cat(descendants)
-    steps.append(Step("concept_ancestor", rows, len(ancestors), "with an ATC 3rd ancestor"))
-    concepts = np.concatenate([vocab.atc_ids, descendants])
-    meds = np.concatenate([atc_med, third_med[np.searchsorted(third_ids, ancestors)]])
+    steps.append(Step("concept_ancestor", rows, len(ancestors), "with an ATC ancestor"))
+    concepts = np.concatenate([atc_ids, descendants])
+    meds = np.concatenate([atc_med, atc_med[np.searchsorted(atc_ids, ancestors)]])
     pairs = np.unique(np.stack([concepts, meds], axis=1), axis=0)  # sorted by concept
     return pairs[:, 0], pairs[:, 1], medications
 
