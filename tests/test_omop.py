@@ -26,57 +26,179 @@ C09, C09A, C08C, A10B, A10BA, A10BA02 = 21601664, 21601782, 21601744, 21600712, 
 
 ATHENA_DATES = ["19700101", "20991231", ""]  # valid_start_date, valid_end_date, invalid_reason
 CONCEPT = (
-    ["concept_id", "concept_name", "domain_id", "vocabulary_id", "concept_class_id",
-     "standard_concept", "concept_code", "valid_start_date", "valid_end_date", "invalid_reason"],
-    [row + ATHENA_DATES for row in [
-        [HTN, "Essential hypertension", "Condition", "SNOMED", "Clinical Finding", "S",
-         "59621000"],
-        [T2DM, "Type 2 diabetes mellitus", "Condition", "SNOMED", "Clinical Finding", "S",
-         "44054006"],
-        [MI, "Myocardial infarction", "Condition", "SNOMED", "Clinical Finding", "S", "22298006"],
-        [CABG, "Coronary artery bypass graft", "Procedure", "SNOMED", "Procedure", "S",
-         "232717009"],
-        [I10, "Essential (primary) hypertension", "Condition", "ICD10CM", "3-char billing code",
-         "", "I10"],
-        [E119, "Type 2 diabetes mellitus without complications", "Condition", "ICD10CM",
-         "Billable Code", "", "E11.9"],
-        [PCS, "Bypass Coronary Artery, One Artery from Aorta", "Procedure", "ICD10PCS",
-         "ICD10PCS", "", "02703ZZ"],
-        [LISINOPRIL, "lisinopril 10 MG Oral Tablet", "Drug", "RxNorm", "Clinical Drug", "S",
-         "314076"],
-        [AMLODIPINE, "amlodipine 5 MG Oral Tablet", "Drug", "RxNorm", "Clinical Drug", "S",
-         "197361"],
-        [COMBO, "amlodipine 5 MG / benazepril 10 MG Oral Capsule", "Drug", "RxNorm",
-         "Clinical Drug", "S", "898342"],
-        [SALINE, 'sodium chloride 9 MG/ML "Baxter', "Drug", "RxNorm", "Branded Drug", "S",
-         "1807627"],
-        [C09, "AGENTS ACTING ON THE RENIN-ANGIOTENSIN SYSTEM", "Drug", "ATC", "ATC 2nd", "C",
-         "C09"],
-        [C09A, "ACE INHIBITORS, PLAIN", "Drug", "ATC", "ATC 3rd", "C", "C09A"],
-        [C08C, "SELECTIVE CALCIUM CHANNEL BLOCKERS", "Drug", "ATC", "ATC 3rd", "C", "C08C"],
-        [A10B, "BLOOD GLUCOSE LOWERING DRUGS, EXCL. INSULINS", "Drug", "ATC", "ATC 3rd", "C",
-         "A10B"],
-        [A10BA, "Biguanides", "Drug", "ATC", "ATC 4th", "C", "A10BA"],
-        [A10BA02, "metformin; oral", "Drug", "ATC", "ATC 5th", "C", "A10BA02"],
-    ]],
-)  # fmt: skip
-CONCEPT_ANCESTOR = (
-    ["ancestor_concept_id", "descendant_concept_id", "min_levels_of_separation",
-     "max_levels_of_separation"],
     [
-        [C09A, LISINOPRIL, 2, 2], [C09, LISINOPRIL, 3, 3], [LISINOPRIL, LISINOPRIL, 0, 0],
-        [C08C, AMLODIPINE, 2, 2], [C08C, COMBO, 2, 2], [C09A, COMBO, 2, 2], [C09, COMBO, 3, 3],
-        [C09, C09A, 1, 1], [C09A, C09A, 0, 0], [SALINE, SALINE, 0, 0],
+        "concept_id",
+        "concept_name",
+        "domain_id",
+        "vocabulary_id",
+        "concept_class_id",
+        "standard_concept",
+        "concept_code",
+        "valid_start_date",
+        "valid_end_date",
+        "invalid_reason",
     ],
-)  # fmt: skip
+    [
+        row + ATHENA_DATES
+        for row in [
+            [
+                HTN,
+                "Essential hypertension",
+                "Condition",
+                "SNOMED",
+                "Clinical Finding",
+                "S",
+                "59621000",
+            ],
+            [
+                T2DM,
+                "Type 2 diabetes mellitus",
+                "Condition",
+                "SNOMED",
+                "Clinical Finding",
+                "S",
+                "44054006",
+            ],
+            [
+                MI,
+                "Myocardial infarction",
+                "Condition",
+                "SNOMED",
+                "Clinical Finding",
+                "S",
+                "22298006",
+            ],
+            [
+                CABG,
+                "Coronary artery bypass graft",
+                "Procedure",
+                "SNOMED",
+                "Procedure",
+                "S",
+                "232717009",
+            ],
+            [
+                I10,
+                "Essential (primary) hypertension",
+                "Condition",
+                "ICD10CM",
+                "3-char billing code",
+                "",
+                "I10",
+            ],
+            [
+                E119,
+                "Type 2 diabetes mellitus without complications",
+                "Condition",
+                "ICD10CM",
+                "Billable Code",
+                "",
+                "E11.9",
+            ],
+            [
+                PCS,
+                "Bypass Coronary Artery, One Artery from Aorta",
+                "Procedure",
+                "ICD10PCS",
+                "ICD10PCS",
+                "",
+                "02703ZZ",
+            ],
+            [
+                LISINOPRIL,
+                "lisinopril 10 MG Oral Tablet",
+                "Drug",
+                "RxNorm",
+                "Clinical Drug",
+                "S",
+                "314076",
+            ],
+            [
+                AMLODIPINE,
+                "amlodipine 5 MG Oral Tablet",
+                "Drug",
+                "RxNorm",
+                "Clinical Drug",
+                "S",
+                "197361",
+            ],
+            [
+                COMBO,
+                "amlodipine 5 MG / benazepril 10 MG Oral Capsule",
+                "Drug",
+                "RxNorm",
+                "Clinical Drug",
+                "S",
+                "898342",
+            ],
+            [
+                SALINE,
+                'sodium chloride 9 MG/ML "Baxter',
+                "Drug",
+                "RxNorm",
+                "Branded Drug",
+                "S",
+                "1807627",
+            ],
+            [
+                C09,
+                "AGENTS ACTING ON THE RENIN-ANGIOTENSIN SYSTEM",
+                "Drug",
+                "ATC",
+                "ATC 2nd",
+                "C",
+                "C09",
+            ],
+            [C09A, "ACE INHIBITORS, PLAIN", "Drug", "ATC", "ATC 3rd", "C", "C09A"],
+            [C08C, "SELECTIVE CALCIUM CHANNEL BLOCKERS", "Drug", "ATC", "ATC 3rd", "C", "C08C"],
+            [
+                A10B,
+                "BLOOD GLUCOSE LOWERING DRUGS, EXCL. INSULINS",
+                "Drug",
+                "ATC",
+                "ATC 3rd",
+                "C",
+                "A10B",
+            ],
+            [A10BA, "Biguanides", "Drug", "ATC", "ATC 4th", "C", "A10BA"],
+            [A10BA02, "metformin; oral", "Drug", "ATC", "ATC 5th", "C", "A10BA02"],
+        ]
+    ],
+)
+CONCEPT_ANCESTOR = (
+    [
+        "ancestor_concept_id",
+        "descendant_concept_id",
+        "min_levels_of_separation",
+        "max_levels_of_separation",
+    ],
+    [
+        [C09A, LISINOPRIL, 2, 2],
+        [C09, LISINOPRIL, 3, 3],
+        [LISINOPRIL, LISINOPRIL, 0, 0],
+        [C08C, AMLODIPINE, 2, 2],
+        [C08C, COMBO, 2, 2],
+        [C09A, COMBO, 2, 2],
+        [C09, COMBO, 3, 3],
+        [C09, C09A, 1, 1],
+        [C09A, C09A, 0, 0],
+        [SALINE, SALINE, 0, 0],
+    ],
+)
 PERSON = (
-    ["person_id", "gender_concept_id", "year_of_birth", "race_concept_id",
-     "ethnicity_concept_id"],
+    ["person_id", "gender_concept_id", "year_of_birth", "race_concept_id", "ethnicity_concept_id"],
     [[3, 8532, 1950, 0, 0], [1, 8507, 1940, 0, 0], [2, 8532, 1961, 0, 0]],
-)  # fmt: skip
+)
 VISIT = (
-    ["visit_occurrence_id", "person_id", "visit_concept_id", "visit_start_date",
-     "visit_start_datetime", "visit_end_date", "visit_type_concept_id"],
+    [
+        "visit_occurrence_id",
+        "person_id",
+        "visit_concept_id",
+        "visit_start_date",
+        "visit_start_datetime",
+        "visit_end_date",
+        "visit_type_concept_id",
+    ],
     [
         [10, 1, 9201, "2020-03-01", "", "2020-03-04", 32817],
         [100, 2, 9201, "2021-06-01", "", "2021-06-02", 32817],  # ties with 21: 21 first
@@ -88,11 +210,18 @@ VISIT = (
         [20, 2, 9202, "2021-05-01", "2021-05-01 10:30:00", "2021-05-01", 32817],  # outpatient
         [40, 4, 9201, "2020-01-01", "", "2020-01-02", 32817],  # person 4 not in person
     ],
-)  # fmt: skip
+)
 CONDITION = (
-    ["condition_occurrence_id", "person_id", "condition_concept_id", "condition_start_date",
-     "condition_type_concept_id", "visit_occurrence_id", "condition_source_value",
-     "condition_source_concept_id"],
+    [
+        "condition_occurrence_id",
+        "person_id",
+        "condition_concept_id",
+        "condition_start_date",
+        "condition_type_concept_id",
+        "visit_occurrence_id",
+        "condition_source_value",
+        "condition_source_concept_id",
+    ],
     [
         [1, 1, HTN, "2020-01-15", 32817, 12, "I10", I10],
         [2, 1, T2DM, "2020-01-15", 32817, 12, "E11.9", E119],
@@ -109,20 +238,35 @@ CONDITION = (
         [13, 1, HTN, "2020-01-01", 32817, "", "I10", I10],  # no visit
         [14, 1, HTN, "2020-01-01", 32817, 999, "I10", I10],  # not in visit_occurrence
     ],
-)  # fmt: skip
+)
 PROCEDURE = (
-    ["procedure_occurrence_id", "person_id", "procedure_concept_id", "procedure_date",
-     "procedure_type_concept_id", "visit_occurrence_id", "procedure_source_value",
-     "procedure_source_concept_id"],
+    [
+        "procedure_occurrence_id",
+        "person_id",
+        "procedure_concept_id",
+        "procedure_date",
+        "procedure_type_concept_id",
+        "visit_occurrence_id",
+        "procedure_source_value",
+        "procedure_source_concept_id",
+    ],
     [
         [1, 1, CABG, "2020-01-15", 32817, 12, "02703ZZ", PCS],
         [2, 2, CABG, "2021-06-01", 32817, 21, "02703ZZ", PCS],
     ],
-)  # fmt: skip
+)
 DRUG = (
-    ["drug_exposure_id", "person_id", "drug_concept_id", "drug_exposure_start_date",
-     "drug_exposure_end_date", "drug_type_concept_id", "visit_occurrence_id",
-     "drug_source_value", "drug_source_concept_id"],
+    [
+        "drug_exposure_id",
+        "person_id",
+        "drug_concept_id",
+        "drug_exposure_start_date",
+        "drug_exposure_end_date",
+        "drug_type_concept_id",
+        "visit_occurrence_id",
+        "drug_source_value",
+        "drug_source_concept_id",
+    ],
     [
         [1, 1, LISINOPRIL, "2020-01-15", "2020-01-20", 32817, 12, "lis", 0],
         [2, 1, A10BA02, "2020-01-15", "2020-01-20", 32817, 12, "met", 0],  # itself ATC 5th
@@ -136,7 +280,7 @@ DRUG = (
         [10, 2, AMLODIPINE, "2021-06-01", "2021-06-02", 32817, 999, "amlo", 0],  # unknown
         [11, 1, LISINOPRIL, "2020-01-15", "2020-01-20", 32817, 12, "lis", 0],  # repeated
     ],
-)  # fmt: skip
+)
 DDI = (
     ["drug_a", "drug_b"],
     [["C09A", "C08C"], ["C08C", "C09A"], ["A10B", "A10B"], ["C09A", "N02B"]],
@@ -144,8 +288,14 @@ DDI = (
 
 
 def visit(pid, vid, seq, diagnoses, procedures, medications):
-    return {"patient_id": pid, "visit_id": vid, "visit_seq": seq, "diagnoses": diagnoses,
-            "procedures": procedures, "medications": medications}  # fmt: skip
+    return {
+        "patient_id": pid,
+        "visit_id": vid,
+        "visit_seq": seq,
+        "diagnoses": diagnoses,
+        "procedures": procedures,
+        "medications": medications,
+    }
 
 
 S_HTN, S_T2DM, S_MI = "SNOMED/59621000", "SNOMED/44054006", "SNOMED/22298006"
@@ -215,9 +365,14 @@ def test_converts_visit_for_visit(cdm, ddi_file, tmp_path):
     ddi = pq.read_table(tmp_path / "out" / "ddi.parquet").to_pylist()
     assert ddi == [{"drug_a": "C08C", "drug_b": "C09A"}]
     assert report.dataset == {
-        "patients": 3, "visits": 7, "medications_null": 3, "diagnoses": 3,
-        "procedures": 1, "medications": 3, "ddi_pairs": 1,
-    }  # fmt: skip
+        "patients": 3,
+        "visits": 7,
+        "medications_null": 3,
+        "diagnoses": 3,
+        "procedures": 1,
+        "medications": 3,
+        "ddi_pairs": 1,
+    }
     assert report.warnings == []
 
 
@@ -330,9 +485,13 @@ def test_optional_columns_may_be_missing(cdm, tmp_path):
     """visit_start_datetime is optional: without it, same-day visits go by their id."""
     header, body = VISIT
     at = header.index("visit_start_datetime")
-    write_table(cdm / "visit_occurrence.csv",
-                ([h for i, h in enumerate(header) if i != at],
-                 [[v for i, v in enumerate(r) if i != at] for r in body]))  # fmt: skip
+    write_table(
+        cdm / "visit_occurrence.csv",
+        (
+            [h for i, h in enumerate(header) if i != at],
+            [[v for i, v in enumerate(r) if i != at] for r in body],
+        ),
+    )
     build_omop(cdm, tmp_path / "out")
     assert [v["visit_id"] for v in rows_of(tmp_path / "out")][:2] == ["11", "12"]
 
@@ -344,6 +503,26 @@ def test_ids_written_as_floats_and_athena_dates(cdm, tmp_path):
     path.write_text(text.replace(",32817,12,", ",32817,12.0,").replace(",32817,,", ",32817,NULL,"))
     path = cdm / "visit_occurrence.csv"
     path.write_text(path.read_text().replace("2020-03-01", "20200301"))
+    report = build_omop(cdm, tmp_path / "out")
+    assert rows_of(tmp_path / "out") == VISITS
+    assert steps(report)["drug_exposure"].dropped["without visit_occurrence_id"] == 1
+
+
+def test_parquet_float_ids_with_nan_and_upper_case_columns(cdm, tmp_path):
+    """What other tools write: float64 ids where a value is missing, a real NaN (not null)
+    among them, column names in upper case."""
+    rewrite_tables(cdm, ".parquet")
+    path = cdm / "DRUG_EXPOSURE.parquet"
+    table = pq.read_table(path)
+    ids = [
+        float("nan") if v is None else float(v) for v in table["visit_occurrence_id"].to_pylist()
+    ]
+    table = table.set_column(
+        table.schema.get_field_index("visit_occurrence_id"),
+        "visit_occurrence_id",
+        pa.array(ids, pa.float64(), from_pandas=False),
+    )
+    pq.write_table(table.rename_columns([n.upper() for n in table.column_names]), path)
     report = build_omop(cdm, tmp_path / "out")
     assert rows_of(tmp_path / "out") == VISITS
     assert steps(report)["drug_exposure"].dropped["without visit_occurrence_id"] == 1

@@ -156,7 +156,7 @@ class SourceTable:
 
     def where(self, column: str, row: int | None = None) -> str:
         """``FILE: column 'C'`` and, with a row, ``, line N`` (CSV) or ``, row N`` (Parquet)."""
-        text = where(self.path, column)
+        text = where(self.path, self.columns.get(column, column))  # as the file spells it
         return text if row is None else f"{text}, {self.row_name(row)}"
 
     def batches(self, required: Sequence[str], optional: Sequence[str] = ()):
@@ -229,6 +229,7 @@ class SourceTable:
             ids = values.cast(pa.int64())
         elif pa.types.is_floating(kind) or pa.types.is_decimal(kind):
             floats = values.cast(pa.float64())
+            floats = pc.if_else(pc.is_nan(floats), pa.scalar(None, pa.float64()), floats)
             bad = pc.fill_null(pc.not_equal(pc.floor(floats), floats), False)
             if pc.any(bad).as_py():
                 self._fail(column, start, bad, values, "not an integer id")
