@@ -158,3 +158,20 @@ def test_bad_visit_concepts_exit_2(cdm, tmp_path):
 def test_no_visit_left_is_an_input_error(cdm, tmp_path):
     with pytest.raises(InputError, match="no visit has a condition or procedure code"):
         build_omop(cdm, tmp_path / "out", visit_concepts=[581478])
+
+
+@pytest.mark.parametrize(
+    ("name", "old", "new", "line", "fields"),
+    [
+        ("condition_occurrence.csv", ",I21,", ",I21,X,", 5, 8),  # an unquoted comma
+        ("CONCEPT.csv", "Myocardial", "Myocardial\t", 4, 10),  # Athena: a stray tab
+    ],
+)
+def test_ragged_line_is_named(cdm, tmp_path, name, old, new, line, fields):
+    path = cdm / name
+    path.write_text(path.read_text().replace(old, new))
+    result = invoke("--cdm", cdm, "--out", tmp_path / "out")
+    assert result.exit_code == 2
+    assert result.stderr == (
+        f"Error: {path}: line {line}: {fields + 1} fields, the header has {fields}\n"
+    )

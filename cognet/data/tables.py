@@ -14,6 +14,7 @@ float column gives). Empty, ``NULL``, ``NA`` and ``NaN`` are missing ids and dat
 
 from __future__ import annotations
 
+import csv
 import gzip
 import json
 import os
@@ -147,9 +148,6 @@ class SourceTable:
         for name in names:
             self.columns.setdefault(name.lower(), name)
 
-    def has(self, column: str) -> bool:
-        return column in self.columns
-
     def row_name(self, row: int) -> str:
         """A data row (0 = the first) as the user finds it: CSV line or Parquet row."""
         return f"row {row}" if self.parquet else f"line {row + 2}"
@@ -172,7 +170,28 @@ class SourceTable:
                 yield start, {c: batch.column(a) for c, a in zip(wanted, actual, strict=True)}
                 start += batch.num_rows
         except (pa.ArrowException, OSError, UnicodeDecodeError, EOFError) as exc:
-            raise InputError(f"{self.path}: not readable ({_one_line(exc)})") from None
+            raise InputError(
+                self._ragged_line() or f"{self.path}: not readable ({_one_line(exc)})"
+            ) from None
+
+    def _ragged_line(self) -> str | None:
+        """The first CSV line whose number of fields is not the header's, told as an error."""
+        if self.parquet:
+            return None
+        opener = gzip.open if self.path.name.lower().endswith(".gz") else open
+        with opener(self.path, "rt", encoding="utf-8-sig", newline="", errors="replace") as file:
+            if self.delimiter == "\t":  # no quoting: one line, one row
+                rows = ((n, line.rstrip("\r\n").split("\t")) for n, line in enumerate(file, 1))
+            else:
+                reader = csv.reader(file)
+                rows = ((reader.line_num, fields) for fields in reader)
+            for number, fields in rows:
+                if fields and fields != [""] and len(fields) != len(self.names):
+                    return (
+                        f"{self.path}: line {number}: {len(fields)} fields, the header has "
+                        f"{len(self.names)}"
+                    )
+        return None
 
     def _read(self, columns: list[str]) -> Iterator[pa.RecordBatch]:
         if self.parquet:
@@ -215,8 +234,9 @@ class SourceTable:
 
     def _valid(self, values: pa.Array, column: str, start: int, required: bool):
         if required:
-            self.require(values, column, start)
-        valid = values.is_valid().to_numpy(zero_copy_only=False)
+            valid = self.require(values, column, start)
+        else:
+            valid = values.is_valid().to_numpy(zero_copy_only=False)
         return values.fill_null(0).to_numpy(zero_copy_only=False), valid
 
     def ints(
