@@ -12,7 +12,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from click.testing import CliRunner
-from test_omop import DDI, rewrite_tables, write_extract, write_table
+from test_omop import DDI, VISIT, rewrite_tables, write_extract, write_table
 
 from cognet.cli import main
 from cognet.data.omop import build_omop, parse_concept_ids
@@ -158,6 +158,9 @@ def test_bad_visit_concepts_exit_2(cdm, tmp_path):
 def test_no_visit_left_is_an_input_error(cdm, tmp_path):
     with pytest.raises(InputError, match="no visit has a condition or procedure code"):
         build_omop(cdm, tmp_path / "out", visit_concepts=[581478])
+    write_table(cdm / "visit_occurrence.csv", (VISIT[0], []))  # a header only
+    with pytest.raises(InputError, match="visit_occurrence: 0 rows -> 0 visits"):
+        build_omop(cdm, tmp_path / "out")
 
 
 @pytest.mark.parametrize(

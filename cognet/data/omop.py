@@ -139,7 +139,7 @@ def read_visits(
             if column == "visit_start_datetime":  # unknown: the start of its day
                 batch[column] = np.where(valid, batch[column], batch["visit_start_date"])
             parts.setdefault(column, []).append(batch[column])
-    cols = {c: _cat(v) for c, v in parts.items()}
+    cols = {c: _cat(parts.get(c, [])) for c in [*required, *parts]}  # none: no batch
     ids, person = cols["visit_occurrence_id"], cols["person_id"]
     order = np.argsort(ids, kind="stable")
     again = np.flatnonzero(ids[order][1:] == ids[order][:-1])
