@@ -121,7 +121,7 @@ def load_prescriptions(
             "repeating an (admission, day, ATC-3)",
         ],
     )
-    medications, admissions = [], []
+    medications, admissions, mapped = [], [], 0
     for start, cols in table.batches(["subject_id", "hadm_id", "starttime", "ndc"]):
         subject, hadm, has = _keys(table, cols, start)
         micros, timed = table.times(cols["starttime"], "starttime", start)
@@ -142,11 +142,11 @@ def load_prescriptions(
         )
         atc3 = frame["NDC"].map(ndc_rxcui).map(rxcui_atc4).str[:4]
         step.dropped["with an NDC not mapped to ATC-3"] += int(atc3.isna().sum())
+        mapped += int(atc3.notna().sum())
         admissions.append(frame[KEY].drop_duplicates())
-        medications.append(frame[[*KEY, "STARTDATE"]].assign(ATC3=atc3).dropna())
-    medications = _concat(medications, [*KEY, "STARTDATE", "ATC3"])
-    mapped = len(medications)
-    medications = medications.drop_duplicates()
+        rows = frame[[*KEY, "STARTDATE"]].assign(ATC3=atc3).dropna()
+        medications.append(rows.drop_duplicates())  # per batch too: bounded memory
+    medications = _concat(medications, [*KEY, "STARTDATE", "ATC3"]).drop_duplicates()
     step.dropped["repeating an (admission, day, ATC-3)"] = mapped - len(medications)
     return medications, _concat(admissions, KEY).drop_duplicates(), step.close()
 
