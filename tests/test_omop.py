@@ -26,179 +26,57 @@ C09, C09A, C08C, A10B, A10BA, A10BA02 = 21601664, 21601782, 21601744, 21600712, 
 
 ATHENA_DATES = ["19700101", "20991231", ""]  # valid_start_date, valid_end_date, invalid_reason
 CONCEPT = (
-    [
-        "concept_id",
-        "concept_name",
-        "domain_id",
-        "vocabulary_id",
-        "concept_class_id",
-        "standard_concept",
-        "concept_code",
-        "valid_start_date",
-        "valid_end_date",
-        "invalid_reason",
-    ],
-    [
-        row + ATHENA_DATES
-        for row in [
-            [
-                HTN,
-                "Essential hypertension",
-                "Condition",
-                "SNOMED",
-                "Clinical Finding",
-                "S",
-                "59621000",
-            ],
-            [
-                T2DM,
-                "Type 2 diabetes mellitus",
-                "Condition",
-                "SNOMED",
-                "Clinical Finding",
-                "S",
-                "44054006",
-            ],
-            [
-                MI,
-                "Myocardial infarction",
-                "Condition",
-                "SNOMED",
-                "Clinical Finding",
-                "S",
-                "22298006",
-            ],
-            [
-                CABG,
-                "Coronary artery bypass graft",
-                "Procedure",
-                "SNOMED",
-                "Procedure",
-                "S",
-                "232717009",
-            ],
-            [
-                I10,
-                "Essential (primary) hypertension",
-                "Condition",
-                "ICD10CM",
-                "3-char billing code",
-                "",
-                "I10",
-            ],
-            [
-                E119,
-                "Type 2 diabetes mellitus without complications",
-                "Condition",
-                "ICD10CM",
-                "Billable Code",
-                "",
-                "E11.9",
-            ],
-            [
-                PCS,
-                "Bypass Coronary Artery, One Artery from Aorta",
-                "Procedure",
-                "ICD10PCS",
-                "ICD10PCS",
-                "",
-                "02703ZZ",
-            ],
-            [
-                LISINOPRIL,
-                "lisinopril 10 MG Oral Tablet",
-                "Drug",
-                "RxNorm",
-                "Clinical Drug",
-                "S",
-                "314076",
-            ],
-            [
-                AMLODIPINE,
-                "amlodipine 5 MG Oral Tablet",
-                "Drug",
-                "RxNorm",
-                "Clinical Drug",
-                "S",
-                "197361",
-            ],
-            [
-                COMBO,
-                "amlodipine 5 MG / benazepril 10 MG Oral Capsule",
-                "Drug",
-                "RxNorm",
-                "Clinical Drug",
-                "S",
-                "898342",
-            ],
-            [
-                SALINE,
-                'sodium chloride 9 MG/ML "Baxter',
-                "Drug",
-                "RxNorm",
-                "Branded Drug",
-                "S",
-                "1807627",
-            ],
-            [
-                C09,
-                "AGENTS ACTING ON THE RENIN-ANGIOTENSIN SYSTEM",
-                "Drug",
-                "ATC",
-                "ATC 2nd",
-                "C",
-                "C09",
-            ],
-            [C09A, "ACE INHIBITORS, PLAIN", "Drug", "ATC", "ATC 3rd", "C", "C09A"],
-            [C08C, "SELECTIVE CALCIUM CHANNEL BLOCKERS", "Drug", "ATC", "ATC 3rd", "C", "C08C"],
-            [
-                A10B,
-                "BLOOD GLUCOSE LOWERING DRUGS, EXCL. INSULINS",
-                "Drug",
-                "ATC",
-                "ATC 3rd",
-                "C",
-                "A10B",
-            ],
-            [A10BA, "Biguanides", "Drug", "ATC", "ATC 4th", "C", "A10BA"],
-            [A10BA02, "metformin; oral", "Drug", "ATC", "ATC 5th", "C", "A10BA02"],
-        ]
-    ],
-)
+    ["concept_id", "concept_name", "domain_id", "vocabulary_id", "concept_class_id",
+     "standard_concept", "concept_code", "valid_start_date", "valid_end_date", "invalid_reason"],
+    [row + ATHENA_DATES for row in [
+        [HTN, "Essential hypertension", "Condition", "SNOMED", "Clinical Finding", "S",
+         "59621000"],
+        [T2DM, "Type 2 diabetes mellitus", "Condition", "SNOMED", "Clinical Finding", "S",
+         "44054006"],
+        [MI, "Myocardial infarction", "Condition", "SNOMED", "Clinical Finding", "S", "22298006"],
+        [CABG, "Coronary artery bypass graft", "Procedure", "SNOMED", "Procedure", "S",
+         "232717009"],
+        [I10, "Essential (primary) hypertension", "Condition", "ICD10CM", "3-char billing code",
+         "", "I10"],
+        [E119, "Type 2 diabetes mellitus without complications", "Condition", "ICD10CM",
+         "Billable Code", "", "E11.9"],
+        [PCS, "Bypass Coronary Artery, One Artery from Aorta", "Procedure", "ICD10PCS",
+         "ICD10PCS", "", "02703ZZ"],
+        [LISINOPRIL, "lisinopril 10 MG Oral Tablet", "Drug", "RxNorm", "Clinical Drug", "S",
+         "314076"],
+        [AMLODIPINE, "amlodipine 5 MG Oral Tablet", "Drug", "RxNorm", "Clinical Drug", "S",
+         "197361"],
+        [COMBO, "amlodipine 5 MG / benazepril 10 MG Oral Capsule", "Drug", "RxNorm",
+         "Clinical Drug", "S", "898342"],
+        [SALINE, 'sodium chloride 9 MG/ML "Baxter', "Drug", "RxNorm", "Branded Drug", "S",
+         "1807627"],
+        [C09, "AGENTS ACTING ON THE RENIN-ANGIOTENSIN SYSTEM", "Drug", "ATC", "ATC 2nd", "C",
+         "C09"],
+        [C09A, "ACE INHIBITORS, PLAIN", "Drug", "ATC", "ATC 3rd", "C", "C09A"],
+        [C08C, "SELECTIVE CALCIUM CHANNEL BLOCKERS", "Drug", "ATC", "ATC 3rd", "C", "C08C"],
+        [A10B, "BLOOD GLUCOSE LOWERING DRUGS, EXCL. INSULINS", "Drug", "ATC", "ATC 3rd", "C",
+         "A10B"],
+        [A10BA, "Biguanides", "Drug", "ATC", "ATC 4th", "C", "A10BA"],
+        [A10BA02, "metformin; oral", "Drug", "ATC", "ATC 5th", "C", "A10BA02"],
+    ]],
+)  # fmt: skip
 CONCEPT_ANCESTOR = (
+    ["ancestor_concept_id", "descendant_concept_id", "min_levels_of_separation",
+     "max_levels_of_separation"],
     [
-        "ancestor_concept_id",
-        "descendant_concept_id",
-        "min_levels_of_separation",
-        "max_levels_of_separation",
+        [C09A, LISINOPRIL, 2, 2], [C09, LISINOPRIL, 3, 3], [LISINOPRIL, LISINOPRIL, 0, 0],
+        [C08C, AMLODIPINE, 2, 2], [C08C, COMBO, 2, 2], [C09A, COMBO, 2, 2], [C09, COMBO, 3, 3],
+        [C09, C09A, 1, 1], [C09A, C09A, 0, 0], [SALINE, SALINE, 0, 0],
     ],
-    [
-        [C09A, LISINOPRIL, 2, 2],
-        [C09, LISINOPRIL, 3, 3],
-        [LISINOPRIL, LISINOPRIL, 0, 0],
-        [C08C, AMLODIPINE, 2, 2],
-        [C08C, COMBO, 2, 2],
-        [C09A, COMBO, 2, 2],
-        [C09, COMBO, 3, 3],
-        [C09, C09A, 1, 1],
-        [C09A, C09A, 0, 0],
-        [SALINE, SALINE, 0, 0],
-    ],
-)
+)  # fmt: skip
 PERSON = (
-    ["person_id", "gender_concept_id", "year_of_birth", "race_concept_id", "ethnicity_concept_id"],
+    ["person_id", "gender_concept_id", "year_of_birth", "race_concept_id",
+     "ethnicity_concept_id"],
     [[3, 8532, 1950, 0, 0], [1, 8507, 1940, 0, 0], [2, 8532, 1961, 0, 0]],
-)
+)  # fmt: skip
 VISIT = (
-    [
-        "visit_occurrence_id",
-        "person_id",
-        "visit_concept_id",
-        "visit_start_date",
-        "visit_start_datetime",
-        "visit_end_date",
-        "visit_type_concept_id",
-    ],
+    ["visit_occurrence_id", "person_id", "visit_concept_id", "visit_start_date",
+     "visit_start_datetime", "visit_end_date", "visit_type_concept_id"],
     [
         [10, 1, 9201, "2020-03-01", "", "2020-03-04", 32817],
         [100, 2, 9201, "2021-06-01", "", "2021-06-02", 32817],  # ties with 21: 21 first
@@ -210,18 +88,11 @@ VISIT = (
         [20, 2, 9202, "2021-05-01", "2021-05-01 10:30:00", "2021-05-01", 32817],  # outpatient
         [40, 4, 9201, "2020-01-01", "", "2020-01-02", 32817],  # person 4 not in person
     ],
-)
+)  # fmt: skip
 CONDITION = (
-    [
-        "condition_occurrence_id",
-        "person_id",
-        "condition_concept_id",
-        "condition_start_date",
-        "condition_type_concept_id",
-        "visit_occurrence_id",
-        "condition_source_value",
-        "condition_source_concept_id",
-    ],
+    ["condition_occurrence_id", "person_id", "condition_concept_id", "condition_start_date",
+     "condition_type_concept_id", "visit_occurrence_id", "condition_source_value",
+     "condition_source_concept_id"],
     [
         [1, 1, HTN, "2020-01-15", 32817, 12, "I10", I10],
         [2, 1, T2DM, "2020-01-15", 32817, 12, "E11.9", E119],
@@ -238,35 +109,20 @@ CONDITION = (
         [13, 1, HTN, "2020-01-01", 32817, "", "I10", I10],  # no visit
         [14, 1, HTN, "2020-01-01", 32817, 999, "I10", I10],  # not in visit_occurrence
     ],
-)
+)  # fmt: skip
 PROCEDURE = (
-    [
-        "procedure_occurrence_id",
-        "person_id",
-        "procedure_concept_id",
-        "procedure_date",
-        "procedure_type_concept_id",
-        "visit_occurrence_id",
-        "procedure_source_value",
-        "procedure_source_concept_id",
-    ],
+    ["procedure_occurrence_id", "person_id", "procedure_concept_id", "procedure_date",
+     "procedure_type_concept_id", "visit_occurrence_id", "procedure_source_value",
+     "procedure_source_concept_id"],
     [
         [1, 1, CABG, "2020-01-15", 32817, 12, "02703ZZ", PCS],
         [2, 2, CABG, "2021-06-01", 32817, 21, "02703ZZ", PCS],
     ],
-)
+)  # fmt: skip
 DRUG = (
-    [
-        "drug_exposure_id",
-        "person_id",
-        "drug_concept_id",
-        "drug_exposure_start_date",
-        "drug_exposure_end_date",
-        "drug_type_concept_id",
-        "visit_occurrence_id",
-        "drug_source_value",
-        "drug_source_concept_id",
-    ],
+    ["drug_exposure_id", "person_id", "drug_concept_id", "drug_exposure_start_date",
+     "drug_exposure_end_date", "drug_type_concept_id", "visit_occurrence_id",
+     "drug_source_value", "drug_source_concept_id"],
     [
         [1, 1, LISINOPRIL, "2020-01-15", "2020-01-20", 32817, 12, "lis", 0],
         [2, 1, A10BA02, "2020-01-15", "2020-01-20", 32817, 12, "met", 0],  # itself ATC 5th
@@ -280,7 +136,7 @@ DRUG = (
         [10, 2, AMLODIPINE, "2021-06-01", "2021-06-02", 32817, 999, "amlo", 0],  # unknown
         [11, 1, LISINOPRIL, "2020-01-15", "2020-01-20", 32817, 12, "lis", 0],  # repeated
     ],
-)
+)  # fmt: skip
 DDI = (
     ["drug_a", "drug_b"],
     [["C09A", "C08C"], ["C08C", "C09A"], ["A10B", "A10B"], ["C09A", "N02B"]],
@@ -288,14 +144,8 @@ DDI = (
 
 
 def visit(pid, vid, seq, diagnoses, procedures, medications):
-    return {
-        "patient_id": pid,
-        "visit_id": vid,
-        "visit_seq": seq,
-        "diagnoses": diagnoses,
-        "procedures": procedures,
-        "medications": medications,
-    }
+    return {"patient_id": pid, "visit_id": vid, "visit_seq": seq, "diagnoses": diagnoses,
+            "procedures": procedures, "medications": medications}  # fmt: skip
 
 
 S_HTN, S_T2DM, S_MI = "SNOMED/59621000", "SNOMED/44054006", "SNOMED/22298006"
