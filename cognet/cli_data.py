@@ -167,3 +167,140 @@ def mimic3_command(
     setup_logging(verbose)
     summary = build_mimic3(mimic_dir, ndc_rxnorm, rxnorm_atc, drug_atc, ddi, out, ddi_types)
     click.echo(f"wrote {out}: " + ", ".join(f"{k} {v}" for k, v in asdict(summary).items()))
+
+
+def _echo_report(report) -> None:
+    """Each step's kept and dropped rows, the dataset written, and warnings on stderr."""
+    for line in report.lines():
+        click.echo(line)
+    for warning in report.warnings:
+        click.echo(f"Warning: {warning}", err=True)
+
+
+@data.command()
+@click.option(
+    "--cdm",
+    required=True,
+    type=click.Path(path_type=Path),
+    help="Folder with the OMOP CDM v5.4 tables person, visit_occurrence, "
+    "condition_occurrence, procedure_occurrence, drug_exposure, concept and "
+    "concept_ancestor (.csv comma or tab, .csv.gz or .parquet, any case).",
+)
+@click.option(
+    "--out",
+    required=True,
+    type=click.Path(file_okay=False, path_type=Path),
+    help="Dataset folder to write (visits.parquet, ddi.parquet, summary.json).",
+)
+@click.option(
+    "--ddi",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="Interacting ATC-3 pairs, CSV or Parquet with columns drug_a, drug_b. "
+    "Without it ddi.parquet is empty.",
+)
+@click.option(
+    "--visit-concepts",
+    default=None,
+    metavar="IDS",
+    help="Keep only visits of these visit_concept_ids, e.g. 9201,262 (inpatient).",
+)
+@click.option(
+    "--source-codes",
+    is_flag=True,
+    help="Code conditions and procedures by their source concept (ICD10CM/I10) "
+    "instead of the standard one (SNOMED/38341003).",
+)
+@handle_errors
+def omop(
+    cdm: Path, out: Path, ddi: Path | None, visit_concepts: str | None, source_codes: bool
+) -> None:
+    """Build a dataset from an OMOP CDM extract.
+
+    One visit per visit_occurrence, ordered by visit_start_date within a person; diagnoses
+    and procedures as VOCABULARY/CODE of their concepts; medications as the ATC 3rd classes
+    among each drug's ancestors in concept_ancestor (null when no drug maps). Prints what
+    each step kept and dropped, and writes it to OUT/summary.json.
+
+    \b
+    Example:
+      cognet data omop --cdm omop_extract --out data/omop --ddi ddi_atc3.csv \\
+        --visit-concepts 9201,262
+    """
+    from cognet.data.omop import build_omop, parse_concept_ids
+
+    concepts = parse_concept_ids(visit_concepts)
+    _echo_report(build_omop(cdm, out, ddi, concepts, source_codes))
+
+
+@data.command()
+@click.option(
+    "--mimic-dir",
+    required=True,
+    type=click.Path(path_type=Path),
+    help="MIMIC-IV folder (or its hosp/ folder): admissions, diagnoses_icd, "
+    "procedures_icd, prescriptions (.csv.gz as shipped, or .csv).",
+)
+@click.option(
+    "--ndc-rxnorm",
+    required=True,
+    type=click.Path(path_type=Path),
+    help="ndc2rxnorm_mapping.txt: a dict literal NDC -> RxCUI (parsed, never run).",
+)
+@click.option(
+    "--rxnorm-atc",
+    required=True,
+    type=click.Path(path_type=Path),
+    help="RXCUI2atc4.csv / ndc2atc_level4.csv with columns RXCUI and ATC4.",
+)
+@click.option(
+    "--drug-atc",
+    required=True,
+    type=click.Path(path_type=Path),
+    help="drug-atc.csv: lines 'STITCH CID,ATC,ATC,...'.",
+)
+@click.option(
+    "--ddi",
+    required=True,
+    type=click.Path(path_type=Path),
+    help="TWOSIDES drug-DDI.csv ('STITCH 1', 'STITCH 2', 'Polypharmacy Side Effect').",
+)
+@click.option(
+    "--out",
+    required=True,
+    type=click.Path(file_okay=False, path_type=Path),
+    help="Dataset folder to write (visits.parquet, ddi.parquet, summary.json).",
+)
+@click.option(
+    "--ddi-types",
+    type=click.Choice(["top40", "reference"]),
+    default="top40",
+    show_default=True,
+    help="Side-effect types whose pairs count, as for `cognet data mimic3`.",
+)
+@handle_errors
+def mimic4(
+    mimic_dir: Path,
+    ndc_rxnorm: Path,
+    rxnorm_atc: Path,
+    drug_atc: Path,
+    ddi: Path,
+    out: Path,
+    ddi_types: str,
+) -> None:
+    """Build a dataset from MIMIC-IV (hosp module) with the mimic3 preprocessing.
+
+    The SafeDrug / COGNet steps of `cognet data mimic3` with the same mapping files; ICD
+    codes keep their version as OMOP vocabulary tokens with OMOP's dots: ICD9CM/401.9,
+    ICD10CM/I10, ICD9Proc/36.06, ICD10PCS/02703ZZ. Prints what each step kept and dropped,
+    and writes it to OUT/summary.json.
+
+    \b
+    Example:
+      cognet data mimic4 --mimic-dir mimiciv/3.1 --ndc-rxnorm ndc2rxnorm_mapping.txt \\
+        --rxnorm-atc ndc2atc_level4.csv --drug-atc drug-atc.csv --ddi drug-DDI.csv \\
+        --out data/mimic4
+    """
+    from cognet.data.mimic4 import build_mimic4
+
+    _echo_report(build_mimic4(mimic_dir, ndc_rxnorm, rxnorm_atc, drug_atc, ddi, out, ddi_types))

@@ -54,7 +54,6 @@ def real_size(tmp_path_factory):
     """A synthetic dataset of real vocabulary sizes (131 medications, ~19 per visit), a
     checkpoint trained one epoch on the GPU, and its export."""
     from cognet.export import export
-
     from cognet.synth import generate
     from cognet.train import TrainConfig, train
 
@@ -82,6 +81,7 @@ def _reference(root, device: str) -> tuple[list, dict]:
 @pytest.mark.parametrize("batch_size", [7, 256, 4096])
 def test_ort_cuda_equals_torch_reference(real_size, batch_size):
     import pyarrow as pa
+
     from cognet.runtime import Scorer
 
     visits, by_id = _reference(real_size, "cpu")
@@ -103,6 +103,7 @@ def test_torch_cuda_equals_cpu_on_real_size(real_size):
 @needs_ort_cuda
 def test_batch_score_device_cuda_cli(real_size, tmp_path):
     from click.testing import CliRunner
+
     from cognet.runtime.cli import main
 
     args = ["score", str(real_size / "data" / "visits.parquet"), "--model",

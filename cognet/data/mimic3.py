@@ -328,10 +328,12 @@ def combine(
     procedures: pd.DataFrame,
     admissions: pd.DataFrame,
     admissions_path: Path,
+    code: str = "ICD9_CODE",
 ) -> pd.DataFrame:
     """Visits with all three code kinds, ordered by patient then admission time, step 7.
 
-    Columns: SUBJECT_ID, HADM_ID, visit_seq, diagnoses, procedures, medications.
+    Columns: SUBJECT_ID, HADM_ID, visit_seq, diagnoses, procedures, medications. ``code``
+    names the code column of ``diagnoses`` and ``procedures``.
     """
     keys = medications[KEY].drop_duplicates()
     for other in (diagnoses, procedures):
@@ -347,8 +349,8 @@ def combine(
     visits = visits.sort_values(["SUBJECT_ID", "ADMITTIME", "HADM_ID"]).reset_index(drop=True)
     visits["visit_seq"] = visits.groupby("SUBJECT_ID").cumcount().astype("int32")
     for frame, column, name in (
-        (diagnoses, "ICD9_CODE", "diagnoses"),
-        (procedures, "ICD9_CODE", "procedures"),
+        (diagnoses, code, "diagnoses"),
+        (procedures, code, "procedures"),
         (medications, "ATC3", "medications"),
     ):
         visits = visits.merge(_code_lists(frame, column, name), on=KEY, how="left")
