@@ -29,6 +29,7 @@ def save(
     ddi_adj: np.ndarray,
     ddi_pairs: list[tuple[str, str]],
     train_config: dict,
+    decoding: dict | None = None,
 ) -> Path:
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -38,6 +39,8 @@ def save(
         "train": train_config,
         "ddi_pairs": [list(p) for p in ddi_pairs],
     }
+    if decoding is not None:  # the model's default decoding (`cognet.core.decoding`)
+        config["decoding"] = decoding
     _write_json(out / "config.json", config)
     _write_json(out / "vocab.json", vocab.to_json())
     state = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}

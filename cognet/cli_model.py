@@ -15,7 +15,9 @@ from cognet.core.clitools import (
     progress,
     setup_logging,
 )
-from cognet.core.decoding import BEAM
+from cognet.core.decoding import DECODINGS, Decoding
+
+RECIPE_CHOICES = ("default", "reference")
 
 ABLATION_CHOICES = (
     "none",
@@ -38,12 +40,22 @@ ABLATION_CHOICES = (
 @click.option(
     "--out", required=True, type=click.Path(file_okay=False), help="Checkpoint directory to write."
 )
-@count_option("--epochs", default=50)
+@click.option(
+    "--recipe",
+    type=click.Choice(RECIPE_CHOICES),
+    default="default",
+    show_default=True,
+    help='default: what won on validation (README "Training recipe"); reference: the '
+    "authors' architecture and regularisation, 200 epochs (cap with --epochs), beam search. "
+    "The options below change the recipe's values.",
+)
+@count_option("--epochs", help="At most (default: 40; reference: 200).")
 @click.option("--seed", default=0, show_default=True, type=int)
-@click.option("--lr", default=1e-3, show_default=True, type=float)
-@count_option("--batch-size", default=16, help="Patients per optimisation step.")
+@click.option("--lr", type=float, help="Adam learning rate (default: 1e-3).")
+@count_option("--batch-size", help="Patients per optimisation step (default: 16).")
 @count_option(
-    "--patience", default=8, help="Epochs without a better validation Jaccard before stopping."
+    "--patience",
+    help="Epochs without a better validation score before stopping (default: 4; reference: none).",
 )
 @click.option(
     "--scheduled-sampling",
@@ -68,12 +80,14 @@ ABLATION_CHOICES = (
 )
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 @handle_errors
-def train(data_dir, out, threads, quiet, **config):
-    """Train COGNet on the train split, keeping the epoch with the best validation Jaccard.
+def train(data_dir, out, threads, quiet, recipe, **config):
+    """Train COGNet on the train split; choose the weights and the set decoding's threshold
+    on the validation split.
 
     \b
     Example:
-      cognet train --data data --out ckpt --epochs 20 --seed 0
+      cognet train --data data --out ckpt --seed 0 --threads 1
+      cognet train --data data --out ckpt-ref --recipe reference --epochs 30
     """
     import torch
 
@@ -83,13 +97,20 @@ def train(data_dir, out, threads, quiet, **config):
     setup_logging()
     if threads:
         torch.set_num_threads(threads)
-    cfg = TrainConfig(**config)  # the other options are TrainConfig's fields
+    try:  # the other options are TrainConfig's fields
+        cfg = TrainConfig.from_recipe(recipe, **config)
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from None
 
     def on_epoch(r: dict) -> None:
+        greedy = (
+            f"  greedy jaccard {r['val_jaccard']:.4f}  f1 {r['val_f1']:.4f}  prauc "
+            f"{r['val_prauc']:.4f}  drugs {r['val_avg_drugs']:.1f}"
+            if "val_jaccard" in r
+            else ""
+        )
         click.echo(
-            f"epoch {r['epoch']:3d}  loss {r['loss']:.4f}  val jaccard "
-            f"{r['val_jaccard']:.4f}  f1 {r['val_f1']:.4f}  prauc {r['val_prauc']:.4f}  "
-            f"ddi {r['val_ddi']:.4f}  drugs {r['val_avg_drugs']:.1f}  "
+            f"epoch {r['epoch']:3d}  loss {r['loss']:.4f}  val nll {r['val_nll']:.4f}{greedy}  "
             f"({r['train_s']:.1f}s train, {r['epoch_s']:.1f}s total)"
             f"{'  *best' if r['best'] else ''}",
             err=True,
@@ -99,9 +120,15 @@ def train(data_dir, out, threads, quiet, **config):
     best = run_train(
         data_dir, out, cfg, on_epoch=on_epoch, progress=(lambda **kw: bar(**kw)) if bar else None
     )
+    weights = best["weights"]["epochs"]
+    kept = (
+        f"epoch {weights[0]}"
+        if len(weights) == 1
+        else f"epochs {weights[0]}-{weights[-1]} averaged"
+    )
     click.echo(
-        f"best epoch {best['epoch']}: val jaccard {best['val_jaccard']:.4f}; "
-        f"checkpoint written to {out}"
+        f"weights: {kept} (val nll {best['weights']['val_nll']:.4f}); decoding: "
+        f"{Decoding.from_json(best['decoding']).label}; checkpoint written to {out}"
     )
 
 
@@ -116,7 +143,19 @@ def train(data_dir, out, threads, quiet, **config):
 @click.option(
     "--split", default="test", show_default=True, type=click.Choice(["train", "val", "test"])
 )
-@count_option("--beam", default=BEAM, help="Beam width; 1 = greedy.")
+@click.option(
+    "--decoding",
+    type=click.Choice(DECODINGS),
+    help="set: the model's best set (samples, tuned threshold); beam: the paper's beam "
+    "search. Default: the checkpoint's own.",
+)
+@count_option("--beam", help="Beam width of --decoding beam (default 4); 1 = greedy.")
+@count_option("--samples", help="Samples per visit of --decoding set (default: the model's).")
+@click.option(
+    "--threshold",
+    type=click.FloatRange(0, 1, min_open=True),
+    help="Threshold on P(medication in set) of --decoding set (default: the model's).",
+)
 @count_option("--rounds", default=10, help="Bootstrap rounds of 80%% of the patients.")
 @click.option("--seed", default=0, show_default=True, type=int)
 @click.option("--json", "json_out", type=click.Path(dir_okay=False), help="Write the report.")
@@ -160,7 +199,10 @@ def evaluate(
     ckpt,
     data_dir,
     split,
+    decoding,
     beam,
+    samples,
+    threshold,
     rounds,
     seed,
     json_out,
@@ -193,7 +235,10 @@ def evaluate(
         if ddi_tradeoff or ddi_mode != "off" or ddi_max_rate is not None:
             raise click.UsageError("the DDI options decode a --checkpoint, not a --baseline")
     policy = ddi_policy(ddi_mode, ddi_penalty, ddi_max_rate)
-    settings = {"split": split, "beam": beam, "rounds": rounds, "seed": seed}
+    if beam is not None and decoding is None:
+        decoding = "beam"
+    changes = {"name": decoding, "beam": beam, "samples": samples, "threshold": threshold}
+    settings = {"split": split, "decoding": changes, "rounds": rounds, "seed": seed}
     if ddi_tradeoff:
         if policy.active or predictions:
             raise click.UsageError(

@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from cognet.core.ddi import DDIPolicy, ddi_matrix
-from cognet.core.decoding import BEAM
+from cognet.core.decoding import BEAM, Decoding
 
 DEFAULT_PENALTIES = (0.25, 0.5, 1.0, 2.0, 4.0)
 MAX_JACCARD_DROP = 0.01  # accuracy a recommended penalty may cost against `off`
@@ -98,7 +98,7 @@ def tradeoff(
     patients,
     ddi_adj: np.ndarray,
     policy_list: Sequence[DDIPolicy],
-    beam: int = BEAM,
+    beam: int | Decoding = BEAM,
     rounds: int = 10,
     seed: int = 0,
     on_policy: Callable[[TradeoffRow], None] | None = None,
@@ -112,7 +112,10 @@ def tradeoff(
     rows = []
     for policy in policy_list:
         started = time.perf_counter()
-        decoded = decode_patients(model, vocab, patients, beam=beam, ddi=policy)
+        if isinstance(beam, Decoding):
+            decoded = decode_patients(model, vocab, patients, ddi=policy, decoding=beam)
+        else:
+            decoded = decode_patients(model, vocab, patients, beam=beam, ddi=policy)
         seconds = time.perf_counter() - started
         rep = report(visit_results(patients, decoded), ddi_adj, rounds=rounds, seed=seed)
         rows.append(TradeoffRow(policy, rep, seconds))
@@ -268,11 +271,12 @@ def run_tradeoff(
     split: str = "test",
     penalties: Sequence[float] = DEFAULT_PENALTIES,
     max_rates: Sequence[float] = (),
-    beam: int = BEAM,
+    beam: int | None = None,
     rounds: int = 10,
     seed: int = 0,
     on_policy: Callable[[TradeoffRow], None] | None = None,
     max_patients: int | None = None,
+    decoding: Decoding | dict | None = None,
 ) -> TradeoffResult:
     """What `cognet evaluate --ddi-tradeoff` does (and what `cognet-bench` may call): every
     policy of `policies(penalties, max_rates)` on a split of a dataset directory (its first
@@ -280,10 +284,11 @@ def run_tradeoff(
     from cognet import checkpoint
     from cognet.core.errors import InputError
     from cognet.core.schema import read_dataset
-    from cognet.evaluate import ground_truth_ddi, load_split
+    from cognet.evaluate import ground_truth_ddi, load_split, resolve_decoding
 
     dataset = read_dataset(data_dir)
-    model, vocab, _ = checkpoint.load(ckpt)
+    model, vocab, config = checkpoint.load(ckpt)
+    decoding = resolve_decoding(config, decoding, beam)
     patients = load_split(dataset.visits, vocab, split).patients[:max_patients]
     if not patients:
         raise InputError(f"{data_dir}: the {split} split has no labelled visit")
@@ -294,7 +299,7 @@ def run_tradeoff(
         patients,
         ddi_adj,
         policies(penalties, max_rates),
-        beam=beam,
+        beam=decoding,
         rounds=rounds,
         seed=seed,
         on_policy=on_policy,
@@ -304,6 +309,6 @@ def run_tradeoff(
     table = (
         f"{format_table(rows, best)}\nground-truth DDI rate of the {split} split: "
         f"{truth:.4f} ({rows[0].report['n_patients']} patients, "
-        f"{rows[0].report['n_visits']} visits, beam {beam})"
+        f"{rows[0].report['n_visits']} visits, {decoding.label})"
     )
     return TradeoffResult(rows, best, table, truth)

@@ -13,11 +13,12 @@ import torch
 
 from cognet.batching import make_batch
 from cognet.core.ddi import DDIPolicy, ddi_matrix
-from cognet.core.decoding import BEAM, MAX_LEN
+from cognet.core.decoding import BEAM, MAX_LEN, Decoding
 from cognet.core.history import Visit, patients_from_table
 from cognet.core.metrics import VisitResult, bootstrap_report, ddi_rate_of_sets, summarize
 from cognet.core.vocab import Vocab
 from cognet.decode import Decoded, beam_search
+from cognet.decode_set import set_decode
 from cognet.model import COGNet
 
 log = logging.getLogger(__name__)
@@ -57,14 +58,22 @@ def decode_patients(
     batch_patients: int = 128,
     on_batch: Callable[[int], None] | None = None,
     ddi: DDIPolicy = DDIPolicy(),
+    decoding: Decoding | None = None,
 ) -> list[Decoded]:
-    """Decode every visit of `patients` (history: the earlier visits' true medications)."""
+    """Decode every visit of `patients` (history: the earlier visits' true medications):
+    beam search of width `beam`, or `decoding` when given (beam or set)."""
+    if decoding is not None and decoding.name == "beam":
+        beam, max_len, decoding = decoding.beam, decoding.max_len, None
     out: list[Decoded] = []
     with torch.no_grad():
         for i in range(0, len(patients), batch_patients):
             chunk = patients[i : i + batch_patients]
             batch = make_batch(chunk, vocab, targets=False)
-            out.extend(beam_search(model, batch, beam=beam, max_len=max_len, ddi=ddi))
+            if decoding is None:
+                out.extend(beam_search(model, batch, beam=beam, max_len=max_len, ddi=ddi))
+            else:
+                ids = [v.visit_id for p in chunk for v in p]
+                out.extend(set_decode(model, batch, ids, decoding, ddi=ddi))
             if on_batch:
                 on_batch(sum(map(len, chunk)))
     return out
@@ -110,8 +119,11 @@ def predictions_table(
     )
 
 
-def model_name(beam: int, ddi: DDIPolicy = DDIPolicy()) -> str:
-    name = f"COGNet (beam {beam})" if beam > 1 else "COGNet (greedy)"
+def model_name(beam: int | Decoding, ddi: DDIPolicy = DDIPolicy()) -> str:
+    if isinstance(beam, Decoding):
+        name = f"COGNet ({beam.label})" if beam.name == "set" else model_name(beam.beam)
+    else:
+        name = f"COGNet (beam {beam})" if beam > 1 else "COGNet (greedy)"
     return name if not ddi.active else f"{name[:-1]}, DDI {ddi.label})"
 
 
@@ -119,15 +131,20 @@ def run_evaluation(
     ckpt,
     data_dir,
     split: str = "test",
-    beam: int = BEAM,
+    beam: int | None = None,
     rounds: int = 10,
     seed: int = 0,
     predictions=None,
     baseline: str | None = None,
     quiet: bool = True,
     ddi: DDIPolicy = DDIPolicy(),
+    decoding: Decoding | dict | None = None,
 ) -> dict:
-    """What `cognet evaluate` does: returns {"report": dict, "table": str}."""
+    """What `cognet evaluate` does: returns {"report": dict, "table": str}.
+
+    decoding: None = the checkpoint's own (config.json "decoding"; beam 4 for a model from
+    before set decoding), or beam search of width `beam` when that is given; a dict changes
+    fields of the checkpoint's decoding; a `Decoding` is used as it is."""
     from cognet import checkpoint
     from cognet.core.clitools import progress
     from cognet.core.metrics import format_table
@@ -135,7 +152,8 @@ def run_evaluation(
 
     dataset = read_dataset(data_dir)
     if ckpt:
-        model, vocab, _ = checkpoint.load(ckpt)
+        model, vocab, config = checkpoint.load(ckpt)
+        decoding = resolve_decoding(config, decoding, beam)
     else:
         train_rows = split_table(dataset.visits, "train")
         vocab = Vocab.build(
@@ -156,10 +174,10 @@ def run_evaluation(
         n_visits = sum(map(len, data.patients))
         with progress(total=n_visits, desc="decoding", unit="visit", quiet=quiet) as bar:
             decoded = decode_patients(
-                model, vocab, data.patients, beam=beam, on_batch=bar.update, ddi=ddi
+                model, vocab, data.patients, on_batch=bar.update, ddi=ddi, decoding=decoding
             )
         results = visit_results(data.patients, decoded)
-        name = model_name(beam, ddi)
+        name = model_name(decoding, ddi)
         if predictions:
             _write_parquet(
                 predictions,
@@ -171,6 +189,7 @@ def run_evaluation(
     rep["by_history"] = by_history(results, ddi_adj)
     if not baseline:
         rep["ddi_policy"] = ddi.to_json()
+        rep["decoding"] = decoding.to_json()
     rep.update(
         model=name,
         split=split,
@@ -190,6 +209,21 @@ def run_evaluation(
         )
     )
     return {"report": rep, "table": table}
+
+
+def resolve_decoding(config: dict, decoding: Decoding | dict | None, beam: int | None) -> Decoding:
+    """The decoding to run: see `run_evaluation`; a bad combination is an InputError."""
+    from cognet.core.errors import InputError
+
+    if isinstance(decoding, Decoding):
+        return decoding
+    try:
+        stored = Decoding.from_json(config.get("decoding"))
+        if decoding is None and beam is not None:
+            return stored.with_changes(name="beam", beam=beam)
+        return stored.with_changes(**(decoding or {}))
+    except ValueError as exc:
+        raise InputError(str(exc)) from None
 
 
 def by_history(results: Sequence[VisitResult], ddi_adj: np.ndarray) -> dict:

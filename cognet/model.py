@@ -44,8 +44,12 @@ class ModelConfig:
     n_med: int
     dim: int = 64  # s in the paper
     heads: int = 4
-    ffn: int = 128  # feed-forward width of every Transformer layer
-    dropout: float = 0.2
+    ffn: int = 128  # feed-forward width of the three encoders
+    dropout: float = 0.2  # residual (and feed-forward, GCN) dropout
+    dec_ffn: int | None = None  # feed-forward width of the decoder (None: ffn)
+    emb_dropout: float = 0.0  # on the code and medication embeddings (the authors': 0.3)
+    attn_dropout: float = 0.0  # on attention weights (the authors': 0.2)
+    shared_gcn: bool = False  # the authors' GCN: one first layer for both graphs, biases
     ablation: str = "none"
     lambda_init: float = 0.1  # E_g = G_e - lambda * G_d; the reference code left it uninitialised
 
@@ -84,14 +88,16 @@ def _bias(mask: Tensor) -> Tensor:
 class Attention(nn.Module):
     """Multi-head attention with an additive key bias; queries [N, Q, s], keys [N, K, s].
 
-    No dropout on the attention weights: it cost a quarter of a CPU training step and
-    the residual dropouts regularise enough (measured on the synthetic validation split).
+    No dropout on the attention weights by default: it cost a quarter of a CPU training
+    step and the residual dropouts regularise enough (measured on the synthetic validation
+    split); the reference recipe turns it on (`attn_dropout`).
     """
 
-    def __init__(self, dim: int, heads: int):
+    def __init__(self, dim: int, heads: int, dropout: float = 0.0):
         super().__init__()
         self.heads, self.head_dim = heads, dim // heads
         self.q, self.k, self.v, self.out = (nn.Linear(dim, dim) for _ in range(4))
+        self.drop = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
 
     def split(self, x: Tensor) -> Tensor:  # [N, L, s] -> [N, H, L, dh]
         n, length, _ = x.shape
@@ -101,7 +107,7 @@ class Attention(nn.Module):
         """bias: [N, 1 or Q, K] additive."""
         q, k, v = self.split(self.q(x)), self.split(self.k(memory)), self.split(self.v(memory))
         att = q @ k.transpose(-1, -2) / math.sqrt(self.head_dim) + bias.unsqueeze(1)
-        att = att.softmax(-1)
+        att = self.drop(att.softmax(-1))
         y = (att @ v).transpose(1, 2).reshape(x.shape)  # [N, Q, s]
         return self.out(y)
 
@@ -118,7 +124,7 @@ class EncoderLayer(nn.Module):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.attn = Attention(cfg.dim, cfg.heads)
+        self.attn = Attention(cfg.dim, cfg.heads, cfg.attn_dropout)
         self.ffn = FeedForward(cfg.dim, cfg.ffn, cfg.dropout)
         self.norm1, self.norm2 = nn.LayerNorm(cfg.dim), nn.LayerNorm(cfg.dim)
         self.drop = nn.Dropout(cfg.dropout)
@@ -143,21 +149,27 @@ class GatedAggregation(nn.Module):
 
 
 class GCN(nn.Module):
-    """Two-layer GCN over a fixed, row-normalised adjacency, with one-hot node features."""
+    """Two-layer GCN over a fixed, row-normalised adjacency, with one-hot node features.
 
-    def __init__(self, n: int, dim: int, adj: np.ndarray, dropout: float):
+    `shared`: the authors' variant, whose first-layer weights come from the caller (one
+    matrix for both graphs) and whose layers have biases."""
+
+    def __init__(self, n: int, dim: int, adj: np.ndarray, dropout: float, shared: bool = False):
         super().__init__()
         a = torch.as_tensor(adj, dtype=torch.float32) + torch.eye(n)
         # The graph is data, saved in graphs.npz beside the weights, not in the state dict.
         self.register_buffer("adj", a / a.sum(1, keepdim=True), persistent=False)
-        self.w1 = nn.Parameter(torch.empty(n, dim))
-        self.w2 = nn.Linear(dim, dim, bias=False)
-        nn.init.xavier_uniform_(self.w1)
+        if shared:
+            self.b1 = nn.Parameter(torch.zeros(dim))
+        else:
+            self.w1 = nn.Parameter(torch.empty(n, dim))
+            nn.init.xavier_uniform_(self.w1)
+        self.w2 = nn.Linear(dim, dim, bias=shared)
         self.drop = nn.Dropout(dropout)
 
-    def forward(self) -> Tensor:  # [n, s]
-        h = self.drop(F.relu(self.adj @ self.w1))
-        return self.adj @ self.w2(h)
+    def forward(self, w1: Tensor | None = None) -> Tensor:  # [n, s]
+        h = self.adj @ self.w1 if w1 is None else self.adj @ w1 + self.b1
+        return self.adj @ self.w2(self.drop(F.relu(h)))
 
 
 class COGNet(nn.Module):
@@ -172,14 +184,17 @@ class COGNet(nn.Module):
             EncoderLayer(cfg) for _ in range(3)
         )
         self.diag_agg, self.proc_agg = GatedAggregation(s), GatedAggregation(s)
-        self.ehr_gcn = GCN(m, s, ehr_adj, cfg.dropout)
-        self.ddi_gcn = GCN(m, s, ddi_adj, cfg.dropout)
+        self.ehr_gcn = GCN(m, s, ehr_adj, cfg.dropout, cfg.shared_gcn)
+        self.ddi_gcn = GCN(m, s, ddi_adj, cfg.dropout, cfg.shared_gcn)
+        if cfg.shared_gcn:
+            self.gcn_w1 = nn.Parameter(nn.init.xavier_uniform_(torch.empty(m, s)))
+        self.emb_drop = nn.Dropout(cfg.emb_dropout) if cfg.emb_dropout > 0 else nn.Identity()
         self.ddi_lambda = nn.Parameter(torch.tensor(cfg.lambda_init))
         # decoder layer
-        self.self_attn = Attention(s, cfg.heads)
-        self.cross_d = Attention(s, cfg.heads)
-        self.cross_p = Attention(s, cfg.heads)
-        self.ffn = FeedForward(s, cfg.ffn, cfg.dropout)
+        self.self_attn = Attention(s, cfg.heads, cfg.attn_dropout)
+        self.cross_d = Attention(s, cfg.heads, cfg.attn_dropout)
+        self.cross_p = Attention(s, cfg.heads, cfg.attn_dropout)
+        self.ffn = FeedForward(s, cfg.dec_ffn or cfg.ffn, cfg.dropout)
         self.norm1, self.norm2, self.norm3 = (nn.LayerNorm(s) for _ in range(3))
         self.drop = nn.Dropout(cfg.dropout)
         # heads
@@ -190,7 +205,8 @@ class COGNet(nn.Module):
     # -- medication graph ---------------------------------------------------------------
     def graph_embeddings(self) -> Tensor:
         """E_g for every medication token, zero for END/START/PAD: [M + 3, s]."""
-        e = self.ehr_gcn() - self.ddi_lambda * self.ddi_gcn()
+        w1 = self.gcn_w1 if self.cfg.shared_gcn else None
+        e = self.ehr_gcn(w1) - self.ddi_lambda * self.ddi_gcn(w1)
         if self.cfg.ablation == "no-graph":
             e = torch.zeros_like(e)
         return torch.cat([e, e.new_zeros(3, e.shape[1])])
@@ -202,9 +218,10 @@ class COGNet(nn.Module):
         dmask = (diagnoses != cfg.n_diag).float()
         pmask = (procedures != cfg.n_proc).float()
         mmask = (medications != cfg.n_med + 2).float()
-        diag_enc = self.diag_encoder(self.diag_emb(diagnoses), dmask)
-        proc_enc = self.proc_encoder(self.proc_emb(procedures), pmask)
-        med_enc = self.med_encoder(self.med_emb(medications), mmask)
+        drop = self.emb_drop
+        diag_enc = self.diag_encoder(drop(self.diag_emb(diagnoses)), dmask)
+        proc_enc = self.proc_encoder(drop(self.proc_emb(procedures)), pmask)
+        med_enc = self.med_encoder(drop(self.med_emb(medications)), mmask)
         return (
             diag_enc,
             proc_enc,
@@ -259,7 +276,7 @@ class COGNet(nn.Module):
 
     # -- the decoder layer, shared by teacher forcing and step-wise decoding ---------------------
     def _embed_tokens(self, tokens: Tensor, graph: Tensor) -> Tensor:
-        return self.med_emb(tokens) + F.embedding(tokens, graph)
+        return self.emb_drop(self.med_emb(tokens)) + F.embedding(tokens, graph)
 
     @staticmethod
     def _cross(
@@ -270,7 +287,7 @@ class COGNet(nn.Module):
         Returns the output [N, Q, s] and the attention weights [N, H, Q, L]."""
         n, length, _ = x.shape
         q = attn.q(x).view(n, length, attn.heads, attn.head_dim).transpose(1, 2)  # [N, H, Q, dh]
-        att = (q @ key + bias.view(n, 1, 1, -1)).softmax(-1)  # [N, H, Q, L]
+        att = attn.drop((q @ key + bias.view(n, 1, 1, -1)).softmax(-1))  # [N, H, Q, L]
         y = (att @ value).transpose(1, 2)  # [N, Q, H, dh]
         return attn.out(y.reshape(n, length, -1)) * flag.view(n, 1, 1), att
 

@@ -1,15 +1,69 @@
-"""Decoding defaults shared by the torch reference, the exporter and the runtime (torch-free).
+"""Decodings and their defaults, shared by the torch reference, the exporter and the runtime
+(torch-free).
 
-The paper's decoding is beam search with beam 4 and at most 45 medications (DESIGN.md §3,
-the rules: docs/INTERNALS.md "Beam search"). An exported model records BEAM and MAX_LEN in
-its manifest; the runtime reads them from there.
+- `beam`: the paper's decoding: beam search, beam 4, at most 45 steps (DESIGN.md §3; the
+  rules: docs/INTERNALS.md "Beam search"). It stays available exactly as it is.
+- `set`: cognet's set decoding (`cognet.core.sampling`): the medications whose probability
+  of being in the model's own decoded set, estimated from seeded samples, reaches a
+  threshold tuned on the validation split at the end of `cognet train`.
 
-DECODINGS names every decoding a caller may ask for (`ScoreOptions.decoding`,
-`cognet.runtime.options`); adding one starts here, with its implementation beside the beam
-search.
+A checkpoint records its default `Decoding` in config.json ("decoding") and an exported
+model in its manifest; `cognet evaluate`, `cognet-batch score` and the benchmarks use it
+unless told otherwise. DECODINGS names every decoding a caller may ask for.
 """
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, replace
 
 BEAM = 4  # beam width; 1 = greedy
 MAX_LEN = 45  # decoder steps at most (medications + END)
-DECODINGS = ("beam",)
-DEFAULT_DECODING = "beam"
+SAMPLES = 16  # samples per visit of the set decoding (see README "Set decoding": cost)
+DECODINGS = ("beam", "set")
+DEFAULT_DECODING = "beam"  # of a model that has no tuned set threshold
+
+
+@dataclass(frozen=True)
+class Decoding:
+    """One decoding with its parameters (those of the other decoding are carried along)."""
+
+    name: str = DEFAULT_DECODING
+    beam: int = BEAM
+    samples: int = SAMPLES
+    threshold: float | None = None  # set decoding: tuned on validation; None = untuned
+    seed: int = 0  # set decoding: the draws are keyed by (seed, visit_id, sample, step)
+    max_len: int = MAX_LEN
+
+    def __post_init__(self) -> None:
+        if self.name not in DECODINGS:
+            raise ValueError(f"unknown decoding {self.name!r}; choose from {', '.join(DECODINGS)}")
+        if self.beam < 1 or self.samples < 1 or self.max_len < 1:
+            raise ValueError("beam, samples and max_len must be >= 1")
+        if self.threshold is not None and not 0.0 < self.threshold <= 1.0:
+            raise ValueError(f"the set threshold must be in (0, 1], not {self.threshold}")
+        if self.name == "set" and self.threshold is None:
+            raise ValueError(
+                "set decoding needs a threshold: models trained by this version store one; "
+                "give --threshold for an older model, or use --decoding beam"
+            )
+
+    @property
+    def label(self) -> str:
+        if self.name == "set":
+            return f"set, {self.samples} samples, threshold {self.threshold:g}"
+        return f"beam {self.beam}" if self.beam > 1 else "greedy"
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, obj: dict | None) -> Decoding:
+        """A stored decoding; None (a model from before set decoding) = the paper's beam."""
+        if not obj:
+            return cls()
+        known = {k: obj[k] for k in cls.__dataclass_fields__ if k in obj}
+        return cls(**known)
+
+    def with_changes(self, **changes) -> Decoding:
+        """This decoding with the given fields changed (None values are ignored)."""
+        return replace(self, **{k: v for k, v in changes.items() if v is not None})

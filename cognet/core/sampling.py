@@ -1,0 +1,278 @@
+"""Set decoding: the model's best *set* of medications, from its own copy-or-predict
+distribution (torch-free, numpy; the rules of docs/INTERNALS.md "Set decoding").
+
+The paper's beam search returns the single most probable sequence, and the decoder orders
+medications rare-first, so that sequence must open with a guess among rare alternatives.
+Set decoding asks instead, for each medication k, how likely the model's own decoding is to
+emit it at all, P(k in S), and returns the medications whose probability reaches a
+threshold tuned on the validation split (`cognet train` stores it with the checkpoint).
+
+How P(k in S) is estimated: N seeded samples are decoded from Pr (the copy-or-predict
+mixture, already-emitted medications masked and the rest renormalised, END finishing a
+sample). Along each sample the probability of emitting k at each step it is still open is
+summed: the conditional probability that k is emitted at step t, given the prefix, is that
+step's p_t(k), so the sum has the expectation P(k in S) (a Rao-Blackwellised estimator; it
+has far less variance than counting the samples that hold k, and is continuous, which
+PRAUC needs). The estimate is the mean over the N samples.
+
+Random draws are counter-based: the uniform of (seed, visit, sample, step) is a hash of
+those four numbers, so a visit's samples do not depend on its batch-mates, its row or the
+engine, and the torch reference and the runtime draw the same numbers. One driver serves
+both (any `DecoderSession`): they can differ only by the float32 rounding of the
+log-probabilities they are given.
+
+DDI policies (`cognet.core.ddi`): soft and hard act on every sampling step as in beam
+search; the returned set is then built in decreasing probability, and `hard` skips a
+medication that interacts with one already in the set, `max_rate R` skips one that would
+lift the set's DDI rate above R.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from cognet.core.ddi import RATE_TOLERANCE, DDIPolicy
+
+_SEED = np.uint64(0x9E3779B97F4A7C15)
+_SAMPLE = np.uint64(0xD1B54A32D192ED03)
+_STEP = np.uint64(0x8CB92BA72F3D8DD7)
+
+
+def visit_key(visit_id: str) -> int:
+    """A visit's random stream: 64 bits of blake2b of its id."""
+    return int.from_bytes(hashlib.blake2b(visit_id.encode(), digest_size=8).digest(), "little")
+
+
+def visit_keys(visit_ids: Sequence[str]) -> np.ndarray:
+    return np.fromiter((visit_key(v) for v in visit_ids), np.uint64, len(visit_ids))
+
+
+def _mix(x: np.ndarray) -> np.ndarray:
+    """splitmix64's finaliser (a bijection of uint64 with full avalanche), wrapping."""
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
+def uniforms(seed: int, keys: np.ndarray, samples: int, step: int) -> np.ndarray:
+    """float64 [n, samples], strictly inside (0, 1): the draws of step `step` of every
+    sample of the visits with these keys."""
+    with np.errstate(over="ignore"):
+        base = _mix(np.asarray(keys, np.uint64) ^ _mix(np.uint64(seed % 2**64) * _SEED))
+        sample = np.arange(1, samples + 1, dtype=np.uint64) * _SAMPLE
+        x = _mix(_mix(base[:, None] ^ sample[None, :]) ^ (np.uint64(step + 1) * _STEP))
+    return ((x >> np.uint64(11)).astype(np.float64) + 0.5) * 2.0**-53
+
+
+@dataclass(frozen=True)
+class SetConfig:
+    end: int  # END id (= number of medications M)
+    samples: int = 16
+    threshold: float = 0.5
+    max_len: int = 45
+    seed: int = 0
+    ddi: DDIPolicy = DDIPolicy()
+    compact_at: float = 0.75  # as `BeamConfig.compact_at`
+
+    def __post_init__(self) -> None:
+        if self.samples < 1 or self.max_len < 1:
+            raise ValueError("samples and max_len must be >= 1")
+        if not 0.0 < self.threshold <= 1.0:
+            raise ValueError("the set threshold must be in (0, 1]")
+
+
+@dataclass
+class SetResult:
+    """The set of each of N visits (fields as `BeamResult`'s, read for a set)."""
+
+    meds: list[np.ndarray]  # per visit: the set, by decreasing probability (ties: smaller id)
+    score: np.ndarray  # float32 [N]: mean probability of the set's medications (0 if empty)
+    med_probs: list[np.ndarray]  # per visit: P(k in S) of each medication of the set
+    prauc_scores: np.ndarray  # float32 [N, M]: P(k in S) of every medication
+    gates: list[np.ndarray] | None = None  # per visit: mean w_g where the samples emitted it
+    copies: list[np.ndarray] | None = None  # per visit: [meds, S] mean copy distribution
+    attention: list[np.ndarray] | None = None  # per visit: [meds, Ld] mean diagnosis attention
+    steps: int = 0
+
+
+def set_marginals(
+    session: Any,
+    memories: Any,
+    n: int,
+    cfg: SetConfig,
+    keys: np.ndarray,
+    ddi_adj: np.ndarray | None = None,
+    explain: bool = False,
+    attention: bool = False,
+) -> tuple[np.ndarray, dict | None, int]:
+    """(P(k in S) float64 [n, M], the explanation sums or None, steps run) of the n visits
+    whose memories come from `session.init` (a `runtime.beam.DecoderSession`)."""
+    s, end = cfg.samples, cfg.end
+    policy = cfg.ddi
+    if policy.mode in ("soft", "hard"):
+        if ddi_adj is None or ddi_adj.shape != (end, end):
+            raise ValueError(f"DDI policy {policy.label!r} needs the [{end}, {end}] adjacency")
+        ddi_adj = np.asarray(ddi_adj, np.float32)
+    outputs = ("log_probs",)
+    if explain:
+        outputs = ("log_probs", "gate", "copy_probs", *(("diag_attention",) if attention else ()))
+    rows = np.arange(n)  # visit of each row
+    tokens = np.full((n, s), end + 1, np.int64)  # START
+    parent = np.tile(np.arange(s, dtype=np.int64), (n, 1))  # samples never change rows
+    finished = np.zeros((n, s), bool)
+    used = np.zeros((n, s, end + 1), bool)
+    hazard = np.zeros((n, end), np.float64)  # sum over samples and steps of p_t(k)
+    out = np.zeros((n, end), np.float64)
+    sums = None
+    done = np.zeros(n, bool)
+    cache = session.empty_cache(n, s)
+    steps = 0
+    for t in range(cfg.max_len):
+        got, cache = session.step(tokens, parent, cache, memories, outputs)
+        steps += 1
+        p = _step_distribution(got["log_probs"], used, finished, end, policy, ddi_adj)
+        hazard[rows] += p[..., :end].sum(1)  # finished samples have p = 0 below END
+        u = uniforms(cfg.seed, keys[rows], s, t)
+        cum = np.cumsum(p, -1)
+        tokens = np.minimum((cum < (u * cum[..., -1])[..., None]).sum(-1), end)
+        r_ix, s_ix = np.indices(tokens.shape)
+        emitted = ~finished & (tokens < end)
+        if explain:
+            sums = _add_explanation(sums, n, end, got, rows, tokens, emitted)
+        used[r_ix, s_ix, tokens] = True
+        finished = finished | (tokens == end)
+        newly = ~done & (finished.all(1) if t < cfg.max_len - 1 else True)
+        if newly.any():
+            out[rows[newly]] = hazard[rows[newly]] / s
+            done |= newly
+            live = np.flatnonzero(~done)
+            if live.size == 0:
+                break
+            if live.size < cfg.compact_at * done.size:
+                rows, tokens, parent, finished, used, done = (
+                    x[live] for x in (rows, tokens, parent, finished, used, done)
+                )
+                cache = session.take(cache, live)
+                memories = session.take(memories, live)
+    return out, sums, steps
+
+
+def _step_distribution(log_probs, used, finished, end, policy, ddi_adj) -> np.ndarray:
+    """float64 [R, S, V1]: each sample's next-token distribution: Pr with the medications
+    it holds masked (and the DDI policy applied), renormalised; a finished sample has all
+    its mass on END."""
+    logp = log_probs.astype(np.float64)
+    if policy.mode in ("soft", "hard"):
+        clashes = used[..., :end].astype(np.float32) @ ddi_adj
+        if policy.mode == "hard":
+            logp[..., :end][clashes > 0] = -np.inf
+        else:
+            logp[..., :end] -= policy.penalty * clashes
+    logp[used] = -np.inf
+    logp[finished] = -np.inf
+    logp[finished, end] = 0.0
+    p = np.exp(logp - logp.max(-1, keepdims=True))
+    return p / p.sum(-1, keepdims=True)
+
+
+def _add_explanation(sums, n, end, got, rows, tokens, emitted) -> dict:
+    """Accumulate, per visit and medication, the gate, copy distribution and diagnosis
+    attention of the steps at which a sample emitted it."""
+    r, smp = np.nonzero(emitted)
+    vis, med = rows[r], tokens[r, smp]
+    if sums is None:
+        sums = {"count": np.zeros((n, end)), "gate": np.zeros((n, end))}
+    np.add.at(sums["count"], (vis, med), 1.0)
+    np.add.at(sums["gate"], (vis, med), got["gate"][r, smp])
+    copy = got["copy_probs"]
+    if "copy" not in sums:
+        sums["copy"] = np.zeros((n, end, copy.shape[2]))
+    width = min(copy.shape[2], sums["copy"].shape[2])  # rows keep their slot count
+    np.add.at(sums["copy"], (vis, med), copy[r, smp, :width])
+    if "diag_attention" in got:
+        att = got["diag_attention"].mean(1)  # [R, S, Ld] over heads
+        if "attention" not in sums:
+            sums["attention"] = np.zeros((n, end, att.shape[2]))
+        np.add.at(sums["attention"], (vis, med), att[r, smp])
+    return sums
+
+
+def select_sets(
+    marginals: np.ndarray,
+    threshold: float,
+    policy: DDIPolicy = DDIPolicy(),
+    ddi_adj: np.ndarray | None = None,
+) -> list[np.ndarray]:
+    """Per visit, the medications with P(k in S) >= threshold in decreasing probability
+    (ties: smaller id), under the policy's set rules (`hard`: no interacting pair;
+    `max_rate`: DDI rate <= R)."""
+    out = []
+    order = np.argsort(-marginals, axis=1, kind="stable")
+    for m, idx in zip(marginals, order, strict=True):
+        idx = idx[m[idx] >= threshold]
+        if policy.mode == "hard" or policy.max_rate is not None:
+            idx = _ddi_filter(idx, policy, np.asarray(ddi_adj, bool))
+        out.append(idx.astype(np.int64))
+    return out
+
+
+def _ddi_filter(candidates: np.ndarray, policy: DDIPolicy, adj: np.ndarray) -> np.ndarray:
+    kept: list[int] = []
+    pairs = 0
+    for k in candidates.tolist():
+        clash = int(adj[k, kept].sum()) if kept else 0
+        if policy.mode == "hard" and clash:
+            continue
+        if policy.max_rate is not None and kept:
+            size = len(kept) + 1
+            if (pairs + clash) / (size * (size - 1) / 2) > policy.max_rate + RATE_TOLERANCE:
+                continue
+        kept.append(k)
+        pairs += clash
+    return np.array(kept, np.int64)
+
+
+def decode_sets(
+    session: Any,
+    memories: Any,
+    n: int,
+    cfg: SetConfig,
+    keys: np.ndarray,
+    ddi_adj: np.ndarray | None = None,
+    explain: bool = False,
+    attention: bool = False,
+) -> SetResult:
+    """The set of each of the n visits, with what `BeamResult` carries for a hypothesis."""
+    marginals, sums, steps = set_marginals(
+        session, memories, n, cfg, keys, ddi_adj, explain, attention
+    )
+    meds = select_sets(marginals, cfg.threshold, cfg.ddi, ddi_adj)
+    probs = [marginals[i, m].astype(np.float32) for i, m in enumerate(meds)]
+    score = np.array([p.mean() if p.size else 0.0 for p in probs], np.float32)
+    result = SetResult(meds, score, probs, marginals.astype(np.float32), steps=steps)
+    if explain:
+        _explain(result, sums or {}, meds)
+    return result
+
+
+def _explain(result: SetResult, sums: dict, meds: list[np.ndarray]) -> None:
+    """Per medication of each set: mean gate, copy distribution and diagnosis attention at
+    the steps where samples emitted it (sums of `_add_explanation`; empty when none did)."""
+    n, m = result.prauc_scores.shape
+    count = np.maximum(sums.get("count", np.zeros((n, m))), 1.0)
+    gate = sums.get("gate", np.ones((n, m)))
+    copy = sums.get("copy", np.zeros((n, m, 0)))
+    att = sums.get("attention")
+    result.gates = [(gate[i, k] / count[i, k]).astype(np.float32) for i, k in enumerate(meds)]
+    result.copies = [
+        (copy[i, k] / count[i, k, None]).astype(np.float32) for i, k in enumerate(meds)
+    ]
+    if att is not None:
+        result.attention = [
+            (att[i, k] / count[i, k, None]).astype(np.float32) for i, k in enumerate(meds)
+        ]

@@ -1,0 +1,118 @@
+"""What `cognet train` chooses on the validation split after the epochs: which weights to
+keep (one epoch, or the average of the last epochs' weights) and the set decoding's
+threshold. Every choice here is made on validation data only."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from cognet.batching import IGNORE, make_batch
+from cognet.core.ddi import DDIPolicy
+from cognet.core.decoding import Decoding
+from cognet.core.history import Visit
+from cognet.core.metrics import VisitResult, bootstrap_report
+from cognet.core.sampling import select_sets
+from cognet.core.vocab import Vocab
+from cognet.model import COGNet
+
+# Thresholds tried on P(k in S) (0.15 .. 0.60): the best on validation is kept.
+THRESHOLDS = tuple(round(x, 3) for x in np.arange(0.15, 0.601, 0.025))
+
+
+@torch.no_grad()
+def validation_nll(
+    model: COGNet, vocab: Vocab, patients: Sequence[Sequence[Visit]], chunk: int = 64
+) -> float:
+    """Teacher-forced negative log-likelihood per target token (END included)."""
+    model.eval()
+    device = next(model.parameters()).device
+    total, count = 0.0, 0
+    for i in range(0, len(patients), chunk):
+        batch = make_batch(patients[i : i + chunk], vocab)
+        batch = {k: v.to(device) for k, v in batch.items()}
+        target = batch["dec_target"]
+        log_probs = model(batch)
+        total += float(
+            F.nll_loss(
+                log_probs.flatten(0, 1), target.flatten(), ignore_index=IGNORE, reduction="sum"
+            )
+        )
+        count += int((target != IGNORE).sum())
+    return total / max(count, 1)
+
+
+def average_states(states: Sequence[dict]) -> dict:
+    """The element-wise mean of state dicts (floating tensors; others from the last)."""
+    out = {}
+    for key, last in states[-1].items():
+        if last.is_floating_point():
+            out[key] = sum(s[key] for s in states) / len(states)
+        else:
+            out[key] = last.clone()
+    return out
+
+
+def choose_average(
+    model: COGNet,
+    snapshots: dict[int, dict],
+    sizes: Sequence[int],
+    ends: Sequence[int],
+    nll,
+) -> tuple[dict, dict]:
+    """The weights of lowest validation NLL among the averages of every window of `sizes`
+    consecutive epochs ending at one of `ends` (size 1: that epoch alone). `nll(model)`
+    scores the model in place. Returns (state, {"epochs": [...], "val_nll": ...})."""
+    best_state, best_info = None, None
+    for end in ends:
+        for size in sorted(set(sizes)):
+            epochs = list(range(end - size + 1, end + 1))
+            if not all(e in snapshots for e in epochs):
+                continue
+            state = average_states([snapshots[e] for e in epochs])
+            model.load_state_dict(state)
+            score = nll(model)
+            if best_info is None or score < best_info["val_nll"]:
+                best_state, best_info = state, {"epochs": epochs, "val_nll": score}
+    return best_state, best_info
+
+
+def tune_threshold(
+    patients: Sequence[Sequence[Visit]],
+    marginals: np.ndarray,
+    ddi_adj: np.ndarray,
+    thresholds: Sequence[float] = THRESHOLDS,
+) -> tuple[float, dict[float, float]]:
+    """The threshold on P(k in S) of highest patient-averaged validation Jaccard (ties: the
+    lower), and the Jaccard of each one tried."""
+    visits = [v for p in patients for v in p]
+    scores = {}
+    for tau in thresholds:
+        sets = select_sets(marginals, tau)
+        results = [
+            VisitResult(v.patient_id, tuple(s.tolist()), tuple(v.meds or ()), m)
+            for v, s, m in zip(visits, sets, marginals, strict=True)
+        ]
+        scores[tau] = bootstrap_report(results, ddi_adj, rounds=1, fraction=1.0)["jaccard"]["mean"]
+    best = max(scores, key=lambda t: (scores[t], -t))
+    return best, scores
+
+
+def set_decoding_for(
+    model: COGNet,
+    vocab: Vocab,
+    patients: Sequence[Sequence[Visit]],
+    ddi_adj: np.ndarray,
+    samples: int,
+) -> tuple[Decoding, dict]:
+    """The set decoding of `samples` samples with its threshold tuned on `patients`."""
+    from cognet.evaluate import decode_patients
+
+    probe = Decoding(name="set", samples=samples, threshold=1.0)
+    decoded = decode_patients(model, vocab, patients, decoding=probe, ddi=DDIPolicy())
+    marginals = np.stack([d.scores for d in decoded])
+    tau, scores = tune_threshold(patients, marginals, ddi_adj)
+    return probe.with_changes(threshold=tau), {"val_jaccard_by_threshold": scores}

@@ -1,0 +1,151 @@
+"""Set decoding's driver (`cognet.core.sampling`): counter-based draws, unbiased marginals
+against exact enumeration, independence from batch-mates, set rules under DDI policies."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+
+from cognet.core.ddi import DDIPolicy
+from cognet.core.sampling import (
+    SetConfig,
+    decode_sets,
+    select_sets,
+    set_marginals,
+    uniforms,
+    visit_keys,
+)
+
+
+class FixedSession:
+    """A decoder whose next-token distribution is a fixed q per visit (the driver masks
+    what a sample already holds): P(k in S) has a closed form by enumeration."""
+
+    def __init__(self, q: np.ndarray):
+        self.q = np.log(np.asarray(q, np.float32))  # [n, V1]
+        self.calls = 0
+
+    def empty_cache(self, n, beam):
+        return np.zeros((n, beam, 0), np.float32)
+
+    def step(self, tokens, parent, cache, memories, outputs):
+        self.calls += 1
+        rows = memories  # the visit of each row
+        lp = np.broadcast_to(self.q[rows][:, None, :], (*tokens.shape, self.q.shape[1])).copy()
+        out = {"log_probs": lp}
+        if "gate" in outputs:
+            out["gate"] = np.full(tokens.shape, 0.25, np.float32)
+            out["copy_probs"] = np.full((*tokens.shape, 3), 1 / 3, np.float32)
+        return {k: out[k] for k in outputs}, np.concatenate([cache, tokens[..., None]], -1)
+
+    def take(self, value, rows):
+        return value[rows]
+
+
+def exact_inclusion(q: np.ndarray) -> np.ndarray:
+    """P(k in S) when tokens are drawn from q without replacement until END (last index)."""
+    m = len(q) - 1
+    prob = np.zeros(m)
+
+    def walk(used: tuple[int, ...], p: float) -> None:
+        free = [j for j in range(m + 1) if j not in used]
+        total = sum(q[j] for j in free)
+        for j in free:
+            pj = p * q[j] / total
+            if j == m:
+                for k in used:
+                    prob[k] += pj
+            else:
+                walk((*used, j), pj)
+
+    walk((), 1.0)
+    return prob
+
+
+def test_uniforms_are_keyed_not_positional():
+    keys = visit_keys(["a", "b", "c"])
+    u = uniforms(7, keys, 5, 3)
+    assert u.shape == (3, 5) and (u > 0).all() and (u < 1).all()
+    # the same visit draws the same numbers in any batch, at any row
+    assert np.array_equal(uniforms(7, keys[[2, 0]], 5, 3), u[[2, 0]])
+    assert np.array_equal(uniforms(7, keys[1:2], 5, 3)[0], u[1])
+    # and different numbers for another seed, step or sample
+    assert not np.array_equal(uniforms(8, keys, 5, 3), u)
+    assert not np.array_equal(uniforms(7, keys, 5, 4), u)
+    assert len(np.unique(u)) == u.size
+    many = uniforms(0, visit_keys([str(i) for i in range(2000)]), 50, 0).ravel()
+    assert abs(many.mean() - 0.5) < 0.005
+    hist = np.histogram(many, bins=10, range=(0, 1))[0] / many.size
+    assert np.abs(hist - 0.1).max() < 0.005
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_marginals_are_unbiased(seed):
+    rng = np.random.default_rng(seed)
+    q = rng.dirichlet(np.ones(5) * 0.7, size=3)  # 4 medications + END, 3 visits
+    q[:, -1] = np.maximum(q[:, -1], 0.08)
+    q /= q.sum(1, keepdims=True)
+    cfg = SetConfig(end=4, samples=3000, seed=seed, max_len=10)
+    est, _, _ = set_marginals(FixedSession(q), np.arange(3), 3, cfg, visit_keys("xyz"))
+    exact = np.stack([exact_inclusion(row) for row in q])
+    assert np.abs(est - exact).max() < 0.02
+    # counting the samples that hold k is unbiased too, with more variance
+    assert est.shape == (3, 4) and (est >= 0).all() and (est <= 1 + 1e-9).all()
+
+
+def test_a_visit_does_not_depend_on_its_batch_mates():
+    rng = np.random.default_rng(3)
+    q = rng.dirichlet(np.ones(9), size=6)
+    cfg = SetConfig(end=8, samples=16, threshold=0.3, max_len=12)
+    ids = [f"V{i}" for i in range(6)]
+    together = decode_sets(FixedSession(q), np.arange(6), 6, cfg, visit_keys(ids))
+    for i in (0, 4):
+        alone = decode_sets(
+            FixedSession(q[i : i + 1]), np.arange(1), 1, cfg, visit_keys(ids[i : i + 1])
+        )
+        assert np.array_equal(alone.meds[0], together.meds[i])
+        assert np.allclose(alone.prauc_scores[0], together.prauc_scores[i], atol=0, rtol=0)
+
+
+def test_sets_follow_threshold_and_order():
+    marg = np.array([[0.1, 0.6, 0.6, 0.9, 0.3]])
+    assert select_sets(marg, 0.5)[0].tolist() == [3, 1, 2]  # ties: smaller id first
+    assert select_sets(marg, 0.3)[0].tolist() == [3, 1, 2, 4]
+    assert select_sets(marg, 0.95)[0].tolist() == []
+
+
+def test_hard_and_max_rate_hold_on_the_returned_set():
+    m = 6
+    adj = np.zeros((m, m), bool)
+    for a, b in [(0, 1), (2, 3), (1, 3)]:
+        adj[a, b] = adj[b, a] = True
+    marg = np.array([[0.9, 0.8, 0.7, 0.6, 0.5, 0.4]])
+    hard = select_sets(marg, 0.3, DDIPolicy(mode="hard"), adj)[0].tolist()
+    assert hard == [0, 2, 4, 5]
+    assert not any(adj[a, b] for a, b in itertools.combinations(hard, 2))
+    capped = select_sets(marg, 0.3, DDIPolicy(max_rate=0.1), adj)[0].tolist()
+    pairs = sum(adj[a, b] for a, b in itertools.combinations(capped, 2))
+    assert pairs / (len(capped) * (len(capped) - 1) / 2) <= 0.1
+    assert capped[:2] == [0, 2]
+
+
+def test_hard_sampling_never_emits_a_clash_within_a_sample():
+    q = np.full((2, 5), 0.2)
+    adj = np.zeros((4, 4), bool)
+    adj[0, 1] = adj[1, 0] = True
+    cfg = SetConfig(end=4, samples=200, max_len=6, ddi=DDIPolicy(mode="hard"))
+    session = FixedSession(q)
+    res = decode_sets(session, np.arange(2), 2, cfg, visit_keys("ab"), ddi_adj=adj)
+    # P(0 in S) + P(1 in S) counts the samples holding either; never both: <= 1
+    assert (res.prauc_scores[:, 0] + res.prauc_scores[:, 1] <= 1 + 1e-6).all()
+
+
+def test_explanations_average_the_emitting_steps():
+    q = np.full((1, 4), 0.25)
+    cfg = SetConfig(end=3, samples=8, threshold=0.05, max_len=5)
+    res = decode_sets(FixedSession(q), np.arange(1), 1, cfg, visit_keys("a"), explain=True)
+    assert len(res.gates[0]) == len(res.meds[0]) > 0
+    assert np.allclose(res.gates[0], 0.25)
+    assert res.copies[0].shape == (len(res.meds[0]), 3)
