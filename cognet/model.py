@@ -163,8 +163,9 @@ class GCN(nn.Module):
             self.b1 = nn.Parameter(torch.zeros(dim))
         else:
             self.w1 = nn.Parameter(torch.empty(n, dim))
-            nn.init.xavier_uniform_(self.w1)
         self.w2 = nn.Linear(dim, dim, bias=shared)
+        if not shared:  # after w2's initialisation, as before the shared variant existed
+            nn.init.xavier_uniform_(self.w1)
         self.drop = nn.Dropout(dropout)
 
     def forward(self, w1: Tensor | None = None) -> Tensor:  # [n, s]

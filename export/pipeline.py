@@ -102,6 +102,7 @@ def export(
         checkpoint_sha256=ckpt.checkpoint_hash(checkpoint),
         versions=_versions(),
         parity=parity,
+        decoding=config.get("decoding"),  # the checkpoint's tuned default, when it has one
         model_dir=out,
     )
     if tensorrt:

@@ -35,7 +35,8 @@ from typing import Any, Protocol
 import numpy as np
 
 from cognet.core.ddi import RATE_TOLERANCE, DDIPolicy
-from cognet.core.decoding import BEAM, MAX_LEN
+from cognet.core.decoding import BEAM, MAX_LEN, Decoding
+from cognet.core.sampling import SetConfig, SetResult, decode_sets, visit_keys
 
 NEG_INF = np.float32(-np.inf)
 
@@ -341,3 +342,42 @@ def _trace_back(
         if att is not None:
             result.attention = [att[i, is_med[i]] for i in range(n)]
     return result
+
+
+def decoding_configs(
+    decoding: Decoding, end: int, ddi: DDIPolicy, compact_at: float
+) -> tuple[BeamConfig, SetConfig | None]:
+    """The driver configurations of a decoding: beam search's (always: its beam width and
+    length are reported), and the set decoding's when `decoding` is a set decoding."""
+    beam = BeamConfig(end, decoding.beam, decoding.max_len, compact_at, ddi)
+    if decoding.name != "set":
+        return beam, None
+    sets = SetConfig(
+        end=end,
+        samples=decoding.samples,
+        threshold=decoding.threshold,
+        max_len=decoding.max_len,
+        seed=decoding.seed,
+        ddi=ddi,
+        compact_at=compact_at,
+    )
+    return beam, sets
+
+
+def decode(
+    session: DecoderSession,
+    memories: Any,
+    cfg: BeamConfig | SetConfig,
+    visit_ids: Sequence[str],
+    prauc: bool = False,
+    explain: bool = False,
+    ddi_adj: np.ndarray | None = None,
+    attention: bool = False,
+) -> BeamResult | SetResult:
+    """Beam search or set decoding (by `cfg`) of the visits named `visit_ids` (their random
+    streams), whose memories come from `session.init`. Both results carry the same fields."""
+    n = len(visit_ids)
+    if isinstance(cfg, SetConfig):
+        keys = visit_keys(visit_ids)
+        return decode_sets(session, memories, n, cfg, keys, ddi_adj, explain, attention)
+    return beam_search(session, memories, n, cfg, prauc, explain, ddi_adj, attention)

@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from cognet.core.ddi import DDIPolicy
-from cognet.core.decoding import DECODINGS, DEFAULT_DECODING
+from cognet.core.decoding import DECODINGS, Decoding
 from cognet.core.errors import InputError
 
 DEVICES = ("auto", "cpu", "cuda", "tensorrt")
@@ -27,8 +27,10 @@ GPU_DEVICES = ("cuda", "tensorrt")
 @dataclass(frozen=True)
 class ScoreOptions:
     # -- decoding
-    decoding: str = DEFAULT_DECODING  # one of cognet.core.decoding.DECODINGS
+    decoding: str | None = None  # one of cognet.core.decoding.DECODINGS; None: the model's
     beam: int | None = None  # beam width (1 = greedy); None: the model's
+    samples: int | None = None  # set decoding: samples per visit; None: the model's
+    threshold: float | None = None  # set decoding: on P(k in set); None: the model's
     ddi: DDIPolicy = DDIPolicy()  # DDI-aware decoding over the model's DDI pairs; off
     max_history_visits: int | None = None  # keep only the last K past visits; None: all
     # -- where
@@ -47,13 +49,23 @@ class ScoreOptions:
     def __post_init__(self) -> None:
         if self.ddi is None:  # accepted for "off"
             object.__setattr__(self, "ddi", DDIPolicy())
-        if self.decoding not in DECODINGS:
+        if self.decoding is not None and self.decoding not in DECODINGS:
             raise InputError(f"unknown decoding {self.decoding!r}; choose from {_names(DECODINGS)}")
         if self.device not in DEVICES:
             raise InputError(f"unknown device {self.device!r}; choose from {_names(DEVICES)}")
         if not isinstance(self.ddi, DDIPolicy):
             raise InputError(f"ddi must be a cognet.core.ddi.DDIPolicy, not {self.ddi!r}")
-        at_least_one = ("beam", "threads", "streams", "batch_size", "batch_slots", "chunk_targets")
+        if self.threshold is not None and not 0.0 < self.threshold <= 1.0:
+            raise InputError(f"threshold must be in (0, 1], not {self.threshold}")
+        at_least_one = (
+            "beam",
+            "samples",
+            "threads",
+            "streams",
+            "batch_size",
+            "batch_slots",
+            "chunk_targets",
+        )
         for name in at_least_one:
             value = getattr(self, name)
             if value is not None and value < 1:
@@ -64,6 +76,18 @@ class ScoreOptions:
             raise InputError(f"max_history_visits must be >= 0, not {self.max_history_visits}")
         if not 0.0 < self.compact_at <= 1.0:
             raise InputError(f"compact_at must be in (0, 1], not {self.compact_at}")
+
+    def resolve_decoding(self, default: Decoding) -> Decoding:
+        """The decoding these options ask for, on top of the model's `default`."""
+        name = self.decoding
+        if name is None and self.beam is not None and self.samples is None:
+            name = "beam"  # --beam alone asks for beam search
+        try:
+            return default.with_changes(
+                name=name, beam=self.beam, samples=self.samples, threshold=self.threshold
+            )
+        except ValueError as exc:
+            raise InputError(str(exc)) from None
 
     def to_json(self) -> dict:
         return {**asdict(self), "ddi": self.ddi.to_json()}

@@ -34,12 +34,13 @@ import numpy as np
 import pyarrow as pa
 
 from cognet.core.ddi import ddi_matrix
-from cognet.core.decoding import BEAM, MAX_LEN
+from cognet.core.decoding import BEAM, MAX_LEN, Decoding
 from cognet.core.manifest import Manifest, load_manifest
 from cognet.core.metrics import PATIENT_COLUMNS, VisitResult, patient_rows
 from cognet.core.vocab import Vocab
 from cognet.runtime import assemble, reader
-from cognet.runtime.beam import BeamConfig, BeamResult, DecoderSession, beam_search
+from cognet.runtime.beam import BeamResult, DecoderSession, decoding_configs
+from cognet.runtime.beam import decode as run_decoding
 from cognet.runtime.options import GPU_DEVICES, ScoreOptions
 from cognet.runtime.outputs import EXPLANATION, ScoredChunk, output_schema, rejects_table
 from cognet.runtime.session import OrtModel, default_threads
@@ -161,12 +162,14 @@ class Scorer:
         self._ddi_adj = ddi_matrix(self.vocab, self.ddi_pairs)  # bool [M, M]
         if options.ddi.active and not self._ddi_adj.any():
             log.warning("DDI policy %r: the model knows no interacting pair", options.ddi.label)
-        self.beam_config = BeamConfig(
-            end=self.vocab.end,
-            beam=options.beam or model.beam,
-            max_len=model.max_len,
-            compact_at=options.compact_at,
-            ddi=options.ddi,
+        default = (
+            model.manifest.default_decoding()
+            if model.manifest is not None
+            else Decoding(beam=model.beam, max_len=model.max_len)
+        )
+        self.decoding = options.resolve_decoding(default)
+        self.beam_config, self.set_config = decoding_configs(
+            self.decoding, self.vocab.end, options.ddi, options.compact_at
         )
         step_outputs = getattr(model.decoder, "step_outputs", ())
         self._attention = model.attention and "diag_attention" in step_outputs
@@ -209,6 +212,7 @@ class Scorer:
         """Everything that decides the results (a resumed run must use the same)."""
         cfg = self.beam_config
         return {
+            "decoding": self.decoding.to_json(),
             "beam": cfg.beam,
             "max_len": cfg.max_len,
             "batch_size": self.batch_size,
@@ -272,12 +276,12 @@ class Scorer:
             inputs = assemble.init_inputs(
                 plan, enc, plan.targets[part], [plan.histories[i] for i in part]
             )
-            memories = self.decoder.init(inputs)
-            result = beam_search(
+            ids = plan.table.column("visit_id").take(plan.targets[part]).to_pylist()
+            result = run_decoding(
                 self.decoder,
-                memories,
-                part.size,
-                self.beam_config,
+                self.decoder.init(inputs),
+                self.set_config or self.beam_config,
+                ids,
                 prauc=score_all,
                 explain=explain,
                 ddi_adj=self._ddi_adj,

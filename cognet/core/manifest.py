@@ -27,8 +27,9 @@ n_proc, n_med, out_size), `special` (end, start, med_pad, diag_pad, proc_pad), `
 with symbolic axis names such as "N", "B", "T", "T+1" and integers for fixed axes),
 `variants` ({variant: {name: graph}}, e.g. "fp16" whose float tensors are float16),
 `checkpoint_sha256`, `versions` (torch, onnx, onnxruntime, cognet), `parity` (the
-exporter's validation report, or null when validation was skipped) and `tensorrt` (null, or
-the engine cache folder and min/opt/max shape profiles of `cognet-export --tensorrt`).
+exporter's validation report, or null when validation was skipped), `tensorrt` (null, or
+the engine cache folder and min/opt/max shape profiles of `cognet-export --tensorrt`) and
+`decoding` (the model's default decoding, `cognet.core.decoding.Decoding`; null: beam).
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from cognet.core.decoding import Decoding
 from cognet.core.errors import InputError, one_line
 from cognet.core.vocab import Vocab
 
@@ -134,6 +136,9 @@ class Manifest:
     parity: dict | None = None
     variants: dict[str, dict[str, GraphSpec]] = field(default_factory=dict)
     tensorrt: dict | None = None  # engine cache dir and shape profiles, when built
+    # the model's default decoding (`cognet.core.decoding.Decoding.to_json`); None: a model
+    # exported before set decoding, decoded with the paper's beam search
+    decoding: dict | None = None
     format_version: int = FORMAT_VERSION
     # Where the manifest was loaded from (not serialised); graph paths are relative to it.
     model_dir: Path | None = field(default=None, compare=False)
@@ -158,6 +163,13 @@ class Manifest:
 
     def graph_path(self, name: str, variant: str | None = None) -> Path:
         return Path(self.model_dir or ".") / self.graph_spec(name, variant).file
+
+    def default_decoding(self) -> Decoding:
+        """The decoding this model was tuned for (beam for a model without one)."""
+        try:
+            return Decoding.from_json(self.decoding or {"beam": self.beam, "max_len": self.max_len})
+        except (TypeError, ValueError) as exc:
+            raise InputError(f"{self._file()}: malformed decoding ({one_line(exc)})") from None
 
     def vocabulary(self) -> Vocab:
         return Vocab.from_json(self.vocab)
@@ -184,6 +196,7 @@ class Manifest:
             "versions": dict(self.versions),
             "parity": self.parity,
             "tensorrt": self.tensorrt,
+            "decoding": self.decoding,
         }
 
     @classmethod
@@ -208,6 +221,7 @@ class Manifest:
             versions=dict(obj.get("versions", {})),
             parity=obj.get("parity"),
             tensorrt=obj.get("tensorrt"),
+            decoding=obj.get("decoding"),
             model_dir=None if model_dir is None else Path(model_dir),
         )
 
