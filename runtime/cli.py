@@ -22,14 +22,14 @@ from cognet.core.clitools import (
     progress,
     setup_logging,
 )
-from cognet.core.decoding import BEAM
+from cognet.core.decoding import BEAM, DECODINGS
 from cognet.core.errors import InputError
 from cognet.core.metrics import PATIENT_COLUMNS
 from cognet.runtime import reader, summary, writer
 from cognet.runtime.options import DEVICES, ScoreOptions
 from cognet.runtime.scorer import Scorer
 
-BEAM_HELP = f"Beam width (default: the model's, {BEAM}; 1 = greedy)."
+BEAM_HELP = f"--decoding beam: beam width (default {BEAM}; 1 = greedy); alone, it asks for beam."
 model_option = click.option(
     "--model",
     "model_dir",
@@ -56,7 +56,10 @@ def score_options(func):
     @functools.wraps(func)
     def wrapper(
         *args,
+        decoding,
         beam,
+        samples,
+        threshold,
         device,
         batch_size,
         threads,
@@ -67,7 +70,10 @@ def score_options(func):
         **kwargs,
     ):
         options = ScoreOptions(
+            decoding=decoding,
             beam=beam,
+            samples=samples,
+            threshold=threshold,
             ddi=ddi_policy(ddi_mode, ddi_penalty, ddi_max_rate),
             max_history_visits=max_history_visits,
             device=device,
@@ -81,7 +87,16 @@ def score_options(func):
     # runs of look-alike lines.
     # fmt: off
     options = [
+        click.option("--decoding", type=click.Choice(DECODINGS), default=None,
+                     help="set: the model's best set of medications (P(in set) >= threshold, "
+                          "from seeded samples); beam: the paper's beam search. Default: the "
+                          "model's own (set for models trained by this version)."),
         count_option("--beam", help=BEAM_HELP),
+        count_option("--samples", help="--decoding set: samples per visit (default: the "
+                                       "model's, 16)."),
+        click.option("--threshold", type=click.FloatRange(0, 1, min_open=True), default=None,
+                     help="--decoding set: threshold on P(medication in set) (default: the "
+                          "model's, tuned on validation)."),
         click.option("--device", type=click.Choice(DEVICES), default="auto", show_default=True,
                      help="Execution provider; auto = CUDA when available, else CPU."),
         count_option("--batch-size",
@@ -287,7 +302,7 @@ def _finish(
         visits_scored=scored,
         providers=scorer.providers,
         threads=scorer.threads,
-        beam=scorer.beam_config.beam,
+        decoding=scorer.decoding,
         batch_size=scorer.batch_size,
         options=scorer.options,
         metric_rows=metric_rows,

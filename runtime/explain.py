@@ -57,7 +57,7 @@ class VisitExplanation:
     steps: list[Step]
     score: float  # sum of log-probabilities of the hypothesis (END included)
     interacting_pairs: list[tuple[str, str]]  # among the recommended medications
-    decoding: str  # beam width and DDI policy
+    decoding: str  # the decoding (beam width, or set samples and threshold) and DDI policy
 
     def to_json(self) -> dict:
         out = asdict(self)
@@ -148,7 +148,7 @@ def explain_visit(scorer: Scorer, path: str | Path, visit_id: str) -> VisitExpla
         steps=steps,
         score=float(rec["score"]),
         interacting_pairs=scorer.interacting_pairs(rec["medications"]),
-        decoding=f"beam {cfg.beam}, DDI {cfg.ddi.label}",
+        decoding=f"{scorer.decoding.label}, DDI {cfg.ddi.label}",
     )
 
 

@@ -178,7 +178,7 @@ def score(
         visits_scored=totals["rows_scored"],
         providers=last["providers"],
         threads=last["threads"] * workers,
-        beam=score_options.beam or manifest.beam,
+        decoding=score_options.resolve_decoding(manifest.default_decoding()),
         batch_size=last["batch_size"],
         options=score_options,
         metric_rows=_metric_rows(rows) if score_all else None,

@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from cognet.core import metrics
+from cognet.core.decoding import Decoding
 from cognet.runtime.options import ScoreOptions
 from cognet.runtime.outputs import COUNTS
 
@@ -51,7 +52,7 @@ def run_summary(
     visits_scored: int,
     providers: Sequence[str] | None,
     threads: int | None,
-    beam: int,
+    decoding: Decoding,
     batch_size: int | None,
     options: ScoreOptions,
     metric_rows: np.ndarray | None = None,
@@ -73,7 +74,8 @@ def run_summary(
         "visits_per_s": round(visits_scored / max(seconds, 1e-9), 2),
         "providers": None if providers is None else list(providers),
         "threads": threads,
-        "beam": beam,
+        "decoding": decoding.to_json(),
+        "beam": decoding.beam,
         "batch_size": batch_size,
         "ddi": options.ddi.to_json(),
         "options": options.to_json(),

@@ -1,0 +1,141 @@
+"""Set decoding end to end: the runtime (ONNX Runtime, CPU) returns the torch reference's
+sets, batch size notwithstanding; `--decoding beam` stays the paper's beam search on a model
+whose default is the set; `cognet-batch score --all` agrees with `cognet evaluate
+--predictions`; the checkpoint's tuned decoding travels into the manifest."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+from click.testing import CliRunner
+from cognet.runtime import Scorer
+from cognet.runtime.cli import main as batch_main
+
+from cognet import checkpoint
+from cognet.cli import main as cognet_main
+from cognet.core.decoding import Decoding
+from cognet.core.history import patients_from_table
+from cognet.core.manifest import load_manifest
+from cognet.evaluate import decode_patients
+
+torch.set_num_threads(1)
+
+
+def _agreement(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return sum(a[k] == b[k] for k in a) / len(a)
+
+
+def _torch_sets(root, decoding: Decoding, split: str | None = None) -> dict:
+    model, vocab, _ = checkpoint.load(root / "ckpt")
+    table = pq.read_table(root / "data" / "visits.parquet")
+    if split:
+        table = table.filter(pa.compute.equal(table["split"], split))
+    patients = list(patients_from_table(table, vocab))
+    decoded = decode_patients(model, vocab, patients, decoding=decoding)
+    flat = [v for p in patients for v in p]
+    return {v.visit_id: vocab.med_codes(d.meds) for v, d in zip(flat, decoded, strict=True)}
+
+
+def _runtime_sets(root, **options) -> dict:
+    scorer = Scorer(root / "model", device="cpu", **options)
+    table = pq.read_table(root / "data" / "visits.parquet")
+    out = pa.concat_tables([c.recommendations for c in scorer.score_table(table, score_all=True)])
+    return {r["visit_id"]: r["medications"] for r in out.to_pylist()}
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from test_runtime_scorer import tiny_model_dir
+
+    return tiny_model_dir(tmp_path_factory.getbasetemp())
+
+
+@pytest.mark.parametrize("batch_size", [5, 64])
+def test_runtime_sets_equal_torch_on_the_tiny_model(tiny, batch_size):
+    decoding = Decoding(name="set", samples=8, threshold=0.3)
+    ref = _torch_sets(tiny, decoding)
+    got = _runtime_sets(tiny, decoding="set", samples=8, threshold=0.3, batch_size=batch_size)
+    assert len(ref) >= 200
+    assert _agreement(got, ref) >= 0.995
+    assert len({len(v) for v in ref.values()}) > 3  # sets of varied sizes
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A real-size synthetic dataset (131 medications), a checkpoint trained 3 epochs with
+    the default recipe (its set threshold tuned on validation) and its export."""
+    root = tmp_path_factory.mktemp("trained_set")
+    runner = CliRunner()
+    steps = [
+        ["data", "synth", "--out", str(root / "data"), "--patients", "240", "--seed", "5"],
+        ["train", "--data", str(root / "data"), "--out", str(root / "ckpt"), "--epochs", "3",
+         "--threads", "1", "--quiet"],  # fmt: skip
+    ]
+    for args in steps:
+        res = runner.invoke(cognet_main, args)
+        assert res.exit_code == 0, res.output
+    from cognet.export import export
+
+    export(root / "ckpt", root / "model", validate=False)
+    return root
+
+
+@pytest.mark.slow
+def test_trained_model_carries_its_tuned_set_decoding(trained):
+    config = json.loads((trained / "ckpt" / "config.json").read_text())
+    stored = Decoding.from_json(config["decoding"])
+    assert stored.name == "set" and 0.15 <= stored.threshold <= 0.6
+    assert config["train"]["val_jaccard_by_threshold"]
+    assert load_manifest(trained / "model").default_decoding() == stored
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("batch_size", [7, 128, 1024])
+def test_runtime_sets_equal_torch_on_a_trained_model(trained, batch_size):
+    stored = load_manifest(trained / "model").default_decoding()
+    ref = _torch_sets(trained, stored)
+    got = _runtime_sets(trained, batch_size=batch_size)  # the model's default: its set
+    assert len(ref) > 500
+    assert _agreement(got, ref) >= 0.995
+    lengths = [len(v) for v in ref.values()]
+    assert np.mean(lengths) > 5
+
+
+@pytest.mark.slow
+def test_decoding_beam_is_the_paper_beam_search_on_a_set_model(trained):
+    ref = _torch_sets(trained, Decoding(name="beam", beam=4))
+    got = _runtime_sets(trained, decoding="beam", batch_size=64)
+    assert got == ref
+
+
+@pytest.mark.slow
+def test_batch_all_agrees_with_evaluate_predictions(trained, tmp_path):
+    runner = CliRunner()
+    preds = tmp_path / "preds.parquet"
+    res = runner.invoke(
+        cognet_main,
+        ["evaluate", "--checkpoint", str(trained / "ckpt"), "--data", str(trained / "data"),
+         "--rounds", "1", "--predictions", str(preds), "--quiet"],  # fmt: skip
+    )
+    assert res.exit_code == 0, res.output
+    assert "set, 16 samples" in res.output
+    out = tmp_path / "recs.parquet"
+    res = runner.invoke(
+        batch_main,
+        ["score", str(trained / "data" / "visits.parquet"), "--model", str(trained / "model"),
+         "--out", str(out), "--all", "--device", "cpu", "--summary-json",
+         str(tmp_path / "s.json")],  # fmt: skip
+    )
+    assert res.exit_code == 0, res.output
+    summary = json.loads((tmp_path / "s.json").read_text())
+    assert summary["decoding"]["name"] == "set"
+    evaluated = {r["visit_id"]: r["medications"] for r in pq.read_table(preds).to_pylist()}
+    scored = {r["visit_id"]: r["medications"] for r in pq.read_table(out).to_pylist()}
+    assert len(evaluated) > 50
+    assert _agreement({k: scored[k] for k in evaluated}, evaluated) >= 0.995
