@@ -4,6 +4,7 @@ results.md and throughput.png (see BENCHMARKS.md for the method)."""
 from __future__ import annotations
 
 import logging
+import re
 import time
 from pathlib import Path
 
@@ -75,7 +76,12 @@ def _ints(text: str, name: str) -> tuple[int, ...]:
 @click.option(
     "--batch-sizes", default="1,16,256,4096", show_default=True, help="Visits decoded together."
 )
-@click.option("--beams", default="1,4", show_default=True, help="Beam widths.")
+@click.option(
+    "--beams",
+    default="1,4,set",
+    show_default=True,
+    help="Beam widths, and `set` for the model's set decoding (when it has one).",
+)
 @count_option("--repeats", default=3, help="Timed passes per run (the median is reported).")
 @click.option(
     "--engines",
@@ -199,7 +205,7 @@ def main(
     try:
         settings = Settings(
             batch_sizes=_ints(batch_sizes, "--batch-sizes"),
-            beams=_ints(beams, "--beams"),
+            beams=_ints(re.sub(r"\bset\b", "0", beams), "--beams"),
             repeats=repeats,
             engines=names,
             threads=threads,
@@ -239,7 +245,8 @@ def main(
     for beam in settings.beams:
         for base, r in ratios(results, beam).items():
             click.echo(
-                f"beam {beam}: ort-cpu ({r['engine_mode']}, batch {r['engine_batch_size']}) "
+                f"{eng.decoding_label(beam)}: ort-cpu ({r['engine_mode']}, "
+                f"batch {r['engine_batch_size']}) "
                 f"{r['ratio']:.1f}x {base} at best batch sizes "
                 f"({r['engine_visits_per_s']:.1f} vs {r['baseline_visits_per_s']:.1f} "
                 "visits/s)"

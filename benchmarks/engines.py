@@ -28,6 +28,12 @@ ENGINES = ("torch-perpatient", "torch-batched", "ort-cpu", "ort-cuda", "ort-tens
 TORCH_ENGINES = ("torch-perpatient", "torch-batched", "torch-cuda")
 ORT_DEVICES = {"ort-cpu": "cpu", "ort-cuda": "cuda", "ort-tensorrt": "tensorrt"}
 GPU_ENGINES = ("ort-cuda", "ort-tensorrt", "torch-cuda")
+SET = 0  # in a list of beam widths: the model's set decoding (`cognet.core.decoding`)
+
+
+def decoding_label(beam: int) -> str:
+    """How a run's decoding is named: "set", or "beam B"."""
+    return "set" if beam == SET else f"beam {beam}"
 
 
 class Engine(Protocol):
@@ -95,7 +101,8 @@ class _TorchBase:
 
         torch.set_num_threads(threads)
         started = time.perf_counter()
-        self.model, self.vocab, _ = ckpt.load(checkpoint, device=device)
+        self.model, self.vocab, config = ckpt.load(checkpoint, device=device)
+        self.set_decoding = config.get("decoding")  # the model's own, for beam == SET
         self.load_s = time.perf_counter() - started
         self.name, self.device = name, device
         self.providers = [f"torch {torch.__version__} {device}"]
@@ -143,6 +150,13 @@ class TorchBatched(_TorchBase):
         if self.device != "cpu":
             tensors = {k: v.to(self.device) for k, v in tensors.items()}
             last = last.to(self.device)
+        if self.beam == SET:
+            from cognet.core.decoding import Decoding
+            from cognet.decode_set import set_decode
+
+            decoding = Decoding.from_json(self.set_decoding)
+            decoded = set_decode(self.model, tensors, batch.visit_ids, decoding, rows=last)
+            return [d.meds for d in decoded]
         return [d.meds for d in beam_search(self.model, tensors, beam=self.beam, rows=last)]
 
 
@@ -170,8 +184,16 @@ class OrtEngine:
         """The `cognet.runtime.ScoreOptions` of a run at this beam width and batch size."""
         from cognet.runtime import ScoreOptions
 
+        if beam == SET:  # the model's set decoding
+            return ScoreOptions(
+                decoding="set", device=self.device, threads=self.threads, batch_size=batch_size
+            )
         return ScoreOptions(
-            beam=beam, device=self.device, threads=self.threads, batch_size=batch_size
+            decoding="beam",
+            beam=beam,
+            device=self.device,
+            threads=self.threads,
+            batch_size=batch_size,
         )
 
     def _load(self, beam: int, batch_size: int) -> float:

@@ -38,6 +38,7 @@ from cognet.benchmarks.probes import (
 )
 from cognet.benchmarks.settings import Context, Settings
 from cognet.benchmarks.workload import Batch, Pool, with_history
+from cognet.core.manifest import load_manifest
 
 log = logging.getLogger(__name__)
 
@@ -177,13 +178,18 @@ def run_all(ctx: Context, settings: Settings, say: Callable[[str], None] = print
         reference = eng.load(settings.reference, ctx.model_dir, ctx.checkpoint, settings.threads)
     guard = Guard(reference)
     runs, over_budget = [], []
-    for beam in settings.beams:
+    beams = settings.beams
+    if eng.SET in beams and load_manifest(ctx.model_dir).default_decoding().name != "set":
+        beams = tuple(b for b in beams if b != eng.SET)
+        ctx.notes.append("set decoding skipped: the model has no tuned set threshold")
+        say(ctx.notes[-1])
+    for beam in beams:
         rates: dict[str, tuple[float, float]] = {}  # visits/s at the last batch size, its fall
         for i, bs in enumerate(settings.batch_sizes):
             jobs = []
             for name, engine in loaded.items():
-                if name == PERPATIENT:  # once per beam, one patient per batch
-                    if i:
+                if name == PERPATIENT:  # once per beam, one patient per batch; no set decoding
+                    if i or beam == eng.SET:
                         continue
                     size, visits = 1, settings.perpatient_visits
                 else:
@@ -210,7 +216,8 @@ def run_all(ctx: Context, settings: Settings, say: Callable[[str], None] = print
                             }
                         )
                         say(
-                            f"{_label(name, mode):<24} beam {beam} batch {size:>5}: skipped, "
+                            f"{_label(name, mode):<24} {eng.decoding_label(beam)} "
+                            f"batch {size:>5}: skipped, "
                             f"{reason}"
                         )
                         continue
@@ -342,7 +349,8 @@ def _run_line(run: dict) -> str:
     ]
     p50 = run["latency_ms"]["p50"]
     return (
-        f"{_label(run['engine'], run.get('mode', 'request')):<24} beam {run['beam']} "
+        f"{_label(run['engine'], run.get('mode', 'request')):<24} "
+        f"{eng.decoding_label(run['beam']):<6} "
         f"batch {run['batch_size']:>5}: {run['visits_per_s']:9.1f} visits/s "
         f"{run['meds_per_s']:10.1f} meds/s p50 {_num(p50, '.2f'):>9} ms  "
         f"RSS {run['peak_rss_mb']:6.0f} MB  {ok}"

@@ -6,6 +6,7 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 
+from cognet.benchmarks.engines import decoding_label
 from cognet.core.decoding import BEAM
 
 BASELINES = ("torch-batched", "torch-perpatient")
@@ -75,7 +76,7 @@ def markdown(results: dict) -> str:
             ):
                 continue  # the request-only line only when it differs
             lines.append(
-                f"**Beam {beam}**{' (request mode)' if mode else ''}: "
+                f"**{decoding_label(beam).capitalize()}**{' (request mode)' if mode else ''}: "
                 + "; ".join(
                     f"{MAIN} ({'stream, ' if v['engine_mode'] == 'stream' else ''}batch "
                     f"{v['engine_batch_size']}) = **{v['ratio']:.1f}x** {k} "
@@ -88,7 +89,7 @@ def markdown(results: dict) -> str:
         "",
         "## Throughput and latency",
         "",
-        "| engine | beam | batch | visits/s | meds/s | p50 ms | p90 ms | p99 ms "
+        "| engine | decoding | batch | visits/s | meds/s | p50 ms | p90 ms | p99 ms "
         "| peak RSS MB | GPU MB | matches "
         + results["settings"].get("reference", "torch-batched")
         + " |",
@@ -97,7 +98,8 @@ def markdown(results: dict) -> str:
     for run in sorted(results["runs"], key=lambda r: (r["beam"], r["engine"], r["batch_size"])):
         lat = run["latency_ms"]
         lines.append(
-            f"| {_label(run)} | {run['beam']} | {_batch(run)} | {run['visits_per_s']:.1f} "
+            f"| {_label(run)} | {decoding_label(run['beam'])} | {_batch(run)} "
+            f"| {run['visits_per_s']:.1f} "
             f"| {run['meds_per_s']:.0f} | {_num(lat['p50'], '.1f')} | {_num(lat['p90'], '.1f')} "
             f"| {_num(lat['p99'], '.1f')} | {run['peak_rss_mb']:.0f} "
             f"| {_num(run.get('gpu_mem_mb'), '.0f', '')} "
@@ -184,7 +186,7 @@ def markdown(results: dict) -> str:
             "",
             "Runs skipped by the time budget (`--max-run-seconds`): "
             + "; ".join(
-                f"{_label(r)} beam {r['beam']} batch {r['batch_size']} ({r['reason']})"
+                f"{_label(r)} {decoding_label(r['beam'])} batch {r['batch_size']} ({r['reason']})"
                 for r in skipped
             )
             + ".",
@@ -244,7 +246,7 @@ def plot(results: dict, path: Path) -> None:
         ax.set_xscale("log")
         ax.set_yscale("log")
         ax.set_xlabel("batch size (visits)")
-        ax.set_title(f"beam {beam}")
+        ax.set_title(decoding_label(beam))
         ax.grid(True, which="both", alpha=0.3)
     axes[0][0].set_ylabel("visits / s")
     axes[0][-1].legend(fontsize=8)
