@@ -148,7 +148,8 @@ def set_marginals(
         finished = finished | (tokens == end)
         newly = ~done & (finished.all(1) if t < cfg.max_len - 1 else True)
         if newly.any():
-            out[rows[newly]] = hazard[rows[newly]] / s
+            # an estimate may pass 1 (an unbiased sum, not a probability): clip it
+            out[rows[newly]] = np.minimum(hazard[rows[newly]] / s, 1.0)
             done |= newly
             live = np.flatnonzero(~done)
             if live.size == 0:
