@@ -25,7 +25,8 @@ from cognet.core.clitools import (
 from cognet.core.decoding import BEAM
 from cognet.core.errors import InputError
 from cognet.core.metrics import PATIENT_COLUMNS
-from cognet.runtime import reader, summary, writer
+from cognet.runtime import preflight, reader, summary, writer
+from cognet.runtime.lock import OutputLock
 from cognet.runtime.options import DEVICES, ScoreOptions
 from cognet.runtime.scorer import Scorer
 
@@ -195,11 +196,24 @@ def score(
 
         if resume:
             raise InputError("--resume is for --engine local; rerun the --engine ray command")
+        preflight.check_summary(summary_json, input_path, preflight.outputs_of(out))
         result = ray_engine.score(
             input_path, model_dir, out, ray, options, score_all, explain, verbose=verbose
         )
         _report(result, summary_json, quiet, f"{result['workers']} Ray worker(s)")
         return
+    preflight.check_local(input_path, out, summary_json)  # before reading or writing anything
+    with OutputLock(writer.lock_path(out), what=out):  # one writer per OUT (runtime/lock.py)
+        _score_local(
+            input_path, model_dir, out, options, score_all, explain, resume, summary_json,
+            sort_rows, quiet,
+        )  # fmt: skip
+
+
+def _score_local(
+    input_path, model_dir, out, options, score_all, explain, resume, summary_json, sort_rows, quiet
+) -> None:
+    """`score` with the local engine, OUT locked."""
     loading = time.perf_counter()
     scorer = Scorer(model_dir, options)
     source = reader.VisitFile(input_path)
@@ -207,11 +221,16 @@ def score(
         reader.check_order(source.batches(["patient_id", "visit_seq"]), input_path)
     signature = _signature(input_path, scorer, score_all, explain, sort_rows)
     parts = writer.PartWriter(out, signature, explain, resume)
-    started = time.perf_counter()
-    scored = _run(scorer, source, parts, score_all, explain, sort_rows, quiet)
-    result = _finish(
-        scorer, source, parts, score_all, scored, started - loading, time.perf_counter() - started
-    )
+    try:
+        started = time.perf_counter()
+        scored = _run(scorer, source, parts, score_all, explain, sort_rows, quiet)
+        result = _finish(
+            scorer, source, parts, score_all, scored, started - loading,
+            time.perf_counter() - started,
+        )  # fmt: skip
+    except BaseException:
+        parts.discard()  # keep only what --resume needs
+        raise
     _report(result, summary_json, quiet, scorer.providers[0])
 
 

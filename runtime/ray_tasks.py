@@ -7,6 +7,7 @@ driver can tell it from Ray's own errors and exit 2 with its one line.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import io
 import json
@@ -14,7 +15,7 @@ import os
 import socket
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -24,7 +25,8 @@ import pyarrow.parquet as pq
 
 from cognet.core.errors import InputError, one_line, where
 from cognet.core.metrics import PATIENT_COLUMNS
-from cognet.runtime import reader
+from cognet.runtime import reader, writer
+from cognet.runtime.lock import OutputLock
 from cognet.runtime.options import ScoreOptions
 from cognet.runtime.outputs import COUNTS, REJECTS_SCHEMA, output_schema
 from cognet.runtime.scorer import Scorer
@@ -239,6 +241,33 @@ class RayScorer(BucketScorer):
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         return marked(super().__call__)(batch)
+
+
+class LockHolder:
+    """Ray actor holding OUT's lock (`cognet.runtime.lock`) where OUT is, for the run: the
+    lock goes when the actor does, also when the driver dies (Ray ends its actors)."""
+
+    def __init__(self, out: str):
+        self.lock = OutputLock(writer.lock_path(out), what=out)
+
+    def acquire(self) -> None:
+        marked(self.lock.acquire)()
+
+    def release(self) -> None:
+        self.lock.release()
+
+
+@contextlib.contextmanager
+def locked(ray, out: str) -> Iterator[None]:
+    """Hold OUT's lock for the body, in a LockHolder actor (the driver may not see OUT)."""
+    holder = ray.remote(num_cpus=0)(LockHolder).remote(out)
+    try:
+        ray.get(holder.acquire.remote())
+        yield
+    finally:
+        with contextlib.suppress(Exception):
+            ray.get(holder.release.remote())
+        ray.kill(holder)
 
 
 def _duplicate_rejects(table: pa.Table) -> pa.Table:

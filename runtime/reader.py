@@ -76,6 +76,8 @@ class VisitFile:
 
     def __init__(self, path: str | Path, batch_rows: int = 65536):
         self.path = Path(path)
+        if self.path.is_dir():
+            raise InputError(f"{self.path}: is a directory, not a Parquet file")
         if not self.path.is_file():
             raise InputError(f"{self.path}: file not found")
         try:
@@ -201,11 +203,15 @@ class OrderCheck:
         bad = np.flatnonzero(same & (seq <= prev_seq))
         if bad.size:
             i = int(bad[0])
-            what = "twice" if seq[i] == prev_seq[i] else f"after visit_seq {prev_seq[i]}"
+            at = f"{where(self.path, 'visit_seq', int(rows[i]))}: patient {pid[i].as_py()!r}"
+            if seq[i] == prev_seq[i]:  # sorting cannot help
+                raise InputError(
+                    f"{at} has visit_seq {seq[i]} twice; a patient's visit_seq values must "
+                    "be unique"
+                )
             raise InputError(
-                f"{where(self.path, 'visit_seq', int(rows[i]))}: patient "
-                f"{pid[i].as_py()!r} has visit_seq {seq[i]} {what}; the rows of a patient must "
-                "be ordered by increasing visit_seq (use --sort to sort in memory)"
+                f"{at} has visit_seq {seq[i]} after visit_seq {prev_seq[i]}; the rows of a "
+                "patient must be ordered by increasing visit_seq (use --sort to sort in memory)"
             )
         starts = np.flatnonzero(~same)
         again = self._patients.add(string_hashes(pid.take(pa.array(starts))))
