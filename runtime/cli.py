@@ -29,6 +29,7 @@ from cognet.runtime import preflight, reader, summary, writer
 from cognet.runtime.lock import OutputLock
 from cognet.runtime.options import DEVICES, ScoreOptions
 from cognet.runtime.scorer import Scorer
+from cognet.runtime.signature import signature as run_signature
 
 BEAM_HELP = f"Beam width (default: the model's, {BEAM}; 1 = greedy)."
 model_option = click.option(
@@ -316,18 +317,16 @@ def _finish(
 def _signature(
     input_path: str, scorer: Scorer, score_all: bool, explain: bool, sort_rows: bool
 ) -> dict:
-    """What a resumed run must share with the interrupted one."""
-    stat = Path(input_path).stat()
-    return {
-        "input": str(Path(input_path).resolve()),
-        "input_size": stat.st_size,
-        "input_mtime_ns": stat.st_mtime_ns,
-        "model": {name: spec.sha256 for name, spec in scorer.manifest.graphs.items()},
-        "score_all": score_all,
-        "explain": explain,
-        "sort": sort_rows,
-        **scorer.settings(),
-    }
+    """What a resumed run must share with the interrupted one (`runtime/signature.py`)."""
+    return run_signature(
+        input_path,
+        scorer.manifest.model_dir,
+        scorer.options,
+        scorer.chunk_targets,
+        score_all=score_all,
+        explain=explain,
+        sort=sort_rows,
+    )
 
 
 @main.command()
