@@ -27,7 +27,7 @@ from cognet.core.errors import InputError
 from cognet.core.metrics import PATIENT_COLUMNS
 from cognet.runtime import preflight, reader, summary, writer
 from cognet.runtime.lock import OutputLock
-from cognet.runtime.options import DEVICES, ScoreOptions
+from cognet.runtime.options import DEVICES, MAX_CODES, ScoreOptions
 from cognet.runtime.scorer import Scorer
 from cognet.runtime.signature import signature as run_signature
 
@@ -52,8 +52,8 @@ def main() -> None:
 
 
 def score_options(func):
-    """--beam, --device, --batch-size, --threads, --max-history-visits and the DDI options,
-    given to `func` as one `options: ScoreOptions`."""
+    """--beam, --device, --batch-size, --threads, --max-history-visits, the DDI options and
+    --max-codes-per-visit, given to `func` as one `options: ScoreOptions`."""
 
     @functools.wraps(func)
     def wrapper(
@@ -66,6 +66,7 @@ def score_options(func):
         ddi_mode,
         ddi_penalty,
         ddi_max_rate,
+        max_codes_per_visit,
         **kwargs,
     ):
         options = ScoreOptions(
@@ -75,6 +76,7 @@ def score_options(func):
             device=device,
             threads=threads,
             batch_size=batch_size,
+            max_codes_per_visit=max_codes_per_visit,
         )
         return func(*args, options=options, **kwargs)
 
@@ -96,6 +98,10 @@ def score_options(func):
         click.option("--max-history-visits", type=click.IntRange(min=0), default=None,
                      help="History = only the last K earlier visits with known medications "
                           "(default: all; 0 = none, generation without copy)."),
+        count_option("--max-codes-per-visit", default=MAX_CODES,
+                     help="Reject a visit (too_many_codes; it is no history either) with more "
+                          "distinct known codes of one kind: the memory guard. Real visits stay "
+                          "far below (MIMIC-III: 39 diagnoses at most)."),
     ]
     # fmt: on
     for option in reversed(options):
