@@ -52,8 +52,9 @@ def main() -> None:
 
 
 def score_options(func):
-    """--beam, --device, --batch-size, --threads, --max-history-visits, the DDI options and
-    --max-codes-per-visit, given to `func` as one `options: ScoreOptions`."""
+    """--beam, --device, --batch-size, --threads, --max-history-visits, the DDI options,
+    --max-codes-per-visit and --keep-columns, given to `func` as one `options:
+    ScoreOptions`."""
 
     @functools.wraps(func)
     def wrapper(
@@ -67,6 +68,8 @@ def score_options(func):
         ddi_penalty,
         ddi_max_rate,
         max_codes_per_visit,
+        keep_columns,
+        keep_all_columns,
         **kwargs,
     ):
         options = ScoreOptions(
@@ -77,6 +80,7 @@ def score_options(func):
             threads=threads,
             batch_size=batch_size,
             max_codes_per_visit=max_codes_per_visit,
+            keep_columns=_kept(keep_columns, keep_all_columns),
         )
         return func(*args, options=options, **kwargs)
 
@@ -102,11 +106,23 @@ def score_options(func):
                      help="Reject a visit (too_many_codes; it is no history either) with more "
                           "distinct known codes of one kind: the memory guard. Real visits stay "
                           "far below (MIMIC-III: 39 diagnoses at most)."),
+        click.option("--keep-columns", default="", metavar="A,B",
+                     help="Input columns to carry into the output, comma-separated (to join "
+                          "results back, e.g. on an admission date)."),
+        click.option("--keep-all-columns", is_flag=True,
+                     help="Carry every input column the output lacks."),
     ]
     # fmt: on
     for option in reversed(options):
         wrapper = option(wrapper)
     return ddi_options(wrapper)
+
+
+def _kept(keep_columns: str, keep_all: bool) -> tuple[str, ...]:
+    names = tuple(n.strip() for n in keep_columns.split(",") if n.strip())
+    if keep_all and names:
+        raise click.UsageError("--keep-columns and --keep-all-columns exclude each other")
+    return (reader.KEEP_ALL,) if keep_all else names
 
 
 def ray_options(func):
@@ -223,11 +239,11 @@ def _score_local(
     """`score` with the local engine, OUT locked."""
     loading = time.perf_counter()
     scorer = Scorer(model_dir, options)
-    source = reader.VisitFile(input_path)
+    source = reader.VisitFile(input_path, keep=options.keep_columns)
     if not sort_rows:  # fail on a misordered file before scoring anything
         reader.check_order(source.batches(["patient_id", "visit_seq"]), input_path)
     signature = _signature(input_path, scorer, score_all, explain, sort_rows)
-    parts = writer.PartWriter(out, signature, explain, resume)
+    parts = writer.PartWriter(out, signature, explain, resume, source.kept_fields)
     try:
         started = time.perf_counter()
         scored = _run(scorer, source, parts, score_all, explain, sort_rows, quiet)

@@ -49,6 +49,7 @@ class ScoreOptions:
     encode_batch: int = 64  # visits per encoder call
     # -- added later (fields go at the end)
     max_codes_per_visit: int = MAX_CODES  # more known codes of one kind: too_many_codes
+    keep_columns: tuple[str, ...] = ()  # input columns carried into the output
 
     def __post_init__(self) -> None:
         if self.ddi is None:  # accepted for "off"
@@ -66,6 +67,7 @@ class ScoreOptions:
                 raise InputError(f"{name} must be >= 1, not {value}")
         if self.max_codes_per_visit < 1:
             raise InputError(f"max_codes_per_visit must be >= 1, not {self.max_codes_per_visit}")
+        object.__setattr__(self, "keep_columns", tuple(self.keep_columns))
         if self.chunk_rows < 1 or self.encode_batch < 1:
             raise InputError("chunk_rows and encode_batch must be >= 1")
         if self.max_history_visits is not None and self.max_history_visits < 0:

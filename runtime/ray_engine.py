@@ -157,7 +157,8 @@ def score(
     worker_options = replace(score_options, threads=score_options.threads or 1)
     with _ray_session(ray, options.address, verbose), _input_errors():
         plan = ray.remote(num_cpus=0)(marked(_plan))
-        files = ray.get(plan.remote(os.path.abspath(input_path), out))
+        source, keep = os.path.abspath(input_path), score_options.keep_columns
+        files = ray.get(plan.remote(source, out, keep))
         workers = _workers(ray, options, worker_options.threads)
         model = {
             str(p.relative_to(model_dir)): p.read_bytes()
@@ -208,14 +209,14 @@ def _metric_rows(rows: list[dict]) -> np.ndarray:
     return both[np.argsort(both[:, 0], kind="stable"), 1:]
 
 
-def _plan(source: str, out: str) -> reader.InputFiles:
+def _plan(source: str, out: str, keep: tuple[str, ...]) -> reader.InputFiles:
     """Ray task: the input's plan, after checking that the outputs may be written and are
     no input (`preflight.check_overlap`, before any file is read)."""
     outputs = preflight.outputs_of(out)
     preflight.check_overlap(source, outputs)
     for label in ("--out", "rejects file"):
         _check_out(outputs[label])
-    return reader.plan_input(source)
+    return reader.plan_input(source, keep)
 
 
 # -- the run ------------------------------------------------------------------------------------
@@ -240,7 +241,7 @@ class _Run:
 
     def execute(self, model: dict[str, bytes], out: str, rejects: str) -> list[dict]:
         """The buckets' rows of stats and metrics, after the outputs are in place."""
-        schema = output_schema(self.scoring["explain"])
+        schema = output_schema(self.scoring["explain"], self.files.kept)
         staged = [
             (f"{out}.tmp-{uuid.uuid4().hex[:8]}", out, schema),
             (f"{rejects}.tmp-{uuid.uuid4().hex[:8]}", rejects, REJECTS_SCHEMA),

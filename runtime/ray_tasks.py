@@ -48,16 +48,37 @@ def read_units(
     units = zip(*(batch[c].to_pylist() for c in ("file", "group", "first")), strict=True)
     for i, g, first in units:
         path = files.paths[i]
+        kept = [f.name for f in files.kept] if columns == COLUMNS else []
         try:
-            table = pq.ParquetFile(path).read_row_group(g, columns=columns)
+            read = pq.ParquetFile(path).read_row_group(g, columns=[*columns, *kept])
         except (pa.ArrowException, OSError) as exc:
             raise InputError(f"{path}: not a readable Parquet file ({one_line(exc)})") from None
-        table = reader.cast_input(table, path) if columns == COLUMNS else _cast_keys(table, path)
+        table = reader.cast_input(read, path) if columns == COLUMNS else _cast_keys(read, path)
         table = table.append_column(ROW, pa.array(np.arange(first, first + len(table))))
+        if kept:
+            table = reader.keep(table, _typed(read, files.kept, path), kept)
         if buckets:
             table = table.append_column(BUCKET, pa.array(_buckets(table, buckets)))
         tables.append(table)
     return pa.concat_tables(tables)
+
+
+def _typed(table: pa.Table, kept: tuple[pa.Field, ...], path: str) -> pa.Table:
+    """The kept columns of `table` cast to the first file's types (every file's output part
+    must have one schema)."""
+    for field in kept:
+        column = table[field.name]
+        if column.type != field.type:
+            try:
+                column = column.cast(field.type)
+            except (pa.ArrowException, ValueError) as exc:
+                detail = one_line(exc)
+                raise InputError(
+                    f"{where(path, field.name)}: cannot read as {field.type}, its type in the "
+                    f"first file ({detail})"
+                ) from None
+            table = table.set_column(table.schema.get_field_index(field.name), field, column)
+    return table
 
 
 def _cast_keys(table: pa.Table, path: str) -> pa.Table:
@@ -153,6 +174,7 @@ class BucketScorer:
             Path(self._model.name, name).write_bytes(data)
         self.score_all, self.explain = score_all, explain
         self.files, self.duplicates = files, duplicates
+        self._schema = output_schema(explain, files.kept)
         self.scorer = Scorer(self._model.name, options)
         self.worker = f"{socket.gethostname()}:{os.getpid()}"
 
@@ -180,7 +202,7 @@ class BucketScorer:
         counts = total_counts([own, *(chunk.counts() for chunk in chunks)])
         counts["rows_read"] = len(table)
         recs = [chunk.recommendations for chunk in chunks]
-        recs = pa.concat_tables(recs) if recs else output_schema(self.explain).empty_table()
+        recs = pa.concat_tables(recs) if recs else self._schema.empty_table()
         if len(recs) != counts["rows_scored"]:
             raise RuntimeError(f"{len(recs)} recommendations for {counts}")
         rejects = [_duplicate_rejects(table.filter(pa.array(later)))]

@@ -43,7 +43,13 @@ from cognet.runtime import assemble, reader
 from cognet.runtime.batches import CPU_BATCH_CODES, ENCODE_CELLS, GPU_BATCH_CODES, cut_padded
 from cognet.runtime.beam import BeamConfig, BeamResult, DecoderSession, beam_search
 from cognet.runtime.options import GPU_DEVICES, ScoreOptions
-from cognet.runtime.outputs import EXPLANATION, ScoredChunk, output_schema, rejects_table
+from cognet.runtime.outputs import (
+    EXPLANATION,
+    ScoredChunk,
+    output_schema,
+    rejects_table,
+    with_kept,
+)
 from cognet.runtime.session import OrtModel, default_threads
 
 log = logging.getLogger(__name__)
@@ -210,16 +216,18 @@ class Scorer:
         self, path: str | Path, *, sort: bool = False, **kwargs
     ) -> Iterator[ScoredChunk]:
         """Score a visits Parquet file, streamed by record batches (`sort`: in memory)."""
-        source = reader.VisitFile(path)
+        source = reader.VisitFile(path, keep=self.options.keep_columns)
         batches = source.sorted_batches() if sort else source.batches()
         return self.score_batches(batches, source=path, **kwargs)
 
     def score_table(self, table: pa.Table, **kwargs) -> Iterator[ScoredChunk]:
-        """Score an in-memory visits table (DESIGN.md §2 columns; extra columns ignored)."""
+        """Score an in-memory visits table (DESIGN.md §2 columns; other columns ignored, but
+        those of options.keep_columns)."""
         reader.check_columns(table.schema, "<table>")
         cast = reader.cast_input(table, "<table>")
         cast = cast.append_column(reader.ROW, pa.array(np.arange(len(cast), dtype=np.int64)))
-        return self.score_batches([cast], **kwargs)
+        kept = reader.kept_columns(table.schema, self.options.keep_columns, "<table>")
+        return self.score_batches([reader.keep(cast, table, kept)], **kwargs)
 
     def score_batches(
         self,
@@ -360,7 +368,7 @@ class Scorer:
         }
         if explain:
             columns["explanations"] = self._explanations(plan, slots)
-        return pa.table(columns, schema=output_schema(explain))
+        return with_kept(pa.table(columns, schema=output_schema(explain)), table)
 
     def _explanations(self, plan: assemble.Plan, slots: dict) -> pa.Array:
         """Per medication: copy share 1 - w_g at its step, the past visit whose slots of

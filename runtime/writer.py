@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -37,7 +38,7 @@ from cognet.runtime.summary import total_counts
 
 MARKER = "progress.json"
 LOCK = "lock"
-FORMAT_VERSION = 2  # 2: parts list their files and sizes
+FORMAT_VERSION = 2  # 2: parts list their files and sizes; the signature of `signature.py`
 RESUME_HINT = "delete {dir}/ or run without --resume"
 
 
@@ -92,10 +93,11 @@ class PartWriter:
         signature: dict,
         explain: bool,
         resume: bool = False,
+        kept: Sequence[pa.Field] = (),
     ):
         self.out = Path(out)
         self.dir = work_dir(self.out)
-        self.schema = output_schema(explain)
+        self.schema = output_schema(explain, kept)  # kept: the --keep-columns fields
         self.signature = signature
         self.parts: list[dict] = []
         marker = self.dir / MARKER
