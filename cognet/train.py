@@ -18,6 +18,8 @@ import torch.nn.functional as F
 
 from cognet import checkpoint
 from cognet.batching import IGNORE, ddi_adjacency, ehr_adjacency, make_batch
+from cognet.core.errors import InputError, writing
+from cognet.core.files import writable_folder
 from cognet.core.schema import read_dataset
 from cognet.core.vocab import Vocab
 from cognet.evaluate import decode_patients, load_split, report, split_table, visit_results
@@ -153,8 +155,12 @@ def train(
     )
     train_data = load_split(dataset.visits, vocab, "train")
     val_data = load_split(dataset.visits, vocab, "val")
-    if not train_data.patients:
-        raise ValueError(f"{data_dir}: the train split has no labelled visit")
+    for split, data in (("train", train_data), ("val", val_data)):
+        if not data.patients:  # said before any epoch
+            raise InputError(
+                f"{data_dir}: the {split} split has no visit with known medications "
+                "(training learns on train and keeps the best epoch on val)"
+            )
     val_patients = (
         val_data.patients[: cfg.val_max_patients] if cfg.val_max_patients else val_data.patients
     )
@@ -176,7 +182,7 @@ def train(
     ddi_bool = ddi > 0
     best, best_state, history, stale = None, None, [], 0
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
+    writable_folder(out, out)  # now, not after the epochs (checkpoint.save makes it)
     patients = list(train_data.patients)
     for epoch in range(1, cfg.epochs + 1):
         start = time.perf_counter()
@@ -219,7 +225,7 @@ def train(
         "unknown_codes_val": val_data.unknown_codes,
     }
     checkpoint.save(out, model.cpu(), vocab, ehr, ddi, dataset.ddi_pairs, train_info)
-    with open(out / "train_log.jsonl", "w") as fh:
+    with writing(out / "train_log.jsonl"), open(out / "train_log.jsonl", "w") as fh:
         for rec in history:
             fh.write(json.dumps(rec) + "\n")
     return best
