@@ -12,7 +12,7 @@ DEMO_DIR ?= demo
 DEMO_PATIENTS ?= 2000
 DEMO_EPOCHS ?= 8
 
-.PHONY: demo test bench lint install clean
+.PHONY: demo test failures bench lint install clean
 
 $(VENV)/.installed: setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -36,6 +36,10 @@ demo: install
 
 test: install
 	$(PY) -m pytest -q
+
+# the cases of issue 14 (README "Failure behaviour"), one test each
+failures: install
+	$(PY) -m pytest -q tests/test_failures_batch.py tests/test_failures_train.py
 
 bench: install
 	$(VENV)/bin/cognet-bench --out bench

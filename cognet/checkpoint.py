@@ -1,6 +1,7 @@
 """Checkpoint directories: config.json, vocab.json, model.safetensors, graphs.npz, train_log.jsonl.
 
-Loading never executes code: JSON, safetensors and a pickle-free npz.
+Loading never executes code: JSON, safetensors and a pickle-free npz. `load` checks what it
+reads (`cognet.checkpoint_checks`): files, hashes, vocabulary sizes, weight shapes.
 """
 
 from __future__ import annotations
@@ -11,9 +12,10 @@ import os
 from pathlib import Path
 
 import numpy as np
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
-from cognet.core.errors import InputError
+from cognet import checkpoint_checks as checks
+from cognet.core.errors import InputError, one_line, writing
 from cognet.core.vocab import Vocab
 from cognet.model import COGNet, ModelConfig
 
@@ -31,43 +33,71 @@ def save(
     train_config: dict,
     decoding: dict | None = None,
 ) -> Path:
+    """Write the checkpoint: every file under a temporary name first, then renamed into
+    place, config.json (holding the sha256 of the others: `checkpoint_checks`) last. A failed
+    write (a full disk) raises OutputError naming the file and leaves no new file behind."""
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    config = {
-        "format_version": FORMAT_VERSION,
-        "model": model.cfg.to_json(),
-        "train": train_config,
-        "ddi_pairs": [list(p) for p in ddi_pairs],
-    }
-    if decoding is not None:  # the model's default decoding (`cognet.core.decoding`)
-        config["decoding"] = decoding
-    _write_json(out / "config.json", config)
-    _write_json(out / "vocab.json", vocab.to_json())
+    created = not out.is_dir()
+    with writing(out):
+        out.mkdir(parents=True, exist_ok=True)
+    tmp = {name: out / f".{name}.tmp" for name in FILES}
     state = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
-    save_file(state, str(out / "model.safetensors.tmp"))
-    os.replace(out / "model.safetensors.tmp", out / "model.safetensors")
-    np.savez(out / "graphs.tmp.npz", ehr=ehr_adj.astype(np.float32), ddi=ddi_adj.astype(np.float32))
-    os.replace(out / "graphs.tmp.npz", out / "graphs.npz")
+    done = False
+    try:
+        _write_json(tmp["vocab.json"], vocab.to_json(), out / "vocab.json")
+        with writing(out / "model.safetensors"):
+            save_file(state, str(tmp["model.safetensors"]))
+        with writing(out / "graphs.npz"), open(tmp["graphs.npz"], "wb") as f:
+            np.savez(f, ehr=ehr_adj.astype(np.float32), ddi=ddi_adj.astype(np.float32))
+        config = {
+            "format_version": FORMAT_VERSION,
+            "model": model.cfg.to_json(),
+            "train": train_config,
+            "ddi_pairs": [list(p) for p in ddi_pairs],
+            "sha256": checks.file_hashes({n: tmp[n] for n in checks.HASHED}),
+        }
+        if decoding is not None:  # the model's default decoding (`cognet.core.decoding`)
+            config["decoding"] = decoding
+        _write_json(tmp["config.json"], config, out / "config.json")
+        for name in FILES:  # config.json last: a checkpoint is complete once it is there
+            os.replace(tmp[name], out / name)
+        done = True
+    finally:
+        for path in tmp.values():
+            path.unlink(missing_ok=True)
+        if created and not done and not any(out.iterdir()):
+            out.rmdir()
     return out
 
 
 def load(path: str | Path, device: str = "cpu") -> tuple[COGNet, Vocab, dict]:
-    """Rebuild the model from a checkpoint directory: (model in eval mode, vocab, config)."""
+    """Rebuild the model from a checkpoint directory: (model in eval mode, vocab, config).
+
+    The one loader of `cognet evaluate`, `cognet-export` and the benchmarks: a missing,
+    damaged or mismatched file raises InputError naming it (`checkpoint_checks`)."""
     path = Path(path)
     for name in FILES:
         if not (path / name).is_file():
             raise InputError(f"{path}: not a cognet checkpoint (missing {name})")
-    config = json.loads((path / "config.json").read_text())
+    config = checks.read_json(path / "config.json")
     if config.get("format_version") != FORMAT_VERSION:
         raise InputError(
             f"{path / 'config.json'}: unsupported checkpoint format version "
             f"{config.get('format_version')!r} (expected {FORMAT_VERSION})"
         )
-    vocab = Vocab.from_json(json.loads((path / "vocab.json").read_text()))
-    with np.load(path / "graphs.npz", allow_pickle=False) as graphs:
-        ehr, ddi = graphs["ehr"], graphs["ddi"]
-    model = COGNet(ModelConfig.from_json(config["model"]), ehr, ddi)
-    model.load_state_dict(load_file(str(path / "model.safetensors"), device="cpu"))
+    checks.check_hashes(path, config)
+    vocab = checks.read_vocab(path)
+    try:
+        cfg = ModelConfig.from_json(config["model"])
+    except (KeyError, TypeError, ValueError) as exc:
+        detail = one_line(exc)
+        raise InputError(f"{path / 'config.json'}: malformed model entry ({detail})") from None
+    checks.check_sizes(path, vocab, cfg)
+    ehr, ddi = checks.read_graphs(path, cfg.n_med)
+    model = COGNet(cfg, ehr, ddi)
+    weights = checks.read_weights(path)
+    checks.check_weights(path, model.state_dict(), weights)
+    model.load_state_dict(weights)
     return model.to(device).eval(), vocab, config
 
 
@@ -80,7 +110,7 @@ def checkpoint_hash(path: str | Path) -> str:
     return h.hexdigest()
 
 
-def _write_json(path: Path, obj: dict) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(obj, indent=1) + "\n")
-    os.replace(tmp, path)
+def _write_json(path: Path, obj: dict, name: Path) -> None:
+    """Write `path`; a failure names the file it stands for."""
+    with writing(name):
+        path.write_text(json.dumps(obj, indent=1) + "\n")

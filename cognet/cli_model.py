@@ -29,6 +29,18 @@ ABLATION_CHOICES = (
 )
 
 
+# torch's own default (a thread per core) collapses when another process holds a core: on
+# the 2-core development machine, with other jobs running, one epoch of 2,000 synthetic
+# patients took 4.7-4.9 s with 1 thread and 52-91 s with 2 (7.8 s with 2 threads and
+# OMP_WAIT_POLICY=PASSIVE). One thread never collapses; more pay only on an idle machine.
+threads_option = count_option(
+    "--threads",
+    default=1,
+    help="torch intra-op threads. The default, 1, stays fast when other jobs share the "
+    "machine (2 threads made an epoch 10-18x slower then); raise it on an idle machine.",
+)
+
+
 @click.command()
 @click.option(
     "--data",
@@ -73,11 +85,7 @@ ABLATION_CHOICES = (
     type=click.Choice(ABLATION_CHOICES),
     help="Paper Table 4 variants.",
 )
-@count_option(
-    "--threads",
-    help="torch intra-op threads (default: torch's choice). Use 1 on a shared "
-    "machine: torch's thread pool stalls when another job holds a core.",
-)
+@threads_option
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 @handle_errors
 def train(data_dir, out, threads, quiet, recipe, **config):
@@ -95,8 +103,7 @@ def train(data_dir, out, threads, quiet, recipe, **config):
     from cognet.train import train as run_train
 
     setup_logging()
-    if threads:
-        torch.set_num_threads(threads)
+    torch.set_num_threads(threads)
     try:  # the other options are TrainConfig's fields
         cfg = TrainConfig.from_recipe(recipe, **config)
     except ValueError as exc:
@@ -193,6 +200,7 @@ def train(data_dir, out, threads, quiet, recipe, **config):
     type=click.Path(dir_okay=False),
     help="--ddi-tradeoff: write Jaccard vs DDI rate as a PNG.",
 )
+@threads_option
 @click.option("--quiet", is_flag=True)
 @handle_errors
 def evaluate(
@@ -215,6 +223,7 @@ def evaluate(
     penalties,
     max_rates,
     plot_out,
+    threads,
     quiet,
 ):
     """Evaluate a checkpoint (or a baseline) on a split: Jaccard, F1, PRAUC, DDI, #drugs.
@@ -226,9 +235,12 @@ def evaluate(
       cognet evaluate --checkpoint ckpt --data data --ddi-mode soft --ddi-penalty 1
       cognet evaluate --checkpoint ckpt --data data --ddi-tradeoff --plot tradeoff.png
     """
+    import torch
+
     from cognet.evaluate import run_evaluation
 
     setup_logging()
+    torch.set_num_threads(threads)
     if not ckpt:
         if not baseline:
             raise click.UsageError("give --checkpoint, or --baseline for a baseline")

@@ -21,6 +21,8 @@ import torch.nn.functional as F
 from cognet import checkpoint
 from cognet.batching import IGNORE, ddi_adjacency, ehr_adjacency, make_batch
 from cognet.core.decoding import DECODINGS, SAMPLES, Decoding
+from cognet.core.errors import InputError, writing
+from cognet.core.files import writable_folder
 from cognet.core.schema import read_dataset
 from cognet.core.vocab import Vocab
 from cognet.evaluate import decode_patients, load_split, report, split_table, visit_results
@@ -228,8 +230,12 @@ def train(
     )
     train_data = load_split(dataset.visits, vocab, "train")
     val_data = load_split(dataset.visits, vocab, "val")
-    if not train_data.patients:
-        raise ValueError(f"{data_dir}: the train split has no labelled visit")
+    for split, data in (("train", train_data), ("val", val_data)):
+        if not data.patients:  # said before any epoch
+            raise InputError(
+                f"{data_dir}: the {split} split has no visit with known medications "
+                "(training learns on train and keeps the best epoch on val)"
+            )
     val_patients = (
         val_data.patients[: cfg.val_max_patients] if cfg.val_max_patients else val_data.patients
     )
@@ -243,7 +249,7 @@ def train(
     snapshots: dict[int, dict] = {}  # epoch -> weights (the last max(average) and the best)
     keep = max(cfg.average)
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
+    writable_folder(out, out)  # now, not after the epochs (checkpoint.save makes it)
     patients = list(train_data.patients)
     for epoch in range(1, cfg.epochs + 1):
         start = time.perf_counter()
@@ -306,7 +312,7 @@ def train(
     checkpoint.save(
         out, model.cpu(), vocab, ehr, ddi, dataset.ddi_pairs, train_info, decoding.to_json()
     )
-    with open(out / "train_log.jsonl", "w") as fh:
+    with writing(out / "train_log.jsonl"), open(out / "train_log.jsonl", "w") as fh:
         for rec in history:
             fh.write(json.dumps(rec) + "\n")
     return {**best, "weights": chosen, "decoding": decoding.to_json()}

@@ -9,12 +9,15 @@ padded decoder-init inputs of each batch.
 Row statuses, checked in this order (the first that applies):
 - rejected `missing_key`: null patient_id, visit_id or visit_seq;
 - rejected `duplicate_visit_id`: a visit_id seen earlier in the input (the first is kept);
+- rejected `too_many_codes`: more than `max_codes` distinct known codes of one kind
+  (diagnoses, procedures or medications), asked for or not: such a row is no history either;
 - skipped: not asked for (medications known, without `score_all`);
 - rejected `no_codes`: neither a diagnosis nor a procedure;
 - rejected `unknown_codes`: none of its diagnoses or procedures is in the vocabulary;
 - scored.
-Rejected and skipped rows with known medications and a valid key still serve as history.
-Unknown codes of kept rows are dropped and counted.
+Rejected and skipped rows with known medications and a valid key still serve as history,
+but those with too many codes. Code lists are sets: duplicates collapse (the first stays)
+before anything counts them. Unknown codes of kept rows are dropped and counted.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from cognet.core.vocab import Vocab
 from cognet.runtime.reader import HashSet, patient_starts, string_hashes
 
 SCORED, REJECTED, SKIPPED = 0, 1, 2
-REASONS = ("missing_key", "duplicate_visit_id", "no_codes", "unknown_codes")
+REASONS = ("missing_key", "duplicate_visit_id", "no_codes", "unknown_codes", "too_many_codes")
 
 
 @dataclass(frozen=True)
@@ -140,12 +143,19 @@ class Plan:
 class Assembler:
     """Plans chunks in stream order; remembers visit_ids across chunks (duplicates)."""
 
-    def __init__(self, vocab: Vocab, score_all: bool = False, max_history: int | None = None):
+    def __init__(
+        self,
+        vocab: Vocab,
+        score_all: bool = False,
+        max_history: int | None = None,
+        max_codes: int | None = None,
+    ):
         if max_history is not None and max_history < 0:
             raise ValueError("max_history must be >= 0")
         self.vocab = vocab
         self.score_all = score_all
         self.max_history = max_history
+        self.max_codes = max_codes
         self._visit_ids = HashSet()
         self._rank = rare_first_rank(vocab)
 
@@ -174,10 +184,15 @@ class Assembler:
         has_meds = table["medications"].is_valid().to_numpy(zero_copy_only=False)
 
         reason = np.full(n, -1, np.int8)
-        bad_key = missing | duplicate
+        unusable = missing | duplicate
+        if self.max_codes is not None:
+            most = np.maximum(np.maximum(diag.lengths, proc.lengths), meds.lengths)
+            too_many = ~unusable & (most > self.max_codes)
+            reason[too_many] = REASONS.index("too_many_codes")
+            unusable |= too_many  # neither scored nor history
         reason[duplicate] = REASONS.index("duplicate_visit_id")
         reason[missing] = REASONS.index("missing_key")
-        asked = ~bad_key & (self.score_all | ~has_meds)
+        asked = ~unusable & (self.score_all | ~has_meds)
         no_codes = asked & (given_d + given_p == 0)
         unknown = asked & ~no_codes & (diag.lengths + proc.lengths == 0)
         reason[no_codes] = REASONS.index("no_codes")
@@ -185,7 +200,7 @@ class Assembler:
         status = np.full(n, SKIPPED, np.int8)
         status[reason >= 0] = REJECTED
         status[asked & (reason < 0)] = SCORED
-        kept = ~bad_key
+        kept = ~unusable
         dropped = int(
             (unk_d + unk_p + np.where(has_meds, unk_m, 0))[kept & (status != REJECTED)].sum()
         )

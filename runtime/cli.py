@@ -25,9 +25,11 @@ from cognet.core.clitools import (
 from cognet.core.decoding import BEAM, DECODINGS
 from cognet.core.errors import InputError
 from cognet.core.metrics import PATIENT_COLUMNS
-from cognet.runtime import reader, summary, writer
-from cognet.runtime.options import DEVICES, ScoreOptions
+from cognet.runtime import preflight, reader, summary, writer
+from cognet.runtime.lock import OutputLock
+from cognet.runtime.options import DEVICES, MAX_CODES, ScoreOptions
 from cognet.runtime.scorer import Scorer
+from cognet.runtime.signature import signature as run_signature
 
 BEAM_HELP = f"--decoding beam: beam width (default {BEAM}; 1 = greedy); alone, it asks for beam."
 model_option = click.option(
@@ -50,8 +52,9 @@ def main() -> None:
 
 
 def score_options(func):
-    """--beam, --device, --batch-size, --threads, --max-history-visits and the DDI options,
-    given to `func` as one `options: ScoreOptions`."""
+    """--beam, --device, --batch-size, --threads, --max-history-visits, the DDI options,
+    --max-codes-per-visit and --keep-columns, given to `func` as one `options:
+    ScoreOptions`."""
 
     @functools.wraps(func)
     def wrapper(
@@ -67,6 +70,9 @@ def score_options(func):
         ddi_mode,
         ddi_penalty,
         ddi_max_rate,
+        max_codes_per_visit,
+        keep_columns,
+        keep_all_columns,
         **kwargs,
     ):
         options = ScoreOptions(
@@ -79,6 +85,8 @@ def score_options(func):
             device=device,
             threads=threads,
             batch_size=batch_size,
+            max_codes_per_visit=max_codes_per_visit,
+            keep_columns=_kept(keep_columns, keep_all_columns),
         )
         return func(*args, options=options, **kwargs)
 
@@ -109,11 +117,27 @@ def score_options(func):
         click.option("--max-history-visits", type=click.IntRange(min=0), default=None,
                      help="History = only the last K earlier visits with known medications "
                           "(default: all; 0 = none, generation without copy)."),
+        count_option("--max-codes-per-visit", default=MAX_CODES,
+                     help="Reject a visit (too_many_codes; it is no history either) with more "
+                          "distinct known codes of one kind: the memory guard. Real visits stay "
+                          "far below (MIMIC-III: 39 diagnoses at most)."),
+        click.option("--keep-columns", default="", metavar="A,B",
+                     help="Input columns to carry into the output, comma-separated (to join "
+                          "results back, e.g. on an admission date)."),
+        click.option("--keep-all-columns", is_flag=True,
+                     help="Carry every input column the output lacks."),
     ]
     # fmt: on
     for option in reversed(options):
         wrapper = option(wrapper)
     return ddi_options(wrapper)
+
+
+def _kept(keep_columns: str, keep_all: bool) -> tuple[str, ...]:
+    names = tuple(n.strip() for n in keep_columns.split(",") if n.strip())
+    if keep_all and names:
+        raise click.UsageError("--keep-columns and --keep-all-columns exclude each other")
+    return (reader.KEEP_ALL,) if keep_all else names
 
 
 def ray_options(func):
@@ -210,23 +234,41 @@ def score(
 
         if resume:
             raise InputError("--resume is for --engine local; rerun the --engine ray command")
+        preflight.check_summary(summary_json, input_path, preflight.outputs_of(out))
         result = ray_engine.score(
             input_path, model_dir, out, ray, options, score_all, explain, verbose=verbose
         )
         _report(result, summary_json, quiet, f"{result['workers']} Ray worker(s)")
         return
+    preflight.check_local(input_path, out, summary_json)  # before reading or writing anything
+    with OutputLock(writer.lock_path(out), what=out):  # one writer per OUT (runtime/lock.py)
+        _score_local(
+            input_path, model_dir, out, options, score_all, explain, resume, summary_json,
+            sort_rows, quiet,
+        )  # fmt: skip
+
+
+def _score_local(
+    input_path, model_dir, out, options, score_all, explain, resume, summary_json, sort_rows, quiet
+) -> None:
+    """`score` with the local engine, OUT locked."""
     loading = time.perf_counter()
     scorer = Scorer(model_dir, options)
-    source = reader.VisitFile(input_path)
+    source = reader.VisitFile(input_path, keep=options.keep_columns)
     if not sort_rows:  # fail on a misordered file before scoring anything
         reader.check_order(source.batches(["patient_id", "visit_seq"]), input_path)
     signature = _signature(input_path, scorer, score_all, explain, sort_rows)
-    parts = writer.PartWriter(out, signature, explain, resume)
-    started = time.perf_counter()
-    scored = _run(scorer, source, parts, score_all, explain, sort_rows, quiet)
-    result = _finish(
-        scorer, source, parts, score_all, scored, started - loading, time.perf_counter() - started
-    )
+    parts = writer.PartWriter(out, signature, explain, resume, source.kept_fields)
+    try:
+        started = time.perf_counter()
+        scored = _run(scorer, source, parts, score_all, explain, sort_rows, quiet)
+        result = _finish(
+            scorer, source, parts, score_all, scored, started - loading,
+            time.perf_counter() - started,
+        )  # fmt: skip
+    except BaseException:
+        parts.discard()  # keep only what --resume needs
+        raise
     _report(result, summary_json, quiet, scorer.providers[0])
 
 
@@ -312,18 +354,16 @@ def _finish(
 def _signature(
     input_path: str, scorer: Scorer, score_all: bool, explain: bool, sort_rows: bool
 ) -> dict:
-    """What a resumed run must share with the interrupted one."""
-    stat = Path(input_path).stat()
-    return {
-        "input": str(Path(input_path).resolve()),
-        "input_size": stat.st_size,
-        "input_mtime_ns": stat.st_mtime_ns,
-        "model": {name: spec.sha256 for name, spec in scorer.manifest.graphs.items()},
-        "score_all": score_all,
-        "explain": explain,
-        "sort": sort_rows,
-        **scorer.settings(),
-    }
+    """What a resumed run must share with the interrupted one (`runtime/signature.py`)."""
+    return run_signature(
+        input_path,
+        scorer.manifest.model_dir,
+        scorer.options,
+        scorer.chunk_targets,
+        score_all=score_all,
+        explain=explain,
+        sort=sort_rows,
+    )
 
 
 @main.command()

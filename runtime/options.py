@@ -21,6 +21,10 @@ from cognet.core.decoding import DECODINGS, Decoding
 from cognet.core.errors import InputError
 
 DEVICES = ("auto", "cpu", "cuda", "tensorrt")
+# Distinct known codes of one kind (diagnoses, procedures, medications) a visit may hold;
+# above it the visit is rejected `too_many_codes`. Real visits stay far below (MIMIC-III: 39
+# diagnoses at most); the batches bound the memory of any visit below it (`batches`).
+MAX_CODES = 1000
 GPU_DEVICES = ("cuda", "tensorrt")
 
 
@@ -45,6 +49,9 @@ class ScoreOptions:
     chunk_targets: int | None = None  # visits to score per chunk; None: 16 x batch_size
     chunk_rows: int = 1 << 15  # rows per chunk at most
     encode_batch: int = 64  # visits per encoder call
+    # -- added later (fields go at the end)
+    max_codes_per_visit: int = MAX_CODES  # more known codes of one kind: too_many_codes
+    keep_columns: tuple[str, ...] = ()  # input columns carried into the output
 
     def __post_init__(self) -> None:
         if self.ddi is None:  # accepted for "off"
@@ -70,6 +77,9 @@ class ScoreOptions:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise InputError(f"{name} must be >= 1, not {value}")
+        if self.max_codes_per_visit < 1:
+            raise InputError(f"max_codes_per_visit must be >= 1, not {self.max_codes_per_visit}")
+        object.__setattr__(self, "keep_columns", tuple(self.keep_columns))
         if self.chunk_rows < 1 or self.encode_batch < 1:
             raise InputError("chunk_rows and encode_batch must be >= 1")
         if self.max_history_visits is not None and self.max_history_visits < 0:

@@ -8,6 +8,7 @@ input rows, with its counts and (with `--all`) its per-patient metric rows. The 
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -43,8 +44,29 @@ REJECTS_SCHEMA = pa.schema(
 )
 
 
-def output_schema(explain: bool) -> pa.Schema:
-    return OUTPUT_SCHEMA.append(EXPLAIN_FIELD) if explain else OUTPUT_SCHEMA
+def output_schema(explain: bool, kept: Iterable[pa.Field] = ()) -> pa.Schema:
+    """The output's columns: OUTPUT_SCHEMA, `explanations` with explain, then the kept input
+    columns (`--keep-columns`)."""
+    schema = OUTPUT_SCHEMA.append(EXPLAIN_FIELD) if explain else OUTPUT_SCHEMA
+    for kept_field in kept:
+        schema = schema.append(kept_field)
+    return schema
+
+
+def kept_fields(table: pa.Table | pa.Schema) -> list[pa.Field]:
+    """The kept input columns that travel with the rows of `table` (`reader.keep`), under
+    their own names."""
+    schema = table if isinstance(table, pa.Schema) else table.schema
+    prefix = reader.KEEP_PREFIX
+    return [f.with_name(f.name[len(prefix) :]) for f in schema if f.name.startswith(prefix)]
+
+
+def with_kept(out: pa.Table, rows: pa.Table) -> pa.Table:
+    """The output rows `out` with the kept input columns of `rows` (the same visits, in the
+    same order) appended under their own names."""
+    for kept_field in kept_fields(rows):
+        out = out.append_column(kept_field, rows[reader.KEEP_PREFIX + kept_field.name])
+    return out
 
 
 # The counts of a chunk (and of a run: `cognet.runtime.summary`).

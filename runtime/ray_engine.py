@@ -5,11 +5,13 @@
 Ray is imported lazily; without it `import_ray` raises an InputError that says how to
 install it. The run, stage by stage (each a Ray task or one Ray Data execution):
 
-1. plan (a task): INPUT is a Parquet file, a directory (its `*.parquet`, recursively) or a
-   glob. The files are taken in name order, and a row's number is its position in them (for
-   one file, its row in the file): the numbering of the local engine, that the rejects and
-   the first-holder rule of duplicate visit_ids rely on. Only footers are read: readable
-   files, contract columns, rows per row group.
+1. plan (a task): the outputs are checked first (none may be, hold or be read as an input:
+   `preflight.check_overlap`), then OUT is locked for the run (`lock`, by an actor that
+   lives as long as the run). INPUT is a Parquet file, a directory (its `*.parquet`,
+   recursively) or a glob. The files are taken in name order, and a row's number is its
+   position in them (for one file, its row in the file): the numbering of the local
+   engine, that the rejects and the first-holder rule of duplicate visit_ids rely on.
+   Only footers are read: readable files, contract columns, rows per row group.
 2. duplicates: the visit_ids that several rows with a complete key hold (a shuffle of the
    key columns). The first row keeps its visit; the others are rejected `duplicate_visit_id`
    and serve as no history, as in local mode, whichever workers the rows reach.
@@ -65,7 +67,7 @@ import pyarrow.parquet as pq
 
 from cognet.core.errors import InputError, one_line
 from cognet.core.manifest import load_manifest
-from cognet.runtime import reader, writer
+from cognet.runtime import preflight, reader, writer
 from cognet.runtime.options import GPU_DEVICES, ScoreOptions
 from cognet.runtime.outputs import REJECTS_SCHEMA, output_schema
 from cognet.runtime.ray_tasks import (
@@ -75,6 +77,7 @@ from cognet.runtime.ray_tasks import (
     MARK,
     ROW,
     RayScorer,
+    locked,
     marked,
     pack,
     read_units,
@@ -154,7 +157,8 @@ def score(
     worker_options = replace(score_options, threads=score_options.threads or 1)
     with _ray_session(ray, options.address, verbose), _input_errors():
         plan = ray.remote(num_cpus=0)(marked(_plan))
-        files = ray.get(plan.remote(os.path.abspath(input_path), [out, rejects]))
+        source, keep = os.path.abspath(input_path), score_options.keep_columns
+        files = ray.get(plan.remote(source, out, keep))
         workers = _workers(ray, options, worker_options.threads)
         model = {
             str(p.relative_to(model_dir)): p.read_bytes()
@@ -163,7 +167,8 @@ def score(
         }
         load_seconds = time.perf_counter() - started
         run = _Run(ray, files, worker_options, score_all, explain, options, workers)
-        rows = run.execute(model, out, rejects)
+        with locked(ray, out):
+            rows = run.execute(model, out, rejects)
     stats = [json.loads(row["stats"]) for row in rows]
     totals = total_counts(stats)
     check_rows(totals, files.num_rows)
@@ -204,12 +209,14 @@ def _metric_rows(rows: list[dict]) -> np.ndarray:
     return both[np.argsort(both[:, 0], kind="stable"), 1:]
 
 
-def _plan(source: str, outputs: list[str]) -> reader.InputFiles:
-    """Ray task: the input's plan, after checking that the outputs may be written."""
-    files = reader.plan_input(source)
-    for path in outputs:
-        _check_out(path)
-    return files
+def _plan(source: str, out: str, keep: tuple[str, ...]) -> reader.InputFiles:
+    """Ray task: the input's plan, after checking that the outputs may be written and are
+    no input (`preflight.check_overlap`, before any file is read)."""
+    outputs = preflight.outputs_of(out)
+    preflight.check_overlap(source, outputs)
+    for label in ("--out", "rejects file"):
+        _check_out(outputs[label])
+    return reader.plan_input(source, keep)
 
 
 # -- the run ------------------------------------------------------------------------------------
@@ -234,19 +241,25 @@ class _Run:
 
     def execute(self, model: dict[str, bytes], out: str, rejects: str) -> list[dict]:
         """The buckets' rows of stats and metrics, after the outputs are in place."""
-        schema = output_schema(self.scoring["explain"])
+        schema = output_schema(self.scoring["explain"], self.files.kept)
         staged = [
             (f"{out}.tmp-{uuid.uuid4().hex[:8]}", out, schema),
             (f"{rejects}.tmp-{uuid.uuid4().hex[:8]}", rejects, REJECTS_SCHEMA),
         ]
         rows = []
-        if self.files.num_rows:
-            duplicates = self._timed("duplicates", self._duplicates)
-            packed = self._timed("group", self._group)
-            scored = self._timed("score", self._score, packed, model, duplicates)
-            rows = self._timed("write", self._write, scored, staged)
-        commit = self.ray.remote(num_cpus=0)(marked(_commit))
-        self.ray.get(commit.remote(staged))
+        try:
+            if self.files.num_rows:
+                duplicates = self._timed("duplicates", self._duplicates)
+                packed = self._timed("group", self._group)
+                scored = self._timed("score", self._score, packed, model, duplicates)
+                rows = self._timed("write", self._write, scored, staged)
+            commit = self.ray.remote(num_cpus=0)(marked(_commit))
+            self.ray.get(commit.remote(staged))
+        except BaseException:  # leave no partial output behind
+            discard = self.ray.remote(num_cpus=0)(_discard)
+            with contextlib.suppress(Exception):
+                self.ray.get(discard.remote([tmp for tmp, _, _ in staged]))
+            raise
         return rows
 
     def _timed(self, stage: str, func: Callable, *args):
@@ -341,6 +354,12 @@ def _commit(staged: list[tuple[str, str, pa.Schema]]) -> None:
         elif os.path.exists(final):
             os.remove(final)
         os.replace(tmp, final)
+
+
+def _discard(folders: list[str]) -> None:
+    """Ray task: remove the staged folders of a failed run."""
+    for folder in folders:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 # -- Ray session and errors ---------------------------------------------------------------------

@@ -7,6 +7,7 @@ driver can tell it from Ray's own errors and exit 2 with its one line.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import io
 import json
@@ -14,7 +15,7 @@ import os
 import socket
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -24,7 +25,8 @@ import pyarrow.parquet as pq
 
 from cognet.core.errors import InputError, one_line, where
 from cognet.core.metrics import PATIENT_COLUMNS
-from cognet.runtime import reader
+from cognet.runtime import reader, writer
+from cognet.runtime.lock import OutputLock
 from cognet.runtime.options import ScoreOptions
 from cognet.runtime.outputs import COUNTS, REJECTS_SCHEMA, output_schema
 from cognet.runtime.scorer import Scorer
@@ -46,16 +48,37 @@ def read_units(
     units = zip(*(batch[c].to_pylist() for c in ("file", "group", "first")), strict=True)
     for i, g, first in units:
         path = files.paths[i]
+        kept = [f.name for f in files.kept] if columns == COLUMNS else []
         try:
-            table = pq.ParquetFile(path).read_row_group(g, columns=columns)
+            read = pq.ParquetFile(path).read_row_group(g, columns=[*columns, *kept])
         except (pa.ArrowException, OSError) as exc:
             raise InputError(f"{path}: not a readable Parquet file ({one_line(exc)})") from None
-        table = reader.cast_input(table, path) if columns == COLUMNS else _cast_keys(table, path)
+        table = reader.cast_input(read, path) if columns == COLUMNS else _cast_keys(read, path)
         table = table.append_column(ROW, pa.array(np.arange(first, first + len(table))))
+        if kept:
+            table = reader.keep(table, _typed(read, files.kept, path), kept)
         if buckets:
             table = table.append_column(BUCKET, pa.array(_buckets(table, buckets)))
         tables.append(table)
     return pa.concat_tables(tables)
+
+
+def _typed(table: pa.Table, kept: tuple[pa.Field, ...], path: str) -> pa.Table:
+    """The kept columns of `table` cast to the first file's types (every file's output part
+    must have one schema)."""
+    for field in kept:
+        column = table[field.name]
+        if column.type != field.type:
+            try:
+                column = column.cast(field.type)
+            except (pa.ArrowException, ValueError) as exc:
+                detail = one_line(exc)
+                raise InputError(
+                    f"{where(path, field.name)}: cannot read as {field.type}, its type in the "
+                    f"first file ({detail})"
+                ) from None
+            table = table.set_column(table.schema.get_field_index(field.name), field, column)
+    return table
 
 
 def _cast_keys(table: pa.Table, path: str) -> pa.Table:
@@ -151,6 +174,7 @@ class BucketScorer:
             Path(self._model.name, name).write_bytes(data)
         self.score_all, self.explain = score_all, explain
         self.files, self.duplicates = files, duplicates
+        self._schema = output_schema(explain, files.kept)
         self.scorer = Scorer(self._model.name, options)
         self.worker = f"{socket.gethostname()}:{os.getpid()}"
 
@@ -178,7 +202,7 @@ class BucketScorer:
         counts = total_counts([own, *(chunk.counts() for chunk in chunks)])
         counts["rows_read"] = len(table)
         recs = [chunk.recommendations for chunk in chunks]
-        recs = pa.concat_tables(recs) if recs else output_schema(self.explain).empty_table()
+        recs = pa.concat_tables(recs) if recs else self._schema.empty_table()
         if len(recs) != counts["rows_scored"]:
             raise RuntimeError(f"{len(recs)} recommendations for {counts}")
         rejects = [_duplicate_rejects(table.filter(pa.array(later)))]
@@ -239,6 +263,33 @@ class RayScorer(BucketScorer):
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         return marked(super().__call__)(batch)
+
+
+class LockHolder:
+    """Ray actor holding OUT's lock (`cognet.runtime.lock`) where OUT is, for the run: the
+    lock goes when the actor does, also when the driver dies (Ray ends its actors)."""
+
+    def __init__(self, out: str):
+        self.lock = OutputLock(writer.lock_path(out), what=out)
+
+    def acquire(self) -> None:
+        marked(self.lock.acquire)()
+
+    def release(self) -> None:
+        self.lock.release()
+
+
+@contextlib.contextmanager
+def locked(ray, out: str) -> Iterator[None]:
+    """Hold OUT's lock for the body, in a LockHolder actor (the driver may not see OUT)."""
+    holder = ray.remote(num_cpus=0)(LockHolder).remote(out)
+    try:
+        ray.get(holder.acquire.remote())
+        yield
+    finally:
+        with contextlib.suppress(Exception):
+            ray.get(holder.release.remote())
+        ray.kill(holder)
 
 
 def _duplicate_rejects(table: pa.Table) -> pa.Table:

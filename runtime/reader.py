@@ -46,6 +46,26 @@ INPUT_SCHEMA = pa.schema(
     ]
 )
 KEYS = ("patient_id", "visit_id", "visit_seq")
+# --keep-columns: KEEP_ALL keeps every input column the output lacks (RESERVED: the
+# columns of `outputs.output_schema(explain=True)`). A kept column travels with the rows
+# as KEEP_PREFIX + its name, apart from the columns the engines read.
+KEEP_ALL = "*"
+KEEP_PREFIX = "_keep:"
+RESERVED = ("patient_id", "visit_id", "medications", "score", "probabilities", "explanations")
+
+
+def kept_columns(schema: pa.Schema, keep: Iterable[str], path: object) -> tuple[str, ...]:
+    """The input columns that `keep` names (`KEEP_ALL`: every one not in RESERVED), checked:
+    InputError for a column the file lacks or one the output has already."""
+    keep = tuple(keep)
+    if keep == (KEEP_ALL,):
+        return tuple(n for n in schema.names if n not in RESERVED)
+    for name in keep:
+        if name in RESERVED:
+            raise InputError(f"--keep-columns {name}: the output has a column {name!r} already")
+        if name not in schema.names:
+            raise InputError(f"{where(path, name)}: no such column to keep (--keep-columns)")
+    return keep
 
 
 def check_columns(schema: pa.Schema, path: object) -> None:
@@ -72,10 +92,13 @@ def cast_input(table: pa.Table | pa.RecordBatch, path: object) -> pa.Table:
 
 
 class VisitFile:
-    """A visits Parquet file to score, checked on opening (readable, contract columns)."""
+    """A visits Parquet file to score, checked on opening (readable, contract columns, the
+    columns to keep: `kept_columns`)."""
 
-    def __init__(self, path: str | Path, batch_rows: int = 65536):
+    def __init__(self, path: str | Path, batch_rows: int = 65536, keep: Iterable[str] = ()):
         self.path = Path(path)
+        if self.path.is_dir():
+            raise InputError(f"{self.path}: is a directory, not a Parquet file")
         if not self.path.is_file():
             raise InputError(f"{self.path}: file not found")
         try:
@@ -85,17 +108,23 @@ class VisitFile:
                 f"{self.path}: not a readable Parquet file ({one_line(exc)})"
             ) from None
         check_columns(self._file.schema_arrow, self.path)
+        self.keep = kept_columns(self._file.schema_arrow, keep, self.path)
+        self.kept_fields = [self._file.schema_arrow.field(name) for name in self.keep]
         self.num_rows = self._file.metadata.num_rows
         self.batch_rows = batch_rows
 
-    def batches(self, columns: Iterable[str] = INPUT_SCHEMA.names) -> Iterator[pa.Table]:
-        """Record batches in file order, cast, with the ROW column."""
-        columns = list(columns)
+    def batches(self, columns: Iterable[str] | None = None) -> Iterator[pa.Table]:
+        """Record batches in file order, cast, with the ROW column, then the kept columns
+        (`columns`: only these, cast)."""
+        kept = () if columns else self.keep
+        columns = list(columns or INPUT_SCHEMA.names)
+        reading = list(dict.fromkeys([*columns, *kept]))
         start = 0
         try:
-            for batch in self._file.iter_batches(batch_size=self.batch_rows, columns=columns):
+            for batch in self._file.iter_batches(batch_size=self.batch_rows, columns=reading):
                 table = self._cast(batch, columns)
-                yield table.append_column(ROW, pa.array(np.arange(start, start + len(table))))
+                table = table.append_column(ROW, pa.array(np.arange(start, start + len(table))))
+                yield keep(table, batch, kept)
                 start += len(table)
         except (pa.ArrowException, OSError) as exc:
             raise InputError(
@@ -121,6 +150,15 @@ class VisitFile:
         table = table.take(pa.array(order)).combine_chunks()
         for start in range(0, len(table), self.batch_rows):
             yield table.slice(start, self.batch_rows)
+
+
+def keep(table: pa.Table, source: pa.Table | pa.RecordBatch, names: Iterable[str]) -> pa.Table:
+    """`table` with the columns `names` of `source` (as they are) appended, each as
+    KEEP_PREFIX + its name."""
+    for name in names:
+        field = source.schema.field(name)
+        table = table.append_column(field.with_name(KEEP_PREFIX + name), source.column(name))
+    return table
 
 
 def _valid_keys(table: pa.Table) -> np.ndarray:
@@ -201,11 +239,15 @@ class OrderCheck:
         bad = np.flatnonzero(same & (seq <= prev_seq))
         if bad.size:
             i = int(bad[0])
-            what = "twice" if seq[i] == prev_seq[i] else f"after visit_seq {prev_seq[i]}"
+            at = f"{where(self.path, 'visit_seq', int(rows[i]))}: patient {pid[i].as_py()!r}"
+            if seq[i] == prev_seq[i]:  # sorting cannot help
+                raise InputError(
+                    f"{at} has visit_seq {seq[i]} twice; a patient's visit_seq values must "
+                    "be unique"
+                )
             raise InputError(
-                f"{where(self.path, 'visit_seq', int(rows[i]))}: patient "
-                f"{pid[i].as_py()!r} has visit_seq {seq[i]} {what}; the rows of a patient must "
-                "be ordered by increasing visit_seq (use --sort to sort in memory)"
+                f"{at} has visit_seq {seq[i]} after visit_seq {prev_seq[i]}; the rows of a "
+                "patient must be ordered by increasing visit_seq (use --sort to sort in memory)"
             )
         starts = np.flatnonzero(~same)
         again = self._patients.add(string_hashes(pid.take(pa.array(starts))))
@@ -319,6 +361,7 @@ class InputFiles:
     first_rows: tuple[int, ...]  # row number of each file's first row
     units: tuple[tuple[int, int, int], ...]  # (file, row group, row number of its first row)
     num_rows: int
+    kept: tuple[pa.Field, ...] = ()  # --keep-columns, as the first file types them
 
     def where(self, column: str, row: int) -> str:
         """`FILE: column C, row R` of a row number (R: the row in that file)."""
@@ -349,10 +392,11 @@ def list_files(source: str) -> list[str]:
     return sorted(os.path.abspath(p) for p in paths)
 
 
-def plan_input(source: str) -> InputFiles:
-    """List INPUT and read its footers (readable, contract columns, rows per row group)."""
+def plan_input(source: str, keep: Iterable[str] = ()) -> InputFiles:
+    """List INPUT and read its footers (readable, contract columns, the columns to keep,
+    rows per row group). KEEP_ALL keeps the first file's columns: every file must hold them."""
     paths = list_files(source)
-    first_rows, units, start = [], [], 0
+    first_rows, units, start, kept = [], [], 0, ()
     for i, path in enumerate(paths):
         try:
             meta = pq.ParquetFile(path).metadata
@@ -360,8 +404,11 @@ def plan_input(source: str) -> InputFiles:
         except (pa.ArrowException, OSError) as exc:
             raise InputError(f"{path}: not a readable Parquet file ({one_line(exc)})") from None
         check_columns(schema, path)
+        keep = kept_columns(schema, keep, path)
+        if i == 0:
+            kept = tuple(schema.field(name) for name in keep)
         first_rows.append(start)
         for g in range(meta.num_row_groups):
             units.append((i, g, start))
             start += meta.row_group(g).num_rows
-    return InputFiles(source, tuple(paths), tuple(first_rows), tuple(units), start)
+    return InputFiles(source, tuple(paths), tuple(first_rows), tuple(units), start, kept)

@@ -16,7 +16,8 @@ What decides the speed (figures: BENCHMARKS.md, "Where the time goes in ort-cpu"
   session rather than one batch on several intra-op threads (whose spinning is off: it
   took the core the Python side needs).
 - Small CPU batches (CPU_BATCH): past them a batch's memories and KV cache no longer fit
-  the core's cache; batches of long histories are cut smaller (CPU_BATCH_SLOTS).
+  the core's cache; batches of long histories are cut smaller (CPU_BATCH_SLOTS), and so
+  are those of long code lists (`batches`: memory stays bounded on every padded axis).
 - Most of the time goes to the decoder step graph, then the encoder; the Python side
   (beam bookkeeping, assembly, output) takes the rest.
 """
@@ -39,10 +40,17 @@ from cognet.core.manifest import Manifest, load_manifest
 from cognet.core.metrics import PATIENT_COLUMNS, VisitResult, patient_rows
 from cognet.core.vocab import Vocab
 from cognet.runtime import assemble, reader
+from cognet.runtime.batches import CPU_BATCH_CODES, ENCODE_CELLS, GPU_BATCH_CODES, cut_padded
 from cognet.runtime.beam import BeamResult, DecoderSession, decoding_configs
 from cognet.runtime.beam import decode as run_decoding
 from cognet.runtime.options import GPU_DEVICES, ScoreOptions
-from cognet.runtime.outputs import EXPLANATION, ScoredChunk, output_schema, rejects_table
+from cognet.runtime.outputs import (
+    EXPLANATION,
+    ScoredChunk,
+    output_schema,
+    rejects_table,
+    with_kept,
+)
 from cognet.runtime.session import OrtModel, default_threads
 
 log = logging.getLogger(__name__)
@@ -62,23 +70,6 @@ CPU_BATCH_SLOTS, GPU_BATCH_SLOTS = 1 << 12, 1 << 20
 # Diagnoses a medication attended to most: top TOP_DIAGNOSES codes by the diagnosis
 # cross-attention (mean over heads) at the step that emitted it, heaviest first.
 TOP_DIAGNOSES = 3
-
-
-def cut_batches(
-    order: np.ndarray, slots: np.ndarray, batch_size: int, batch_slots: int
-) -> list[np.ndarray]:
-    """Cut `order` (sorted by history slots, `slots` ascending alongside it) into batches of
-    at most `batch_size` visits whose padded history, visits x the last one's slots, stays
-    within `batch_slots` (a visit alone may exceed it)."""
-    parts, lo, n = [], 0, order.size
-    while lo < n:
-        hi = min(lo + batch_size, n)
-        size = np.arange(1, hi - lo + 1)
-        fits = size * np.maximum(slots[lo:hi], 1) <= batch_slots
-        take = max(1, int(fits.sum()))  # volume grows with the size: the fits are a prefix
-        parts.append(order[lo : lo + take])
-        lo += take
-    return parts
 
 
 @dataclass(frozen=True)
@@ -155,6 +146,7 @@ class Scorer:
         self.batch_size = options.batch_size or (GPU_BATCH if model.on_device else CPU_BATCH)
         gpu = model.on_device
         self.batch_slots = options.batch_slots or (GPU_BATCH_SLOTS if gpu else CPU_BATCH_SLOTS)
+        self.batch_codes = GPU_BATCH_CODES if gpu else CPU_BATCH_CODES
         self.max_history = options.max_history_visits
         self.chunk_targets = options.chunk_targets or 16 * self.batch_size
         self.chunk_rows, self.encode_batch = options.chunk_rows, options.encode_batch
@@ -228,16 +220,18 @@ class Scorer:
         self, path: str | Path, *, sort: bool = False, **kwargs
     ) -> Iterator[ScoredChunk]:
         """Score a visits Parquet file, streamed by record batches (`sort`: in memory)."""
-        source = reader.VisitFile(path)
+        source = reader.VisitFile(path, keep=self.options.keep_columns)
         batches = source.sorted_batches() if sort else source.batches()
         return self.score_batches(batches, source=path, **kwargs)
 
     def score_table(self, table: pa.Table, **kwargs) -> Iterator[ScoredChunk]:
-        """Score an in-memory visits table (DESIGN.md §2 columns; extra columns ignored)."""
+        """Score an in-memory visits table (DESIGN.md §2 columns; other columns ignored, but
+        those of options.keep_columns)."""
         reader.check_columns(table.schema, "<table>")
         cast = reader.cast_input(table, "<table>")
         cast = cast.append_column(reader.ROW, pa.array(np.arange(len(cast), dtype=np.int64)))
-        return self.score_batches([cast], **kwargs)
+        kept = reader.kept_columns(table.schema, self.options.keep_columns, "<table>")
+        return self.score_batches([reader.keep(cast, table, kept)], **kwargs)
 
     def score_batches(
         self,
@@ -255,7 +249,9 @@ class Scorer:
         and source visit. skip_rows: chunks ending at or before this stream position are
         only checked (resume), not scored nor yielded.
         """
-        assembler = assemble.Assembler(self.vocab, score_all, self.max_history)
+        assembler = assemble.Assembler(
+            self.vocab, score_all, self.max_history, self.options.max_codes_per_visit
+        )
         for chunk in reader.chunks(batches, source, score_all, self.chunk_targets, self.chunk_rows):
             if chunk.end <= skip_rows:
                 assembler.keys(chunk.table)  # remember its visit_ids
@@ -269,8 +265,9 @@ class Scorer:
         started = time.perf_counter()
         plan = assembler.plan(chunk.table)
         enc = self._encode(plan)
-        order, slots = self._batch_order(plan)
-        parts = cut_batches(order, slots, self.batch_size, self.batch_slots)
+        order, widths = self._batch_order(plan)
+        budgets = (self.batch_slots, self.batch_codes, self.batch_codes)
+        parts = cut_padded(order, widths, budgets, self.batch_size)
 
         def decode(part: np.ndarray) -> tuple[BeamResult, dict]:
             inputs = assemble.init_inputs(
@@ -331,7 +328,9 @@ class Scorer:
                 ((plan.diag.lengths + plan.proc.lengths)[rows], plan.meds.lengths[rows] // 4)
             )
         ]
-        parts = [rows[lo : lo + self.encode_batch] for lo in range(0, rows.size, self.encode_batch)]
+        lengths = [ragged.lengths[rows] for ragged in (plan.diag, plan.proc, plan.meds)]
+        cells = [ENCODE_CELLS] * 3
+        parts = cut_padded(rows, lengths, cells, self.encode_batch, squared=True)
 
         def encode(part: np.ndarray) -> None:
             out = self.encode(assemble.encoder_inputs(plan, part, self.vocab))
@@ -341,14 +340,14 @@ class Scorer:
             pass
         return enc
 
-    def _batch_order(self, plan: assemble.Plan) -> tuple[np.ndarray, np.ndarray]:
+    def _batch_order(self, plan: assemble.Plan) -> tuple[np.ndarray, list[np.ndarray]]:
         """Targets (indices into plan.targets) sorted by history slots, then code count, and
-        the history slots of each in that order."""
+        the padded widths of each in that order: history slots, diagnoses, procedures."""
         med_len = plan.meds.lengths
         slots = np.array([int(med_len[h].sum()) for h in plan.histories], np.int64)
-        codes = (plan.diag.lengths + plan.proc.lengths)[plan.targets]
-        order = np.lexsort((codes, slots))
-        return order, slots[order]
+        diag, proc = plan.diag.lengths[plan.targets], plan.proc.lengths[plan.targets]
+        order = np.lexsort((diag + proc, slots))
+        return order, [slots[order], diag[order], proc[order]]
 
     def _recommendations(self, plan: assemble.Plan, slots: dict, explain: bool) -> pa.Table:
         n = plan.targets.size
@@ -373,7 +372,7 @@ class Scorer:
         }
         if explain:
             columns["explanations"] = self._explanations(plan, slots)
-        return pa.table(columns, schema=output_schema(explain))
+        return with_kept(pa.table(columns, schema=output_schema(explain)), table)
 
     def _explanations(self, plan: assemble.Plan, slots: dict) -> pa.Array:
         """Per medication: copy share 1 - w_g at its step, the past visit whose slots of

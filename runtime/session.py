@@ -28,8 +28,15 @@ import onnxruntime as ort
 
 from cognet.core import tensorrt
 from cognet.core.errors import InputError, one_line
-from cognet.core.graphspec import ENCODER_OUTPUTS, INIT_INPUTS, MEMORIES
-from cognet.core.manifest import GRAPHS, Manifest
+from cognet.core.graphspec import (
+    ENCODER_INPUTS,
+    ENCODER_OUTPUTS,
+    INIT_INPUTS,
+    MEMORIES,
+    STEP_INPUTS,
+    STEP_OUTPUTS,
+)
+from cognet.core.manifest import GRAPHS, GraphSpec, Manifest
 from cognet.runtime.options import DEVICES
 
 log = logging.getLogger(__name__)
@@ -133,6 +140,7 @@ class OrtModel:
                 self.sessions[name] = ort.InferenceSession(str(path), opts, providers=wanted)
             except Exception as exc:  # noqa: BLE001 - any load failure is a bad model file
                 raise InputError(f"{path}: cannot load the ONNX graph ({one_line(exc)})") from None
+            check_io(name, path, self.sessions[name], manifest.graph_spec(name, variant))
             got = self.sessions[name].get_providers()
             first = wanted[0] if isinstance(wanted[0], str) else wanted[0][0]
             if first not in got:
@@ -148,6 +156,44 @@ class OrtModel:
         """Encoder outputs (`graphspec.ENCODER_OUTPUTS`) as host arrays."""
         out = self.sessions["encoder"].run(list(ENCODER_OUTPUTS), dict(inputs))
         return dict(zip(ENCODER_OUTPUTS, out, strict=True))
+
+
+# What each graph must take and give (`cognet.core.graphspec`); `diag_attention` is optional
+# (models exported before it lack it).
+GRAPH_IO = {
+    "encoder": (ENCODER_INPUTS, ENCODER_OUTPUTS),
+    "decoder_init": (INIT_INPUTS, MEMORIES),
+    "decoder_step": (STEP_INPUTS, tuple(n for n in STEP_OUTPUTS if n != "diag_attention")),
+}
+ORT_TYPES = {"tensor(float)": "float32", "tensor(float16)": "float16", "tensor(int64)": "int64"}
+
+
+def check_io(name: str, path: object, session: ort.InferenceSession, spec: GraphSpec) -> None:
+    """InputError unless the graph loaded as `name` takes exactly that graph's inputs, with
+    the element types the manifest declares (float16 in the fp16 variant), and gives its
+    outputs: a graph file swapped for another (its sha256 re-entered in the manifest) fails
+    here, by name, rather than at its first run."""
+    inputs, outputs = GRAPH_IO[name]
+    got_in = [i.name for i in session.get_inputs()]
+    got_out = {o.name for o in session.get_outputs()}
+    if sorted(got_in) != sorted(inputs) or not got_out.issuperset(outputs):
+        raise InputError(
+            f"{path}: not the {name} graph (its inputs are {_names(got_in)}; {name} takes "
+            f"{_names(inputs)}); re-export the model"
+        )
+    declared = {t.name: t.dtype for t in spec.inputs}
+    for i in session.get_inputs():
+        dtype = ORT_TYPES.get(i.type, i.type)
+        if i.name in declared and declared[i.name] != dtype:
+            raise InputError(
+                f"{path}: input {i.name} is {dtype}, the manifest declares "
+                f"{declared[i.name]} (a graph of another variant?); re-export the model"
+            )
+
+
+def _names(names) -> str:
+    names = list(names)
+    return ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")
 
 
 class HostDecoder:

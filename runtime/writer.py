@@ -11,7 +11,13 @@ For `--out OUT` (e.g. `recs.parquet`):
   after each part. A part is committed only once its files are complete on disk, so after
   a crash (even kill -9) the marker lists exactly the chunks that are done; `--resume`
   skips them and the final files equal those of an uninterrupted run. The work directory
-  is removed once `OUT` and the rejects file are in place.
+  is removed once `OUT` and the rejects file are in place;
+- `OUT.parts/lock`: the lock that makes a run the only writer of these files
+  (`cognet.runtime.lock`), taken before anything is written or removed.
+
+A run that fails leaves the parts it committed (for `--resume`) and nothing else: with no
+committed part, its work directory goes (`discard`). `--resume` checks the marker, the
+signature and every committed part file before it scores anything.
 """
 
 from __future__ import annotations
@@ -19,18 +25,21 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from cognet.core.errors import InputError
+from cognet.core.errors import InputError, one_line, writing
 from cognet.runtime.outputs import REJECTS_SCHEMA, ScoredChunk, output_schema
 from cognet.runtime.summary import total_counts
 
 MARKER = "progress.json"
-FORMAT_VERSION = 1
+LOCK = "lock"
+FORMAT_VERSION = 2  # 2: parts list their files and sizes; the signature of `signature.py`
+RESUME_HINT = "delete {dir}/ or run without --resume"
 
 
 def rejects_path(out: str | Path) -> Path:
@@ -45,6 +54,11 @@ def work_dir(out: str | Path) -> Path:
     return out.with_name(out.name + ".parts")
 
 
+def lock_path(out: str | Path) -> Path:
+    """The lock file of OUT's work area (both engines take it)."""
+    return work_dir(out) / LOCK
+
+
 def _fsync_replace(tmp: Path, path: Path) -> None:
     with open(tmp, "rb") as f:
         os.fsync(f.fileno())
@@ -54,14 +68,16 @@ def _fsync_replace(tmp: Path, path: Path) -> None:
 def write_parquet(path: Path, table: pa.Table) -> None:
     """Write a table atomically (temporary name, fsync, rename)."""
     tmp = path.with_name(f".{path.name}.tmp")
-    pq.write_table(table, tmp)
-    _fsync_replace(tmp, path)
+    with writing(path):
+        pq.write_table(table, tmp)
+        _fsync_replace(tmp, path)
 
 
 def write_json(path: Path, obj: dict) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(obj, indent=1) + "\n")
-    _fsync_replace(tmp, path)
+    with writing(path):
+        tmp.write_text(json.dumps(obj, indent=1) + "\n")
+        _fsync_replace(tmp, path)
 
 
 class PartWriter:
@@ -71,26 +87,72 @@ class PartWriter:
     with a different signature raises InputError instead of mixing results.
     """
 
-    def __init__(self, out: str | Path, signature: dict, explain: bool, resume: bool = False):
+    def __init__(
+        self,
+        out: str | Path,
+        signature: dict,
+        explain: bool,
+        resume: bool = False,
+        kept: Sequence[pa.Field] = (),
+    ):
         self.out = Path(out)
         self.dir = work_dir(self.out)
-        self.explain = explain
+        self.schema = output_schema(explain, kept)  # kept: the --keep-columns fields
         self.signature = signature
         self.parts: list[dict] = []
         marker = self.dir / MARKER
         if resume and marker.is_file():
-            state = json.loads(marker.read_text())
-            if state.get("format_version") != FORMAT_VERSION or state.get("signature") != signature:
-                raise InputError(
-                    f"{marker}: cannot resume, the input, model or options differ "
-                    "from the interrupted run (rerun without --resume)"
-                )
-            self.parts = state["parts"]
+            self.parts = self._resumable(marker)
         else:
-            if self.dir.exists():
-                shutil.rmtree(self.dir)
-            self.dir.mkdir(parents=True)
+            self.clear()
+            self.dir.mkdir(parents=True, exist_ok=True)
         self.resumed_rows = self.rows_done
+
+    def _resumable(self, marker: Path) -> list[dict]:
+        """The committed parts of the interrupted run; InputError when it cannot resume."""
+
+        def refuse(why: str) -> InputError:
+            hint = RESUME_HINT.format(dir=self.dir)
+            return InputError(f"{marker}: cannot resume: {why} ({hint})")
+
+        try:
+            state = json.loads(marker.read_text())
+            parts = state["parts"]
+            if state.get("format_version") != FORMAT_VERSION:
+                raise refuse(f"written by another version ({state.get('format_version')!r})")
+            ends = [0] + [p["end"] for p in parts]
+            if any(p["start"] != ends[i] for i, p in enumerate(parts)):
+                raise refuse("the parts do not follow each other")
+            files = [(self.dir / name, size) for p in parts for name, size in p["files"].items()]
+        except InputError:
+            raise
+        except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError) as exc:
+            raise refuse(f"unreadable progress file ({one_line(exc)[:120]})") from None
+        differ = _differences(state.get("signature"), self.signature)
+        if differ:
+            raise refuse(f"{differ} differ from the interrupted run")
+        for path, size in files:  # every committed part is still there, as it was written
+            if not path.is_file() or path.stat().st_size != size:
+                raise refuse(f"{path.name} is missing or changed")
+        return parts
+
+    def clear(self) -> None:
+        """Remove the work directory's files but the lock (an earlier run's parts)."""
+        if not self.dir.is_dir():
+            return
+        for path in self.dir.iterdir():
+            if path.name == LOCK:
+                continue
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path)
+            else:
+                path.unlink()
+
+    def discard(self) -> None:
+        """After a failed run: keep the committed parts (--resume needs them), or, with none,
+        remove what this run wrote (the lock's release then removes the empty folder)."""
+        if not self.parts:
+            self.clear()
 
     @property
     def rows_done(self) -> int:
@@ -101,13 +163,16 @@ class PartWriter:
         if chunk.start != self.rows_done:
             raise RuntimeError(f"chunk starts at row {chunk.start}, expected {self.rows_done}")
         name = f"part-{len(self.parts):06d}"
-        write_parquet(self.dir / f"{name}.parquet", chunk.recommendations)
-        write_parquet(self.dir / f"{name}.rejects.parquet", chunk.rejects)
+        files = [f"{name}.parquet", f"{name}.rejects.parquet"]
+        write_parquet(self.dir / files[0], chunk.recommendations)
+        write_parquet(self.dir / files[1], chunk.rejects)
         if chunk.patient_metrics is not None:
-            tmp = self.dir / f".{name}.metrics.npy.tmp"
-            with open(tmp, "wb") as f:
+            files.append(f"{name}.metrics.npy")
+            tmp = self.dir / f".{files[-1]}.tmp"
+            with writing(self.dir / files[-1]), open(tmp, "wb") as f:
                 np.save(f, chunk.patient_metrics, allow_pickle=False)
-            _fsync_replace(tmp, self.dir / f"{name}.metrics.npy")
+            with writing(self.dir / files[-1]):
+                _fsync_replace(tmp, self.dir / files[-1])
         self.parts.append(
             {
                 "name": name,
@@ -120,6 +185,7 @@ class PartWriter:
                 "unknown_codes": chunk.unknown_codes,
                 "visits_evaluated": chunk.visits_evaluated,
                 "metrics": chunk.patient_metrics is not None,
+                "files": {f: (self.dir / f).stat().st_size for f in files},
             }
         )
         write_json(
@@ -143,17 +209,26 @@ class PartWriter:
     def finish(self) -> tuple[Path, Path]:
         """Merge the parts into OUT and its rejects file (atomically), drop the work dir."""
         outputs = (
-            (self.out, ".parquet", output_schema(self.explain)),
+            (self.out, ".parquet", self.schema),
             (rejects_path(self.out), ".rejects.parquet", REJECTS_SCHEMA),
         )
         for path, suffix, schema in outputs:
             path.parent.mkdir(parents=True, exist_ok=True)
             tmp = path.with_name(f".{path.name}.tmp")
-            with pq.ParquetWriter(tmp, schema) as w:
-                for part in self.parts:
-                    table = pq.read_table(self.dir / f"{part['name']}{suffix}")
-                    if table.num_rows:
-                        w.write_table(table)
-            _fsync_replace(tmp, path)
-        shutil.rmtree(self.dir)
+            with writing(path):
+                with pq.ParquetWriter(tmp, schema) as w:
+                    for part in self.parts:
+                        table = pq.read_table(self.dir / f"{part['name']}{suffix}")
+                        if table.num_rows:
+                            w.write_table(table)
+                _fsync_replace(tmp, path)
+        self.clear()
         return outputs[0][0], outputs[1][0]
+
+
+def _differences(before: object, now: dict) -> str:
+    """What differs between two signatures, as "beam, ddi" (by top-level key)."""
+    if not isinstance(before, dict):
+        return "the run's settings"
+    keys = sorted(k for k in before.keys() | now.keys() if before.get(k) != now.get(k))
+    return ", ".join(keys)

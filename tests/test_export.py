@@ -275,7 +275,7 @@ def test_cli_corrupt_checkpoint_exits_2(tiny, tmp_path):
     (bad / "model.safetensors").write_bytes(b"garbage")
     result = CliRunner().invoke(main, ["--checkpoint", str(bad), "--out", str(tmp_path / "m")])
     assert result.exit_code == 2
-    assert result.output.count("\n") == 1 and "cannot load checkpoint" in result.output
+    assert result.output.count("\n") == 1 and "model.safetensors: sha256 differs" in result.output
 
 
 def test_api_bad_checkpoint_raises_input_error(tmp_path):

@@ -19,7 +19,8 @@ from cognet.core.history import patients_from_table
 from cognet.core.manifest import load_manifest
 from cognet.evaluate import decode_patients, visit_results
 from cognet.runtime import OUTPUT_SCHEMA, Scorer
-from cognet.runtime.scorer import CPU_BATCH_SLOTS, cut_batches
+from cognet.runtime.batches import cut_batches
+from cognet.runtime.scorer import CPU_BATCH_SLOTS
 
 torch.set_num_threads(1)
 

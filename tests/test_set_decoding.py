@@ -13,8 +13,6 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 from click.testing import CliRunner
-from cognet.runtime import Scorer
-from cognet.runtime.cli import main as batch_main
 
 from cognet import checkpoint
 from cognet.cli import main as cognet_main
@@ -22,6 +20,8 @@ from cognet.core.decoding import Decoding
 from cognet.core.history import patients_from_table
 from cognet.core.manifest import load_manifest
 from cognet.evaluate import decode_patients
+from cognet.runtime import Scorer
+from cognet.runtime.cli import main as batch_main
 
 torch.set_num_threads(1)
 
@@ -74,8 +74,18 @@ def trained(tmp_path_factory):
     runner = CliRunner()
     steps = [
         ["data", "synth", "--out", str(root / "data"), "--patients", "240", "--seed", "5"],
-        ["train", "--data", str(root / "data"), "--out", str(root / "ckpt"), "--epochs", "3",
-         "--threads", "1", "--quiet"],  # fmt: skip
+        [
+            "train",
+            "--data",
+            str(root / "data"),
+            "--out",
+            str(root / "ckpt"),
+            "--epochs",
+            "3",
+            "--threads",
+            "1",
+            "--quiet",
+        ],  # fmt: skip
     ]
     for args in steps:
         res = runner.invoke(cognet_main, args)
@@ -120,17 +130,37 @@ def test_batch_all_agrees_with_evaluate_predictions(trained, tmp_path):
     preds = tmp_path / "preds.parquet"
     res = runner.invoke(
         cognet_main,
-        ["evaluate", "--checkpoint", str(trained / "ckpt"), "--data", str(trained / "data"),
-         "--rounds", "1", "--predictions", str(preds), "--quiet"],  # fmt: skip
+        [
+            "evaluate",
+            "--checkpoint",
+            str(trained / "ckpt"),
+            "--data",
+            str(trained / "data"),
+            "--rounds",
+            "1",
+            "--predictions",
+            str(preds),
+            "--quiet",
+        ],  # fmt: skip
     )
     assert res.exit_code == 0, res.output
     assert "set, 16 samples" in res.output
     out = tmp_path / "recs.parquet"
     res = runner.invoke(
         batch_main,
-        ["score", str(trained / "data" / "visits.parquet"), "--model", str(trained / "model"),
-         "--out", str(out), "--all", "--device", "cpu", "--summary-json",
-         str(tmp_path / "s.json")],  # fmt: skip
+        [
+            "score",
+            str(trained / "data" / "visits.parquet"),
+            "--model",
+            str(trained / "model"),
+            "--out",
+            str(out),
+            "--all",
+            "--device",
+            "cpu",
+            "--summary-json",
+            str(tmp_path / "s.json"),
+        ],  # fmt: skip
     )
     assert res.exit_code == 0, res.output
     summary = json.loads((tmp_path / "s.json").read_text())

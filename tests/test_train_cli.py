@@ -41,7 +41,8 @@ def test_train_then_evaluate(tiny, tmp_path):
         ],
     )
     assert res.exit_code == 0, res.output
-    assert "val jaccard" in res.output and "best epoch" in res.output
+    assert "val nll" in res.output and "weights: " in res.output
+    assert "decoding: set, 16 samples, threshold" in res.output
     for name in ("config.json", "vocab.json", "model.safetensors", "graphs.npz", "train_log.jsonl"):
         assert (out / name).is_file()
     log = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
@@ -144,7 +145,12 @@ def test_checkpoint_loading_never_unpickles(tiny, tmp_path):
     bad = tmp_path / "bad"
     shutil.copytree(ckpt, bad)
     np.savez(bad / "graphs.npz", ehr=np.array([object()], dtype=object), ddi=np.zeros(1))
-    with pytest.raises(ValueError, match="pickle"):
+    with pytest.raises(InputError, match="graphs.npz: sha256 differs"):
+        checkpoint.load(bad)
+    cfg = json.loads((bad / "config.json").read_text())
+    del cfg["sha256"]  # as a checkpoint saved before the hashes: the npz is read, never unpickled
+    (bad / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(InputError, match="graphs.npz: unreadable .*pickle"):
         checkpoint.load(bad)
 
 

@@ -11,13 +11,14 @@ from typing import TypeVar
 
 import click
 
-from cognet.core.errors import InputError
+from cognet.core.errors import InputError, OutputError
 
 T = TypeVar("T")
 
 
 def handle_errors(func: Callable) -> Callable:
-    """Turn library exceptions into exit codes: InputError -> 2, anything else -> 1.
+    """Turn library exceptions into exit codes: InputError -> 2, anything else -> 1
+    (OutputError, a file that could not be written, prints its one line).
 
     Click's own usage errors keep their exit code 2. A user mistake never prints a
     traceback; unexpected errors print one line unless COGNET_DEBUG is set.
@@ -32,6 +33,9 @@ def handle_errors(func: Callable) -> Callable:
         except InputError as exc:
             click.echo(f"Error: {exc}", err=True)
             sys.exit(2)
+        except OutputError as exc:
+            click.echo(f"Error: {exc}", err=True)
+            sys.exit(1)
         except FileNotFoundError as exc:
             click.echo(f"Error: {exc.filename or exc}: file not found", err=True)
             sys.exit(2)

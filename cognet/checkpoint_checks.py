@@ -1,0 +1,129 @@
+"""What `cognet.checkpoint.load` checks before it trusts a checkpoint directory, so that a
+damaged or mixed-up checkpoint is refused with one line naming the file (InputError, exit 2)
+instead of a raw exception or, worse, a model that silently answers differently.
+
+- Every file parses (`read_json`, `read_graphs`, `read_weights`), and config.json holds what a
+  model is rebuilt from.
+- The sha256 of vocab.json, model.safetensors and graphs.npz, recorded in config.json under
+  "sha256" when the checkpoint is saved (`file_hashes`), matches (`check_hashes`). config.json
+  is not hashed: its notes (the decoding, the training log) may be added to later. A
+  checkpoint saved before the hashes skips this check.
+- The vocabulary's sizes match the model's (`check_sizes`) and every weight has the shape the
+  model needs (`check_weights`): a vocabulary cut by a few codes would shift every id.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+
+import numpy as np
+
+from cognet.core.errors import InputError, one_line
+from cognet.core.manifest import file_sha256
+from cognet.core.vocab import Vocab
+
+HASHED = ("vocab.json", "model.safetensors", "graphs.npz")
+
+
+def file_hashes(files: Mapping[str, Path]) -> dict[str, str]:
+    """{name: sha256} of the files that config.json vouches for ({name: where it is now})."""
+    return {name: file_sha256(files[name]) for name in HASHED}
+
+
+def read_json(path: Path) -> dict:
+    try:
+        obj = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise InputError(f"{path}: unreadable ({_short(exc)})") from None
+    if not isinstance(obj, dict):
+        raise InputError(f"{path}: unreadable (not a JSON object)")
+    return obj
+
+
+def check_hashes(path: Path, config: Mapping) -> None:
+    """InputError naming the first hashed file that differs from config.json's record."""
+    recorded = config.get("sha256")
+    if recorded is None:
+        return  # saved before the hashes
+    if not isinstance(recorded, Mapping):
+        raise InputError(f"{path / 'config.json'}: malformed 'sha256' entry")
+    for name in HASHED:
+        if recorded.get(name) != file_sha256(path / name):
+            raise InputError(
+                f"{path / name}: sha256 differs from the one config.json recorded at training "
+                "(file damaged or replaced); restore the checkpoint or train again"
+            )
+
+
+def read_vocab(path: Path) -> Vocab:
+    file = path / "vocab.json"
+    try:
+        return Vocab.from_json(read_json(file))
+    except InputError:
+        raise
+    except (KeyError, TypeError, ValueError) as exc:
+        raise InputError(f"{file}: malformed vocabulary ({_short(exc)})") from None
+
+
+def check_sizes(path: Path, vocab: Vocab, model_cfg) -> None:
+    """InputError naming vocab.json when its code lists and the model's sizes differ."""
+    for kind, size, want in (
+        ("diagnoses", vocab.n_diag, model_cfg.n_diag),
+        ("procedures", vocab.n_proc, model_cfg.n_proc),
+        ("medications", vocab.n_med, model_cfg.n_med),
+    ):
+        if size != want:
+            raise InputError(
+                f"{path / 'vocab.json'}: {size} {kind}, but the model was built for {want} "
+                "(vocabulary and weights of different trainings?)"
+            )
+
+
+def read_graphs(path: Path, n_med: int) -> tuple[np.ndarray, np.ndarray]:
+    """The EHR and DDI adjacency [M, M] of graphs.npz (pickle-free)."""
+    file = path / "graphs.npz"
+    try:
+        with np.load(file, allow_pickle=False) as graphs:
+            ehr, ddi = graphs["ehr"], graphs["ddi"]
+    except (OSError, ValueError, KeyError, EOFError) as exc:
+        raise InputError(f"{file}: unreadable ({_short(exc)})") from None
+    for name, graph in (("ehr", ehr), ("ddi", ddi)):
+        if graph.shape != (n_med, n_med):
+            raise InputError(
+                f"{file}: {name} graph is {graph.shape}, the model needs ({n_med}, {n_med})"
+            )
+    return ehr, ddi
+
+
+def read_weights(path: Path) -> dict:
+    """The tensors of model.safetensors (a truncated or garbled file: InputError)."""
+    from safetensors.torch import load_file
+
+    file = path / "model.safetensors"
+    try:
+        return load_file(str(file), device="cpu")
+    except Exception as exc:  # noqa: BLE001 - safetensors raises its own types
+        raise InputError(f"{file}: unreadable weights ({_short(exc)})") from None
+
+
+def check_weights(path: Path, expected: Mapping, weights: Mapping) -> None:
+    """InputError unless `weights` holds exactly the tensors of `expected` (a model's
+    state_dict), shape for shape."""
+    file = path / "model.safetensors"
+    missing = sorted(set(expected) - set(weights))
+    extra = sorted(set(weights) - set(expected))
+    if missing or extra:
+        what = f"lacks {missing[0]}" if missing else f"has an unknown tensor {extra[0]}"
+        raise InputError(f"{file}: {what} (not the weights of this model's config.json)")
+    for name, tensor in expected.items():
+        if tuple(weights[name].shape) != tuple(tensor.shape):
+            raise InputError(
+                f"{file}: {name} has shape {tuple(weights[name].shape)}, config.json and "
+                f"vocab.json need {tuple(tensor.shape)}"
+            )
+
+
+def _short(exc: BaseException) -> str:
+    return one_line(exc)[:200]

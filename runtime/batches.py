@@ -1,0 +1,63 @@
+"""Batches whose padded size stays bounded on every padded axis, so that one long visit cannot
+blow up the memory of the visits batched with it.
+
+A batch pads every visit to its longest one on each axis: the decoder's to the longest
+diagnosis list, procedure list and history (past-medication slots), the encoder's to the
+longest code list of each kind. `cut_padded` closes a batch before its visits x the longest width
+passes a budget on any axis (the encoder's self-attention grows with the square of the
+width: `squared`).
+
+Measured (2 CPU cores, beam 4, `--batch-size 4096`, a random dim-64 model over the 1,554
+diagnosis codes of the 2,000-patient synthetic set, 4,823 visits scored with `--all`): one
+added visit holding every one of those codes took the peak RSS from 1.6 GB to 10.6 GB
+before the code budgets, as its whole batch (encoder: 64 visits, decoder: 4,096) was padded
+to its 1,554 codes. The budgets below split only the batches holding such a visit: a real
+visit (MIMIC-III: at most 39 diagnoses) with the default batch sizes never reaches them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+# Decoder: visits x the longest code list of a kind (diagnoses, procedures). The per-visit
+# memories are [visits, dim, codes] floats: 2^16 codes of dim 64 are 16 MB per tensor.
+CPU_BATCH_CODES, GPU_BATCH_CODES = 1 << 16, 1 << 18
+# Encoder: visits x the square of the longest code list of a kind (its attention weights,
+# per head); 64 visits of 64 codes fit.
+ENCODE_CELLS = 1 << 18
+
+
+def cut_padded(
+    order: np.ndarray,
+    widths: Sequence[np.ndarray],
+    budgets: Sequence[int],
+    batch_size: int,
+    squared: bool = False,
+) -> list[np.ndarray]:
+    """Cut `order` into consecutive batches of at most `batch_size` items such that, on each
+    axis k, items x the largest widths[k] among them (squared: its square) stays within
+    budgets[k]. widths[k][i] is the width of order[i]; a width of 0 counts as 1 (a padded
+    axis holds one slot at least); an item alone may exceed a budget."""
+    parts, lo, n = [], 0, order.size
+    while lo < n:
+        hi = min(lo + batch_size, n)
+        size = np.arange(1, hi - lo + 1)
+        fits = np.ones(hi - lo, bool)
+        for width, budget in zip(widths, budgets, strict=True):
+            longest = np.maximum.accumulate(np.maximum(width[lo:hi], 1)).astype(np.int64)
+            fits &= size * (longest * longest if squared else longest) <= budget
+        take = max(1, int(fits.sum()))  # the volume grows with the size: the fits are a prefix
+        parts.append(order[lo : lo + take])
+        lo += take
+    return parts
+
+
+def cut_batches(
+    order: np.ndarray, slots: np.ndarray, batch_size: int, batch_slots: int
+) -> list[np.ndarray]:
+    """Cut `order` (sorted by history slots, `slots` alongside it) into batches of at most
+    `batch_size` visits whose padded history, visits x the most slots, stays within
+    `batch_slots` (a visit alone may exceed it)."""
+    return cut_padded(order, [slots], [batch_slots], batch_size)

@@ -1,0 +1,130 @@
+"""One writer per output: an exclusive lock on an output's work area, held for a whole run.
+
+    with OutputLock(writer.lock_path(out)):
+        ...  # the only run writing OUT, its rejects file and OUT.parts/
+
+`OutputLock.acquire` takes `flock(LOCK_EX | LOCK_NB)` on the lock file (created with its
+folder when missing) and writes `PID HOST` in it; a second run gets `OutputBusy`, an
+InputError naming the holder's pid, at once (it never waits). Both engines lock the same
+file, `OUT.parts/lock`, so a local and a Ray run on one OUT exclude each other too, and
+`--resume` takes it like any run.
+
+The kernel drops the lock when its holder's process ends, however it ends (kill -9 and a
+crash included): there is no stale lock to clean up, at most a lock file that the next run
+reuses. `release` removes the file, and its folder when nothing else is left in it, before
+it unlocks. A run that finds the file gone or replaced right after locking it (its holder
+was removing it) locks the new one instead, so two runs never hold different files.
+
+What a network file system promises: Linux runs flock over NFS as an NFS byte-range lock
+(NFSv4, or NLM for v3), which other clients see while the server keeps the lock. It does not
+hold on a mount with `nolock` or `local_lock` (each client then locks only for itself), nor
+on file systems without locking (some FUSE and object-store mounts). A client cut from the
+server may lose its lock when its lease expires (about 90 s on NFSv4) without being told,
+and a second run may then start. On such storage, give each run its own OUT.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import socket
+from pathlib import Path
+
+from cognet.core.errors import InputError, one_line, os_reason
+
+ATTEMPTS = 20  # retries when the file is removed or replaced while we lock it
+
+
+class OutputBusy(InputError):
+    """Another run holds the lock."""
+
+
+class OutputLock:
+    """An exclusive, non-blocking lock on `path`; a context manager (`acquire`/`release`).
+
+    what: how the error names the locked output (default: the lock file's folder)."""
+
+    def __init__(self, path: str | Path, what: str | None = None):
+        self.path = Path(path)
+        self.what = what or str(self.path.parent)
+        self._fd: int | None = None
+
+    def __enter__(self) -> OutputLock:
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+    @property
+    def held(self) -> bool:
+        return self._fd is not None
+
+    def acquire(self) -> None:
+        """Lock, or raise OutputBusy (held elsewhere) or InputError (cannot create the file)."""
+        if self._fd is not None:
+            raise RuntimeError(f"{self.path}: already locked by this object")
+        for _ in range(ATTEMPTS):
+            fd = self._open()
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as exc:
+                os.close(fd)
+                if exc.errno not in (errno.EAGAIN, errno.EWOULDBLOCK, errno.EACCES):
+                    raise InputError(f"{self.path}: cannot lock ({one_line(exc)})") from None
+                raise OutputBusy(
+                    f"{self.what}: OUT is being written by another cognet-batch run "
+                    f"({holder(self.path)}); wait for it to end or choose another --out"
+                ) from None
+            if _same_file(fd, self.path):
+                os.ftruncate(fd, 0)
+                os.write(fd, f"{os.getpid()} {socket.gethostname()}\n".encode())
+                self._fd = fd
+                return
+            os.close(fd)  # removed or replaced by its last holder: lock the new one
+        raise InputError(f"{self.path}: the lock file keeps changing; is another run looping?")
+
+    def _open(self) -> int:
+        folder = self.path.parent
+        try:
+            if not folder.is_dir():
+                folder.mkdir(parents=True)
+            return os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        except FileExistsError:  # made by another run in the meantime
+            return os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as exc:
+            raise InputError(f"{self.path}: cannot create ({os_reason(exc)})") from None
+
+    def release(self) -> None:
+        """Remove the lock file (and its folder when left empty), then unlock."""
+        if self._fd is None:
+            return
+        try:
+            if _same_file(self._fd, self.path):
+                self.path.unlink()
+            try:
+                self.path.parent.rmdir()
+            except OSError:  # not empty: the parts --resume needs
+                pass
+        finally:
+            fd, self._fd = self._fd, None
+            os.close(fd)
+
+
+def holder(path: str | Path) -> str:
+    """`pid N` (`pid N on HOST` from another machine) of the lock file's last holder."""
+    try:
+        pid, host = (Path(path).read_text().split() + ["?", "?"])[:2]
+    except OSError:
+        return "pid unknown"
+    return f"pid {pid}" if host in ("?", socket.gethostname()) else f"pid {pid} on {host}"
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return False
+    own = os.fstat(fd)
+    return (st.st_dev, st.st_ino) == (own.st_dev, own.st_ino)
