@@ -66,14 +66,7 @@ def set_decode(
     n, end = len(batch["target"]), model.cfg.n_med
     if n != len(visit_ids):
         raise ValueError(f"{n} visits to decode but {len(visit_ids)} visit ids")
-    cfg = SetConfig(
-        end=end,
-        samples=decoding.samples,
-        threshold=decoding.threshold,
-        max_len=decoding.max_len,
-        seed=decoding.seed,
-        ddi=ddi,
-    )
+    cfg = SetConfig.of(decoding, end, ddi)
     adj = (model.ddi_gcn.adj > 0).cpu().numpy()
     np.fill_diagonal(adj, False)  # the GCN adjacency holds self-loops
     res = decode_sets(TorchSession(model), memories, n, cfg, visit_keys(visit_ids), adj)

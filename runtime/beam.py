@@ -352,15 +352,7 @@ def decoding_configs(
     beam = BeamConfig(end, decoding.beam, decoding.max_len, compact_at, ddi)
     if decoding.name != "set":
         return beam, None
-    sets = SetConfig(
-        end=end,
-        samples=decoding.samples,
-        threshold=decoding.threshold,
-        max_len=decoding.max_len,
-        seed=decoding.seed,
-        ddi=ddi,
-        compact_at=compact_at,
-    )
+    sets = SetConfig.of(decoding, end, ddi, compact_at)
     return beam, sets
 
 

@@ -37,6 +37,7 @@ from typing import Any
 import numpy as np
 
 from cognet.core.ddi import RATE_TOLERANCE, DDIPolicy
+from cognet.core.decoding import Decoding
 
 _SEED = np.uint64(0x9E3779B97F4A7C15)
 _SAMPLE = np.uint64(0xD1B54A32D192ED03)
@@ -84,6 +85,21 @@ class SetConfig:
             raise ValueError("samples and max_len must be >= 1")
         if not 0.0 < self.threshold <= 1.0:
             raise ValueError("the set threshold must be in (0, 1]")
+
+    @classmethod
+    def of(
+        cls, decoding: Decoding, end: int, ddi: DDIPolicy = DDIPolicy(), compact_at: float = 0.75
+    ) -> SetConfig:
+        """The driver configuration of a set `Decoding` (`cognet.core.decoding`)."""
+        return cls(
+            end=end,
+            samples=decoding.samples,
+            threshold=decoding.threshold,
+            max_len=decoding.max_len,
+            seed=decoding.seed,
+            ddi=ddi,
+            compact_at=compact_at,
+        )
 
 
 @dataclass
