@@ -4,7 +4,8 @@
 #      /tmp/site, and the project itself (editable, no dependencies: the machine has them);
 #   2. prints onnxruntime's providers and opens a CUDA session (get_providers() read back);
 #   3. runs `pytest -m gpu` (ort-cuda and torch-cuda against the torch reference, the CLI);
-#   4. runs cognet-bench with ort-cuda and torch-cuda at beam 4 over 65,536 visits, batch
+#   4. runs cognet-bench with ort-cuda and torch-cuda at beam 4 and the model's set decoding
+#      (when it has one) over 65,536 visits, batch
 #      sizes 4,096 / 16,384 / 65,536, torch-cuda as the correctness reference;
 #   5. writes results-<gpu>.json / .md / .png and the logs under $OUT (default gpu-check/).
 #
@@ -72,7 +73,7 @@ timeout 240 $PY -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider 2>&1 |
 # 4. the benchmark
 log "cognet-bench ort-cuda + torch-cuda"
 timeout 330 "$bin/cognet-bench" --model "$MODEL/model" --checkpoint "$MODEL/ckpt" \
-    --out "$OUT/bench" --engines ort-cuda,torch-cuda --reference torch-cuda --beams 4 \
+    --out "$OUT/bench" --engines ort-cuda,torch-cuda --reference torch-cuda --beams 4,set \
     --batch-sizes 4096,16384,65536 --visits 65536 --repeats 1 --past-visits '' \
     --input-sizes '' --no-ddi-tradeoff --no-profile --max-run-seconds 90 2>&1 \
     | tee "$OUT/bench.log" | grep -v "^\s*$" | tail -25
