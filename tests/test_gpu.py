@@ -119,3 +119,27 @@ def test_batch_score_device_cuda_cli(real_size, tmp_path):
         outs[device] = pq.read_table(out).select(["visit_id", "medications"]).to_pylist()
     assert outs["cuda"] == outs["cpu"]
     assert len(outs["cpu"]) > 500
+
+
+@needs_ort_cuda
+def test_ort_cuda_set_decoding_agrees_with_torch(real_size):
+    import pyarrow as pa
+
+    from cognet.core.manifest import load_manifest
+    from cognet.evaluate import decode_patients
+    from cognet.runtime import Scorer
+
+    decoding = load_manifest(real_size / "model").default_decoding()
+    assert decoding.name == "set"
+    model, vocab, _ = checkpoint.load(real_size / "ckpt")
+    visits = pq.read_table(real_size / "data" / "visits.parquet")
+    from cognet.core.history import patients_from_table
+
+    patients = list(patients_from_table(visits, vocab))
+    decoded = decode_patients(model, vocab, patients, decoding=decoding)
+    flat = [v for p in patients for v in p]
+    ref = {v.visit_id: vocab.med_codes(d.meds) for v, d in zip(flat, decoded, strict=True)}
+    scorer = Scorer(real_size / "model", device="cuda", batch_size=512)
+    out = pa.concat_tables([c.recommendations for c in scorer.score_table(visits, score_all=True)])
+    got = {r["visit_id"]: r["medications"] for r in out.to_pylist()}
+    assert sum(got[k] == ref[k] for k in ref) / len(ref) >= 0.995
