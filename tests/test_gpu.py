@@ -53,8 +53,8 @@ needs_ort_cuda = pytest.mark.skipif(not _ort_cuda(), reason="needs onnxruntime-g
 def real_size(tmp_path_factory):
     """A synthetic dataset of real vocabulary sizes (131 medications, ~19 per visit), a
     checkpoint trained one epoch on the GPU, and its export."""
+    from cognet.data.synth import generate
     from cognet.export import export
-    from cognet.synth import generate
     from cognet.train import TrainConfig, train
 
     root = tmp_path_factory.mktemp("real_size")
@@ -66,7 +66,7 @@ def real_size(tmp_path_factory):
 
 def _reference(root, device: str) -> tuple[list, dict]:
     """The torch beam search of every visit of the dataset on `device`: (visits, by id)."""
-    from cognet.history import patients_from_table
+    from cognet.core.history import patients_from_table
 
     model, vocab, _ = checkpoint.load(root / "ckpt")
     visits = pq.read_table(root / "data" / "visits.parquet")
@@ -85,7 +85,7 @@ def test_ort_cuda_equals_torch_reference(real_size, batch_size):
     from cognet.runtime import Scorer
 
     visits, by_id = _reference(real_size, "cpu")
-    scorer = Scorer(real_size / "model", device="cuda", batch_size=batch_size)
+    scorer = Scorer(real_size / "model", device="cuda", batch_size=batch_size, decoding="beam")
     assert scorer.providers[0] == "CUDAExecutionProvider"
     out = pa.concat_tables([c.recommendations for c in scorer.score_table(visits, score_all=True)])
     assert out.num_rows == visits.num_rows > 1000
