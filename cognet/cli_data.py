@@ -88,6 +88,35 @@ def stats(dataset: Path, as_json: bool) -> None:
     click.echo(json.dumps(figures, indent=2) if as_json else format_stats(figures))
 
 
+# fmt: off
+def mapping_options(func):
+    """The SafeDrug mapping files, --out and --ddi-types of `mimic3` and `mimic4`."""
+    path = click.Path(path_type=Path)
+    options = [
+        click.option("--ndc-rxnorm", required=True, type=path,
+                     help="ndc2rxnorm_mapping.txt: a dict literal NDC -> RxCUI (parsed, "
+                          "never run)."),
+        click.option("--rxnorm-atc", required=True, type=path,
+                     help="RXCUI2atc4.csv / ndc2atc_level4.csv with columns RXCUI and ATC4."),
+        click.option("--drug-atc", required=True, type=path,
+                     help="drug-atc.csv: lines 'STITCH CID,ATC,ATC,...'."),
+        click.option("--ddi", required=True, type=path,
+                     help="TWOSIDES drug-DDI.csv ('STITCH 1', 'STITCH 2', "
+                          "'Polypharmacy Side Effect')."),
+        click.option("--out", required=True, type=click.Path(file_okay=False, path_type=Path),
+                     help="Dataset folder to write (visits.parquet, ddi.parquet)."),
+        click.option("--ddi-types", type=click.Choice(DDI_TYPES), default="top40",
+                     show_default=True,
+                     help="top40: pairs of the 40 most frequent side-effect types. reference: "
+                          "the 40 least frequent, as the SafeDrug/COGNet script keeps because "
+                          "of a sort bug (bug-compatible, to compare with published numbers)."),
+    ]
+    for option in reversed(options):
+        func = option(func)
+    return func
+# fmt: on
+
+
 @data.command("mimic3", context_settings={"help_option_names": ["-h", "--help"]})
 @click.option(
     "--mimic-dir",
@@ -96,45 +125,7 @@ def stats(dataset: Path, as_json: bool) -> None:
     help="MIMIC-III v1.4 folder: PRESCRIPTIONS, DIAGNOSES_ICD, PROCEDURES_ICD, "
     "ADMISSIONS (.csv or .csv.gz).",
 )
-@click.option(
-    "--ndc-rxnorm",
-    required=True,
-    type=click.Path(path_type=Path),
-    help="ndc2rxnorm_mapping.txt: a dict literal NDC -> RxCUI (parsed, never run).",
-)
-@click.option(
-    "--rxnorm-atc",
-    required=True,
-    type=click.Path(path_type=Path),
-    help="RXCUI2atc4.csv / ndc2atc_level4.csv with columns RXCUI and ATC4.",
-)
-@click.option(
-    "--drug-atc",
-    required=True,
-    type=click.Path(path_type=Path),
-    help="drug-atc.csv: lines 'STITCH CID,ATC,ATC,...'.",
-)
-@click.option(
-    "--ddi",
-    required=True,
-    type=click.Path(path_type=Path),
-    help="TWOSIDES drug-DDI.csv with columns 'STITCH 1', 'STITCH 2', 'Polypharmacy Side Effect'.",
-)
-@click.option(
-    "--out",
-    required=True,
-    type=click.Path(path_type=Path),
-    help="Dataset folder to write (visits.parquet, ddi.parquet).",
-)
-@click.option(
-    "--ddi-types",
-    type=click.Choice(DDI_TYPES),
-    default="top40",
-    show_default=True,
-    help="top40: pairs of the 40 most frequent side-effect types. reference: the "
-    "40 least frequent, as the SafeDrug/COGNet script keeps because of a sort "
-    "bug (bug-compatible, to compare with published numbers).",
-)
+@mapping_options
 @click.option("-v", "--verbose", is_flag=True, help="Log each step.")
 @handle_errors
 def mimic3_command(
@@ -241,43 +232,7 @@ def omop(
     help="MIMIC-IV folder (or its hosp/ folder): admissions, diagnoses_icd, "
     "procedures_icd, prescriptions (.csv.gz as shipped, or .csv).",
 )
-@click.option(
-    "--ndc-rxnorm",
-    required=True,
-    type=click.Path(path_type=Path),
-    help="ndc2rxnorm_mapping.txt: a dict literal NDC -> RxCUI (parsed, never run).",
-)
-@click.option(
-    "--rxnorm-atc",
-    required=True,
-    type=click.Path(path_type=Path),
-    help="RXCUI2atc4.csv / ndc2atc_level4.csv with columns RXCUI and ATC4.",
-)
-@click.option(
-    "--drug-atc",
-    required=True,
-    type=click.Path(path_type=Path),
-    help="drug-atc.csv: lines 'STITCH CID,ATC,ATC,...'.",
-)
-@click.option(
-    "--ddi",
-    required=True,
-    type=click.Path(path_type=Path),
-    help="TWOSIDES drug-DDI.csv ('STITCH 1', 'STITCH 2', 'Polypharmacy Side Effect').",
-)
-@click.option(
-    "--out",
-    required=True,
-    type=click.Path(file_okay=False, path_type=Path),
-    help="Dataset folder to write (visits.parquet, ddi.parquet, summary.json).",
-)
-@click.option(
-    "--ddi-types",
-    type=click.Choice(["top40", "reference"]),
-    default="top40",
-    show_default=True,
-    help="Side-effect types whose pairs count, as for `cognet data mimic3`.",
-)
+@mapping_options
 @handle_errors
 def mimic4(
     mimic_dir: Path,
