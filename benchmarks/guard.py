@@ -8,6 +8,8 @@ from collections.abc import Sequence
 from cognet.benchmarks import engines as eng
 from cognet.benchmarks.workload import Batch
 
+SET_TOLERANCE = 0.005  # share of visits whose set may differ (issue 13's bar)
+
 
 class Guard:
     """Recommendations of torch-batched per (beam, visit_id); every run is compared to them."""
@@ -45,8 +47,11 @@ class Guard:
                 bad += 1
                 if len(examples) < 3:
                     examples.append({"visit_id": vid, "reference": list(ref), "got": list(meds)})
+        # Sets near the threshold may flip with float32 rounding (batch composition, engine):
+        # a set decoding run matches when at most SET_TOLERANCE of its visits differ.
+        allowed = int(SET_TOLERANCE * compared) if beam == eng.SET else 0
         return {
-            "matches_reference": bad == 0 and compared == len(recs),
+            "matches_reference": bad <= allowed and compared == len(recs),
             "compared": compared,
             "mismatches": bad,
             "examples": examples,
