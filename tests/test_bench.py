@@ -96,7 +96,7 @@ def test_unavailable_engines_are_skipped_with_a_reason(quick_run):
 def test_results_md_has_the_ratio_and_table(quick_run):
     _, out = quick_run
     text = (out / "results.md").read_text()
-    assert "| engine | beam | batch | visits/s |" in text
+    assert "| engine | decoding | batch | visits/s |" in text
     assert "x** torch-batched" in text and "x** torch-perpatient" in text
 
 
