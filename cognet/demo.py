@@ -44,9 +44,13 @@ def report(summary_path: str, recs_path: str, n: int = 5) -> str:
         "",
         "A few recommendations (medication: probability, copy share, source visit):",
     ]
+    is_set = summary.get("decoding", {}).get("name") == "set"
+    score = "set score (mean P(in set))" if is_set else "beam score"
+    if is_set:
+        lines[-1] = "A few recommendations (medication: P(in set), copy share, source visit):"
     for r in recs:
         lines.append(
-            f"- patient {r['patient_id']} visit {r['visit_id']} (beam score {r['score']:.2f}):"
+            f"- patient {r['patient_id']} visit {r['visit_id']} ({score} {r['score']:.2f}):"
         )
         explain = r.get("explanations") or [None] * len(r["medications"])
         for med, prob, ex in zip(r["medications"], r["probabilities"], explain, strict=True):
