@@ -28,9 +28,11 @@ OUTPUT_SCHEMA = pa.schema(
     [
         ("patient_id", pa.string()),
         ("visit_id", pa.string()),
-        ("medications", pa.list_(pa.string())),  # generation order
-        ("score", pa.float32()),  # sum of log-probabilities of the hypothesis, END included
-        ("probabilities", pa.list_(pa.float32())),  # of each medication at its step
+        # beam: generation order; set: decreasing P(in set) (docs/INTERNALS.md)
+        ("medications", pa.list_(pa.string())),
+        # beam: sum of log-probabilities of the hypothesis, END included; set: mean P(in set)
+        ("score", pa.float32()),
+        ("probabilities", pa.list_(pa.float32())),  # beam: at its step; set: P(in set)
     ]
 )
 EXPLAIN_FIELD = pa.field("explanations", pa.list_(EXPLANATION))
