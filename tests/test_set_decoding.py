@@ -169,3 +169,23 @@ def test_batch_all_agrees_with_evaluate_predictions(trained, tmp_path):
     scored = {r["visit_id"]: r["medications"] for r in pq.read_table(out).to_pylist()}
     assert len(evaluated) > 50
     assert _agreement({k: scored[k] for k in evaluated}, evaluated) >= 0.995
+
+
+def test_options_resolve_over_the_models_default():
+    from cognet.core.errors import InputError
+    from cognet.runtime.options import ScoreOptions
+
+    tuned = Decoding(name="set", samples=16, threshold=0.3)
+    assert ScoreOptions().resolve_decoding(tuned) == tuned
+    assert ScoreOptions(beam=2).resolve_decoding(tuned).name == "beam"  # --beam alone
+    assert ScoreOptions(beam=2).resolve_decoding(tuned).beam == 2
+    changed = ScoreOptions(samples=8, threshold=0.4).resolve_decoding(tuned)
+    assert (changed.name, changed.samples, changed.threshold) == ("set", 8, 0.4)
+    assert ScoreOptions(decoding="beam").resolve_decoding(tuned).beam == 4
+    old = Decoding()  # a model from before set decoding: beam, no threshold
+    assert ScoreOptions().resolve_decoding(old).name == "beam"
+    with pytest.raises(InputError, match="needs a threshold"):
+        ScoreOptions(decoding="set").resolve_decoding(old)
+    assert ScoreOptions(decoding="set", threshold=0.3).resolve_decoding(old).threshold == 0.3
+    with pytest.raises(InputError):
+        ScoreOptions(threshold=1.5)
