@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from cognet.benchmarks.workload import Batch
-from cognet.core.decoding import BEAM
+from cognet.core.decoding import BEAM, Decoding
 
 ENGINES = ("torch-perpatient", "torch-batched", "ort-cpu", "ort-cuda", "ort-tensorrt", "torch-cuda")
 TORCH_ENGINES = ("torch-perpatient", "torch-batched", "torch-cuda")
@@ -102,7 +102,7 @@ class _TorchBase:
         torch.set_num_threads(threads)
         started = time.perf_counter()
         self.model, self.vocab, config = ckpt.load(checkpoint, device=device)
-        self.set_decoding = config.get("decoding")  # the model's own, for beam == SET
+        self.set_decoding = Decoding.from_json(config.get("decoding"))  # for beam == SET
         self.load_s = time.perf_counter() - started
         self.name, self.device = name, device
         self.providers = [f"torch {torch.__version__} {device}"]
@@ -151,11 +151,9 @@ class TorchBatched(_TorchBase):
             tensors = {k: v.to(self.device) for k, v in tensors.items()}
             last = last.to(self.device)
         if self.beam == SET:
-            from cognet.core.decoding import Decoding
             from cognet.decode_set import set_decode
 
-            decoding = Decoding.from_json(self.set_decoding)
-            decoded = set_decode(self.model, tensors, batch.visit_ids, decoding, rows=last)
+            decoded = set_decode(self.model, tensors, batch.visit_ids, self.set_decoding, rows=last)
             return [d.meds for d in decoded]
         return [d.meds for d in beam_search(self.model, tensors, beam=self.beam, rows=last)]
 

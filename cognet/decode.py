@@ -52,8 +52,7 @@ def beam_search(
 ) -> list[Decoded]:
     """Decode the visits `rows` (default: every `target`) of a batch from `make_batch`."""
     model.eval()
-    ddi_adj = (model.ddi_gcn.adj > 0).float()
-    ddi_adj = ddi_adj - torch.diag(torch.diag(ddi_adj))  # the GCN adjacency holds self-loops
+    ddi_adj = model.ddi_matrix()
     cfg = model.cfg
     if rows is not None:
         batch = select_rows(batch, rows)

@@ -67,8 +67,7 @@ def set_decode(
     if n != len(visit_ids):
         raise ValueError(f"{n} visits to decode but {len(visit_ids)} visit ids")
     cfg = SetConfig.of(decoding, end, ddi)
-    adj = (model.ddi_gcn.adj > 0).cpu().numpy()
-    np.fill_diagonal(adj, False)  # the GCN adjacency holds self-loops
+    adj = model.ddi_matrix().cpu().numpy() > 0
     res = decode_sets(TorchSession(model), memories, n, cfg, visit_keys(visit_ids), adj)
     return [
         Decoded(

@@ -204,6 +204,12 @@ class COGNet(nn.Module):
         self.gate_head = nn.Linear(s, 1)  # W_f, b_f
 
     # -- medication graph ---------------------------------------------------------------
+    def ddi_matrix(self) -> Tensor:
+        """float 0/1 [M, M]: the DDI pairs the model was built with (the GCN adjacency without
+        its self-loops), for DDI-aware decoding."""
+        adj = (self.ddi_gcn.adj > 0).float()
+        return adj - torch.diag(torch.diag(adj))
+
     def graph_embeddings(self) -> Tensor:
         """E_g for every medication token, zero for END/START/PAD: [M + 3, s]."""
         w1 = self.gcn_w1 if self.cfg.shared_gcn else None

@@ -290,10 +290,11 @@ def train(
     nll = lambda m: validation_nll(m, vocab, val_patients)  # noqa: E731
     chosen = {"epochs": [best["epoch"]], "val_nll": best["val_nll"]}
     state = snapshots[best["epoch"]]
-    if max(cfg.average) > 1:
+    sizes = [s for s in cfg.average if s > 1]  # single epochs: their NLL is in `history`
+    if sizes:
         ends = range(best["epoch"], len(history) + 1)
-        averaged, info = choose_average(model, snapshots, cfg.average, ends, nll)
-        if info["val_nll"] < chosen["val_nll"]:
+        averaged, info = choose_average(model, snapshots, sizes, ends, nll)
+        if info is not None and info["val_nll"] < chosen["val_nll"]:
             state, chosen = averaged, info
     model.load_state_dict(state)
     model.eval()

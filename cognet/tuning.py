@@ -62,10 +62,11 @@ def choose_average(
     sizes: Sequence[int],
     ends: Sequence[int],
     nll,
-) -> tuple[dict, dict]:
+) -> tuple[dict | None, dict | None]:
     """The weights of lowest validation NLL among the averages of every window of `sizes`
     consecutive epochs ending at one of `ends` (size 1: that epoch alone). `nll(model)`
-    scores the model in place. Returns (state, {"epochs": [...], "val_nll": ...})."""
+    scores the model in place. Returns (state, {"epochs": [...], "val_nll": ...}), or
+    (None, None) when no window fits in `snapshots`."""
     best_state, best_info = None, None
     for end in ends:
         for size in sorted(set(sizes)):
