@@ -15,7 +15,9 @@ from pathlib import Path
 from cognet.core.decoding import BEAM, MAX_LEN
 from cognet.core.errors import InputError, one_line
 from cognet.core.manifest import GRAPHS, Dims, Manifest, Special, write_manifest
+from cognet.core.ddi import ddi_matrix
 from cognet.export.onnx_export import OPSET, export_graph, graph_spec, write_fp16
+from cognet.export.search_graphs import SEARCH_FILES, write_search_graphs
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +53,8 @@ def export(
     out.mkdir(parents=True, exist_ok=True)
     # the manifest goes first (the directory is not servable until the end), then every
     # file a previous export may have left
-    for stale in ("manifest.json", REPORT_FILE, *GRAPH_FILES.values(), *FP16_FILES.values()):
+    stale_files = (*GRAPH_FILES.values(), *FP16_FILES.values(), *SEARCH_FILES.values())
+    for stale in ("manifest.json", REPORT_FILE, *stale_files):
         (out / stale).unlink(missing_ok=True)
 
     from cognet.export.graphs import tensor_specs
@@ -86,6 +89,9 @@ def export(
             check(parity, report)
 
     cfg = model.cfg
+    pairs = tuple((str(a), str(b)) for a, b in config.get("ddi_pairs", []))
+    # the adjacency the runtime builds from the manifest's pairs (`Scorer`), as a constant
+    search = write_search_graphs(out, cfg.out_size, ddi_matrix(vocab, pairs), OPSET)
     manifest = Manifest(
         opset=OPSET,
         dims=Dims(
@@ -96,13 +102,14 @@ def export(
         max_len=MAX_LEN,
         beam=BEAM,
         ablation=cfg.ablation,
-        ddi_pairs=tuple((str(a), str(b)) for a, b in config.get("ddi_pairs", [])),
+        ddi_pairs=pairs,
         graphs=graphs,
         variants=variants,
         checkpoint_sha256=ckpt.checkpoint_hash(checkpoint),
         versions=_versions(),
         parity=parity,
         decoding=config.get("decoding"),  # the checkpoint's tuned default, when it has one
+        search=search,
         model_dir=out,
     )
     if tensorrt:

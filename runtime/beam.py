@@ -36,7 +36,7 @@ import numpy as np
 
 from cognet.core.ddi import RATE_TOLERANCE, DDIPolicy
 from cognet.core.decoding import BEAM, MAX_LEN, Decoding
-from cognet.core.sampling import SetConfig, SetResult, decode_sets, visit_keys
+from cognet.core.sampling import SetConfig, SetResult, decode_sets, set_result, visit_keys
 
 NEG_INF = np.float32(-np.inf)
 
@@ -369,7 +369,19 @@ def decode(
     """Beam search or set decoding (by `cfg`) of the visits named `visit_ids` (their random
     streams), whose memories come from `session.init`. Both results carry the same fields."""
     n = len(visit_ids)
+    # the search graphs (runtime/search.py) when the session selects on its device; the
+    # numpy drivers for explanations and beam search's PRAUC scores
+    graphs = getattr(session, "select_on_device", False) and not explain
     if isinstance(cfg, SetConfig):
         keys = visit_keys(visit_ids)
+        if graphs:
+            from cognet.runtime import search
+
+            marginals, _, steps = search.set_marginals(session, memories, n, cfg, keys)
+            return set_result(marginals, steps, cfg, ddi_adj)
         return decode_sets(session, memories, n, cfg, keys, ddi_adj, explain, attention)
+    if graphs and not prauc:
+        from cognet.runtime import search
+
+        return search.beam_search(session, memories, n, cfg, ddi_adj)
     return beam_search(session, memories, n, cfg, prauc, explain, ddi_adj, attention)

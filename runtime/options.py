@@ -26,6 +26,10 @@ DEVICES = ("auto", "cpu", "cuda", "tensorrt")
 # diagnoses at most); the batches bound the memory of any visit below it (`batches`).
 MAX_CODES = 1000
 GPU_DEVICES = ("cuda", "tensorrt")
+# Where beam search / set decoding pick their candidates: "host" (numpy, after the step's
+# log-probabilities are copied back), "device" (the exported search graphs, on the step's
+# provider), "auto" (device on a GPU, host on the CPU: see runtime/search.py).
+SELECTIONS = ("auto", "host", "device")
 
 
 @dataclass(frozen=True)
@@ -52,6 +56,7 @@ class ScoreOptions:
     # -- added later (fields go at the end)
     max_codes_per_visit: int = MAX_CODES  # more known codes of one kind: too_many_codes
     keep_columns: tuple[str, ...] = ()  # input columns carried into the output
+    selection: str = "auto"  # one of SELECTIONS: where candidates are selected
 
     def __post_init__(self) -> None:
         if self.ddi is None:  # accepted for "off"
@@ -60,6 +65,10 @@ class ScoreOptions:
             raise InputError(f"unknown decoding {self.decoding!r}; choose from {_names(DECODINGS)}")
         if self.device not in DEVICES:
             raise InputError(f"unknown device {self.device!r}; choose from {_names(DEVICES)}")
+        if self.selection not in SELECTIONS:
+            raise InputError(
+                f"unknown selection {self.selection!r}; choose from {_names(SELECTIONS)}"
+            )
         if not isinstance(self.ddi, DDIPolicy):
             raise InputError(f"ddi must be a cognet.core.ddi.DDIPolicy, not {self.ddi!r}")
         if self.threshold is not None and not 0.0 < self.threshold <= 1.0:

@@ -101,7 +101,9 @@ def open_model(model_dir: str | Path, options: ScoreOptions) -> ScoringModel:
     manifest = load_manifest(model_dir)
     threads = options.threads or default_threads()
     streams = options.streams or (1 if options.device in GPU_DEVICES else threads)
-    model = OrtModel(manifest, options.device, max(1, threads // streams), options.variant)
+    model = OrtModel(
+        manifest, options.device, max(1, threads // streams), options.variant, options.selection
+    )
     return ScoringModel(
         encode=model.encode,
         decoder=model.decoder,

@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -37,7 +38,8 @@ from cognet.core.graphspec import (
     STEP_OUTPUTS,
 )
 from cognet.core.manifest import GRAPHS, GraphSpec, Manifest
-from cognet.runtime.options import DEVICES
+from cognet.runtime.options import DEVICES, SELECTIONS
+from cognet.runtime.search import SEARCH_GRAPHS, SearchGraphs
 
 log = logging.getLogger(__name__)
 
@@ -127,6 +129,7 @@ class OrtModel:
         device: str = "auto",
         threads: int | None = None,
         variant: str | None = None,
+        selection: str = "auto",
     ):
         self.manifest = manifest
         self.device = resolve_device(device)
@@ -151,6 +154,36 @@ class OrtModel:
         self.decoder = decoder(
             self.sessions["decoder_init"], self.sessions["decoder_step"], manifest
         )
+        self.selection = self._selection(selection, opts)
+        self.decoder.search = None
+        if self.selection == "device" or (self.on_device and self.manifest.search):
+            search = {}
+            wanted = [(CUDA, {"device_id": 0}), CPU] if self.on_device else [CPU]
+            for name, spec in manifest.search.items():
+                path = Path(manifest.model_dir or ".") / spec.file
+                try:
+                    search[name] = ort.InferenceSession(str(path), opts, providers=wanted)
+                except Exception as exc:  # noqa: BLE001 - any load failure is a bad model file
+                    raise InputError(f"{path}: cannot load the ONNX graph ({one_line(exc)})") from None
+            device = ("cuda", 0) if self.on_device else None
+            self.decoder.search = SearchGraphs(search, device)
+        # select on the device: always for the take graphs on a GPU, per step when chosen
+        self.decoder.select_on_device = self.selection == "device"
+
+    def _selection(self, selection: str, opts) -> str:
+        """host or device for a --selection choice (auto: device on a GPU, host on the CPU,
+        where the numpy selection measured faster; host for a model without the graphs)."""
+        if selection not in SELECTIONS:
+            raise InputError(f"unknown selection {selection!r}; choose from {', '.join(SELECTIONS)}")
+        missing = [g for g in SEARCH_GRAPHS if g not in self.manifest.search]
+        if selection == "device" and missing:
+            raise InputError(
+                f"{self.manifest.model_dir}: --selection device needs the search graphs "
+                f"({', '.join(missing)}), which models exported before them lack; re-export"
+            )
+        if selection == "auto":
+            return "device" if self.on_device and not missing else "host"
+        return selection
 
     def encode(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Encoder outputs (`graphspec.ENCODER_OUTPUTS`) as host arrays."""
@@ -229,6 +262,11 @@ class HostDecoder:
         out = self._step.run([*outputs, "present_key", "present_value"], feed)
         return dict(zip(outputs, out[: len(outputs)], strict=True)), (out[-2], out[-1])
 
+    def step_log_probs(self, tokens: np.ndarray, parent: np.ndarray, cache, memories):
+        """(log_probs [n, B, V1], the next cache) of one step, for the search graphs."""
+        out, cache = self.step(tokens, parent, cache, memories, ("log_probs",))
+        return out["log_probs"], cache
+
     def take(self, value, rows: np.ndarray):
         if isinstance(value, dict):
             return {k: v[rows] for k, v in value.items()}
@@ -296,8 +334,25 @@ class DeviceDecoder:
         host = {name: np.array(out[i].numpy(), copy=True) for i, name in enumerate(outputs)}
         return host, (out[-2], out[-1])
 
+    def step_log_probs(self, tokens: np.ndarray, parent: np.ndarray, cache, memories):
+        """(log_probs [n, B, V1] left on the device, the next cache) of one step, for the
+        search graphs."""
+        io = self._step.io_binding()
+        for name, value in (("tokens", tokens), ("parent", parent), ("past_key", cache[0]),
+                            ("past_value", cache[1]), *memories.items()):
+            self._bind(io, name, value)
+        for name in ("log_probs", "present_key", "present_value"):
+            io.bind_output(name, *self._device)
+        self._step.run_with_iobinding(io)
+        out = io.get_outputs()
+        return out[0], (out[1], out[2])
+
     def take(self, value, rows: np.ndarray):
+        search = getattr(self, "search", None)
+
         def one(v):
+            if search is not None and not isinstance(v, np.ndarray):
+                return search.take(v, rows)  # a gather on the device
             return self._to_device((v if isinstance(v, np.ndarray) else v.numpy())[rows])
 
         if isinstance(value, dict):

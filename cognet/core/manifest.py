@@ -29,7 +29,9 @@ with symbolic axis names such as "N", "B", "T", "T+1" and integers for fixed axe
 `checkpoint_sha256`, `versions` (torch, onnx, onnxruntime, cognet), `parity` (the
 exporter's validation report, or null when validation was skipped), `tensorrt` (null, or
 the engine cache folder and min/opt/max shape profiles of `cognet-export --tensorrt`) and
-`decoding` (the model's default decoding, `cognet.core.decoding.Decoding`; null: beam).
+`decoding` (the model's default decoding, `cognet.core.decoding.Decoding`; null: beam) and
+`search` ({name: graph} of the search graphs, `cognet.export.search_graphs`; absent in
+models exported before them).
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ from cognet.core.vocab import Vocab
 FORMAT_VERSION = 1
 MANIFEST_FILE = "manifest.json"
 GRAPHS = ("encoder", "decoder_init", "decoder_step")
-DTYPES = ("int64", "float32", "float16")
+DTYPES = ("int64", "float32", "float16", "float64", "bool")
 
 
 @dataclass(frozen=True)
@@ -139,6 +141,9 @@ class Manifest:
     # the model's default decoding (`cognet.core.decoding.Decoding.to_json`); None: a model
     # exported before set decoding, decoded with the paper's beam search
     decoding: dict | None = None
+    # the search graphs (`cognet.export.search_graphs`: candidate selection on the device and
+    # row gathers); empty for a model exported before them (the runtime selects on the host)
+    search: dict[str, GraphSpec] = field(default_factory=dict)
     format_version: int = FORMAT_VERSION
     # Where the manifest was loaded from (not serialised); graph paths are relative to it.
     model_dir: Path | None = field(default=None, compare=False)
@@ -197,6 +202,7 @@ class Manifest:
             "parity": self.parity,
             "tensorrt": self.tensorrt,
             "decoding": self.decoding,
+            "search": {k: g.to_json() for k, g in self.search.items()},
         }
 
     @classmethod
@@ -222,6 +228,7 @@ class Manifest:
             parity=obj.get("parity"),
             tensorrt=obj.get("tensorrt"),
             decoding=obj.get("decoding"),
+            search={k: GraphSpec.from_json(g) for k, g in obj.get("search", {}).items()},
             model_dir=None if model_dir is None else Path(model_dir),
         )
 
@@ -263,6 +270,7 @@ def verify_graphs(manifest: Manifest) -> None:
     """Check that every graph file (all variants) exists and matches its sha256."""
     specs = [manifest.graphs[g] for g in GRAPHS]
     specs += [gs[g] for gs in manifest.variants.values() for g in GRAPHS]
+    specs += list(manifest.search.values())
     for spec in specs:
         path = Path(manifest.model_dir or ".") / spec.file
         if not path.is_file():

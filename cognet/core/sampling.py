@@ -268,12 +268,24 @@ def decode_sets(
     marginals, sums, steps = set_marginals(
         session, memories, n, cfg, keys, ddi_adj, explain, attention
     )
+    return set_result(marginals, steps, cfg, ddi_adj, (sums or {}) if explain else None)
+
+
+def set_result(
+    marginals: np.ndarray,
+    steps: int,
+    cfg: SetConfig,
+    ddi_adj: np.ndarray | None = None,
+    sums: dict | None = None,
+) -> SetResult:
+    """The sets of the marginals P(k in S) [n, M] (`set_marginals`, or the runtime's search
+    graphs), with their explanations when given the sums of `_add_explanation`."""
     meds = select_sets(marginals, cfg.threshold, cfg.ddi, ddi_adj)
     probs = [marginals[i, m].astype(np.float32) for i, m in enumerate(meds)]
     score = np.array([p.mean() if p.size else 0.0 for p in probs], np.float32)
     result = SetResult(meds, score, probs, marginals.astype(np.float32), steps=steps)
-    if explain:
-        _explain(result, sums or {}, meds)
+    if sums is not None:
+        _explain(result, sums, meds)
     return result
 
 

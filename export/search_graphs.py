@@ -1,0 +1,257 @@
+"""The search graphs: candidate selection of beam search and set decoding as ONNX graphs, so
+that a decoder step's log-probabilities never leave the device (written with `onnx` alone).
+
+The runtime runs one of them right after each decoder step (`cognet.runtime.search`). They
+compute exactly the rules of docs/INTERNALS.md "Beam search" / "Set decoding" and
+`cognet.core.ddi`, which the numpy drivers (`cognet.runtime.beam`, `cognet.core.sampling`)
+also follow; tests hold the two equal, visit by visit.
+
+- `beam_select` (and `beam_select_ddi`, which takes the DDI penalty and hard flag and holds the
+  DDI adjacency as a constant): from log_probs [N, B, V1], the running scores [N, B], the
+  `used` mask [N, B, V1] and `finished` [N, B], the B best candidates per visit as scores,
+  parent, token, the chosen raw log-probability, whether the beam was live, and the next
+  `used` / `finished` (reordered by parent, like the KV cache).
+  The B best of the B x V1 candidates come from one TopK over them (ONNX's TopK puts equal
+  values lower index first: the stable descending order of the flat index b * V1 + v that the
+  numpy driver uses). The `_split` variants take them in two stages, B per beam then B of
+  those B x B, in the same order (value, beam, rank in beam); each TopK then ranks at most
+  max(V1, B^2) values, which ONNX Runtime's CUDA TopK sorts in one block with the index as
+  tie-break (its radix path, for longer rows, does not promise the order of ties). The CPU
+  runs the one-stage graphs (3x faster there), a GPU the split ones.
+- `set_select` (and `set_select_ddi`): one sampling step of set decoding in float64, from
+  log_probs [N, S, V1], `used`, `finished`, the step's uniforms u [N, S] (counter-based, from
+  the host) and the running hazard sums [N, M]: the drawn tokens and the next used / finished
+  / hazard.
+- `take_<dtype>`: rows of any tensor (Gather on axis 0): finished visits leave the batch on
+  the device.
+
+Only standard ONNX operators (Add, And, Cast, CumSum, Div, Equal, Exp, Expand, Gather,
+GatherElements, Greater, Less, MatMul, Min, Mul, Not, Or, ReduceMax, ReduceSum, Reshape,
+Shape, Slice, Sub, TopK, Unsqueeze, Where): every one is in the TensorRT allow-list
+(`cognet.core.tensorrt`), though the TensorRT path is untested.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from cognet.core.manifest import GraphSpec, TensorSpec, file_sha256
+
+F32, F64, I64, BOOL = TensorProto.FLOAT, TensorProto.DOUBLE, TensorProto.INT64, TensorProto.BOOL
+TAKE_TYPES = {
+    "float32": TensorProto.FLOAT,
+    "float16": TensorProto.FLOAT16,
+    "float64": TensorProto.DOUBLE,
+    "int64": TensorProto.INT64,
+    "bool": TensorProto.BOOL,
+}
+BEAM_SELECT = ("beam_select", "beam_select_ddi", "beam_select_split", "beam_select_split_ddi")
+SEARCH_FILES = {
+    **{name: f"{name}.onnx" for name in BEAM_SELECT},
+    "set_select": "set_select.onnx",
+    "set_select_ddi": "set_select_ddi.onnx",
+    **{f"take_{t}": f"take_{t}.onnx" for t in TAKE_TYPES},
+}
+_DTYPE_NAMES = {F32: "float32", F64: "float64", I64: "int64", BOOL: "bool"}
+
+
+class _Graph:
+    """A small builder: named constants and nodes with generated output names."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self.nodes: list[onnx.NodeProto] = []
+        self.inits: list[onnx.TensorProto] = []
+        self.inputs: list[onnx.ValueInfoProto] = []
+        self.outputs: list[onnx.ValueInfoProto] = []
+        self._n = 0
+
+    def input(self, name: str, elem: int, shape) -> str:
+        self.inputs.append(helper.make_tensor_value_info(name, elem, shape))
+        return name
+
+    def const(self, value, dtype) -> str:
+        self._n += 1
+        name = f"c{self._n}"
+        self.inits.append(numpy_helper.from_array(np.asarray(value, dtype), name))
+        return name
+
+    def op(self, op_type: str, *inputs: str, outputs: int = 1, name: str | None = None, **attrs):
+        self._n += 1
+        outs = [name] if name else [f"t{self._n}_{i}" for i in range(outputs)]
+        self.nodes.append(helper.make_node(op_type, list(inputs), outs, **attrs))
+        return outs[0] if outputs == 1 else outs
+
+    def output(self, value: str, name: str, elem: int, shape) -> None:
+        self.op("Identity", value, name=name)
+        self.outputs.append(helper.make_tensor_value_info(name, elem, shape))
+
+    def model(self, opset: int) -> onnx.ModelProto:
+        graph = helper.make_graph(self.nodes, self.name, self.inputs, self.outputs, self.inits)
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+        model.ir_version = 8
+        if all(v.type.tensor_type.HasField("shape") for v in self.inputs):
+            onnx.checker.check_model(model, full_check=True)
+        return model
+
+
+def _adjacency(ddi_adj: np.ndarray, v1: int) -> np.ndarray:
+    """float32 [V1, V1]: the DDI adjacency [M, M] with a zero row and column for END."""
+    m = ddi_adj.shape[0]
+    out = np.zeros((v1, v1), np.float32)
+    out[:m, :m] = np.asarray(ddi_adj, bool)
+    return out
+
+
+def _ddi_penalty(g: _Graph, logp: str, used: str, adj: np.ndarray, cast_to: int | None) -> str:
+    """logp lowered by penalty x interacting pairs with the hypothesis, or -inf where `hard`
+    and it interacts (the rules of `cognet.core.ddi`; the penalty product is float32)."""
+    penalty = g.input("penalty", F32, [])
+    hard = g.input("hard", BOOL, [])
+    clashes = g.op("MatMul", g.op("Cast", used, to=F32), g.const(adj, np.float32))
+    lowered = g.op("Mul", penalty, clashes)
+    if cast_to is not None:
+        lowered = g.op("Cast", lowered, to=cast_to)
+    soft = g.op("Sub", logp, lowered)
+    blocked = g.op("And", hard, g.op("Greater", clashes, g.const(0.0, np.float32)))
+    dtype = np.float64 if cast_to == F64 else np.float32
+    return g.op("Where", blocked, g.const(-np.inf, dtype), soft)
+
+
+def beam_select_graph(
+    v1: int, ddi_adj: np.ndarray | None, opset: int, split: bool = False
+) -> onnx.ModelProto:
+    """The candidate selection of one beam-search step, any beam width B <= V1 (see the
+    module docstring); `split`: in two TopK stages."""
+    end = v1 - 1
+    g = _Graph(_beam_name(ddi_adj is not None, split))
+    logp = g.input("log_probs", F32, ["N", "B", v1])
+    scores = g.input("scores", F32, ["N", "B"])
+    used = g.input("used", BOOL, ["N", "B", v1])
+    finished = g.input("finished", BOOL, ["N", "B"])
+    neg_inf = g.const(-np.inf, np.float32)
+    ax2 = g.const([2], np.int64)
+    raw = logp
+    if ddi_adj is not None:
+        logp = _ddi_penalty(g, logp, used, _adjacency(ddi_adj, v1), None)
+    scores3 = g.op("Unsqueeze", scores, ax2)
+    cand = g.op("Where", used, neg_inf, g.op("Add", scores3, logp))
+    is_end = g.const(np.arange(v1) == end, bool)
+    frozen = g.op("Where", is_end, scores3, neg_inf)  # a finished beam proposes END only
+    cand = g.op("Where", g.op("Unsqueeze", finished, ax2), frozen, cand)
+    k = g.op("Slice", g.op("Shape", scores), g.const([1], np.int64), g.const([2], np.int64))
+    flat = g.const([0, -1], np.int64)
+    if split:
+        v_beam, i_beam = g.op("TopK", cand, k, axis=2, largest=1, sorted=1, outputs=2)
+        v_flat = g.op("Reshape", v_beam, flat)
+        best, pos = g.op("TopK", v_flat, k, axis=1, largest=1, sorted=1, outputs=2)
+        token = g.op("GatherElements", g.op("Reshape", i_beam, flat), pos, axis=1)
+        parent = g.op("Div", pos, k)
+        flat_ix = g.op("Add", g.op("Mul", parent, g.const(v1, np.int64)), token)
+    else:
+        best, flat_ix = g.op("TopK", g.op("Reshape", cand, flat), k, axis=1, largest=1, sorted=1,
+                             outputs=2)
+        width = g.const(v1, np.int64)
+        parent, token = g.op("Div", flat_ix, width), g.op("Mod", flat_ix, width)
+    chosen = g.op("GatherElements", g.op("Reshape", raw, flat), flat_ix, axis=1)
+    live = g.op("Not", g.op("GatherElements", finished, parent, axis=1))
+    rows = g.op("Expand", g.op("Unsqueeze", parent, ax2), g.op("Shape", used))
+    onehot = g.op("Equal", g.op("Unsqueeze", token, ax2), g.const(np.arange(v1), np.int64))
+    used_next = g.op("Or", g.op("GatherElements", used, rows, axis=1), onehot)
+    fin_next = g.op("Or", g.op("Not", live), g.op("Equal", token, g.const(end, np.int64)))
+    nb = ["N", "B"]
+    g.output(best, "scores_out", F32, nb)
+    g.output(parent, "parent_out", I64, nb)
+    g.output(token, "token_out", I64, nb)
+    g.output(chosen, "chosen_out", F32, nb)
+    g.output(live, "live_out", BOOL, nb)
+    g.output(fin_next, "finished_out", BOOL, nb)
+    g.output(used_next, "used_out", BOOL, ["N", "B", v1])
+    return g.model(opset)
+
+
+def _beam_name(ddi: bool, split: bool) -> str:
+    return "beam_select" + ("_split" if split else "") + ("_ddi" if ddi else "")
+
+
+def set_select_graph(v1: int, ddi_adj: np.ndarray | None, opset: int) -> onnx.ModelProto:
+    """One sampling step of set decoding, float64 (see the module docstring)."""
+    end = v1 - 1
+    g = _Graph("set_select_ddi" if ddi_adj is not None else "set_select")
+    logp32 = g.input("log_probs", F32, ["N", "S", v1])
+    used = g.input("used", BOOL, ["N", "S", v1])
+    finished = g.input("finished", BOOL, ["N", "S"])
+    u = g.input("uniforms", F64, ["N", "S"])
+    hazard = g.input("hazard", F64, ["N", end])
+    ax1, ax2 = g.const([1], np.int64), g.const([2], np.int64)
+    neg_inf = g.const(-np.inf, np.float64)
+    logp = g.op("Cast", logp32, to=F64)
+    if ddi_adj is not None:
+        logp = _ddi_penalty(g, logp, used, _adjacency(ddi_adj, v1), F64)
+    logp = g.op("Where", used, neg_inf, logp)
+    only_end = g.const(np.where(np.arange(v1) == end, 0.0, -np.inf), np.float64)
+    logp = g.op("Where", g.op("Unsqueeze", finished, ax2), only_end, logp)
+    e = g.op("Exp", g.op("Sub", logp, g.op("ReduceMax", logp, ax2, keepdims=1)))
+    p = g.op("Div", e, g.op("ReduceSum", e, ax2, keepdims=1))
+    meds = g.op("Slice", p, g.const([0], np.int64), g.const([end], np.int64), ax2)
+    hazard_next = g.op("Add", hazard, g.op("ReduceSum", meds, ax1, keepdims=0))
+    cum = g.op("CumSum", p, g.const(2, np.int64))
+    total = g.op("Slice", cum, g.const([-1], np.int64), g.const([v1], np.int64), ax2)
+    below = g.op("Less", cum, g.op("Mul", g.op("Unsqueeze", u, ax2), total))
+    count = g.op("ReduceSum", g.op("Cast", below, to=I64), ax2, keepdims=0)
+    token = g.op("Min", count, g.const(end, np.int64))
+    onehot = g.op("Equal", g.op("Unsqueeze", token, ax2), g.const(np.arange(v1), np.int64))
+    g.output(token, "token_out", I64, ["N", "S"])
+    g.output(g.op("Or", finished, g.op("Equal", token, g.const(end, np.int64))),
+             "finished_out", BOOL, ["N", "S"])
+    g.output(g.op("Or", used, onehot), "used_out", BOOL, ["N", "S", v1])
+    g.output(hazard_next, "hazard_out", F64, ["N", end])
+    return g.model(opset)
+
+
+def take_graph(dtype: str, opset: int) -> onnx.ModelProto:
+    """Rows of a tensor of any shape: Gather(x, rows, axis=0)."""
+    elem = TAKE_TYPES[dtype]
+    g = _Graph(f"take_{dtype}")
+    x = g.input("x", elem, None)
+    rows = g.input("rows", I64, ["K"])
+    g.op("Gather", x, rows, axis=0, name="y")
+    g.outputs.append(helper.make_tensor_value_info("y", elem, None))
+    return g.model(opset)
+
+
+def write_search_graphs(
+    out: Path, v1: int, ddi_adj: np.ndarray, opset: int
+) -> dict[str, GraphSpec]:
+    """Write every search graph into the model directory `out`; their manifest entries."""
+    models = {
+        **{
+            _beam_name(ddi, split): beam_select_graph(v1, ddi_adj if ddi else None, opset, split)
+            for ddi in (False, True)
+            for split in (False, True)
+        },
+        "set_select": set_select_graph(v1, None, opset),
+        "set_select_ddi": set_select_graph(v1, ddi_adj, opset),
+        **{f"take_{t}": take_graph(t, opset) for t in TAKE_TYPES},
+    }
+    specs = {}
+    for name, model in models.items():
+        path = out / SEARCH_FILES[name]
+        onnx.save(model, str(path))
+        specs[name] = GraphSpec(
+            SEARCH_FILES[name], file_sha256(path), _specs(model.graph.input), _specs(model.graph.output)
+        )
+    return specs
+
+
+def _specs(values) -> tuple[TensorSpec, ...]:
+    out = []
+    for v in values:
+        t = v.type.tensor_type
+        dims = tuple(d.dim_param or d.dim_value for d in t.shape.dim) if t.HasField("shape") else ()
+        out.append(TensorSpec(v.name, _DTYPE_NAMES.get(t.elem_type, "float32"), dims))
+    return tuple(out)
