@@ -88,8 +88,9 @@ def _ints(text: str, name: str) -> tuple[int, ...]:
     "engine_names",
     default="all",
     show_default=True,
-    help="Comma-separated subset of: torch-perpatient, torch-batched, ort-cpu, "
-    "ort-cuda, ort-tensorrt, torch-cuda.",
+    help="Comma-separated subset of: torch-perpatient, torch-batched, ort-cpu, ort-cpu-device, "
+    "ort-cuda, ort-cuda-host, ort-tensorrt, torch-cuda (-device / -host: the other candidate "
+    "selection, runtime/search.py).",
 )
 @count_option(
     "--threads", default=1, help="Intra-op threads of every engine (torch and ONNX Runtime alike)."

@@ -8,7 +8,10 @@ recommended medication codes of each scored visit. Engines:
 - `torch-batched`: the torch reference batched beam search (`cognet.decode.beam_search`);
 - `torch-cuda`: the same on a CUDA device;
 - `ort-cpu`, `ort-cuda`, `ort-tensorrt`: the runtime (`cognet.runtime.Scorer`) on each
-  ONNX Runtime execution provider.
+  ONNX Runtime execution provider, with its default candidate selection (`--selection auto`:
+  numpy on the host for the CPU, the search graphs on a GPU);
+- `ort-cpu-device`, `ort-cuda-host`: the same with the other selection (`runtime/search.py`),
+  to measure one against the other.
 
 `availability(name)` says why an engine cannot run here (None when it can), so that the
 results name every skipped engine with its reason.
@@ -24,10 +27,27 @@ from typing import Any, Protocol
 from cognet.benchmarks.workload import Batch
 from cognet.core.decoding import BEAM, Decoding
 
-ENGINES = ("torch-perpatient", "torch-batched", "ort-cpu", "ort-cuda", "ort-tensorrt", "torch-cuda")
+ENGINES = (
+    "torch-perpatient",
+    "torch-batched",
+    "ort-cpu",
+    "ort-cpu-device",
+    "ort-cuda",
+    "ort-cuda-host",
+    "ort-tensorrt",
+    "torch-cuda",
+)
 TORCH_ENGINES = ("torch-perpatient", "torch-batched", "torch-cuda")
-ORT_DEVICES = {"ort-cpu": "cpu", "ort-cuda": "cuda", "ort-tensorrt": "tensorrt"}
-GPU_ENGINES = ("ort-cuda", "ort-tensorrt", "torch-cuda")
+ORT_DEVICES = {
+    "ort-cpu": "cpu",
+    "ort-cpu-device": "cpu",
+    "ort-cuda": "cuda",
+    "ort-cuda-host": "cuda",
+    "ort-tensorrt": "tensorrt",
+}
+# the candidate selection of each runtime engine (`cognet.runtime.options.SELECTIONS`)
+ORT_SELECTIONS = {"ort-cpu-device": "device", "ort-cuda-host": "host"}
+GPU_ENGINES = ("ort-cuda", "ort-cuda-host", "ort-tensorrt", "torch-cuda")
 SET = 0  # in a list of beam widths: the model's set decoding (`cognet.core.decoding`)
 
 
@@ -75,9 +95,10 @@ def availability(name: str, checkpoint: Path | None) -> str | None:
         import onnxruntime as ort
     except ImportError:
         return "onnxruntime is not installed"
-    wanted = {"ort-cuda": "CUDAExecutionProvider", "ort-tensorrt": "TensorrtExecutionProvider"}.get(
-        name
-    )
+    wanted = {
+        "cuda": "CUDAExecutionProvider",
+        "tensorrt": "TensorrtExecutionProvider",
+    }.get(ORT_DEVICES[name])
     if wanted and wanted not in ort.get_available_providers():
         return (
             f"onnxruntime has no {wanted} (available: {', '.join(ort.get_available_providers())})"
@@ -174,6 +195,7 @@ class OrtEngine:
     def __init__(self, name: str, model_dir: Path, threads: int):
         self.name, self.model_dir, self.threads = name, model_dir, threads
         self.device = ORT_DEVICES[name]
+        self.selection = ORT_SELECTIONS.get(name, "auto")
         self.scorer = None
         self.load_s = self._load(BEAM, 256)
         self.providers = list(self.scorer.providers)
@@ -184,7 +206,11 @@ class OrtEngine:
 
         if beam == SET:  # the model's set decoding
             return ScoreOptions(
-                decoding="set", device=self.device, threads=self.threads, batch_size=batch_size
+                decoding="set",
+                device=self.device,
+                threads=self.threads,
+                batch_size=batch_size,
+                selection=self.selection,
             )
         return ScoreOptions(
             decoding="beam",
@@ -192,6 +218,7 @@ class OrtEngine:
             device=self.device,
             threads=self.threads,
             batch_size=batch_size,
+            selection=self.selection,
         )
 
     def _load(self, beam: int, batch_size: int) -> float:

@@ -1,13 +1,17 @@
 #!/usr/bin/env bash
-# The GPU check of the runtime, in one call on a machine with an NVIDIA GPU (about 5 minutes):
-#   1. installs onnxruntime-gpu from a wheel (or the split parts of one) under $WHEELS into
-#      /tmp/site, and the project itself (editable, no dependencies: the machine has them);
-#   2. prints onnxruntime's providers and opens a CUDA session (get_providers() read back);
-#   3. runs `pytest -m gpu` (ort-cuda and torch-cuda against the torch reference, the CLI);
-#   4. runs cognet-bench with ort-cuda and torch-cuda at beam 4 and the model's set decoding
-#      (when it has one) over 65,536 visits, batch
-#      sizes 4,096 / 16,384 / 65,536, torch-cuda as the correctness reference;
-#   5. writes results-<gpu>.json / .md / .png and the logs under $OUT (default gpu-check/).
+# The GPU check of the runtime, in one call on a machine with an NVIDIA GPU (about 6 minutes):
+#   1. installs onnxruntime-gpu into /tmp/site from the xz parts (ortxz.part-*: the wheel's
+#      files) or a wheel (or its split parts) under $WHEELS, and the project itself (editable,
+#      no dependencies: the machine has them);
+#   2. prints onnxruntime's providers and opens CUDA sessions (get_providers() read back);
+#   3. runs cognet-bench at beam 4 over 65,536 visits, batch sizes 4,096 / 16,384 / 65,536:
+#      ort-cuda (the search graphs on the device) against torch-cuda, the correctness reference;
+#   4. runs `pytest -m gpu` (ort-cuda on both selections, TopK ties on CUDA, set decoding and
+#      torch-cuda against the torch reference, the CLI);
+#   5. runs cognet-bench on 16,384 visits at beam 4 and the model's set decoding with ort-cuda,
+#      ort-cuda-host (the host selection, for comparison) and torch-cuda;
+#   6. writes results-<gpu>.json / .md / .png (step 3), results-<gpu>-set-host.* (step 5) and
+#      the logs under $OUT (default gpu-check/).
 #
 # Usage (from the repository root):  WHEELS=.whl MODEL=bench/demo bash benchmarks/gpu_check.sh
 # MODEL holds model/ (cognet-export) and ckpt/ (its checkpoint); without it the demo model is
@@ -23,6 +27,12 @@ mkdir -p "$OUT"
 log() { echo "[gpu_check $(date +%T)] $*"; }
 
 # 1. onnxruntime-gpu and the project
+if [ ! -d /tmp/site/onnxruntime ] && ls "$WHEELS"/ortxz.part-* >/dev/null 2>&1; then
+    # the wheel's onnxruntime/ and dist-info, xz-compressed (3 parts of 62 MiB, not 4 of 61)
+    mkdir -p /tmp/site
+    cat "$WHEELS"/ortxz.part-* | $PY -c "import sys, tarfile; tarfile.open(fileobj=sys.stdin.buffer, mode='r|xz').extractall('/tmp/site')" \
+        || { log "cannot unpack $WHEELS/ortxz.part-*"; rm -rf /tmp/site; exit 2; }
+fi
 if [ ! -d /tmp/site/onnxruntime ]; then
     wheel=$(ls "$WHEELS"/onnxruntime_gpu-*.whl 2>/dev/null | head -1)
     if [ -z "$wheel" ] && ls "$WHEELS"/ort.part-* >/dev/null 2>&1; then
@@ -54,30 +64,42 @@ if [ -z "$MODEL" ]; then
 fi
 $PY - "$MODEL/model" <<'EOF' 2>&1 | tee "$OUT/providers.txt"
 import sys, torch, onnxruntime as ort
-print("torch", torch.__version__, "cuda", torch.cuda.is_available(), torch.cuda.get_device_name(0))
+print("torch", torch.__version__, "cuda", torch.cuda.is_available())
+print("device", torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none")
 print("onnxruntime", ort.__version__, ort.__file__)
 print("available providers:", ort.get_available_providers())
 from cognet.runtime.session import OrtModel
-from cognet.manifest import load_manifest
+from cognet.core.manifest import load_manifest
 model = OrtModel(load_manifest(sys.argv[1]), device="cuda")
-for name, sess in model.sessions.items():
+sessions = {**model.sessions, **(model.decoder.search.sessions if model.decoder.search else {})}
+for name, sess in sessions.items():
     print(f"session {name}: get_providers() = {sess.get_providers()}")
-print("decoder:", type(model.decoder).__name__)
+print("decoder:", type(model.decoder).__name__, "selection:", model.selection)
 EOF
 gpu=$($PY -c "import torch; print(torch.cuda.get_device_name(0).split()[1].lower())" 2>/dev/null || echo gpu)
 
-# 3. the GPU tests
-log "pytest -m gpu"
-timeout 240 $PY -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider 2>&1 | tee "$OUT/pytest-gpu.log" | tail -15
+# 3. the benchmark at beam 4 (the acceptance): ort-cuda against torch-cuda on 65,536 visits
+log "cognet-bench beam 4: ort-cuda + torch-cuda"
+timeout ${BENCH_S:-200} "$bin/cognet-bench" --model "$MODEL/model" --checkpoint "$MODEL/ckpt" \
+    --out "$OUT/bench" --engines ort-cuda,torch-cuda --reference torch-cuda --beams 4 \
+    --batch-sizes 4096,16384,65536 --visits 65536 --repeats ${REPEATS:-1} --past-visits '' \
+    --input-sizes '' --no-ddi-tradeoff --no-profile --max-run-seconds 60 2>&1 \
+    | tee "$OUT/bench.log" | grep -v "^\s*$" | tail -20
 
-# 4. the benchmark
-log "cognet-bench ort-cuda + torch-cuda"
-timeout 330 "$bin/cognet-bench" --model "$MODEL/model" --checkpoint "$MODEL/ckpt" \
-    --out "$OUT/bench" --engines ort-cuda,torch-cuda --reference torch-cuda --beams 4,set \
-    --batch-sizes 4096,16384,65536 --visits 65536 --repeats 1 --past-visits '' \
-    --input-sizes '' --no-ddi-tradeoff --no-profile --max-run-seconds 90 2>&1 \
-    | tee "$OUT/bench.log" | grep -v "^\s*$" | tail -25
+# 4. the GPU tests
+log "pytest -m gpu"
+timeout ${PYTEST_S:-200} $PY -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider 2>&1 \
+    | tee "$OUT/pytest-gpu.log" | tail -15
+
+# 5. the old path (host selection) and set decoding, on 16,384 visits
+log "cognet-bench beam 4 + set: ort-cuda, ort-cuda-host, torch-cuda"
+timeout ${BENCH2_S:-150} "$bin/cognet-bench" --model "$MODEL/model" --checkpoint "$MODEL/ckpt" \
+    --out "$OUT/bench2" --engines ort-cuda,ort-cuda-host,torch-cuda --reference torch-cuda \
+    --beams 4,set --batch-sizes 4096,16384 --visits 16384 --repeats 1 --past-visits '' \
+    --input-sizes '' --no-ddi-tradeoff --no-profile --max-run-seconds 40 2>&1 \
+    | tee "$OUT/bench2.log" | grep -v "^\s*$" | tail -20
+for ext in json md; do cp "$OUT/bench2/results.$ext" "$OUT/results-$gpu-set-host.$ext" 2>/dev/null; done
 for ext in json md; do cp "$OUT/bench/results.$ext" "$OUT/results-$gpu.$ext" 2>/dev/null; done
 cp "$OUT/bench/throughput.png" "$OUT/throughput-$gpu.png" 2>/dev/null
-rm -rf "$OUT/bench" "$OUT/demo"
+rm -rf "$OUT/bench" "$OUT/bench2" "$OUT/demo"
 log "done: $(ls "$OUT" | tr '\n' ' ')"

@@ -12,10 +12,10 @@ import json
 import logging
 from pathlib import Path
 
+from cognet.core.ddi import ddi_matrix
 from cognet.core.decoding import BEAM, MAX_LEN
 from cognet.core.errors import InputError, one_line
 from cognet.core.manifest import GRAPHS, Dims, Manifest, Special, write_manifest
-from cognet.core.ddi import ddi_matrix
 from cognet.export.onnx_export import OPSET, export_graph, graph_spec, write_fp16
 from cognet.export.search_graphs import SEARCH_FILES, write_search_graphs
 

@@ -25,10 +25,8 @@ also follow; tests hold the two equal, visit by visit.
 - `take_<dtype>`: rows of any tensor (Gather on axis 0): finished visits leave the batch on
   the device.
 
-Only standard ONNX operators (Add, And, Cast, CumSum, Div, Equal, Exp, Expand, Gather,
-GatherElements, Greater, Less, MatMul, Min, Mul, Not, Or, ReduceMax, ReduceSum, Reshape,
-Shape, Slice, Sub, TopK, Unsqueeze, Where): every one is in the TensorRT allow-list
-(`cognet.core.tensorrt`), though the TensorRT path is untested.
+Only standard ONNX operators, no control flow. With `--device tensorrt` they run on the
+CUDA provider, not TensorRT: set decoding is float64, which TensorRT does not have.
 """
 
 from __future__ import annotations
@@ -118,8 +116,16 @@ def _ddi_penalty(g: _Graph, logp: str, used: str, adj: np.ndarray, cast_to: int 
         lowered = g.op("Cast", lowered, to=cast_to)
     soft = g.op("Sub", logp, lowered)
     blocked = g.op("And", hard, g.op("Greater", clashes, g.const(0.0, np.float32)))
-    dtype = np.float64 if cast_to == F64 else np.float32
-    return g.op("Where", blocked, g.const(-np.inf, dtype), soft)
+    if cast_to is None:
+        return g.op("Where", blocked, g.const(-np.inf, np.float32), soft)
+    return g.op("Add", soft, _bias(g, blocked, cast_to))
+
+
+def _bias(g: _Graph, mask: str, to: int) -> str:
+    """0 or -inf where `mask`, as type `to`: adding it masks exactly (x + 0 = x), and the
+    Where stays float32 (ONNX Runtime's CUDA Where has no float64 kernel)."""
+    zero, neg_inf = g.const(0.0, np.float32), g.const(-np.inf, np.float32)
+    return g.op("Cast", g.op("Where", mask, neg_inf, zero), to=to)
 
 
 def beam_select_graph(
@@ -153,8 +159,9 @@ def beam_select_graph(
         parent = g.op("Div", pos, k)
         flat_ix = g.op("Add", g.op("Mul", parent, g.const(v1, np.int64)), token)
     else:
-        best, flat_ix = g.op("TopK", g.op("Reshape", cand, flat), k, axis=1, largest=1, sorted=1,
-                             outputs=2)
+        best, flat_ix = g.op(
+            "TopK", g.op("Reshape", cand, flat), k, axis=1, largest=1, sorted=1, outputs=2
+        )
         width = g.const(v1, np.int64)
         parent, token = g.op("Div", flat_ix, width), g.op("Mod", flat_ix, width)
     chosen = g.op("GatherElements", g.op("Reshape", raw, flat), flat_ix, axis=1)
@@ -188,13 +195,14 @@ def set_select_graph(v1: int, ddi_adj: np.ndarray | None, opset: int) -> onnx.Mo
     u = g.input("uniforms", F64, ["N", "S"])
     hazard = g.input("hazard", F64, ["N", end])
     ax1, ax2 = g.const([1], np.int64), g.const([2], np.int64)
-    neg_inf = g.const(-np.inf, np.float64)
-    logp = g.op("Cast", logp32, to=F64)
+    fin3 = g.op("Unsqueeze", finished, ax2)
+    # a finished sample: all its mass on END (log 0 there, -inf elsewhere through the mask)
+    logp = g.op("Cast", g.op("Where", fin3, g.const(0.0, np.float32), logp32), to=F64)
     if ddi_adj is not None:
         logp = _ddi_penalty(g, logp, used, _adjacency(ddi_adj, v1), F64)
-    logp = g.op("Where", used, neg_inf, logp)
-    only_end = g.const(np.where(np.arange(v1) == end, 0.0, -np.inf), np.float64)
-    logp = g.op("Where", g.op("Unsqueeze", finished, ax2), only_end, logp)
+    not_end = g.const(np.arange(v1) != end, bool)
+    held = g.op("And", g.op("Not", fin3), used)
+    logp = g.op("Add", logp, _bias(g, g.op("Or", g.op("And", fin3, not_end), held), F64))
     e = g.op("Exp", g.op("Sub", logp, g.op("ReduceMax", logp, ax2, keepdims=1)))
     p = g.op("Div", e, g.op("ReduceSum", e, ax2, keepdims=1))
     meds = g.op("Slice", p, g.const([0], np.int64), g.const([end], np.int64), ax2)
@@ -202,12 +210,16 @@ def set_select_graph(v1: int, ddi_adj: np.ndarray | None, opset: int) -> onnx.Mo
     cum = g.op("CumSum", p, g.const(2, np.int64))
     total = g.op("Slice", cum, g.const([-1], np.int64), g.const([v1], np.int64), ax2)
     below = g.op("Less", cum, g.op("Mul", g.op("Unsqueeze", u, ax2), total))
-    count = g.op("ReduceSum", g.op("Cast", below, to=I64), ax2, keepdims=0)
-    token = g.op("Min", count, g.const(end, np.int64))
+    count = g.op("ReduceSum", g.op("Cast", below, to=F64), ax2, keepdims=0)  # exact
+    token = g.op("Min", g.op("Cast", count, to=I64), g.const(end, np.int64))
     onehot = g.op("Equal", g.op("Unsqueeze", token, ax2), g.const(np.arange(v1), np.int64))
     g.output(token, "token_out", I64, ["N", "S"])
-    g.output(g.op("Or", finished, g.op("Equal", token, g.const(end, np.int64))),
-             "finished_out", BOOL, ["N", "S"])
+    g.output(
+        g.op("Or", finished, g.op("Equal", token, g.const(end, np.int64))),
+        "finished_out",
+        BOOL,
+        ["N", "S"],
+    )
     g.output(g.op("Or", used, onehot), "used_out", BOOL, ["N", "S", v1])
     g.output(hazard_next, "hazard_out", F64, ["N", end])
     return g.model(opset)
@@ -243,7 +255,10 @@ def write_search_graphs(
         path = out / SEARCH_FILES[name]
         onnx.save(model, str(path))
         specs[name] = GraphSpec(
-            SEARCH_FILES[name], file_sha256(path), _specs(model.graph.input), _specs(model.graph.output)
+            SEARCH_FILES[name],
+            file_sha256(path),
+            _specs(model.graph.input),
+            _specs(model.graph.output),
         )
     return specs
 

@@ -158,13 +158,15 @@ class OrtModel:
         self.decoder.search = None
         if self.selection == "device" or (self.on_device and self.manifest.search):
             search = {}
-            wanted = [(CUDA, {"device_id": 0}), CPU] if self.on_device else [CPU]
+            wanted = [(CUDA, {"device_id": 0, "use_tf32": "0"}), CPU] if self.on_device else [CPU]
             for name, spec in manifest.search.items():
                 path = Path(manifest.model_dir or ".") / spec.file
                 try:
                     search[name] = ort.InferenceSession(str(path), opts, providers=wanted)
                 except Exception as exc:  # noqa: BLE001 - any load failure is a bad model file
-                    raise InputError(f"{path}: cannot load the ONNX graph ({one_line(exc)})") from None
+                    raise InputError(
+                        f"{path}: cannot load the ONNX graph ({one_line(exc)})"
+                    ) from None
             device = ("cuda", 0) if self.on_device else None
             self.decoder.search = SearchGraphs(search, device)
         # select on the device: always for the take graphs on a GPU, per step when chosen
@@ -174,7 +176,9 @@ class OrtModel:
         """host or device for a --selection choice (auto: device on a GPU, host on the CPU,
         where the numpy selection measured faster; host for a model without the graphs)."""
         if selection not in SELECTIONS:
-            raise InputError(f"unknown selection {selection!r}; choose from {', '.join(SELECTIONS)}")
+            raise InputError(
+                f"unknown selection {selection!r}; choose from {', '.join(SELECTIONS)}"
+            )
         missing = [g for g in SEARCH_GRAPHS if g not in self.manifest.search]
         if selection == "device" and missing:
             raise InputError(
@@ -338,8 +342,13 @@ class DeviceDecoder:
         """(log_probs [n, B, V1] left on the device, the next cache) of one step, for the
         search graphs."""
         io = self._step.io_binding()
-        for name, value in (("tokens", tokens), ("parent", parent), ("past_key", cache[0]),
-                            ("past_value", cache[1]), *memories.items()):
+        for name, value in (
+            ("tokens", tokens),
+            ("parent", parent),
+            ("past_key", cache[0]),
+            ("past_value", cache[1]),
+            *memories.items(),
+        ):
             self._bind(io, name, value)
         for name in ("log_probs", "present_key", "present_value"):
             io.bind_output(name, *self._device)

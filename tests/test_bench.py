@@ -60,7 +60,8 @@ def test_quick_run_writes_results_and_guard_passes(quick_run):
     results = json.loads((out / "results.json").read_text())
     assert {"cpu", "cores", "versions"} <= set(results["machine"])
     runs = results["runs"]
-    assert {r["engine"] for r in runs} == {"torch-perpatient", "torch-batched", "ort-cpu"}
+    engines = {"torch-perpatient", "torch-batched", "ort-cpu", "ort-cpu-device"}
+    assert {r["engine"] for r in runs} == engines
     assert {r["beam"] for r in runs} == {1, 4}
     for run in runs + results["series"]["past_visits"]:
         assert run["matches_reference"] is True, run
@@ -79,7 +80,9 @@ def test_unavailable_engines_are_skipped_with_a_reason(quick_run):
         "torch-perpatient",
         "torch-batched",
         "ort-cpu",
+        "ort-cpu-device",
         "ort-cuda",
+        "ort-cuda-host",
         "ort-tensorrt",
         "torch-cuda",
     }

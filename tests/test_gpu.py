@@ -143,3 +143,84 @@ def test_ort_cuda_set_decoding_agrees_with_torch(real_size):
     out = pa.concat_tables([c.recommendations for c in scorer.score_table(visits, score_all=True)])
     got = {r["visit_id"]: r["medications"] for r in out.to_pylist()}
     assert sum(got[k] == ref[k] for k in ref) / len(ref) >= 0.995
+
+
+# -- the search graphs on CUDA (runtime/search.py) ------------------------------------------------
+@needs_ort_cuda
+@pytest.mark.parametrize("split", [False, True], ids=["one-stage", "split"])
+def test_cuda_beam_select_ties_and_results_equal_the_cpu(split):
+    """CUDA's TopK inside the beam selection: ties lower index first, as on the CPU."""
+    import numpy as np
+    import onnxruntime as ort
+
+    from cognet.export.search_graphs import beam_select_graph
+
+    v1, beam, n = 132, 4, 3000
+    graph = beam_select_graph(v1, None, 18, split).SerializeToString()
+    cpu = ort.InferenceSession(graph, providers=["CPUExecutionProvider"])
+    cuda = ort.InferenceSession(graph, providers=["CUDAExecutionProvider"])
+    assert cuda.get_providers()[0] == "CUDAExecutionProvider"
+    rng = np.random.default_rng(0)
+    for trial in range(6):
+        raw = np.log(rng.dirichlet(np.full(v1, 0.3), size=(n, beam))).astype(np.float32)
+        raw = np.round(raw, trial % 3).astype(np.float32)  # many ties
+        scores = np.round(rng.normal(size=(n, beam)), 1).astype(np.float32)
+        scores[: n // 4, 1:] = -np.inf
+        used = rng.random((n, beam, v1)) < 0.2
+        used[:50] = rng.random((50, beam, v1)) < 0.99
+        finished = rng.random((n, beam)) < 0.25
+        feeds = {"log_probs": raw, "scores": scores, "used": used, "finished": finished}
+        for a, b in zip(cpu.run(None, feeds), cuda.run(None, feeds), strict=True):
+            np.testing.assert_array_equal(a, b)
+
+
+def _targets(visits):
+    from test_search import _as_targets
+
+    return _as_targets(visits)
+
+
+@needs_ort_cuda
+@pytest.mark.parametrize("batch_size", [7, 512, 4096])
+def test_ort_cuda_device_selection_equals_torch_reference(real_size, batch_size):
+    import pyarrow as pa
+
+    from cognet.core.ddi import DDIPolicy
+    from cognet.runtime import Scorer
+
+    visits, by_id = _reference(real_size, "cpu")
+    policies = [DDIPolicy()] if batch_size != 512 else [DDIPolicy("soft", 0.5), DDIPolicy("hard")]
+    for policy in policies:
+        if policy.active:
+            from cognet.core.history import patients_from_table
+
+            model, vocab, _ = checkpoint.load(real_size / "ckpt")
+            patients = list(patients_from_table(visits, vocab))
+            decoded = decode_patients(model, vocab, patients, beam=4, ddi=policy)
+            flat = [v for p in patients for v in p]
+            ref = {v.visit_id: vocab.med_codes(d.meds) for v, d in zip(flat, decoded, strict=True)}
+        else:
+            ref = by_id
+        scorer = Scorer(real_size / "model", device="cuda", batch_size=batch_size,
+                        decoding="beam", ddi=policy)  # fmt: skip
+        assert scorer.decoder.select_on_device
+        out = pa.concat_tables([c.recommendations for c in scorer.score_table(_targets(visits))])
+        got = {r["visit_id"]: r["medications"] for r in out.to_pylist()}
+        assert got == ref, policy.label
+
+
+@needs_ort_cuda
+def test_ort_cuda_device_set_decoding_equals_the_cpu(real_size):
+    import pyarrow as pa
+
+    from cognet.runtime import Scorer
+
+    table = _targets(pq.read_table(real_size / "data" / "visits.parquet"))
+    runs = {}
+    for device in ("cpu", "cuda"):
+        scorer = Scorer(real_size / "model", device=device, batch_size=1024)
+        out = pa.concat_tables([c.recommendations for c in scorer.score_table(table)])
+        runs[device] = {r["visit_id"]: r["medications"] for r in out.to_pylist()}
+    assert len(runs["cpu"]) > 1000
+    same = sum(runs["cuda"][k] == v for k, v in runs["cpu"].items())
+    assert same / len(runs["cpu"]) >= 0.995

@@ -17,7 +17,7 @@ from onnx import TensorProto, helper
 
 from cognet import checkpoint
 from cognet.cli import main as cognet_main
-from cognet.core.ddi import DDIPolicy, ddi_matrix
+from cognet.core.ddi import DDIPolicy
 from cognet.core.decoding import Decoding
 from cognet.core.errors import InputError
 from cognet.core.history import patients_from_table
@@ -179,10 +179,41 @@ def test_take_graphs_gather_rows_of_any_rank(dtype):
 # -- --selection device against the torch reference ----------------------------------------------
 
 
+def _as_targets(visits: pa.Table) -> pa.Table:
+    """Every visit as the one visit to score (medications unknown) of its own patient, its
+    earlier visits as history: `--all` would ask for PRAUC scores, which beam search
+    computes on the host path only."""
+    rows = visits.sort_by([("patient_id", "ascending"), ("visit_seq", "ascending")]).to_pylist()
+    out = []
+    for i, row in enumerate(rows):
+        past = [r for r in rows[:i] if r["patient_id"] == row["patient_id"]]
+        pid = f"{row['patient_id']}#{len(past)}"
+        out += [{**r, "patient_id": pid, "visit_id": f"{r['visit_id']}#{len(past)}"} for r in past]
+        out.append({**row, "patient_id": pid, "medications": None})
+    return pa.Table.from_pylist(out, schema=visits.schema)
+
+
 def _scored(root, visits: pa.Table, **options) -> dict:
-    scorer = Scorer(root / "model", device="cpu", threads=1, **options)
-    chunks = scorer.score_table(visits, score_all=True)
-    return {r["visit_id"]: r for c in chunks for r in c.recommendations.to_pylist()}
+    """visit_id -> output row of the runtime on the CPU; with selection="device", checks
+    that every batch went through the search graphs."""
+    calls = []
+    drivers = {name: getattr(search, name) for name in ("beam_search", "set_marginals")}
+
+    def counted(name):
+        def run(*args, **kwargs):
+            calls.append(name)
+            return drivers[name](*args, **kwargs)
+
+        return run
+
+    with pytest.MonkeyPatch.context() as patch:
+        for name in drivers:
+            patch.setattr(search, name, counted(name))
+        scorer = Scorer(root / "model", device="cpu", threads=1, **options)
+        chunks = scorer.score_table(_as_targets(visits))
+        out = {r["visit_id"]: r for c in chunks for r in c.recommendations.to_pylist()}
+    assert bool(calls) == (options.get("selection") == "device")
+    return out
 
 
 def _reference(root, decoding: Decoding, policy: DDIPolicy) -> tuple[dict, list]:
@@ -215,9 +246,13 @@ def tiny_many(tmp_path_factory):
 
 
 @pytest.mark.parametrize(
-    "policy,batch_sizes", zip(POLICIES, [(7, 128, 1024), (64,), (300,), (33,), (128,)]), ids=IDS
+    "policy,batch_sizes",
+    zip(POLICIES, [(7, 128, 1024), (64,), (300,), (33,), (128,)], strict=True),
+    ids=IDS,
 )
-def test_device_selection_equals_torch_beam_search_on_the_tiny_model(tiny_many, policy, batch_sizes):
+def test_device_selection_equals_torch_beam_search_on_the_tiny_model(
+    tiny_many, policy, batch_sizes
+):
     ref, vocab = _reference(tiny_many, Decoding(name="beam", beam=4), policy)
     assert len(ref) >= 2000
     visits = pq.read_table(tiny_many / "data" / "visits.parquet")
@@ -262,7 +297,7 @@ def trained_many(tmp_path_factory):
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "policy,batch_size", zip(POLICIES, [128, 7, 1024, 256, 64]), ids=IDS
+    "policy,batch_size", zip(POLICIES, [128, 7, 1024, 256, 64], strict=True), ids=IDS
 )
 def test_device_selection_equals_torch_beam_search_on_a_trained_model(
     trained_many, policy, batch_size
@@ -296,3 +331,35 @@ def test_device_selection_sets_equal_the_host_and_torch_on_a_trained_model(train
     ref, vocab = _reference(trained_many, stored, policy)
     same = sum(device[k]["medications"] == vocab.med_codes(ref[k].meds) for k in ref)
     assert same / len(ref) >= 0.995
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{"decoding": "beam"}, {"decoding": "beam", "ddi": DDIPolicy("hard", max_rate=0.0)},
+     {"decoding": "set", "samples": 8, "threshold": 0.3}],
+    ids=["beam", "beam-hard-max-rate", "set"],
+)  # fmt: skip
+def test_the_gpu_bindings_run_on_the_cpu_equal_the_host_path(tiny_many, options):
+    """What a GPU runs (IO binding, the split TopK graphs, gathers by the take graphs),
+    bound to CPU memory: the lists of the numpy selection."""
+    from cognet.core.manifest import load_manifest
+    from cognet.runtime.search import SearchGraphs
+    from cognet.runtime.session import DeviceDecoder, OrtModel
+
+    manifest = load_manifest(tiny_many / "model")
+    model = OrtModel(manifest, device="cpu", threads=1, selection="device")
+    bound = DeviceDecoder(model.sessions["decoder_init"], model.sessions["decoder_step"],
+                          manifest, device=("cpu", 0))  # fmt: skip
+    bound.search = SearchGraphs(model.decoder.search.sessions, device=("cpu", 0))
+    bound.select_on_device = True
+    table = _as_targets(pq.read_table(tiny_many / "data" / "visits.parquet"))
+    vocab = manifest.vocabulary()
+    runs = {}
+    for name, decoder in (("host", model.decoder), ("bound", bound)):
+        decoder.select_on_device = name == "bound"
+        scorer = Scorer.from_session(model.encode, decoder, vocab, 16, manifest.ddi_pairs,
+                                     batch_size=64, compact_at=0.5, **options)  # fmt: skip
+        out = pa.concat_tables([c.recommendations for c in scorer.score_table(table)])
+        runs[name] = out.select(["visit_id", "medications", "score"]).to_pylist()
+    assert len(runs["host"]) >= 2000
+    assert runs["bound"] == runs["host"]
