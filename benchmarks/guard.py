@@ -1,5 +1,11 @@
 """The correctness guard of `cognet-bench`: every engine's recommendations must equal
-torch-batched's (the reference) on the same visits, or the run says MISMATCH."""
+torch-batched's (the reference) on the same visits, or the run says MISMATCH.
+
+A visit whose best hypotheses are a float32 near-tie can get different answers from the
+reference itself at different batch sizes (GPU kernels change with the shapes: measured on
+an H100, torch-cuda at batch 4,096 and 16,384 differ on 1 visit of 65,536). Every answer the
+reference gave is kept; an engine matches on a visit when it gives one of them, and the
+comparison reports how many visits the reference answered in more than one way."""
 
 from __future__ import annotations
 
@@ -16,7 +22,8 @@ class Guard:
 
     def __init__(self, reference: eng.Engine | None):
         self.reference = reference
-        self.recs: dict[tuple[int, str], tuple[str, ...]] = {}
+        # (beam, visit_id) -> every distinct answer of the reference, first one first
+        self.recs: dict[tuple[int, str], list[tuple[str, ...]]] = {}
 
     def ensure(self, batches: Sequence[Batch], beam: int, chunk: int = 32) -> None:
         """Decode (untimed, `chunk` patients at a time: torch-batched's fastest) the visits
@@ -32,21 +39,30 @@ class Guard:
 
     def add(self, beam: int, recs: dict[str, tuple[str, ...]]) -> None:
         for vid, meds in recs.items():
-            self.recs.setdefault((beam, vid), meds)
+            answers = self.recs.setdefault((beam, vid), [])
+            if meds not in answers:
+                answers.append(meds)
 
     def compare(self, beam: int, recs: dict[str, tuple[str, ...]]) -> dict:
         if self.reference is None:
-            return {"matches_reference": None, "compared": 0, "mismatches": 0, "examples": []}
-        compared, examples, bad = 0, [], 0
+            return {
+                "matches_reference": None,
+                "compared": 0,
+                "mismatches": 0,
+                "reference_ambiguous": 0,
+                "examples": [],
+            }
+        compared, examples, bad, ambiguous = 0, [], 0, 0
         for vid, meds in recs.items():
             ref = self.recs.get((beam, vid))
             if ref is None:
                 continue
             compared += 1
-            if ref != meds:
+            ambiguous += len(ref) > 1
+            if meds not in ref:
                 bad += 1
                 if len(examples) < 3:
-                    examples.append({"visit_id": vid, "reference": list(ref), "got": list(meds)})
+                    examples.append({"visit_id": vid, "reference": list(ref[0]), "got": list(meds)})
         # Sets near the threshold may flip with float32 rounding (batch composition, engine):
         # a set decoding run matches when at most SET_TOLERANCE of its visits differ.
         allowed = int(SET_TOLERANCE * compared) if beam == eng.SET else 0
@@ -54,5 +70,6 @@ class Guard:
             "matches_reference": bad <= allowed and compared == len(recs),
             "compared": compared,
             "mismatches": bad,
+            "reference_ambiguous": ambiguous,
             "examples": examples,
         }

@@ -163,9 +163,21 @@ def measure_block(
         if job.error is None:
             if job.engine.name != reference:
                 guard.ensure(job.batches, beam)
-            records.append({**job.record(beam), **guard.compare(beam, job.recs)})
+            # compared again at the end (`recompare`), once every reference answer is known
+            records.append({**job.record(beam), **guard.compare(beam, job.recs), RECS: job.recs})
     release_memory()
     return records
+
+
+RECS = "_recs"  # a record's recommendations, until `recompare`
+
+
+def recompare(runs: list[dict], guard: Guard) -> None:
+    """Compare every run with all the answers the reference gave (at any batch size)."""
+    for run in runs:
+        recs = run.pop(RECS, None)
+        if recs is not None:
+            run.update(guard.compare(run["beam"], recs))
 
 
 # -- the whole benchmark ---------------------------------------------------------------------------
@@ -241,6 +253,7 @@ def run_all(ctx: Context, settings: Settings, say: Callable[[str], None] = print
                 if job.error:
                     skipped[job.engine.name] = job.error
                     loaded.pop(job.engine.name, None)
+    recompare(runs, guard)
     series = {
         "past_visits": past_visits_series(ctx, settings, loaded, guard, say),
         "input_size": input_size_series(ctx, settings, say),
@@ -271,8 +284,10 @@ def run_all(ctx: Context, settings: Settings, say: Callable[[str], None] = print
 
 
 def profile_best(ctx: Context, settings: Settings, runs: list[dict], say) -> dict | None:
-    """Profile ort-cpu at the widest beam measured and its best batch size (and mode)."""
-    mine = [r for r in runs if r["engine"] == "ort-cpu"]
+    """Profile the runtime (ort-cuda where it ran, else ort-cpu) at the widest beam measured
+    and its best batch size (and mode)."""
+    engine = "ort-cuda" if any(r["engine"] == "ort-cuda" for r in runs) else "ort-cpu"
+    mine = [r for r in runs if r["engine"] == engine]
     if not mine:
         return None
     beam = max(r["beam"] for r in mine)
@@ -285,11 +300,12 @@ def profile_best(ctx: Context, settings: Settings, runs: list[dict], say) -> dic
     )
     from cognet.benchmarks.profile import profile_ort
 
-    out = profile_ort(ctx.model_dir, batches, beam, bs, settings.threads)
+    device = eng.ORT_DEVICES[engine]
+    out = profile_ort(ctx.model_dir, batches, beam, bs, settings.threads, device)
     out["mode"] = best["mode"]
     graphs = ", ".join(f"{g} {v['share']:.0%}" for g, v in out["graphs"].items())
     say(
-        f"profile {_label('ort-cpu', best['mode'])} beam {beam} batch {bs}: {graphs}, "
+        f"profile {_label(engine, best['mode'])} beam {beam} batch {bs}: {graphs}, "
         f"Python {out['python_share']:.0%}"
     )
     return out
@@ -330,6 +346,7 @@ def past_visits_series(
         jobs = [Job(e, bs, pool.batches(bs, settings.past_visits_n), warmup) for e in engines]
         for run in measure_block(jobs, beam, settings.repeats, guard, settings.max_run_s):
             run["past_visits"] = past
+            run.pop(RECS, None)
             out.append(run)
             say(f"past visits {past:>2}: " + _run_line(run))
     return out

@@ -1,4 +1,5 @@
-"""Where the time of `ort-cpu` goes: per graph, per ONNX operator, and in Python.
+"""Where the time of `ort-cpu` (or `ort-cuda`) goes: per graph, per ONNX operator, and in
+Python.
 
 Three passes over the same batches with a fresh `cognet.runtime.Scorer` each:
 
@@ -90,24 +91,31 @@ def profile_ort(
 
 @contextmanager
 def _timed_runs():
-    """Seconds spent inside InferenceSession.run, per graph file stem."""
+    """Seconds spent inside InferenceSession.run and run_with_iobinding (a GPU's way), per
+    graph file stem."""
     totals: dict[str, float] = defaultdict(float)
-    original = ort.InferenceSession.run
+    names = ("run", "run_with_iobinding")
+    originals = {name: getattr(ort.InferenceSession, name) for name in names}
 
-    def run(self, *args, **kwargs):
-        started = time.perf_counter()
-        try:
-            return original(self, *args, **kwargs)
-        finally:
-            totals[Path(str(getattr(self, "_model_path", "graph"))).stem] += (
-                time.perf_counter() - started
-            )
+    def timed(original):
+        def run(self, *args, **kwargs):
+            started = time.perf_counter()
+            try:
+                return original(self, *args, **kwargs)
+            finally:
+                totals[Path(str(getattr(self, "_model_path", "graph"))).stem] += (
+                    time.perf_counter() - started
+                )
 
-    ort.InferenceSession.run = run
+        return run
+
+    for name, original in originals.items():
+        setattr(ort.InferenceSession, name, timed(original))
     try:
         yield totals
     finally:
-        ort.InferenceSession.run = original
+        for name, original in originals.items():
+            setattr(ort.InferenceSession, name, original)
 
 
 @contextmanager

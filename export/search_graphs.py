@@ -54,6 +54,9 @@ SEARCH_FILES = {
     "set_select_ddi": "set_select_ddi.onnx",
     **{f"take_{t}": f"take_{t}.onnx" for t in TAKE_TYPES},
 }
+# A candidate at or below this is impossible (-inf): far below any hypothesis score (45 steps
+# of log-probabilities >= log 1e-20, DDI penalties of sane size) and above float32's lowest.
+IMPOSSIBLE = -1e30
 _DTYPE_NAMES = {F32: "float32", F64: "float64", I64: "int64", BOOL: "bool"}
 
 
@@ -149,6 +152,10 @@ def beam_select_graph(
     is_end = g.const(np.arange(v1) == end, bool)
     frozen = g.op("Where", is_end, scores3, neg_inf)  # a finished beam proposes END only
     cand = g.op("Where", g.op("Unsqueeze", finished, ax2), frozen, cand)
+    # -inf -> IMPOSSIBLE before the TopK, back after: CUDA's TopK pads its rows with the
+    # lowest float, which would outrank -inf (measured on an H100: padding indices chosen)
+    sentinel = g.const(IMPOSSIBLE, np.float32)
+    cand = g.op("Max", cand, sentinel)
     k = g.op("Slice", g.op("Shape", scores), g.const([1], np.int64), g.const([2], np.int64))
     flat = g.const([0, -1], np.int64)
     if split:
@@ -164,6 +171,7 @@ def beam_select_graph(
         )
         width = g.const(v1, np.int64)
         parent, token = g.op("Div", flat_ix, width), g.op("Mod", flat_ix, width)
+    best = g.op("Where", g.op("LessOrEqual", best, sentinel), neg_inf, best)
     chosen = g.op("GatherElements", g.op("Reshape", raw, flat), flat_ix, axis=1)
     live = g.op("Not", g.op("GatherElements", finished, parent, axis=1))
     rows = g.op("Expand", g.op("Unsqueeze", parent, ax2), g.op("Shape", used))

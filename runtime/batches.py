@@ -25,8 +25,10 @@ import numpy as np
 # memories are [visits, dim, codes] floats: 2^16 codes of dim 64 are 16 MB per tensor.
 CPU_BATCH_CODES, GPU_BATCH_CODES = 1 << 16, 1 << 18
 # Encoder: visits x the square of the longest code list of a kind (its attention weights,
-# per head); 64 visits of 64 codes fit.
-ENCODE_CELLS = 1 << 18
+# per head); 64 visits of 64 codes fit. A GPU takes 64 times more per call: each encoder call
+# costs launch latency, and at 64 visits per call the encoder took most of ort-cuda's time
+# (H100, 4,096 visits a batch: ~160 calls of the encoder per batch).
+ENCODE_CELLS, GPU_ENCODE_CELLS = 1 << 18, 1 << 24
 
 
 def cut_padded(

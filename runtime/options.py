@@ -52,7 +52,7 @@ class ScoreOptions:
     compact_at: float = 0.75  # drop done visits when the live share falls below this
     chunk_targets: int | None = None  # visits to score per chunk; None: 16 x batch_size
     chunk_rows: int = 1 << 15  # rows per chunk at most
-    encode_batch: int = 64  # visits per encoder call
+    encode_batch: int | None = None  # visits per encoder call; None: 64 CPU, 4096 GPU
     # -- added later (fields go at the end)
     max_codes_per_visit: int = MAX_CODES  # more known codes of one kind: too_many_codes
     keep_columns: tuple[str, ...] = ()  # input columns carried into the output
@@ -89,7 +89,7 @@ class ScoreOptions:
         if self.max_codes_per_visit < 1:
             raise InputError(f"max_codes_per_visit must be >= 1, not {self.max_codes_per_visit}")
         object.__setattr__(self, "keep_columns", tuple(self.keep_columns))
-        if self.chunk_rows < 1 or self.encode_batch < 1:
+        if self.chunk_rows < 1 or (self.encode_batch is not None and self.encode_batch < 1):
             raise InputError("chunk_rows and encode_batch must be >= 1")
         if self.max_history_visits is not None and self.max_history_visits < 0:
             raise InputError(f"max_history_visits must be >= 0, not {self.max_history_visits}")

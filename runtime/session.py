@@ -63,6 +63,9 @@ def resolve_device(device: str) -> str:
         device = "cuda" if CUDA in available else "cpu"
     if device != "cpu":
         _preload_cuda()
+        # onnxruntime >= 1.30 warns at every CUDA session with provider options ("no
+        # registered plugin EP device"); what the sessions got is read back and reported
+        ort.set_default_logger_severity(3)
     wanted = {"cpu": CPU, "cuda": CUDA, "tensorrt": TRT}[device]
     if wanted not in available:
         raise InputError(
