@@ -11,7 +11,9 @@ recommended medication codes of each scored visit. Engines:
   ONNX Runtime execution provider, with its default candidate selection (`--selection auto`:
   numpy on the host for the CPU, the search graphs on a GPU);
 - `ort-cpu-device`, `ort-cuda-host`: the same with the other selection (`runtime/search.py`),
-  to measure one against the other.
+  to measure one against the other;
+- `ort-cpu-fp16`: ort-cpu on the model's float16 graphs (`cognet-export --fp16`); its lists
+  are compared with the reference and the agreement reported, not required (APPROXIMATE).
 
 `availability(name)` says why an engine cannot run here (None when it can), so that the
 results name every skipped engine with its reason.
@@ -32,6 +34,7 @@ ENGINES = (
     "torch-batched",
     "ort-cpu",
     "ort-cpu-device",
+    "ort-cpu-fp16",
     "ort-cuda",
     "ort-cuda-host",
     "ort-tensorrt",
@@ -41,12 +44,15 @@ TORCH_ENGINES = ("torch-perpatient", "torch-batched", "torch-cuda")
 ORT_DEVICES = {
     "ort-cpu": "cpu",
     "ort-cpu-device": "cpu",
+    "ort-cpu-fp16": "cpu",
     "ort-cuda": "cuda",
     "ort-cuda-host": "cuda",
     "ort-tensorrt": "tensorrt",
 }
 # the candidate selection of each runtime engine (`cognet.runtime.options.SELECTIONS`)
 ORT_SELECTIONS = {"ort-cpu-device": "device", "ort-cuda-host": "host"}
+ORT_VARIANTS = {"ort-cpu-fp16": "fp16"}  # the manifest variant an engine scores with
+APPROXIMATE = ("ort-cpu-fp16",)  # engines whose agreement with the reference is reported
 GPU_ENGINES = ("ort-cuda", "ort-cuda-host", "ort-tensorrt", "torch-cuda")
 SET = 0  # in a list of beam widths: the model's set decoding (`cognet.core.decoding`)
 
@@ -77,7 +83,7 @@ class Engine(Protocol):
         """Drop what the last run allocated (so that it does not count in the next run)."""
 
 
-def availability(name: str, checkpoint: Path | None) -> str | None:
+def availability(name: str, checkpoint: Path | None, model_dir: Path | None = None) -> str | None:
     """Why `name` cannot run on this machine, or None."""
     if name not in ENGINES:
         return f"unknown engine (choose from {', '.join(ENGINES)})"
@@ -95,6 +101,11 @@ def availability(name: str, checkpoint: Path | None) -> str | None:
         import onnxruntime as ort
     except ImportError:
         return "onnxruntime is not installed"
+    if name in ORT_VARIANTS and model_dir is not None:
+        from cognet.core.manifest import load_manifest
+
+        if ORT_VARIANTS[name] not in load_manifest(model_dir, verify=False).variants:
+            return f"the model has no {ORT_VARIANTS[name]} graphs (cognet-export --fp16)"
     wanted = {
         "cuda": "CUDAExecutionProvider",
         "tensorrt": "TensorrtExecutionProvider",
@@ -196,6 +207,7 @@ class OrtEngine:
         self.name, self.model_dir, self.threads = name, model_dir, threads
         self.device = ORT_DEVICES[name]
         self.selection = ORT_SELECTIONS.get(name, "auto")
+        self.variant = ORT_VARIANTS.get(name)
         self.scorer = None
         self.load_s = self._load(BEAM, 256)
         self.providers = list(self.scorer.providers)
@@ -219,6 +231,7 @@ class OrtEngine:
             threads=self.threads,
             batch_size=batch_size,
             selection=self.selection,
+            variant=self.variant,
         )
 
     def _load(self, beam: int, batch_size: int) -> float:

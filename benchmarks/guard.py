@@ -43,7 +43,9 @@ class Guard:
             if meds not in answers:
                 answers.append(meds)
 
-    def compare(self, beam: int, recs: dict[str, tuple[str, ...]]) -> dict:
+    def compare(self, beam: int, recs: dict[str, tuple[str, ...]], exact: bool = True) -> dict:
+        """How `recs` compare with the reference; `exact` False (an approximate engine,
+        `engines.APPROXIMATE`): the agreement is reported, `matches_reference` is None."""
         if self.reference is None:
             return {
                 "matches_reference": None,
@@ -67,7 +69,8 @@ class Guard:
         # a set decoding run matches when at most SET_TOLERANCE of its visits differ.
         allowed = int(SET_TOLERANCE * compared) if beam == eng.SET else 0
         return {
-            "matches_reference": bad <= allowed and compared == len(recs),
+            "matches_reference": (bad <= allowed and compared == len(recs)) if exact else None,
+            "agreement": (compared - bad) / compared if compared else None,
             "compared": compared,
             "mismatches": bad,
             "reference_ambiguous": ambiguous,

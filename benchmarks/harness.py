@@ -164,7 +164,10 @@ def measure_block(
             if job.engine.name != reference:
                 guard.ensure(job.batches, beam)
             # compared again at the end (`recompare`), once every reference answer is known
-            records.append({**job.record(beam), **guard.compare(beam, job.recs), RECS: job.recs})
+            exact = job.engine.name not in eng.APPROXIMATE
+            records.append(
+                {**job.record(beam), **guard.compare(beam, job.recs, exact), RECS: job.recs}
+            )
     release_memory()
     return records
 
@@ -177,7 +180,7 @@ def recompare(runs: list[dict], guard: Guard) -> None:
     for run in runs:
         recs = run.pop(RECS, None)
         if recs is not None:
-            run.update(guard.compare(run["beam"], recs))
+            run.update(guard.compare(run["beam"], recs, run["engine"] not in eng.APPROXIMATE))
 
 
 # -- the whole benchmark ---------------------------------------------------------------------------
@@ -316,7 +319,7 @@ def load_engines(ctx: Context, settings: Settings, say) -> tuple[dict, dict]:
     order = sorted(settings.engines, key=lambda n: n != settings.reference)
     loaded, skipped = {}, {}
     for name in order:
-        reason = eng.availability(name, ctx.checkpoint)
+        reason = eng.availability(name, ctx.checkpoint, ctx.model_dir)
         if reason is None:
             try:
                 loaded[name] = eng.load(name, ctx.model_dir, ctx.checkpoint, settings.threads)
@@ -364,6 +367,8 @@ def _run_line(run: dict) -> str:
     ok = {True: "ok", False: f"MISMATCH {run['mismatches']}/{run['compared']}", None: "unguarded"}[
         run["matches_reference"]
     ]
+    if run["matches_reference"] is None and run.get("agreement") is not None:
+        ok = f"agrees on {run['agreement']:.2%}"
     p50 = run["latency_ms"]["p50"]
     return (
         f"{_label(run['engine'], run.get('mode', 'request')):<24} "

@@ -280,7 +280,15 @@ def _batch(run: dict) -> str:
 
 def _guard(run: dict) -> str:
     if run["matches_reference"] is None:
+        if run.get("agreement") is not None:  # an approximate engine (fp16)
+            equal = run["compared"] - run["mismatches"]
+            return f"{equal} of {run['compared']} equal ({run['agreement']:.2%}; not required)"
         return "n/a (no reference)"
+    if run.get("reference_ambiguous"):
+        note = f"; the reference answered {run['reference_ambiguous']} visit(s) two ways"
+        if run["matches_reference"]:
+            return f"yes ({run['compared'] - run['mismatches']} of {run['compared']}{note})"
+        return f"**NO: {run['mismatches']} of {run['compared']} differ**{note}"
     if run["matches_reference"]:
         if run["mismatches"]:  # a set decoding within its tolerance
             return f"yes ({run['compared'] - run['mismatches']} of {run['compared']} equal)"

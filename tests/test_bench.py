@@ -81,6 +81,7 @@ def test_unavailable_engines_are_skipped_with_a_reason(quick_run):
         "torch-batched",
         "ort-cpu",
         "ort-cpu-device",
+        "ort-cpu-fp16",
         "ort-cuda",
         "ort-cuda-host",
         "ort-tensorrt",
@@ -182,3 +183,13 @@ def test_help_and_usage_errors():
     assert "unknown engines" in bad.output
     bad = runner.invoke(main, ["--batch-sizes", "1,x"])
     assert bad.exit_code == 2
+
+
+def test_fp16_engine_reports_its_agreement(quick_run):
+    _, out = quick_run
+    engines = json.loads((out / "results.json").read_text())["engines"]
+    assert "cognet-export --fp16" in engines["ort-cpu-fp16"]["reason"]
+    guard = Guard(reference=object())
+    guard.add(4, {"v1": ("A", "B"), "v2": ("C",)})
+    got = guard.compare(4, {"v1": ("A",), "v2": ("C",)}, exact=False)
+    assert got["matches_reference"] is None and got["agreement"] == 0.5
