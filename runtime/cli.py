@@ -27,7 +27,7 @@ from cognet.core.errors import InputError
 from cognet.core.metrics import PATIENT_COLUMNS
 from cognet.runtime import preflight, reader, summary, writer
 from cognet.runtime.lock import OutputLock
-from cognet.runtime.options import DEVICES, MAX_CODES, ScoreOptions
+from cognet.runtime.options import DEVICES, MAX_CODES, SELECTIONS, ScoreOptions
 from cognet.runtime.scorer import Scorer
 from cognet.runtime.signature import signature as run_signature
 
@@ -52,9 +52,9 @@ def main() -> None:
 
 
 def score_options(func):
-    """--beam, --device, --batch-size, --threads, --max-history-visits, the DDI options,
-    --max-codes-per-visit and --keep-columns, given to `func` as one `options:
-    ScoreOptions`."""
+    """--beam, --device, --selection, --variant, --batch-size, --threads,
+    --max-history-visits, the DDI options, --max-codes-per-visit and --keep-columns, given to
+    `func` as one `options: ScoreOptions`."""
 
     @functools.wraps(func)
     def wrapper(
@@ -64,6 +64,8 @@ def score_options(func):
         samples,
         threshold,
         device,
+        selection,
+        variant,
         batch_size,
         threads,
         max_history_visits,
@@ -83,6 +85,8 @@ def score_options(func):
             ddi=ddi_policy(ddi_mode, ddi_penalty, ddi_max_rate),
             max_history_visits=max_history_visits,
             device=device,
+            selection=selection,
+            variant=variant,
             threads=threads,
             batch_size=batch_size,
             max_codes_per_visit=max_codes_per_visit,
@@ -107,6 +111,13 @@ def score_options(func):
                           "model's, tuned on validation)."),
         click.option("--device", type=click.Choice(DEVICES), default="auto", show_default=True,
                      help="Execution provider; auto = CUDA when available, else CPU."),
+        click.option("--selection", type=click.Choice(SELECTIONS), default="auto",
+                     show_default=True,
+                     help="Where each decoding step picks its candidates: device = the "
+                          "model's search graphs, on the execution provider; host = numpy; "
+                          "auto = device on a GPU, host on the CPU (faster there)."),
+        click.option("--variant", type=click.Choice(["fp16"]), default=None,
+                     help="Score with the model's float16 graphs (cognet-export --fp16)."),
         count_option("--batch-size",
                      help="Visits decoded together at most (default: 128 on the CPU, 512 on a "
                           "GPU); batches of long histories are cut smaller (at most 4,096 "

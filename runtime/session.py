@@ -236,24 +236,36 @@ def _names(names) -> str:
     return ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")
 
 
+def input_dtypes(session: ort.InferenceSession) -> dict[str, np.dtype]:
+    """The numpy type of each input of a session (float16 in the fp16 variant)."""
+    return {i.name: np.dtype(ORT_TYPES.get(i.type, "float32")) for i in session.get_inputs()}
+
+
 class HostDecoder:
-    """Decoder init and step on the CPU provider (numpy arrays throughout)."""
+    """Decoder init and step on the CPU provider (numpy arrays throughout).
+
+    Inputs are cast to the types the graphs declare: the assembly builds float32 arrays,
+    which the float16 variant takes as float16 (its memories and cache stay float16; its
+    log-probabilities leave the step as float32)."""
 
     def __init__(self, init: ort.InferenceSession, step: ort.InferenceSession, manifest: Manifest):
         self._init, self._step = init, step
+        self._init_types = input_dtypes(init)
+        self._cache_type = input_dtypes(step)["past_key"]
         self._heads, self._head_dim = manifest.dims.heads, manifest.dims.head_dim
         # what `step` can return (models exported before `diag_attention` lack it)
         self.step_outputs = tuple(o.name for o in step.get_outputs())
 
     def init(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        out = self._init.run(list(MEMORIES), {k: inputs[k] for k in INIT_INPUTS})
+        feed = {k: np.asarray(inputs[k], self._init_types[k]) for k in INIT_INPUTS}
+        out = self._init.run(list(MEMORIES), feed)
         return dict(zip(MEMORIES, out, strict=True))
 
     def empty_cache(self, n: int, beam: int) -> tuple[np.ndarray, np.ndarray]:
         h, dh = self._heads, self._head_dim
         return (
-            np.zeros((n, beam, h, dh, 0), np.float32),
-            np.zeros((n, beam, h, 0, dh), np.float32),
+            np.zeros((n, beam, h, dh, 0), self._cache_type),
+            np.zeros((n, beam, h, 0, dh), self._cache_type),
         )
 
     def step(
@@ -297,6 +309,8 @@ class DeviceDecoder:
     ):
         self._init, self._step = init, step
         self._device = device  # ("cpu", 0) runs the same bindings on the CPU (tests)
+        self._init_types = input_dtypes(init)
+        self._cache_type = input_dtypes(step)["past_key"]
         self._heads, self._head_dim = manifest.dims.heads, manifest.dims.head_dim
         self.step_outputs = tuple(o.name for o in step.get_outputs())
 
@@ -313,7 +327,7 @@ class DeviceDecoder:
     def init(self, inputs: Mapping[str, np.ndarray]) -> dict[str, ort.OrtValue]:
         io = self._init.io_binding()
         for name in INIT_INPUTS:
-            io.bind_cpu_input(name, np.ascontiguousarray(inputs[name]))
+            io.bind_cpu_input(name, np.ascontiguousarray(inputs[name], self._init_types[name]))
         for name in MEMORIES:
             io.bind_output(name, *self._device)
         self._init.run_with_iobinding(io)

@@ -363,3 +363,24 @@ def test_the_gpu_bindings_run_on_the_cpu_equal_the_host_path(tiny_many, options)
         runs[name] = out.select(["visit_id", "medications", "score"]).to_pylist()
     assert len(runs["host"]) >= 2000
     assert runs["bound"] == runs["host"]
+
+
+def test_the_fp16_variant_scores_end_to_end(tiny_many, tmp_path):
+    """The float16 graphs through the whole runtime (float32 assembly cast to what the
+    graphs take), on both selections: the same lists as each other, close to float32's."""
+    from cognet.export import export
+
+    export(tiny_many / "ckpt", tmp_path / "model", validate=False, fp16=True)
+    (tmp_path / "data").symlink_to(tiny_many / "data")
+    visits = pq.read_table(tiny_many / "data" / "visits.parquet")
+    fp32 = _scored(tmp_path, visits, decoding="beam", batch_size=256, selection="host")
+    runs = {
+        sel: _scored(
+            tmp_path, visits, decoding="beam", batch_size=256, selection=sel, variant="fp16"
+        )
+        for sel in ("host", "device")
+    }
+    lists = {sel: {k: r["medications"] for k, r in run.items()} for sel, run in runs.items()}
+    assert lists["host"] == lists["device"]
+    same = sum(lists["host"][k] == r["medications"] for k, r in fp32.items())
+    assert len(fp32) >= 2000 and same / len(fp32) >= 0.9
