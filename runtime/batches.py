@@ -29,6 +29,12 @@ CPU_BATCH_CODES, GPU_BATCH_CODES = 1 << 16, 1 << 18
 # costs launch latency, and at 64 visits per call the encoder took most of ort-cuda's time
 # (H100, 4,096 visits a batch: ~160 calls of the encoder per batch).
 ENCODE_CELLS, GPU_ENCODE_CELLS = 1 << 18, 1 << 24
+CPU_ENCODE_BATCH, GPU_ENCODE_BATCH = 64, 4096  # visits per encoder call
+
+
+def encoder_budget(gpu: bool) -> tuple[int, int]:
+    """(visits, cells) per encoder call at most, on a GPU or the CPU."""
+    return (GPU_ENCODE_BATCH, GPU_ENCODE_CELLS) if gpu else (CPU_ENCODE_BATCH, ENCODE_CELLS)
 
 
 def cut_padded(

@@ -40,13 +40,7 @@ from cognet.core.manifest import Manifest, load_manifest
 from cognet.core.metrics import PATIENT_COLUMNS, VisitResult, patient_rows
 from cognet.core.vocab import Vocab
 from cognet.runtime import assemble, reader
-from cognet.runtime.batches import (
-    CPU_BATCH_CODES,
-    ENCODE_CELLS,
-    GPU_BATCH_CODES,
-    GPU_ENCODE_CELLS,
-    cut_padded,
-)
+from cognet.runtime.batches import CPU_BATCH_CODES, GPU_BATCH_CODES, cut_padded, encoder_budget
 from cognet.runtime.beam import BeamResult, DecoderSession, decoding_configs
 from cognet.runtime.beam import decode as run_decoding
 from cognet.runtime.options import GPU_DEVICES, ScoreOptions
@@ -65,7 +59,6 @@ log = logging.getLogger(__name__)
 # core's cache (2 cores, beam 4: 64 -> 936 visits/s, 128 -> 985, 256 -> 648). GPU: many rows,
 # within the N <= 512 shape profile of the TensorRT engines built by cognet-export.
 CPU_BATCH, GPU_BATCH = 128, 512
-CPU_ENCODE_BATCH, GPU_ENCODE_BATCH = 64, 4096  # visits per encoder call
 # Cap on a batch's padded history: visits x the largest number of past-medication slots among
 # them. Every visit of a batch carries copy memories as long as the longest history (the
 # one-hot scatter alone is [visits, slots, V1] floats): without a cap a batch of 4096 visits
@@ -159,8 +152,8 @@ class Scorer:
         self.max_history = options.max_history_visits
         self.chunk_targets = options.chunk_targets or 16 * self.batch_size
         self.chunk_rows = options.chunk_rows
-        self.encode_batch = options.encode_batch or (GPU_ENCODE_BATCH if gpu else CPU_ENCODE_BATCH)
-        self.encode_cells = GPU_ENCODE_CELLS if gpu else ENCODE_CELLS
+        self.encode_batch, self.encode_cells = encoder_budget(gpu)
+        self.encode_batch = options.encode_batch or self.encode_batch
         self.ddi_pairs = [tuple(p) for p in model.ddi_pairs]
         self._ddi_adj = ddi_matrix(self.vocab, self.ddi_pairs)  # bool [M, M]
         if options.ddi.active and not self._ddi_adj.any():

@@ -26,6 +26,7 @@ from cognet.export import FP16_FILES, GRAPH_FILES, OPSET, cache_tensors, export
 from cognet.export import validate as val
 from cognet.export.cli import main
 from cognet.export.graphs import GRAPH_IO, Sizes, StepGraph, example_inputs, tensor_specs
+from cognet.export.search_graphs import SEARCH_FILES
 from cognet.model import COGNet
 
 ALLOWLIST = Path(__file__).parents[1] / "export" / "onnx_ops_allowlist.txt"
@@ -61,9 +62,10 @@ def _graph_paths(model_dir: Path, files=GRAPH_FILES) -> dict[str, Path]:
 def test_model_directory_holds_graphs_and_manifest(exported):
     manifest, out, model, vocab, _ = exported
     assert sorted(p.name for p in out.iterdir()) == sorted(
-        ["manifest.json", *GRAPH_FILES.values(), *FP16_FILES.values()]
+        ["manifest.json", *GRAPH_FILES.values(), *FP16_FILES.values(), *SEARCH_FILES.values()]
     )
     loaded = load_manifest(out)
+    assert {name: g.file for name, g in loaded.search.items()} == SEARCH_FILES
     assert loaded.to_json() == manifest.to_json()
     cfg = model.cfg
     assert loaded.opset == OPSET >= 18
