@@ -273,18 +273,27 @@ def encoder_inputs(plan: Plan, rows: np.ndarray, vocab: Vocab) -> dict[str, np.n
 
 
 def store_encodings(
-    enc: Encodings, plan: Plan, rows: np.ndarray, out: Mapping[str, np.ndarray]
+    enc: Encodings,
+    plan: Plan,
+    rows: np.ndarray,
+    out: Mapping[str, np.ndarray],
+    decoded: np.ndarray | None = None,
 ) -> None:
-    """Keep the encoder outputs of `rows` (in the order given to `encoder_inputs`)."""
+    """Keep the encoder outputs of `rows` (in the order given to `encoder_inputs`).
+
+    decoded: bool [plan rows], the visits to decode: only theirs need the per-code diagnosis
+    and procedure encodings (a past visit gives its visit vectors and medications), which
+    saves most of the copying when most encoded visits are histories."""
     enc.v_d[rows] = out["v_d"]
     enc.v_p[rows] = out["v_p"]
-    for ragged, flat, name in (
-        (plan.diag, enc.diag, "diag_enc"),
-        (plan.proc, enc.proc, "proc_enc"),
-        (plan.meds, enc.meds, "med_enc"),
+    keep = slice(None) if decoded is None else decoded[rows]
+    for ragged, flat, name, part in (
+        (plan.diag, enc.diag, "diag_enc", keep),
+        (plan.proc, enc.proc, "proc_enc", keep),
+        (plan.meds, enc.meds, "med_enc", slice(None)),
     ):
-        pos, mask = ragged.positions(rows)
-        flat[pos[mask]] = out[name][:, : pos.shape[1]][mask]
+        pos, mask = ragged.positions(rows[part])
+        flat[pos[mask]] = out[name][part][:, : pos.shape[1]][mask]
 
 
 def init_inputs(

@@ -336,9 +336,12 @@ class Scorer:
         cells = [self.encode_cells] * 3
         parts = cut_padded(rows, lengths, cells, self.encode_batch, squared=True)
 
+        decoded = np.zeros(plan.rows, bool)
+        decoded[plan.targets] = True
+
         def encode(part: np.ndarray) -> None:
             out = self.encode(assemble.encoder_inputs(plan, part, self.vocab))
-            assemble.store_encodings(enc, plan, part, out)
+            assemble.store_encodings(enc, plan, part, out, decoded)
 
         for _ in self._map(encode, parts):
             pass
