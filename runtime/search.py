@@ -65,7 +65,7 @@ class SearchGraphs:
             return {k: got[k] for k in host}, {k: got[k] for k in keep}
         io = sess.io_binding()
         for key, value in feeds.items():
-            _bind(io, key, value)
+            bind_input(io, key, value)
         for key in host:
             io.bind_output(key, "cpu")
         for key in keep:
@@ -96,7 +96,8 @@ class SearchGraphs:
         return got if isinstance(got, np.ndarray) else got.numpy()
 
 
-def _bind(io: ort.IOBinding, name: str, value) -> None:
+def bind_input(io: ort.IOBinding, name: str, value) -> None:
+    """Bind a numpy array (copied from host memory) or an OrtValue (where it lives)."""
     if isinstance(value, np.ndarray):
         io.bind_cpu_input(name, np.ascontiguousarray(value))
     else:

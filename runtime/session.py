@@ -39,7 +39,7 @@ from cognet.core.graphspec import (
 )
 from cognet.core.manifest import GRAPHS, GraphSpec, Manifest
 from cognet.runtime.options import DEVICES, SELECTIONS
-from cognet.runtime.search import SEARCH_GRAPHS, SearchGraphs
+from cognet.runtime.search import SEARCH_GRAPHS, SearchGraphs, bind_input
 
 log = logging.getLogger(__name__)
 
@@ -326,12 +326,7 @@ class DeviceDecoder:
     def _to_device(self, array: np.ndarray) -> ort.OrtValue:
         return ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(array), *self._device)
 
-    @staticmethod
-    def _bind(io: ort.IOBinding, name: str, value) -> None:
-        if isinstance(value, np.ndarray):
-            io.bind_cpu_input(name, np.ascontiguousarray(value))
-        else:
-            io.bind_ortvalue_input(name, value)
+    _bind = staticmethod(bind_input)  # numpy from host memory, OrtValues where they are
 
     def init(self, inputs: Mapping[str, np.ndarray]) -> dict[str, ort.OrtValue]:
         io = self._init.io_binding()
