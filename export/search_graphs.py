@@ -57,7 +57,7 @@ SEARCH_FILES = {
 # A candidate at or below this is impossible (-inf): far below any hypothesis score (45 steps
 # of log-probabilities >= log 1e-20, DDI penalties of sane size) and above float32's lowest.
 IMPOSSIBLE = -1e30
-_DTYPE_NAMES = {F32: "float32", F64: "float64", I64: "int64", BOOL: "bool"}
+_DTYPE_NAMES = {elem: name for name, elem in TAKE_TYPES.items()}  # manifest dtype names
 
 
 class _Graph:
@@ -275,6 +275,8 @@ def _specs(values) -> tuple[TensorSpec, ...]:
     out = []
     for v in values:
         t = v.type.tensor_type
-        dims = tuple(d.dim_param or d.dim_value for d in t.shape.dim) if t.HasField("shape") else ()
-        out.append(TensorSpec(v.name, _DTYPE_NAMES.get(t.elem_type, "float32"), dims))
+        dims = ("...",)  # a take graph's tensors: any rank
+        if t.HasField("shape"):
+            dims = tuple(d.dim_param or d.dim_value for d in t.shape.dim)
+        out.append(TensorSpec(v.name, _DTYPE_NAMES[t.elem_type], dims))
     return tuple(out)

@@ -159,7 +159,7 @@ class OrtModel:
         self.decoder = decoder(
             self.sessions["decoder_init"], self.sessions["decoder_step"], manifest
         )
-        self.selection = self._selection(selection, opts)
+        self.selection = self._selection(selection)
         self.decoder.search = None
         if self.selection == "device" or (self.on_device and self.manifest.search):
             search = {}
@@ -184,7 +184,7 @@ class OrtModel:
         A GPU keeps it (fewer kernels; not measured there)."""
         return [] if self.device != "cpu" else ["SkipLayerNormFusion"]
 
-    def _selection(self, selection: str, opts) -> str:
+    def _selection(self, selection: str) -> str:
         """host or device for a --selection choice (auto: device on a GPU, host on the CPU,
         where the numpy selection measured faster; host for a model without the graphs)."""
         if selection not in SELECTIONS:

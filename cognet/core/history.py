@@ -95,8 +95,7 @@ def history_index(histories: Sequence[Sequence[int]], med_ids) -> dict[str, np.n
         values = np.fromiter((m for ids in med_ids for m in ids), np.int64, int(offsets[-1]))
     n = len(histories)
     per_visit = np.fromiter(map(len, histories), np.int64, n)
-    rows = np.concatenate([np.asarray(h, np.int64) for h in histories]) if n else np.zeros(0)
-    rows = rows.astype(np.int64)
+    rows = np.concatenate([np.zeros(0, np.int64), *(np.asarray(h, np.int64) for h in histories)])
     visit = np.repeat(np.arange(n), per_visit)  # entry -> decoded visit
     j = np.arange(rows.size) - np.repeat(np.cumsum(per_visit) - per_visit, per_visit)
     hist_index = np.zeros((n, max(1, int(per_visit.max(initial=0)))), np.int64)
