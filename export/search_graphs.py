@@ -24,6 +24,10 @@ also follow; tests hold the two equal, visit by visit.
   / hazard.
 - `take_<dtype>`: rows of any tensor (Gather on axis 0): finished visits leave the batch on
   the device.
+- `init_gather_<dtype>` (float32, float16): the decoder-init inputs gathered from the
+  encoder outputs where the encoder wrote them (`cognet.runtime.assemble.Layout`): from the
+  flat `codes` and `visits` buffers and one index tensor per input (`<input>_rows`), the
+  seven encoding inputs of `decoder_init`, so that encodings never cross to the host.
 
 Only standard ONNX operators, no control flow. With `--device tensorrt` they run on the
 CUDA provider, not TensorRT: set decoding is float64, which TensorRT does not have.
@@ -47,12 +51,24 @@ TAKE_TYPES = {
     "int64": TensorProto.INT64,
     "bool": TensorProto.BOOL,
 }
+INIT_GATHER_TYPES = ("float32", "float16")  # the encoder outputs' types (fp32, fp16 variant)
+# init_gather's outputs: (name, buffer, rank of the index); the names of decoder_init's inputs
+INIT_GATHERED = (
+    ("diag_enc", "codes", 2),
+    ("proc_enc", "codes", 2),
+    ("slot_enc", "codes", 2),
+    ("v_d", "visits", 1),
+    ("v_p", "visits", 1),
+    ("hist_v_d", "visits", 2),
+    ("hist_v_p", "visits", 2),
+)
 BEAM_SELECT = ("beam_select", "beam_select_ddi", "beam_select_split", "beam_select_split_ddi")
 SEARCH_FILES = {
     **{name: f"{name}.onnx" for name in BEAM_SELECT},
     "set_select": "set_select.onnx",
     "set_select_ddi": "set_select_ddi.onnx",
     **{f"take_{t}": f"take_{t}.onnx" for t in TAKE_TYPES},
+    **{f"init_gather_{t}": f"init_gather_{t}.onnx" for t in INIT_GATHER_TYPES},
 }
 # A candidate at or below this is impossible (-inf): far below any hypothesis score (45 steps
 # of log-probabilities >= log 1e-20, DDI penalties of sane size) and above float32's lowest.
@@ -244,6 +260,18 @@ def take_graph(dtype: str, opset: int) -> onnx.ModelProto:
     return g.model(opset)
 
 
+def init_gather_graph(dtype: str, opset: int) -> onnx.ModelProto:
+    """Gather(codes or visits, <input>_rows, axis=0) for each decoder-init encoding input."""
+    elem = TAKE_TYPES[dtype]
+    g = _Graph(f"init_gather_{dtype}")
+    source = {b: g.input(b, elem, [f"R_{b}", "D"]) for b in ("codes", "visits")}
+    for name, buffer, rank in INIT_GATHERED:
+        dims = ["N", f"L_{name}"][:rank]
+        rows = g.input(f"{name}_rows", I64, dims)
+        g.output(g.op("Gather", source[buffer], rows, axis=0), name, elem, [*dims, "D"])
+    return g.model(opset)
+
+
 def write_search_graphs(
     out: Path, v1: int, ddi_adj: np.ndarray, opset: int
 ) -> dict[str, GraphSpec]:
@@ -257,6 +285,7 @@ def write_search_graphs(
         "set_select": set_select_graph(v1, None, opset),
         "set_select_ddi": set_select_graph(v1, ddi_adj, opset),
         **{f"take_{t}": take_graph(t, opset) for t in TAKE_TYPES},
+        **{f"init_gather_{t}": init_gather_graph(t, opset) for t in INIT_GATHER_TYPES},
     }
     specs = {}
     for name, model in models.items():

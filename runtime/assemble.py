@@ -3,8 +3,9 @@ and the decoder-init inputs of a batch of scored visits (numpy, vectorised).
 
 A visit's history is its patient's earlier rows with known medications (the last
 `max_history` of them when set). Every row that is scored or serves as history is encoded
-once (`encode_rows`); its encodings are kept flat (one row per code) and gathered into the
-padded decoder-init inputs of each batch.
+once (`encode_rows`); the encoder's outputs stay as each call returned them, call after call,
+in two flat buffers (`Layout`: the encoder can write them in place, on a GPU in its memory),
+from which the padded decoder-init inputs of each batch are gathered (`init_index`).
 
 Row statuses, checked in this order (the first that applies):
 - rejected `missing_key`: null patient_id, visit_id or visit_seq;
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -240,27 +242,91 @@ class Assembler:
         return [known[a:b] for a, b in zip(since.tolist(), before.tolist(), strict=True)]
 
 
+CODE_INPUTS = ("diag_enc", "proc_enc", "slot_enc")  # decoder-init inputs gathered from codes
+VISIT_INPUTS = ("v_d", "v_p", "hist_v_d", "hist_v_p")  # ... and from visit vectors
+GATHERED = CODE_INPUTS + VISIT_INPUTS
+
+
+@dataclass
+class Layout:
+    """Where the encoder outputs of a chunk's rows go in two flat buffers, each encoder call's
+    outputs one after the other, as the call returned them (a plain copy, or the call writes
+    them in place):
+
+    - codes [code_rows, s]: per call of n visits, its diag_enc [n, Ld, s], proc_enc
+      [n, Lp, s] and med_enc [n, Lm, s], each flattened to rows; the last row is zero and
+      padding positions point at it;
+    - visits [visit_rows, s]: per call, its v_d [n, s] then v_p [n, s]; the last row zero.
+
+    at[kind][row]: the buffer row of a chunk row's first code of that kind (its j-th code at
+    + j), or of its v_d / v_p; only encoded rows have one."""
+
+    parts: list[np.ndarray]  # the chunk rows of each encoder call, in call order
+    widths: np.ndarray  # int64 [calls, 3]: padded code width of diagnoses, procedures, meds
+    code_at: np.ndarray  # int64 [calls, 3]: first buffer row of each output of each call
+    visit_at: np.ndarray  # int64 [calls]: buffer row of each call's first v_d
+    at: dict[str, np.ndarray]  # "diag", "proc", "meds", "v_d", "v_p" -> int64 [chunk rows]
+    code_rows: int
+    visit_rows: int
+
+    def outputs(self, k: int) -> dict[str, tuple[int, tuple[int, ...]]]:
+        """{encoder output: (first buffer row, shape without the last axis)} of call k."""
+        n = int(self.parts[k].size)
+        (ld, lp, lm), (d, p, m) = self.widths[k].tolist(), self.code_at[k].tolist()
+        v = int(self.visit_at[k])
+        return {
+            "diag_enc": (d, (n, ld)),
+            "proc_enc": (p, (n, lp)),
+            "med_enc": (m, (n, lm)),
+            "v_d": (v, (n,)),
+            "v_p": (v + n, (n,)),
+        }
+
+
+def layout(plan: Plan, parts: list[np.ndarray]) -> Layout:
+    """The buffer layout of encoder calls over `parts` (chunk rows per call)."""
+    raggeds = (plan.diag, plan.proc, plan.meds)
+    sizes = np.array([p.size for p in parts], np.int64)
+    widths = np.array(
+        [[max(1, int(r.lengths[p].max(initial=0))) for r in raggeds] for p in parts], np.int64
+    ).reshape(-1, 3)
+    cells = (widths * sizes[:, None]).ravel()  # call by call, kind by kind
+    code_at = (np.cumsum(cells) - cells).reshape(-1, 3)
+    visit_at = np.cumsum(2 * sizes) - 2 * sizes
+    at = {kind: np.zeros(plan.rows, np.int64) for kind in ("diag", "proc", "meds", "v_d", "v_p")}
+    if parts:
+        rows = np.concatenate(parts)
+        call = np.repeat(np.arange(len(parts)), sizes)
+        i = np.arange(rows.size) - np.repeat(np.cumsum(sizes) - sizes, sizes)  # place in call
+        for j, kind in enumerate(("diag", "proc", "meds")):
+            at[kind][rows] = code_at[call, j] + i * widths[call, j]
+        at["v_d"][rows] = visit_at[call] + i
+        at["v_p"][rows] = visit_at[call] + sizes[call] + i
+    return Layout(
+        list(parts),
+        widths,
+        code_at,
+        visit_at,
+        at,
+        int(cells.sum()) + 1,
+        int(2 * sizes.sum()) + 1,
+    )
+
+
 @dataclass
 class Encodings:
-    """Encoder outputs of a chunk's rows, kept flat: one row per code (plus a zero row at
-    the end that padding positions point at)."""
+    """A chunk's encoder outputs in their `Layout`: numpy arrays on the host, or handles where
+    the encoder wrote them (a GPU's memory)."""
 
-    v_d: np.ndarray  # [rows, s]
-    v_p: np.ndarray  # [rows, s]
-    diag: np.ndarray  # [diag codes + 1, s], aligned with Plan.diag
-    proc: np.ndarray  # [proc codes + 1, s]
-    meds: np.ndarray  # [med codes + 1, s]
+    layout: Layout
+    codes: Any  # [layout.code_rows, s]
+    visits: Any  # [layout.visit_rows, s]
 
 
-def new_encodings(plan: Plan, dim: int) -> Encodings:
+def new_encodings(lay: Layout, dim: int, dtype=np.float32) -> Encodings:
+    """Host buffers of a layout (zeros: the padding rows must be)."""
     z = np.zeros
-    return Encodings(
-        z((plan.rows, dim), np.float32),
-        z((plan.rows, dim), np.float32),
-        z((plan.diag.values.size + 1, dim), np.float32),
-        z((plan.proc.values.size + 1, dim), np.float32),
-        z((plan.meds.values.size + 1, dim), np.float32),
-    )
+    return Encodings(lay, z((lay.code_rows, dim), dtype), z((lay.visit_rows, dim), dtype))
 
 
 def encoder_inputs(plan: Plan, rows: np.ndarray, vocab: Vocab) -> dict[str, np.ndarray]:
@@ -272,46 +338,48 @@ def encoder_inputs(plan: Plan, rows: np.ndarray, vocab: Vocab) -> dict[str, np.n
     }
 
 
-def store_encodings(
-    enc: Encodings,
-    plan: Plan,
-    rows: np.ndarray,
-    out: Mapping[str, np.ndarray],
-    decoded: np.ndarray | None = None,
-) -> None:
-    """Keep the encoder outputs of `rows` (in the order given to `encoder_inputs`).
+def store_encodings(enc: Encodings, k: int, out: Mapping[str, np.ndarray]) -> None:
+    """Copy the outputs of encoder call k (host arrays) into their place."""
+    for name, (first, shape) in enc.layout.outputs(k).items():
+        buffer = enc.codes if name.endswith("_enc") else enc.visits
+        rows = int(np.prod(shape))
+        buffer[first : first + rows] = np.asarray(out[name]).reshape(rows, -1)
 
-    decoded: bool [plan rows], the visits to decode: only theirs need the per-code diagnosis
-    and procedure encodings (a past visit gives its visit vectors and medications), which
-    saves most of the copying when most encoded visits are histories."""
-    enc.v_d[rows] = out["v_d"]
-    enc.v_p[rows] = out["v_p"]
-    keep = slice(None) if decoded is None else decoded[rows]
-    for ragged, flat, name, part in (
-        (plan.diag, enc.diag, "diag_enc", keep),
-        (plan.proc, enc.proc, "proc_enc", keep),
-        (plan.meds, enc.meds, "med_enc", slice(None)),
-    ):
-        pos, mask = ragged.positions(rows[part])
-        flat[pos[mask]] = out[name][part][:, : pos.shape[1]][mask]
+
+def init_index(
+    plan: Plan, lay: Layout, targets: np.ndarray, histories: list[np.ndarray]
+) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """The decoder-init inputs (`graphspec.INIT_INPUTS`) of the visits `targets` (chunk
+    rows), as (buffer rows of the GATHERED inputs, the other inputs): codes for CODE_INPUTS,
+    visits for VISIT_INPUTS; padding positions point at the buffer's zero row."""
+    gather: dict[str, np.ndarray] = {}
+    rest: dict[str, np.ndarray] = {}
+    zero_code, zero_visit = lay.code_rows - 1, lay.visit_rows - 1
+    for kind, ragged in (("diag", plan.diag), ("proc", plan.proc)):
+        lengths = ragged.lengths[targets]
+        k = np.arange(max(1, int(lengths.max(initial=0))))
+        mask = k < lengths[:, None]
+        gather[f"{kind}_enc"] = np.where(mask, lay.at[kind][targets, None] + k, zero_code)
+        rest[f"{kind}_mask"] = mask.astype(np.float32)
+    gather["v_d"], gather["v_p"] = lay.at["v_d"][targets], lay.at["v_p"][targets]
+    index = history_index(histories, plan.meds)
+    real = index["hist_mask"] > 0
+    gather["hist_v_d"] = np.where(real, lay.at["v_d"][index["hist_index"]], zero_visit)
+    gather["hist_v_p"] = np.where(real, lay.at["v_p"][index["hist_index"]], zero_visit)
+    rest["hist_mask"] = index["hist_mask"]
+    slot = lay.at["meds"][index["slot_row"]] + index["slot_pos"]
+    gather["slot_enc"] = np.where(index["slot_mask"] > 0, slot, zero_code)
+    for name in ("slot_mask", "slot_visit", "slot_med"):
+        rest[name] = index[name]
+    return gather, rest
 
 
 def init_inputs(
     plan: Plan, enc: Encodings, targets: np.ndarray, histories: list[np.ndarray]
 ) -> dict[str, np.ndarray]:
-    """Decoder-init inputs (`graphspec.INIT_INPUTS`) of the visits `targets` (chunk rows)."""
-    out: dict[str, np.ndarray] = {}
-    for kind, ragged, flat in (("diag", plan.diag, enc.diag), ("proc", plan.proc, enc.proc)):
-        pos, mask = ragged.positions(targets)
-        out[f"{kind}_enc"] = flat[np.where(mask, pos, len(flat) - 1)]
-        out[f"{kind}_mask"] = mask.astype(np.float32)
-    out["v_d"], out["v_p"] = enc.v_d[targets], enc.v_p[targets]
-    index = history_index(histories, plan.meds)
-    out["hist_v_d"] = enc.v_d[index["hist_index"]]
-    out["hist_v_p"] = enc.v_p[index["hist_index"]]
-    out["hist_mask"] = index["hist_mask"]
-    slot = plan.meds.offsets[index["slot_row"]] + index["slot_pos"]
-    out["slot_enc"] = enc.meds[np.where(index["slot_mask"] > 0, slot, len(enc.meds) - 1)]
-    for name in ("slot_mask", "slot_visit", "slot_med"):
-        out[name] = index[name]
+    """Decoder-init inputs (`graphspec.INIT_INPUTS`) of the visits `targets` (chunk rows),
+    gathered on the host."""
+    gather, out = init_index(plan, enc.layout, targets, histories)
+    for name, rows in gather.items():
+        out[name] = (enc.codes if name in CODE_INPUTS else enc.visits)[rows]
     return out

@@ -16,6 +16,9 @@ import pyarrow as pa
 
 from cognet.runtime import assemble, reader
 
+# Diagnoses a medication attended to most: top TOP_DIAGNOSES codes by the diagnosis
+# cross-attention (mean over heads) at the step that emitted it, heaviest first.
+TOP_DIAGNOSES = 3
 ATTENDED = pa.struct([("code", pa.string()), ("weight", pa.float32())])
 EXPLANATION = pa.struct(
     [
@@ -125,3 +128,59 @@ def rejects_table(plan: assemble.Plan) -> pa.Table:
         },
         schema=REJECTS_SCHEMA,
     )
+
+
+def explanations(plan: assemble.Plan, slots: dict, diag_codes: np.ndarray) -> pa.Array:
+    """The `explanations` column of a chunk's targets (slots: target -> (its batch's
+    BeamResult, its place there, its batch's decoder-init inputs); diag_codes: the
+    vocabulary's diagnosis codes, an object array). Per medication: copy share 1 - w_g at
+    its step, the past visit whose slots of that medication carry the most copy weight (null
+    when none holds it), and the diagnoses of the visit it attended to most at its step."""
+    visit_ids = plan.table["visit_id"]
+    out = []
+    for i in range(plan.targets.size):
+        res, k, inputs = slots[i]
+        meds = res.meds[k]
+        share = 1.0 - res.gates[k]
+        hist = plan.histories[i]
+        src: list[str | None] = [None] * meds.size
+        if hist.size and meds.size:
+            slot_med, slot_visit = inputs["slot_med"][k], inputs["slot_visit"][k]
+            real = inputs["slot_mask"][k] > 0
+            weight = res.copies[k] * ((slot_med[None, :] == meds[:, None]) & real)
+            per_visit = np.zeros((meds.size, hist.size))
+            for j in range(meds.size):
+                per_visit[j] = np.bincount(slot_visit, weight[j], minlength=hist.size)[: hist.size]
+            best = per_visit.argmax(1)
+            for j in np.flatnonzero(per_visit.max(1) > 0):
+                src[j] = visit_ids[int(hist[best[j]])].as_py()
+        top = _top_diagnoses(plan, plan.targets[i], res.attention, k, meds.size, diag_codes)
+        out.append(
+            [
+                {"copy_share": float(s), "source_visit": v, "top_diagnoses": d}
+                for s, v, d in zip(share.tolist(), src, top, strict=True)
+            ]
+        )
+    return pa.array(out, pa.list_(EXPLANATION))
+
+
+def _top_diagnoses(
+    plan: assemble.Plan,
+    row: int,
+    attention: list | None,
+    k: int,
+    n_meds: int,
+    diag_codes: np.ndarray,
+) -> list:
+    """Per medication of one visit: [{code, weight}] of its TOP_DIAGNOSES most attended
+    diagnoses (positions of the attention = the row's diagnosis ids, in plan order)."""
+    if attention is None:
+        return [None] * n_meds
+    ids = plan.diag[row]
+    weights = attention[k][:, : ids.size].astype(np.float32)  # [meds, diagnoses]
+    order = np.argsort(-weights, axis=1, kind="stable")[:, :TOP_DIAGNOSES]
+    codes = diag_codes[ids]
+    return [
+        [{"code": codes[j], "weight": float(w[j])} for j in o if w[j] > 0]
+        for o, w in zip(order, weights, strict=True)
+    ]

@@ -45,8 +45,8 @@ from cognet.runtime.beam import BeamResult, DecoderSession, decoding_configs
 from cognet.runtime.beam import decode as run_decoding
 from cognet.runtime.options import GPU_DEVICES, ScoreOptions
 from cognet.runtime.outputs import (
-    EXPLANATION,
     ScoredChunk,
+    explanations,
     output_schema,
     rejects_table,
     with_kept,
@@ -67,9 +67,6 @@ CPU_BATCH, GPU_BATCH = 128, 512
 # batch 4096, BENCHMARKS.md) caps of 2^10 .. 2^18 gave 767, 828, 855, 842, 796, 718 and 602
 # visits/s: 2^12 it is. On a GPU, where wide batches pay, the cap only bounds memory.
 CPU_BATCH_SLOTS, GPU_BATCH_SLOTS = 1 << 12, 1 << 20
-# Diagnoses a medication attended to most: top TOP_DIAGNOSES codes by the diagnosis
-# cross-attention (mean over heads) at the step that emitted it, heaviest first.
-TOP_DIAGNOSES = 3
 
 
 @dataclass(frozen=True)
@@ -80,6 +77,8 @@ class ScoringModel:
     `open_model` makes one from a model directory with ONNX Runtime; `Scorer.from_session`
     from any encoder and decoder (the tests plug torch in)."""
 
+    # host arrays in, host arrays out; one with `new_encodings` and `encode_into`
+    # (`session.Encoder`) writes its outputs in place, on a GPU into the device's memory
     encode: Callable[[Mapping[str, np.ndarray]], Mapping[str, np.ndarray]]
     decoder: DecoderSession
     vocab: Vocab
@@ -105,7 +104,7 @@ def open_model(model_dir: str | Path, options: ScoreOptions) -> ScoringModel:
         manifest, options.device, max(1, threads // streams), options.variant, options.selection
     )
     return ScoringModel(
-        encode=model.encode,
+        encode=model.encoder,
         decoder=model.decoder,
         vocab=manifest.vocabulary(),
         dim=manifest.dims.dim,
@@ -274,13 +273,17 @@ class Scorer:
         parts = cut_padded(order, widths, budgets, self.batch_size)
 
         def decode(part: np.ndarray) -> tuple[BeamResult, dict]:
-            inputs = assemble.init_inputs(
-                plan, enc, plan.targets[part], [plan.histories[i] for i in part]
-            )
-            ids = plan.table.column("visit_id").take(plan.targets[part]).to_pylist()
+            targets, histories = plan.targets[part], [plan.histories[i] for i in part]
+            if isinstance(enc.codes, np.ndarray):
+                inputs = assemble.init_inputs(plan, enc, targets, histories)
+                memories = self.decoder.init(inputs)
+            else:  # encodings on the device: gathered there
+                rows, inputs = assemble.init_index(plan, enc.layout, targets, histories)
+                memories = self.decoder.init_gathered(enc, rows, inputs)
+            ids = plan.table.column("visit_id").take(targets).to_pylist()
             result = run_decoding(
                 self.decoder,
-                self.decoder.init(inputs),
+                memories,
                 self.set_config or self.beam_config,
                 ids,
                 prauc=score_all,
@@ -291,9 +294,14 @@ class Scorer:
             return result, inputs
 
         slots: dict[int, tuple[BeamResult, int, dict]] = {}
-        for part, (res, inputs) in zip(parts, self._map(decode, parts), strict=True):
-            for k, i in enumerate(part.tolist()):
-                slots[i] = (res, k, inputs)
+        try:
+            for part, (res, inputs) in zip(parts, self._map(decode, parts), strict=True):
+                for k, i in enumerate(part.tolist()):
+                    slots[i] = (res, k, inputs)
+        finally:
+            release = getattr(self.encode, "release", None)
+            if release is not None:
+                release(enc)  # its buffers may serve the next chunk
         out = self._recommendations(plan, slots, explain)
         metrics, evaluated = self._metrics(plan, slots) if score_all else (None, 0)
         counts = plan.counts()
@@ -324,7 +332,6 @@ class Scorer:
         return map(func, items) if self._pool is None else self._pool.map(func, items)
 
     def _encode(self, plan: assemble.Plan) -> assemble.Encodings:
-        enc = assemble.new_encodings(plan, self.dim)
         rows = plan.encode_rows
         # similar lengths pad little: group by medication count, then diagnoses + procedures
         rows = rows[
@@ -335,15 +342,21 @@ class Scorer:
         lengths = [ragged.lengths[rows] for ragged in (plan.diag, plan.proc, plan.meds)]
         cells = [self.encode_cells] * 3
         parts = cut_padded(rows, lengths, cells, self.encode_batch, squared=True)
+        lay = assemble.layout(plan, parts)
+        in_place = getattr(self.encode, "encode_into", None)  # `session.Encoder`
+        if in_place is not None:
+            enc = self.encode.new_encodings(lay)
+        else:
+            enc = assemble.new_encodings(lay, self.dim)
 
-        decoded = np.zeros(plan.rows, bool)
-        decoded[plan.targets] = True
+        def encode(k: int) -> None:
+            inputs = assemble.encoder_inputs(plan, parts[k], self.vocab)
+            if in_place is not None:
+                in_place(inputs, enc, k)
+            else:
+                assemble.store_encodings(enc, k, self.encode(inputs))
 
-        def encode(part: np.ndarray) -> None:
-            out = self.encode(assemble.encoder_inputs(plan, part, self.vocab))
-            assemble.store_encodings(enc, plan, part, out, decoded)
-
-        for _ in self._map(encode, parts):
+        for _ in self._map(encode, range(len(parts))):
             pass
         return enc
 
@@ -378,57 +391,8 @@ class Scorer:
             ),
         }
         if explain:
-            columns["explanations"] = self._explanations(plan, slots)
+            columns["explanations"] = explanations(plan, slots, self._diag_codes)
         return with_kept(pa.table(columns, schema=output_schema(explain)), table)
-
-    def _explanations(self, plan: assemble.Plan, slots: dict) -> pa.Array:
-        """Per medication: copy share 1 - w_g at its step, the past visit whose slots of
-        that medication carry the most copy weight (null when none holds it), and the
-        diagnoses of the visit it attended to most at its step."""
-        visit_ids = plan.table["visit_id"]
-        out = []
-        for i in range(plan.targets.size):
-            res, k, inputs = slots[i]
-            meds = res.meds[k]
-            share = 1.0 - res.gates[k]
-            hist = plan.histories[i]
-            src: list[str | None] = [None] * meds.size
-            if hist.size and meds.size:
-                slot_med, slot_visit = inputs["slot_med"][k], inputs["slot_visit"][k]
-                real = inputs["slot_mask"][k] > 0
-                weight = res.copies[k] * ((slot_med[None, :] == meds[:, None]) & real)
-                per_visit = np.zeros((meds.size, hist.size))
-                for j in range(meds.size):
-                    per_visit[j] = np.bincount(slot_visit, weight[j], minlength=hist.size)[
-                        : hist.size
-                    ]
-                best = per_visit.argmax(1)
-                for j in np.flatnonzero(per_visit.max(1) > 0):
-                    src[j] = visit_ids[int(hist[best[j]])].as_py()
-            top = self._top_diagnoses(plan, plan.targets[i], res.attention, k, meds.size)
-            out.append(
-                [
-                    {"copy_share": float(s), "source_visit": v, "top_diagnoses": d}
-                    for s, v, d in zip(share.tolist(), src, top, strict=True)
-                ]
-            )
-        return pa.array(out, pa.list_(EXPLANATION))
-
-    def _top_diagnoses(
-        self, plan: assemble.Plan, row: int, attention: list | None, k: int, n_meds: int
-    ) -> list:
-        """Per medication of one visit: [{code, weight}] of its TOP_DIAGNOSES most attended
-        diagnoses (positions of the attention = the row's diagnosis ids, in plan order)."""
-        if attention is None:
-            return [None] * n_meds
-        ids = plan.diag[row]
-        weights = attention[k][:, : ids.size].astype(np.float32)  # [meds, diagnoses]
-        order = np.argsort(-weights, axis=1, kind="stable")[:, :TOP_DIAGNOSES]
-        codes = self._diag_codes[ids]
-        return [
-            [{"code": codes[j], "weight": float(w[j])} for j in o if w[j] > 0]
-            for o, w in zip(order, weights, strict=True)
-        ]
 
     def _metrics(self, plan: assemble.Plan, slots: dict) -> tuple[np.ndarray, int]:
         pids = plan.table["patient_id"]

@@ -34,7 +34,11 @@ _TAKE = {
     "tensor(int64)": "take_int64",
     "tensor(bool)": "take_bool",
 }
-# every graph the runtime needs from a manifest's "search" entry
+ORT_TYPES = {"tensor(float)": "float32", "tensor(float16)": "float16", "tensor(int64)": "int64"}
+# the decoder-init gathers on the device, by the encoder outputs' type (models exported
+# before them decode with encodings gathered on the host)
+INIT_GATHER = {"tensor(float)": "init_gather_float32", "tensor(float16)": "init_gather_float16"}
+# every graph the runtime needs from a manifest's "search" entry for --selection device
 SEARCH_GRAPHS = (
     "beam_select",
     "beam_select_ddi",

@@ -3,10 +3,12 @@ the beam driver runs (`cognet.runtime.beam.DecoderSession`).
 
 CPU: numpy in, numpy out; every array stays in host memory. Sessions run with a fixed number
 of intra-op threads and no spinning (see `session_options`).
-CUDA / TensorRT: the memories and the KV cache live on the device as OrtValues and are
-passed from step to step by IO binding; only tokens/parents go up and log-probabilities
-(plus gate and copy distribution when explaining) come back each step. Dropping finished
-visits (`take`) goes through the host, a few times per batch, not per step.
+CUDA / TensorRT: the encoder writes its outputs into buffers on the device (`Encoder`), from
+which the `init_gather` graph builds the decoder-init inputs there; the memories and the KV
+cache live on the device as OrtValues and are passed from step to step by IO binding; only
+tokens/parents go up, and per step either the candidates of the search graphs or the
+log-probabilities (host selection, explanations) come back. Finished visits leave the batch
+by the `take` graphs, on the device.
 TensorRT reuses the engines that `cognet-export --tensorrt` built: the provider options are
 the exporter's (`cognet.core.tensorrt`), with the cache folder and the min/opt/max shape
 profile of each graph from the manifest's `tensorrt` entry.
@@ -38,8 +40,10 @@ from cognet.core.graphspec import (
     STEP_OUTPUTS,
 )
 from cognet.core.manifest import GRAPHS, GraphSpec, Manifest
+from cognet.runtime.assemble import Encodings
+from cognet.runtime.encoder import Encoder
 from cognet.runtime.options import DEVICES, SELECTIONS
-from cognet.runtime.search import SEARCH_GRAPHS, SearchGraphs, bind_input
+from cognet.runtime.search import INIT_GATHER, ORT_TYPES, SEARCH_GRAPHS, SearchGraphs, bind_input
 
 log = logging.getLogger(__name__)
 
@@ -176,6 +180,11 @@ class OrtModel:
             self.decoder.search = SearchGraphs(search, device)
         # select on the device: always for the take graphs on a GPU, per step when chosen
         self.decoder.select_on_device = self.selection == "device"
+        self.encoder = Encoder(
+            self.sessions["encoder"],
+            manifest.dims.dim,
+            self.decoder.search if self.on_device else None,
+        )
 
     def _disabled(self) -> list[str]:
         """Graph optimisations left out. On the CPU, SkipLayerNormFusion: its fused kernel is
@@ -203,8 +212,7 @@ class OrtModel:
 
     def encode(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Encoder outputs (`graphspec.ENCODER_OUTPUTS`) as host arrays."""
-        out = self.sessions["encoder"].run(list(ENCODER_OUTPUTS), dict(inputs))
-        return dict(zip(ENCODER_OUTPUTS, out, strict=True))
+        return self.encoder(inputs)
 
 
 # What each graph must take and give (`cognet.core.graphspec`); `diag_attention` is optional
@@ -214,7 +222,6 @@ GRAPH_IO = {
     "decoder_init": (INIT_INPUTS, MEMORIES),
     "decoder_step": (STEP_INPUTS, tuple(n for n in STEP_OUTPUTS if n != "diag_attention")),
 }
-ORT_TYPES = {"tensor(float)": "float32", "tensor(float16)": "float16", "tensor(int64)": "int64"}
 
 
 def check_io(name: str, path: object, session: ort.InferenceSession, spec: GraphSpec) -> None:
@@ -328,14 +335,30 @@ class DeviceDecoder:
 
     _bind = staticmethod(bind_input)  # numpy from host memory, OrtValues where they are
 
-    def init(self, inputs: Mapping[str, np.ndarray]) -> dict[str, ort.OrtValue]:
+    def init(self, inputs: Mapping[str, Any]) -> dict[str, ort.OrtValue]:
+        """Memories on the device from init inputs: host arrays (cast to the graph's types)
+        or OrtValues already there."""
         io = self._init.io_binding()
         for name in INIT_INPUTS:
-            io.bind_cpu_input(name, np.ascontiguousarray(inputs[name], self._init_types[name]))
+            value = inputs[name]
+            if isinstance(value, np.ndarray):
+                value = np.asarray(value, self._init_types[name])
+            self._bind(io, name, value)
         for name in MEMORIES:
             io.bind_output(name, *self._device)
         self._init.run_with_iobinding(io)
         return dict(zip(MEMORIES, io.get_outputs(), strict=True))
+
+    def init_gathered(
+        self, enc: Encodings, rows: Mapping[str, np.ndarray], rest: Mapping[str, np.ndarray]
+    ) -> dict[str, ort.OrtValue]:
+        """Memories from encodings on the device (`Encoder`): the encoding inputs gathered
+        there by the `init_gather` graph (`rows`: `assemble.init_index`), the rest bound
+        from the host."""
+        feeds = {"codes": enc.codes, "visits": enc.visits}
+        feeds.update({f"{name}_rows": value for name, value in rows.items()})
+        _, gathered = self.search.run(INIT_GATHER[enc.codes.data_type()], feeds, (), tuple(rows))
+        return self.init({**rest, **gathered})
 
     def empty_cache(self, n: int, beam: int) -> tuple[np.ndarray, np.ndarray]:
         return HostDecoder.empty_cache(self, n, beam)

@@ -123,14 +123,17 @@ def test_duplicates_are_found_across_chunks():
 
 
 def test_init_inputs_equal_the_torch_batching():
+    """Encoded in several calls of shuffled rows (each padded to its own widths), laid out
+    call after call, gathered back: the torch batching's inputs, zeros at padding."""
     model, vocab, _ = make_case()
     table = visits_table(vocab, 12, seed=1)
     plan = assemble.Assembler(vocab, score_all=True).plan(table)
-    enc = assemble.new_encodings(plan, model.cfg.dim)
-    rows = plan.encode_rows
-    assemble.store_encodings(
-        enc, plan, rows, torch_encoder(model)(assemble.encoder_inputs(plan, rows, vocab))
-    )
+    rows = np.random.default_rng(0).permutation(plan.encode_rows)
+    parts = [rows[:1], rows[1:6], rows[6:]]
+    enc = assemble.new_encodings(assemble.layout(plan, parts), model.cfg.dim)
+    for k, part in enumerate(parts):
+        out = torch_encoder(model)(assemble.encoder_inputs(plan, part, vocab))
+        assemble.store_encodings(enc, k, out)
     ours = assemble.init_inputs(plan, enc, plan.targets, plan.histories)
     batch = make_batch(list(patients_from_table(table, vocab)), vocab, targets=False)
     with torch.no_grad():
@@ -145,8 +148,9 @@ def test_init_inputs_equal_the_torch_batching():
             "hist_v_p": "hist_mask",
             "slot_enc": "slot_mask",
         }.get(name)
-        if mask:  # padding positions may differ (masked in the model)
+        if mask:  # padding positions may differ (masked in the model): ours are zero
             keep = ref[mask].numpy() > 0
+            assert not ours[name][ours[mask] == 0].any(), name
             want, got = want[keep], got[:, : keep.shape[1]][keep]
         else:
             want, got = want * 1, got[:, : want.shape[1]] if got.ndim > 1 else got

@@ -69,15 +69,20 @@ def _score(scorer: Scorer, table: pa.Table, **kwargs):
 
 
 @pytest.mark.parametrize(
-    "batch_size,streams,batch_slots",
-    [(64, 1, CPU_BATCH_SLOTS), (7, 2, CPU_BATCH_SLOTS), (64, 1, 40)],
-)
+    "batch_size,streams,batch_slots,chunk_targets",
+    [(64, 1, CPU_BATCH_SLOTS, None), (7, 2, CPU_BATCH_SLOTS, None), (64, 1, 40, None),
+     (16, 1, CPU_BATCH_SLOTS, 5)],
+)  # fmt: skip
 def test_onnx_runtime_equals_torch_reference(tiny, reference, batch_size, streams,
-                                             batch_slots):  # fmt: skip
+                                             batch_slots, chunk_targets):  # fmt: skip
+    """Several batch sizes and streams; many chunks of different sizes (each reusing the
+    encoding buffers of the one before)."""
     scorer = Scorer(tiny / "model", device="cpu", batch_size=batch_size, streams=streams,
-                    threads=streams, batch_slots=batch_slots)  # fmt: skip
+                    threads=streams, batch_slots=batch_slots,
+                    chunk_targets=chunk_targets)  # fmt: skip
     assert scorer.providers == ["CPUExecutionProvider"]
     chunks, out = _score(scorer, reference["visits"], score_all=True)
+    assert len(chunks) > (20 if chunk_targets else 0)
     vocab = reference["vocab"]
     assert out.num_rows == reference["visits"].num_rows >= 200
     for row in out.to_pylist():

@@ -340,29 +340,79 @@ def test_device_selection_sets_equal_the_host_and_torch_on_a_trained_model(train
     ids=["beam", "beam-hard-max-rate", "set"],
 )  # fmt: skip
 def test_the_gpu_bindings_run_on_the_cpu_equal_the_host_path(tiny_many, options):
-    """What a GPU runs (IO binding, the split TopK graphs, gathers by the take graphs),
-    bound to CPU memory: the lists of the numpy selection."""
+    """What a GPU runs (encoder outputs written into device buffers and gathered there by
+    init_gather, IO binding, the split TopK graphs, gathers by the take graphs), bound to CPU
+    memory: the lists of the numpy selection."""
+    model, bound, encoder = _bound(tiny_many / "model")
+    table = _as_targets(pq.read_table(tiny_many / "data" / "visits.parquet"))
+    runs = {
+        name: _lists(
+            model.manifest, encode, decoder, table, batch_size=64, compact_at=0.5, **options
+        )  # fmt: skip
+        for name, encode, decoder in (
+            ("host", model.encode, model.decoder),
+            ("bound", encoder, bound),
+        )
+    }
+    assert len(runs["host"]) >= 2000
+    assert runs["bound"] == runs["host"]
+
+
+def _bound(model_dir, variant=None):
+    """(an OrtModel on the CPU, its decoder and encoder bound as on a GPU, in CPU memory)."""
     from cognet.core.manifest import load_manifest
+    from cognet.runtime.encoder import Encoder
     from cognet.runtime.search import SearchGraphs
     from cognet.runtime.session import DeviceDecoder, OrtModel
 
-    manifest = load_manifest(tiny_many / "model")
-    model = OrtModel(manifest, device="cpu", threads=1, selection="device")
+    manifest = load_manifest(model_dir)
+    model = OrtModel(manifest, device="cpu", threads=1, selection="device", variant=variant)
+    model.decoder.select_on_device = False  # the host path: numpy selection
     bound = DeviceDecoder(model.sessions["decoder_init"], model.sessions["decoder_step"],
                           manifest, device=("cpu", 0))  # fmt: skip
     bound.search = SearchGraphs(model.decoder.search.sessions, device=("cpu", 0))
     bound.select_on_device = True
-    table = _as_targets(pq.read_table(tiny_many / "data" / "visits.parquet"))
-    vocab = manifest.vocabulary()
-    runs = {}
-    for name, decoder in (("host", model.decoder), ("bound", bound)):
-        decoder.select_on_device = name == "bound"
-        scorer = Scorer.from_session(model.encode, decoder, vocab, 16, manifest.ddi_pairs,
-                                     batch_size=64, compact_at=0.5, **options)  # fmt: skip
-        out = pa.concat_tables([c.recommendations for c in scorer.score_table(table)])
-        runs[name] = out.select(["visit_id", "medications", "score"]).to_pylist()
-    assert len(runs["host"]) >= 2000
-    assert runs["bound"] == runs["host"]
+    encoder = Encoder(model.sessions["encoder"], manifest.dims.dim, bound.search)
+    assert encoder.search is not None  # the model has the init_gather graphs
+    return model, bound, encoder
+
+
+def _lists(manifest, encode, decoder, table, **options) -> list[dict]:
+    scorer = Scorer.from_session(encode, decoder, manifest.vocabulary(), manifest.dims.dim,
+                                 manifest.ddi_pairs, **options)  # fmt: skip
+    out = pa.concat_tables([c.recommendations for c in scorer.score_table(table)])
+    return out.select(["visit_id", "medications", "score"]).to_pylist()
+
+
+@pytest.mark.parametrize("batch", [1, 7, 300])
+def test_init_gathered_on_the_device_equals_the_host_assembly(tiny_many, batch):
+    """Encoder calls of several widths written into device buffers, then a batch's memories
+    from init_gather: exactly the memories of the host assembly."""
+    from cognet.runtime import assemble
+    from cognet.runtime.batches import cut_padded
+
+    model, bound, encoder = _bound(tiny_many / "model")
+    vocab = model.manifest.vocabulary()
+    table = pq.read_table(tiny_many / "data" / "visits.parquet")
+    plan = assemble.Assembler(vocab, score_all=True).plan(table)
+    rows = np.random.default_rng(batch).permutation(plan.encode_rows)
+    lengths = [r.lengths[rows] for r in (plan.diag, plan.proc, plan.meds)]
+    parts = cut_padded(rows, lengths, [1 << 12] * 3, 50, squared=True)
+    lay = assemble.layout(plan, parts)
+    host, dev = assemble.new_encodings(lay, model.manifest.dims.dim), encoder.new_encodings(lay)
+    for k, part in enumerate(parts):
+        inputs = assemble.encoder_inputs(plan, part, vocab)
+        assemble.store_encodings(host, k, model.encode(inputs))
+        encoder.encode_into(inputs, dev, k)
+    np.testing.assert_array_equal(dev.codes.numpy()[: lay.code_rows], host.codes)
+    np.testing.assert_array_equal(dev.visits.numpy()[: lay.visit_rows], host.visits)
+    pick = np.random.default_rng(1).choice(plan.targets.size, batch, replace=False)
+    targets, histories = plan.targets[pick], [plan.histories[i] for i in pick]
+    want = model.decoder.init(assemble.init_inputs(plan, host, targets, histories))
+    rows_, rest = assemble.init_index(plan, lay, targets, histories)
+    got = bound.init_gathered(dev, rows_, rest)
+    for name, value in want.items():
+        np.testing.assert_array_equal(got[name].numpy(), value, err_msg=name)
 
 
 def test_the_fp16_variant_scores_end_to_end(tiny_many, tmp_path):
@@ -382,5 +432,9 @@ def test_the_fp16_variant_scores_end_to_end(tiny_many, tmp_path):
     }
     lists = {sel: {k: r["medications"] for k, r in run.items()} for sel, run in runs.items()}
     assert lists["host"] == lists["device"]
+    model, bound, encoder = _bound(tmp_path / "model", variant="fp16")  # as on a GPU
+    assert encoder.dtype == np.float16
+    gpu = _lists(model.manifest, encoder, bound, _as_targets(visits), batch_size=256)
+    assert {r["visit_id"]: r["medications"] for r in gpu} == lists["device"]
     same = sum(lists["host"][k] == r["medications"] for k, r in fp32.items())
     assert len(fp32) >= 2000 and same / len(fp32) >= 0.9
