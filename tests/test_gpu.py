@@ -211,6 +211,7 @@ def test_ort_cuda_device_selection_equals_torch_reference(real_size, batch_size)
         scorer = Scorer(real_size / "model", device="cuda", batch_size=batch_size,
                         decoding="beam", ddi=policy)  # fmt: skip
         assert scorer.decoder.select_on_device
+        assert scorer.encode.search is not None  # encodings written and gathered on the GPU
         out = pa.concat_tables([c.recommendations for c in scorer.score_table(_targets(visits))])
         got = {r["visit_id"]: r["medications"] for r in out.to_pylist()}
         assert got == ref, policy.label
