@@ -12,8 +12,12 @@ recommended medication codes of each scored visit. Engines:
   numpy on the host for the CPU, the search graphs on a GPU);
 - `ort-cpu-device`, `ort-cuda-host`: the same with the other selection (`runtime/search.py`),
   to measure one against the other;
-- `ort-cpu-fp16`: ort-cpu on the model's float16 graphs (`cognet-export --fp16`); its lists
-  are compared with the reference and the agreement reported, not required (APPROXIMATE).
+- `ort-cpu-fp16`, `ort-cuda-fp16`: the runtime on the model's float16 graphs (`cognet-export
+  --fp16`); their lists are compared with the reference and the agreement reported, not
+  required (APPROXIMATE);
+- `ort-cuda-streams`: ort-cuda with 4 host threads feeding the GPU (`ScoreOptions.streams`):
+  batches of one call decode in parallel, so it differs from ort-cuda in the stream mode
+  (a call per batch, the request mode, has one batch to decode).
 
 `availability(name)` says why an engine cannot run here (None when it can), so that the
 results name every skipped engine with its reason.
@@ -37,6 +41,8 @@ ENGINES = (
     "ort-cpu-fp16",
     "ort-cuda",
     "ort-cuda-host",
+    "ort-cuda-fp16",
+    "ort-cuda-streams",
     "ort-tensorrt",
     "torch-cuda",
 )
@@ -47,13 +53,23 @@ ORT_DEVICES = {
     "ort-cpu-fp16": "cpu",
     "ort-cuda": "cuda",
     "ort-cuda-host": "cuda",
+    "ort-cuda-fp16": "cuda",
+    "ort-cuda-streams": "cuda",
     "ort-tensorrt": "tensorrt",
 }
 # the candidate selection of each runtime engine (`cognet.runtime.options.SELECTIONS`)
 ORT_SELECTIONS = {"ort-cpu-device": "device", "ort-cuda-host": "host"}
-ORT_VARIANTS = {"ort-cpu-fp16": "fp16"}  # the manifest variant an engine scores with
-APPROXIMATE = ("ort-cpu-fp16",)  # engines whose agreement with the reference is reported
-GPU_ENGINES = ("ort-cuda", "ort-cuda-host", "ort-tensorrt", "torch-cuda")
+ORT_VARIANTS = {"ort-cpu-fp16": "fp16", "ort-cuda-fp16": "fp16"}  # the manifest variant
+ORT_STREAMS = {"ort-cuda-streams": 4}  # host threads (batches decoded at once)
+APPROXIMATE = ("ort-cpu-fp16", "ort-cuda-fp16")  # their agreement with the reference reported
+GPU_ENGINES = (
+    "ort-cuda",
+    "ort-cuda-host",
+    "ort-cuda-fp16",
+    "ort-cuda-streams",
+    "ort-tensorrt",
+    "torch-cuda",
+)
 SET = 0  # in a list of beam widths: the model's set decoding (`cognet.core.decoding`)
 
 
@@ -208,6 +224,7 @@ class OrtEngine:
         self.device = ORT_DEVICES[name]
         self.selection = ORT_SELECTIONS.get(name, "auto")
         self.variant = ORT_VARIANTS.get(name)
+        self.streams = ORT_STREAMS.get(name)
         self.scorer = None
         self.load_s = self._load(BEAM, 256)
         self.providers = list(self.scorer.providers)
@@ -216,23 +233,17 @@ class OrtEngine:
         """The `cognet.runtime.ScoreOptions` of a run at this beam width and batch size."""
         from cognet.runtime import ScoreOptions
 
+        common = {
+            "device": self.device,
+            "threads": self.threads,
+            "batch_size": batch_size,
+            "selection": self.selection,
+            "variant": self.variant,
+            "streams": self.streams,
+        }
         if beam == SET:  # the model's set decoding
-            return ScoreOptions(
-                decoding="set",
-                device=self.device,
-                threads=self.threads,
-                batch_size=batch_size,
-                selection=self.selection,
-            )
-        return ScoreOptions(
-            decoding="beam",
-            beam=beam,
-            device=self.device,
-            threads=self.threads,
-            batch_size=batch_size,
-            selection=self.selection,
-            variant=self.variant,
-        )
+            return ScoreOptions(decoding="set", **common)
+        return ScoreOptions(decoding="beam", beam=beam, **common)
 
     def _load(self, beam: int, batch_size: int) -> float:
         from cognet.runtime import Scorer

@@ -5,7 +5,9 @@
 #      no dependencies: the machine has them);
 #   2. prints onnxruntime's providers and opens CUDA sessions (get_providers() read back);
 #   3. runs cognet-bench at beam 4 over 65,536 visits, batch sizes 4,096 / 16,384 / 65,536:
-#      ort-cuda (the search graphs on the device) against torch-cuda, the correctness reference;
+#      ort-cuda (the search graphs on the device), ort-cuda-streams (4 host threads feeding
+#      the GPU) and ort-cuda-fp16 (the float16 graphs, when the model has them: cognet-export
+#      --fp16) against torch-cuda, the correctness reference (BENCH_ENGINES to choose);
 #   4. runs `pytest -m gpu` (ort-cuda on both selections, TopK ties on CUDA, set decoding and
 #      torch-cuda against the torch reference, the CLI);
 #   5. runs cognet-bench on 16,384 visits with the model's set decoding, ort-cuda against
@@ -14,9 +16,10 @@
 #      results-<gpu>-set.* (step 5) and the logs under $OUT (default gpu-check/).
 #
 # Usage (from the repository root):  WHEELS=.whl MODEL=bench/demo bash benchmarks/gpu_check.sh
-# MODEL holds model/ (cognet-export) and ckpt/ (its checkpoint); without it the demo model is
-# built on the GPU machine first. The wheel must match the machine's CUDA (onnxruntime-gpu
-# >= 1.27 for CUDA 13); see BENCHMARKS.md "GPU" for how it was carried there.
+# MODEL holds model/ (cognet-export --fp16 of this version: older exports lack graphs the GPU
+# path uses) and ckpt/ (its checkpoint); without it the demo model is built on the GPU first.
+# The wheel must match the machine's CUDA (onnxruntime-gpu >= 1.27 for CUDA 13); see
+# BENCHMARKS.md "GPU" for how it was carried there.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-check}
@@ -60,7 +63,7 @@ if [ -z "$MODEL" ]; then
     log "no MODEL: building the demo model on the GPU"
     "$bin/cognet" data synth --out "$MODEL/data" --patients 2000 --seed 0 \
         && "$bin/cognet" train --data "$MODEL/data" --out "$MODEL/ckpt" --epochs 8 --device cuda --quiet \
-        && "$bin/cognet-export" --checkpoint "$MODEL/ckpt" --out "$MODEL/model" || exit 1
+        && "$bin/cognet-export" --checkpoint "$MODEL/ckpt" --out "$MODEL/model" --fp16 || exit 1
 fi
 $PY - "$MODEL/model" <<'EOF' 2>&1 | tee "$OUT/providers.txt"
 import sys, torch, onnxruntime as ort
@@ -79,9 +82,10 @@ EOF
 gpu=$($PY -c "import torch; print(torch.cuda.get_device_name(0).split()[1].lower())" 2>/dev/null || echo gpu)
 
 # 3. the benchmark at beam 4 (the acceptance): ort-cuda against torch-cuda on 65,536 visits
-log "cognet-bench beam 4: ort-cuda + torch-cuda"
-timeout ${BENCH_S:-200} "$bin/cognet-bench" --model "$MODEL/model" --checkpoint "$MODEL/ckpt" \
-    --out "$OUT/bench" --engines ort-cuda,torch-cuda --reference torch-cuda --beams 4 \
+BENCH_ENGINES=${BENCH_ENGINES:-ort-cuda,ort-cuda-streams,ort-cuda-fp16,torch-cuda}
+log "cognet-bench beam 4: $BENCH_ENGINES"
+timeout ${BENCH_S:-240} "$bin/cognet-bench" --model "$MODEL/model" --checkpoint "$MODEL/ckpt" \
+    --out "$OUT/bench" --engines "$BENCH_ENGINES" --reference torch-cuda --beams 4 \
     --batch-sizes 4096,16384,65536 --visits 65536 --repeats ${REPEATS:-1} --past-visits '' \
     --input-sizes '' --no-ddi-tradeoff --max-run-seconds 60 2>&1 \
     | tee "$OUT/bench.log" | grep -v "^\s*$" | grep -v "plugin EP" | tail -20

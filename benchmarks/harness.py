@@ -213,6 +213,8 @@ def run_all(ctx: Context, settings: Settings, say: Callable[[str], None] = print
                 modes = ["request"]
                 if name in eng.ORT_DEVICES and visits > size:
                     modes.append("stream")
+                    if name in eng.ORT_STREAMS:  # one batch a call: nothing to run in parallel
+                        modes.remove("request")
                 for mode in modes:
                     rate, drop = rates.get(f"{name}/{mode}", (0.0, 1.0))
                     estimate = visits / rate * drop if rate else 0.0

@@ -9,7 +9,8 @@ workers (`--engine ray`), and the benchmarks. It is validated once, on creation,
 
 None means "the model's or the machine's default", resolved by the scorer: beam from the
 manifest (4), batch_size 128 on the CPU / 512 on a GPU, batch_slots 2^12 / 2^20, threads
-the cores this process may use, streams one per thread on the CPU / 1 on a GPU.
+the cores this process may use, streams one per thread on the CPU / 1 on a GPU (more when
+asked: host threads feeding the one device).
 """
 
 from __future__ import annotations

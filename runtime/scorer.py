@@ -96,13 +96,17 @@ class ScoringModel:
 
 def open_model(model_dir: str | Path, options: ScoreOptions) -> ScoringModel:
     """The ONNX Runtime sessions of a model directory for `options` (device, threads,
-    streams, variant). CPU: one single-threaded stream per thread by default; GPU: one."""
+    streams, variant). CPU: one single-threaded stream per thread by default; GPU: one
+    unless `options.streams` asks for more (host threads that feed the one device: while
+    one waits for its graphs, another assembles or traces back)."""
     manifest = load_manifest(model_dir)
     threads = options.threads or default_threads()
     streams = options.streams or (1 if options.device in GPU_DEVICES else threads)
     model = OrtModel(
         manifest, options.device, max(1, threads // streams), options.variant, options.selection
     )
+    if model.on_device and not options.streams:  # --device auto found a GPU
+        streams = 1
     return ScoringModel(
         encode=model.encoder,
         decoder=model.decoder,
@@ -115,7 +119,7 @@ def open_model(model_dir: str | Path, options: ScoreOptions) -> ScoringModel:
         on_device=model.on_device,
         providers=tuple(model.providers),
         threads=model.threads,
-        streams=1 if model.on_device else streams,
+        streams=streams,
         manifest=manifest,
     )
 

@@ -84,6 +84,8 @@ def test_unavailable_engines_are_skipped_with_a_reason(quick_run):
         "ort-cpu-fp16",
         "ort-cuda",
         "ort-cuda-host",
+        "ort-cuda-fp16",
+        "ort-cuda-streams",
         "ort-tensorrt",
         "torch-cuda",
     }

@@ -232,3 +232,18 @@ def test_ort_cuda_device_set_decoding_equals_the_cpu(real_size):
     assert len(runs["cpu"]) > 1000
     same = sum(runs["cuda"][k] == v for k, v in runs["cpu"].items())
     assert same / len(runs["cpu"]) >= 0.995
+
+
+@needs_ort_cuda
+def test_ort_cuda_with_several_host_streams_equals_torch_reference(real_size):
+    """Host threads feeding one GPU (ScoreOptions.streams): the lists of the reference."""
+    import pyarrow as pa
+
+    from cognet.runtime import Scorer
+
+    visits, by_id = _reference(real_size, "cpu")
+    scorer = Scorer(real_size / "model", device="cuda", batch_size=128, decoding="beam",
+                    streams=3)  # fmt: skip
+    assert scorer.streams == 3 and scorer.decoder.select_on_device
+    out = pa.concat_tables([c.recommendations for c in scorer.score_table(_targets(visits))])
+    assert {r["visit_id"]: r["medications"] for r in out.to_pylist()} == by_id
