@@ -75,8 +75,7 @@ def _score(scorer: Scorer, table: pa.Table, **kwargs):
 )  # fmt: skip
 def test_onnx_runtime_equals_torch_reference(tiny, reference, batch_size, streams,
                                              batch_slots, chunk_targets):  # fmt: skip
-    """Several batch sizes and streams; many chunks of different sizes (each reusing the
-    encoding buffers of the one before)."""
+    """Several batch sizes and streams; many chunks of different sizes."""
     scorer = Scorer(tiny / "model", device="cpu", batch_size=batch_size, streams=streams,
                     threads=streams, batch_slots=batch_slots,
                     chunk_targets=chunk_targets)  # fmt: skip

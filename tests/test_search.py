@@ -342,13 +342,24 @@ def test_device_selection_sets_equal_the_host_and_torch_on_a_trained_model(train
 def test_the_gpu_bindings_run_on_the_cpu_equal_the_host_path(tiny_many, options):
     """What a GPU runs (encoder outputs written into device buffers and gathered there by
     init_gather, IO binding, the split TopK graphs, gathers by the take graphs), bound to CPU
-    memory: the lists of the numpy selection."""
+    memory: the lists of the numpy selection; chunks of several sizes, each reusing the
+    device buffers of the one before when they are long enough."""
     model, bound, encoder = _bound(tiny_many / "model")
+    calls = {"chunks": 0, "allocations": 0}
+
+    def counted(method, key):
+        def run(*args):
+            calls[key] += 1
+            return method(*args)
+
+        return run
+
+    encoder.new_encodings = counted(encoder.new_encodings, "chunks")
+    encoder._allocate = counted(encoder._allocate, "allocations")
     table = _as_targets(pq.read_table(tiny_many / "data" / "visits.parquet"))
+    common = {"batch_size": 64, "compact_at": 0.5, "chunk_targets": 300, **options}
     runs = {
-        name: _lists(
-            model.manifest, encode, decoder, table, batch_size=64, compact_at=0.5, **options
-        )  # fmt: skip
+        name: _lists(model.manifest, encode, decoder, table, **common)
         for name, encode, decoder in (
             ("host", model.encode, model.decoder),
             ("bound", encoder, bound),
@@ -356,6 +367,7 @@ def test_the_gpu_bindings_run_on_the_cpu_equal_the_host_path(tiny_many, options)
     }
     assert len(runs["host"]) >= 2000
     assert runs["bound"] == runs["host"]
+    assert 2 * calls["chunks"] > calls["allocations"] + 10  # 2 buffers a chunk unless reused
 
 
 def _bound(model_dir, variant=None):
