@@ -71,6 +71,52 @@ class Ragged:
         return np.where(mask, self.values[pos] if self.values.size else 0, pad_id)
 
 
+@dataclass(frozen=True)
+class Spans:
+    """Per item i, the slice rows[start[i]:end[i]] of one array: each target's history, a
+    run of the chunk's history rows (kept as bounds, not one array per target)."""
+
+    rows: np.ndarray
+    start: np.ndarray
+    end: np.ndarray
+
+    def __len__(self) -> int:
+        return self.start.size
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        return self.rows[self.start[i] : self.end[i]]
+
+    def __iter__(self):
+        bounds = zip(self.start.tolist(), self.end.tolist(), strict=True)
+        return (self.rows[a:b] for a, b in bounds)
+
+    @property
+    def lengths(self) -> np.ndarray:
+        return self.end - self.start
+
+    def take(self, items: np.ndarray) -> Ragged:
+        """The spans of `items`, in that order, as one ragged array."""
+        lengths = self.lengths[items]
+        offsets = np.zeros(lengths.size + 1, np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        at = np.repeat(self.start[items] - offsets[:-1], lengths) + np.arange(offsets[-1])
+        return Ragged(self.rows[at], offsets)
+
+    def sums(self, weights: np.ndarray) -> np.ndarray:
+        """Per item: the sum of weights[row] over its rows (prefix sums, no loop)."""
+        prefix = np.zeros(self.rows.size + 1, weights.dtype)
+        np.cumsum(weights[self.rows], out=prefix[1:])
+        return prefix[self.end] - prefix[self.start]
+
+    def covered(self) -> np.ndarray:
+        """The rows some span holds."""
+        depth = np.cumsum(
+            np.bincount(self.start, minlength=self.rows.size + 1)
+            - np.bincount(self.end, minlength=self.rows.size + 1)
+        )
+        return self.rows[depth[:-1] > 0]
+
+
 def encode_codes(
     column: pa.ChunkedArray | pa.Array, codes: tuple[str, ...], order: np.ndarray | None = None
 ) -> tuple[Ragged, np.ndarray, np.ndarray]:
@@ -122,7 +168,7 @@ class Plan:
     meds: Ragged  # known medications, rare-first (empty when unknown)
     has_meds: np.ndarray  # bool [rows]
     targets: np.ndarray  # int64: rows to score, in chunk order
-    histories: list[np.ndarray]  # per target: history rows, oldest first
+    histories: Spans  # per target: history rows, oldest first
     encode_rows: np.ndarray  # int64: rows to run through the encoder (targets + histories)
     unknown_codes: int  # codes dropped from kept rows
 
@@ -213,8 +259,7 @@ class Assembler:
         histories = self._histories(patient, history_rows, targets)
         used = np.zeros(n, bool)
         used[targets] = True
-        for h in histories:
-            used[h] = True
+        used[histories.covered()] = True
         return Plan(
             table=table,
             status=status,
@@ -231,7 +276,7 @@ class Assembler:
 
     def _histories(
         self, patient: np.ndarray, history_rows: np.ndarray, targets: np.ndarray
-    ) -> list[np.ndarray]:
+    ) -> Spans:
         """Per target: the earlier history rows of its patient (the last max_history)."""
         known = np.flatnonzero(history_rows)
         before = np.searchsorted(known, targets)  # known rows strictly before each target
@@ -239,7 +284,7 @@ class Assembler:
         since = np.searchsorted(known, first_row)
         if self.max_history is not None:
             since = np.maximum(since, before - self.max_history)
-        return [known[a:b] for a, b in zip(since.tolist(), before.tolist(), strict=True)]
+        return Spans(known, since, before)
 
 
 CODE_INPUTS = ("diag_enc", "proc_enc", "slot_enc")  # decoder-init inputs gathered from codes
@@ -347,11 +392,12 @@ def store_encodings(enc: Encodings, k: int, out: Mapping[str, np.ndarray]) -> No
 
 
 def init_index(
-    plan: Plan, lay: Layout, targets: np.ndarray, histories: list[np.ndarray]
+    plan: Plan, lay: Layout, targets: np.ndarray, histories
 ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
     """The decoder-init inputs (`graphspec.INIT_INPUTS`) of the visits `targets` (chunk
-    rows), as (buffer rows of the GATHERED inputs, the other inputs): codes for CODE_INPUTS,
-    visits for VISIT_INPUTS; padding positions point at the buffer's zero row."""
+    rows; histories: theirs, as `history_index` takes them), as (buffer rows of the GATHERED
+    inputs, the other inputs): codes for CODE_INPUTS, visits for VISIT_INPUTS; padding
+    positions point at the buffer's zero row."""
     gather: dict[str, np.ndarray] = {}
     rest: dict[str, np.ndarray] = {}
     zero_code, zero_visit = lay.code_rows - 1, lay.visit_rows - 1
@@ -375,7 +421,7 @@ def init_index(
 
 
 def init_inputs(
-    plan: Plan, enc: Encodings, targets: np.ndarray, histories: list[np.ndarray]
+    plan: Plan, enc: Encodings, targets: np.ndarray, histories
 ) -> dict[str, np.ndarray]:
     """Decoder-init inputs (`graphspec.INIT_INPUTS`) of the visits `targets` (chunk rows),
     gathered on the host."""

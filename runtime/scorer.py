@@ -277,7 +277,7 @@ class Scorer:
         parts = cut_padded(order, widths, budgets, self.batch_size)
 
         def decode(part: np.ndarray) -> tuple[BeamResult, dict]:
-            targets, histories = plan.targets[part], [plan.histories[i] for i in part]
+            targets, histories = plan.targets[part], plan.histories.take(part)
             if isinstance(enc.codes, np.ndarray):
                 inputs = assemble.init_inputs(plan, enc, targets, histories)
                 memories = self.decoder.init(inputs)
@@ -297,16 +297,19 @@ class Scorer:
             )
             return result, inputs
 
-        slots: dict[int, tuple[BeamResult, int, dict]] = {}
         try:
-            for part, (res, inputs) in zip(parts, self._map(decode, parts), strict=True):
-                for k, i in enumerate(part.tolist()):
-                    slots[i] = (res, k, inputs)
+            results = list(self._map(decode, parts))
         finally:
             release = getattr(self.encode, "release", None)
             if release is not None:
                 release(enc)  # its buffers may serve the next chunk
-        out = self._recommendations(plan, slots, explain)
+        # per target: (its batch's result, its place there, its batch's decoder-init inputs)
+        slots: dict[int, tuple[BeamResult, int, dict]] = {}
+        if explain or score_all:
+            for part, (res, inputs) in zip(parts, results, strict=True):
+                for k, i in enumerate(part.tolist()):
+                    slots[i] = (res, k, inputs)
+        out = self._recommendations(plan, parts, [r for r, _ in results], slots, explain)
         metrics, evaluated = self._metrics(plan, slots) if score_all else (None, 0)
         counts = plan.counts()
         return ScoredChunk(
@@ -367,32 +370,42 @@ class Scorer:
     def _batch_order(self, plan: assemble.Plan) -> tuple[np.ndarray, list[np.ndarray]]:
         """Targets (indices into plan.targets) sorted by history slots, then code count, and
         the padded widths of each in that order: history slots, diagnoses, procedures."""
-        med_len = plan.meds.lengths
-        slots = np.array([int(med_len[h].sum()) for h in plan.histories], np.int64)
+        slots = plan.histories.sums(plan.meds.lengths)
         diag, proc = plan.diag.lengths[plan.targets], plan.proc.lengths[plan.targets]
         order = np.lexsort((diag + proc, slots))
         return order, [slots[order], diag[order], proc[order]]
 
-    def _recommendations(self, plan: assemble.Plan, slots: dict, explain: bool) -> pa.Table:
-        n = plan.targets.size
-        meds, probs, scores = [], [], np.zeros(n, np.float32)
-        for i in range(n):
-            res, k, _ = slots[i]
-            meds.append(res.meds[k])
-            probs.append(res.med_probs[k])
-            scores[i] = res.score[k]
-        lengths = np.array([m.size for m in meds], np.int64)
+    def _recommendations(
+        self,
+        plan: assemble.Plan,
+        parts: list[np.ndarray],
+        results: list[BeamResult],
+        slots: dict,
+        explain: bool,
+    ) -> pa.Table:
+        """The output rows of the targets, in target order, from each batch's result (lists
+        built batch by batch, then put in order by one Arrow take)."""
+        lengths = np.concatenate(
+            [np.zeros(0, np.int64)]
+            + [np.fromiter(map(len, r.meds), np.int64, len(r.meds)) for r in results]
+        )
         offsets = pa.array(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32))
-        flat = np.concatenate(meds) if meds else np.zeros(0, np.int64)
+        flat = np.concatenate([np.zeros(0, np.int64)] + [m for r in results for m in r.meds])
+        probs = np.concatenate(
+            [np.zeros(0, np.float32)] + [p for r in results for p in r.med_probs]
+        )
+        scores = np.concatenate([np.zeros(0, np.float32)] + [r.score for r in results])
+        order = np.concatenate([np.zeros(0, np.int64)] + list(parts))  # target at each place
+        place = pa.array(np.argsort(order, kind="stable"))
+        medications = pa.ListArray.from_arrays(offsets, self._codes.take(pa.array(flat)))
+        probabilities = pa.ListArray.from_arrays(offsets, pa.array(probs, pa.float32()))
         table = plan.table.take(pa.array(plan.targets))
         columns = {
             "patient_id": table["patient_id"],
             "visit_id": table["visit_id"],
-            "medications": pa.ListArray.from_arrays(offsets, self._codes.take(pa.array(flat))),
-            "score": pa.array(scores, pa.float32()),
-            "probabilities": pa.ListArray.from_arrays(
-                offsets, pa.array(np.concatenate(probs) if probs else [], pa.float32())
-            ),
+            "medications": medications.take(place),
+            "score": pa.array(scores, pa.float32()).take(place),
+            "probabilities": probabilities.take(place),
         }
         if explain:
             columns["explanations"] = explanations(plan, slots, self._diag_codes)

@@ -223,3 +223,21 @@ def test_hash_set_remembers_across_merges():
     assert seen.add([3, 4, 4, 5, 6]).tolist() == [True, False, True, False, False]
     assert seen.add([1, 6, 7]).tolist() == [True, True, False]
     assert len(set(range(1, 8))) == 7 and seen.add(list(range(1, 9))).sum() == 7
+
+
+def test_spans_take_sums_and_cover_as_their_definition():
+    """Histories kept as bounds into one array: `take`, `sums` and `covered` equal the
+    per-target loops they replace, empty spans and repeated items included."""
+    rng = np.random.default_rng(3)
+    rows = np.sort(rng.choice(500, 120, replace=False))
+    start = rng.integers(0, 120, 60)
+    end = np.minimum(start + rng.integers(0, 6, 60), 120)
+    spans = assemble.Spans(rows, start, end)
+    lists = [rows[a:b] for a, b in zip(start, end, strict=True)]
+    assert [s.tolist() for s in spans] == [x.tolist() for x in lists]
+    items = rng.integers(0, 60, 45)
+    got = spans.take(items)
+    assert [got[i].tolist() for i in range(len(got))] == [lists[i].tolist() for i in items]
+    weights = rng.integers(0, 9, 500)
+    assert spans.sums(weights).tolist() == [int(weights[x].sum()) for x in lists]
+    assert spans.covered().tolist() == sorted(set(np.concatenate(lists).tolist()))

@@ -81,8 +81,8 @@ def history_index(histories: Sequence[Sequence[int]], med_ids) -> dict[str, np.n
     """Index arrays that gather each decoded visit's history from encoded visit rows.
 
     histories[n]: rows (into the encoded visits) of visit n's past visits, oldest first.
-    med_ids[r]: medication ids of encoded row r, in the order given to the encoder: a
-    sequence of sequences, or ragged arrays (`offsets` [R + 1] and `values` attributes).
+    med_ids[r]: medication ids of encoded row r, in the order given to the encoder.
+    Both: a sequence of sequences, or ragged arrays (`offsets` [N + 1] and `values`).
     Returns hist_index/hist_mask [N, J] and slot_row/slot_pos/slot_visit/slot_med/slot_mask
     [N, S] (J, S >= 1; padding points at row 0 with mask 0). Vectorised: no Python loop
     over visits (the runtime builds it for every batch).
@@ -93,9 +93,15 @@ def history_index(histories: Sequence[Sequence[int]], med_ids) -> dict[str, np.n
         lengths = np.fromiter(map(len, med_ids), np.int64, len(med_ids))
         offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
         values = np.fromiter((m for ids in med_ids for m in ids), np.int64, int(offsets[-1]))
-    n = len(histories)
-    per_visit = np.fromiter(map(len, histories), np.int64, n)
-    rows = np.concatenate([np.zeros(0, np.int64), *(np.asarray(h, np.int64) for h in histories)])
+    if hasattr(histories, "offsets"):
+        per_visit = np.diff(np.asarray(histories.offsets))
+        rows = np.asarray(histories.values, np.int64)
+    else:
+        per_visit = np.fromiter(map(len, histories), np.int64, len(histories))
+        rows = np.concatenate(
+            [np.zeros(0, np.int64), *(np.asarray(h, np.int64) for h in histories)]
+        )
+    n = per_visit.size
     visit = np.repeat(np.arange(n), per_visit)  # entry -> decoded visit
     j = np.arange(rows.size) - np.repeat(np.cumsum(per_visit) - per_visit, per_visit)
     hist_index = np.zeros((n, max(1, int(per_visit.max(initial=0)))), np.int64)
