@@ -205,6 +205,39 @@ class TorchBatched(_TorchBase):
             return [d.meds for d in decoded]
         return [d.meds for d in beam_search(self.model, tensors, beam=self.beam, rows=last)]
 
+    def list_scores(self, patients: Sequence[Sequence], lists: Sequence[Sequence[str]]):
+        """float64 [N]: the model's log-probability of each patient's last visit getting
+        lists[i] (medication codes in generation order, then END unless the list is as long
+        as the decoding allows): a beam's score, teacher forced; sums in float64."""
+        import numpy as np
+        import torch
+
+        from cognet.batching import make_batch, select_rows
+        from cognet.core.decoding import MAX_LEN
+        from cognet.model import history_inputs
+
+        vocab, model = self.vocab, self.model
+        index = {code: i for i, code in enumerate(vocab.medications)}
+        ids = [[index[c] for c in meds] for meds in lists]
+        width = max(map(len, ids), default=0) + 1
+        tokens = np.full((len(ids), width), vocab.end, np.int64)
+        targets = np.full((len(ids), width), vocab.end, np.int64)
+        counted = np.zeros((len(ids), width), bool)
+        for i, seq in enumerate(ids):
+            tokens[i, 0] = vocab.start
+            tokens[i, 1 : len(seq) + 1] = seq
+            targets[i, : len(seq)] = seq
+            counted[i, : len(seq) + (len(seq) < MAX_LEN)] = True
+        batch = make_batch(patients, vocab, targets=False)
+        batch = select_rows(batch, torch.as_tensor(_last_rows(patients)))
+        batch = {k: v.to(self.device) for k, v in batch.items()}
+        with torch.no_grad():
+            enc = model.encode_visits(batch["diagnoses"], batch["procedures"], batch["medications"])
+            memories = model.decoder_init(*history_inputs(batch, *enc, model.cfg))
+            logp = model.decode_teacher_forced(torch.as_tensor(tokens).to(self.device), memories)[0]
+        picked = logp.gather(2, torch.as_tensor(targets).to(self.device)[..., None])[..., 0]
+        return np.where(counted, picked.double().cpu().numpy(), 0.0).sum(1)
+
 
 class TorchPerPatient(_TorchBase):
     def __init__(self, checkpoint: Path, threads: int):

@@ -5,7 +5,13 @@ A visit whose best hypotheses are a float32 near-tie can get different answers f
 reference itself at different batch sizes (GPU kernels change with the shapes: measured on
 an H100, torch-cuda at batch 4,096 and 16,384 differ on 1 visit of 65,536). Every answer the
 reference gave is kept; an engine matches on a visit when it gives one of them, and the
-comparison reports how many visits the reference answered in more than one way."""
+comparison reports how many visits the reference answered in more than one way.
+
+A beam-search answer that differs from every answer of the reference is scored by the
+reference model (teacher forced, float64 sums: `TorchBatched.list_scores`) with the
+reference's answers: within TIE of one of them, it is a float tie, which the engine broke
+the other way (an H100 gave a list that scored 1e-6 from torch-cuda's); the comparison counts
+those as `ties`, and they do not make a mismatch. Anything farther is a mismatch."""
 
 from __future__ import annotations
 
@@ -15,6 +21,9 @@ from cognet.benchmarks import engines as eng
 from cognet.benchmarks.workload import Batch
 
 SET_TOLERANCE = 0.005  # share of visits whose set may differ (issue 13's bar)
+# Two lists whose log-probabilities differ by at most this are a tie: float32 rounds a sum
+# of ~20 log-probabilities of magnitude ~10 to ~1e-6; real differences are far larger.
+TIE = 1e-5
 
 
 class Guard:
@@ -24,12 +33,16 @@ class Guard:
         self.reference = reference
         # (beam, visit_id) -> every distinct answer of the reference, first one first
         self.recs: dict[tuple[int, str], list[tuple[str, ...]]] = {}
+        self.patients: dict[str, list] = {}  # visit_id -> its patient (the tie check)
+        self._scores: dict[tuple[str, tuple[str, ...]], float] = {}
 
     def ensure(self, batches: Sequence[Batch], beam: int, chunk: int = 32) -> None:
         """Decode (untimed, `chunk` patients at a time: torch-batched's fastest) the visits
         of `batches` that have no reference yet."""
         if self.reference is None:
             return
+        for b in batches:
+            self.patients.update((p[-1].visit_id, p) for p in b.patients)
         todo = [p for b in batches for p in b.patients if (beam, p[-1].visit_id) not in self.recs]
         self.reference.prepare(beam, chunk)
         for lo in range(0, len(todo), chunk):
@@ -52,9 +65,12 @@ class Guard:
                 "compared": 0,
                 "mismatches": 0,
                 "reference_ambiguous": 0,
+                "ties": 0,
+                "tie_examples": [],
                 "examples": [],
             }
-        compared, examples, bad, ambiguous = 0, [], 0, 0
+        compared, examples, bad, ambiguous, ties = 0, [], 0, 0, []
+        differ = []
         for vid, meds in recs.items():
             ref = self.recs.get((beam, vid))
             if ref is None:
@@ -62,9 +78,20 @@ class Guard:
             compared += 1
             ambiguous += len(ref) > 1
             if meds not in ref:
-                bad += 1
-                if len(examples) < 3:
-                    examples.append({"visit_id": vid, "reference": list(ref[0]), "got": list(meds)})
+                differ.append(vid)
+        gaps = self._gaps(differ, recs, beam) if exact and beam != eng.SET else {}
+        for vid in differ:
+            ref, meds = self.recs[(beam, vid)], recs[vid]
+            gap = gaps.get(vid)
+            example = {"visit_id": vid, "reference": list(ref[0]), "got": list(meds)}
+            if gap is not None:
+                example["score_gap"] = gap
+            if gap is not None and gap <= TIE:
+                ties.append(example)
+                continue
+            bad += 1
+            if len(examples) < 3:
+                examples.append(example)
         # Sets near the threshold may flip with float32 rounding (batch composition, engine):
         # a set decoding run matches when at most SET_TOLERANCE of its visits differ.
         allowed = int(SET_TOLERANCE * compared) if beam == eng.SET else 0
@@ -74,5 +101,33 @@ class Guard:
             "compared": compared,
             "mismatches": bad,
             "reference_ambiguous": ambiguous,
+            "ties": len(ties),
+            "tie_examples": ties[:3],
             "examples": examples,
+        }
+
+    def _gaps(self, vids: list[str], recs: dict, beam: int) -> dict[str, float]:
+        """visit_id -> the smallest |log-probability difference| between the engine's list
+        and an answer of the reference, under the reference model (when it can score)."""
+        scorer = getattr(self.reference, "list_scores", None)
+        if scorer is None:
+            return {}
+        wanted = []  # (visit, list) pairs not scored yet
+        for vid in vids:
+            if vid not in self.patients:
+                continue
+            for meds in (recs[vid], *self.recs[(beam, vid)]):
+                if (vid, meds) not in self._scores and (vid, meds) not in wanted:
+                    wanted.append((vid, meds))
+        for lo in range(0, len(wanted), 64):
+            part = wanted[lo : lo + 64]
+            got = scorer([self.patients[v] for v, _ in part], [m for _, m in part])
+            self._scores.update(zip(part, got.tolist(), strict=True))
+        return {
+            vid: min(
+                abs(self._scores[(vid, recs[vid])] - self._scores[(vid, r)])
+                for r in self.recs[(beam, vid)]
+            )
+            for vid in vids
+            if vid in self.patients
         }

@@ -284,16 +284,19 @@ def _guard(run: dict) -> str:
             equal = run["compared"] - run["mismatches"]
             return f"{equal} of {run['compared']} equal ({run['agreement']:.2%}; not required)"
         return "n/a (no reference)"
+    notes = []
+    if run.get("ties"):
+        gaps = ", ".join(f"{t['score_gap']:.1e}" for t in run.get("tie_examples", []))
+        notes.append(f"{run['ties']} float tie(s) broken the other way (score gap {gaps})")
     if run.get("reference_ambiguous"):
-        note = f"; the reference answered {run['reference_ambiguous']} visit(s) two ways"
-        if run["matches_reference"]:
-            return f"yes ({run['compared'] - run['mismatches']} of {run['compared']}{note})"
+        notes.append(f"the reference answered {run['reference_ambiguous']} visit(s) two ways")
+    note = "".join(f"; {n}" for n in notes)
+    if not run["matches_reference"]:
         return f"**NO: {run['mismatches']} of {run['compared']} differ**{note}"
-    if run["matches_reference"]:
-        if run["mismatches"]:  # a set decoding within its tolerance
-            return f"yes ({run['compared'] - run['mismatches']} of {run['compared']} equal)"
-        return f"yes ({run['compared']})"
-    return f"**NO: {run['mismatches']} of {run['compared']} differ**"
+    if run["mismatches"] or notes:  # a set decoding within its tolerance, or notes
+        same = run["compared"] - run["mismatches"] - run.get("ties", 0)
+        return f"yes ({same} of {run['compared']} equal{note})"
+    return f"yes ({run['compared']})"
 
 
 def _num(x, fmt: str = ".0f", missing: str = "-") -> str:

@@ -175,6 +175,11 @@ def test_markdown_reports_a_mismatch(quick_run):
     results = json.loads((out / "results.json").read_text())
     results["runs"][0].update(matches_reference=False, mismatches=2, compared=16)
     assert "**NO: 2 of 16 differ**" in markdown(results)
+    tie = {"visit_id": "v", "reference": [], "got": [], "score_gap": 1e-6}
+    results["runs"][0].update(matches_reference=True, mismatches=0, ties=1, tie_examples=[tie])
+    assert "yes (15 of 16 equal; 1 float tie(s) broken the other way (score gap 1.0e-06))" in (
+        markdown(results)
+    )
 
 
 def test_help_and_usage_errors():
@@ -195,3 +200,50 @@ def test_fp16_engine_reports_its_agreement(quick_run):
     guard.add(4, {"v1": ("A", "B"), "v2": ("C",)})
     got = guard.compare(4, {"v1": ("A",), "v2": ("C",)}, exact=False)
     assert got["matches_reference"] is None and got["agreement"] == 0.5
+
+
+def test_list_scores_are_the_beam_scores(tiny):
+    """The guard's tie check scores a list teacher forced: the beam search's own answer gets
+    the score the beam search reported; a changed list gets another."""
+    from cognet.benchmarks.engines import TorchBatched
+
+    torch.set_num_threads(1)
+    engine = TorchBatched("torch-batched", tiny["ckpt"], 1)
+    vocab = engine.vocab
+    visits = read_dataset(tiny["data"]).visits
+    patients = load_split(visits, vocab, "train").patients[:20]
+    batch = make_batch(patients, vocab, targets=False)
+    last = torch.tensor([sum(map(len, patients[: i + 1])) - 1 for i in range(len(patients))])
+    decoded = beam_search(engine.model, batch, beam=4, rows=last)
+    lists = [vocab.med_codes(d.meds) for d in decoded]
+    scores = engine.list_scores(patients, lists)
+    assert scores == pytest.approx([d.score for d in decoded], abs=1e-4)
+    longer = [[*m, c] for m, c in zip(lists, vocab.medications, strict=False) if c not in m]
+    changed = engine.list_scores(patients[: len(longer)], longer)
+    assert all(abs(a - b) > 1e-3 for a, b in zip(changed, scores, strict=False))
+
+
+class _Scored:
+    """A reference that scores lists from a table (the guard's tie check)."""
+
+    def __init__(self, table: dict):
+        self.table = table
+
+    def list_scores(self, patients, lists):
+        import numpy as np
+
+        return np.array([self.table[(p, tuple(m))] for p, m in zip(patients, lists, strict=True)])
+
+
+def test_guard_counts_a_float_tie_but_not_a_real_difference():
+    guard = Guard(_Scored({("p1", ("A", "B")): -5.3537422, ("p1", ("B", "A")): -5.3537412,
+                           ("p2", ("C",)): -2.0, ("p2", ("D",)): -2.01}))  # fmt: skip
+    guard.add(4, {"v1": ("A", "B"), "v2": ("C",)})
+    guard.patients.update({"v1": "p1", "v2": "p2"})
+    got = guard.compare(4, {"v1": ("B", "A"), "v2": ("C",)})
+    assert got["matches_reference"] is True and got["ties"] == 1 and got["mismatches"] == 0
+    assert got["tie_examples"][0]["score_gap"] == pytest.approx(1e-6, abs=1e-8)
+    bad = guard.compare(4, {"v1": ("A", "B"), "v2": ("D",)})
+    assert bad["matches_reference"] is False and bad["mismatches"] == 1 and bad["ties"] == 0
+    assert bad["examples"][0]["score_gap"] == pytest.approx(0.01)
+    assert guard.compare(4, {"v1": ("B", "A")}, exact=False)["ties"] == 0  # fp16: agreement
