@@ -247,3 +247,20 @@ def test_guard_counts_a_float_tie_but_not_a_real_difference():
     assert bad["matches_reference"] is False and bad["mismatches"] == 1 and bad["ties"] == 0
     assert bad["examples"][0]["score_gap"] == pytest.approx(0.01)
     assert guard.compare(4, {"v1": ("B", "A")}, exact=False)["ties"] == 0  # fp16: agreement
+
+
+@pytest.mark.parametrize("name", ["ort-cpu-fp16", "ort-cuda-fp16", "ort-cuda-streams"])
+def test_engine_options_hold_at_every_decoding(name):
+    """An engine's variant and streams apply to set decoding as to beam search (the fp16
+    engine once scored set decoding with the float32 graphs)."""
+    from cognet.benchmarks import engines as eng
+
+    engine = object.__new__(eng.OrtEngine)  # its options only: no model loaded
+    engine.device, engine.threads = eng.ORT_DEVICES[name], 1
+    engine.selection = eng.ORT_SELECTIONS.get(name, "auto")
+    engine.variant, engine.streams = eng.ORT_VARIANTS.get(name), eng.ORT_STREAMS.get(name)
+    for beam in (4, eng.SET):
+        options = engine.options(beam, 256)
+        assert options.variant == eng.ORT_VARIANTS.get(name)
+        assert options.streams == eng.ORT_STREAMS.get(name)
+        assert options.decoding == ("set" if beam == eng.SET else "beam")
