@@ -52,7 +52,7 @@ def main() -> None:
 
 
 def score_options(func):
-    """--beam, --device, --selection, --variant, --batch-size, --threads,
+    """--beam, --device, --selection, --variant, --batch-size, --threads, --streams,
     --max-history-visits, the DDI options, --max-codes-per-visit and --keep-columns, given to
     `func` as one `options: ScoreOptions`."""
 
@@ -68,6 +68,7 @@ def score_options(func):
         variant,
         batch_size,
         threads,
+        streams,
         max_history_visits,
         ddi_mode,
         ddi_penalty,
@@ -88,6 +89,7 @@ def score_options(func):
             selection=selection,
             variant=variant,
             threads=threads,
+            streams=streams,
             batch_size=batch_size,
             max_codes_per_visit=max_codes_per_visit,
             keep_columns=_kept(keep_columns, keep_all_columns),
@@ -125,6 +127,10 @@ def score_options(func):
         count_option("--threads",
                      help="CPU threads (default: the cores this process may use; --engine "
                           "ray: per worker, default 1)."),
+        count_option("--streams",
+                     help="Batches decoded at once, each by its own thread (default: one per "
+                          "thread on the CPU, 1 on a GPU, where more host threads can feed "
+                          "the one device)."),
         click.option("--max-history-visits", type=click.IntRange(min=0), default=None,
                      help="History = only the last K earlier visits with known medications "
                           "(default: all; 0 = none, generation without copy)."),

@@ -89,6 +89,11 @@ def test_score_writes_outputs_and_summary(tiny, visits, tmp_path):
     assert s["providers"] == ["CPUExecutionProvider"] and s["visits_per_s"] > 0
     assert s["reject_reasons"] == {} and "metrics" not in s
     assert recs.num_rows == n_patients
+    out2, summary2 = tmp_path / "recs2.parquet", tmp_path / "summary2.json"
+    args = ("--summary-json", str(summary2), "--device", "cpu", "--threads", "2", "--streams", "2")
+    assert score(tiny, inp, out2, *args).exit_code == 0
+    assert json.loads(summary2.read_text())["options"]["streams"] == 2
+    assert pq.read_table(out2).equals(recs)  # two streams: the same rows, in the same order
 
 
 def test_all_reports_metrics(tiny, visits, tmp_path):
