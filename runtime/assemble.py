@@ -303,8 +303,9 @@ class Layout:
       padding positions point at it;
     - visits [visit_rows, s]: per call, its v_d [n, s] then v_p [n, s]; the last row zero.
 
-    at[kind][row]: the buffer row of a chunk row's first code of that kind (its j-th code at
-    + j), or of its v_d / v_p; only encoded rows have one."""
+    Each output's region starts at a multiple of ALIGN_ROWS rows; the rows between regions
+    are never written nor read. at[kind][row]: the buffer row of a chunk row's first code of
+    that kind (its j-th code at + j), or of its v_d / v_p; only encoded rows have one."""
 
     parts: list[np.ndarray]  # the chunk rows of each encoder call, in call order
     widths: np.ndarray  # int64 [calls, 3]: padded code width of diagnoses, procedures, meds
@@ -324,8 +325,13 @@ class Layout:
             "proc_enc": (p, (n, lp)),
             "med_enc": (m, (n, lm)),
             "v_d": (v, (n,)),
-            "v_p": (v + n, (n,)),
+            "v_p": (v + _aligned(n), (n,)),
         }
+
+
+# Every output's region starts at a multiple of this many rows: 16-byte aligned for any
+# width in float16 or float32 (a graph writes there; vectorised GPU kernels load 16 bytes).
+ALIGN_ROWS = 8
 
 
 def layout(plan: Plan, parts: list[np.ndarray]) -> Layout:
@@ -335,9 +341,10 @@ def layout(plan: Plan, parts: list[np.ndarray]) -> Layout:
     widths = np.array(
         [[max(1, int(r.lengths[p].max(initial=0))) for r in raggeds] for p in parts], np.int64
     ).reshape(-1, 3)
-    cells = (widths * sizes[:, None]).ravel()  # call by call, kind by kind
+    cells = _aligned(widths * sizes[:, None]).ravel()  # call by call, kind by kind
     code_at = (np.cumsum(cells) - cells).reshape(-1, 3)
-    visit_at = np.cumsum(2 * sizes) - 2 * sizes
+    visits = 2 * _aligned(sizes)  # v_d, then v_p
+    visit_at = np.cumsum(visits) - visits
     at = {kind: np.zeros(plan.rows, np.int64) for kind in ("diag", "proc", "meds", "v_d", "v_p")}
     if parts:
         rows = np.concatenate(parts)
@@ -346,7 +353,7 @@ def layout(plan: Plan, parts: list[np.ndarray]) -> Layout:
         for j, kind in enumerate(("diag", "proc", "meds")):
             at[kind][rows] = code_at[call, j] + i * widths[call, j]
         at["v_d"][rows] = visit_at[call] + i
-        at["v_p"][rows] = visit_at[call] + sizes[call] + i
+        at["v_p"][rows] = visit_at[call] + _aligned(sizes)[call] + i
     return Layout(
         list(parts),
         widths,
@@ -354,8 +361,13 @@ def layout(plan: Plan, parts: list[np.ndarray]) -> Layout:
         visit_at,
         at,
         int(cells.sum()) + 1,
-        int(2 * sizes.sum()) + 1,
+        int(visits.sum()) + 1,
     )
+
+
+def _aligned(rows):
+    """rows rounded up to a multiple of ALIGN_ROWS."""
+    return -(-rows // ALIGN_ROWS) * ALIGN_ROWS
 
 
 @dataclass
