@@ -15,6 +15,9 @@ recommended medication codes of each scored visit. Engines:
 - `ort-cpu-fp16`, `ort-cuda-fp16`: the runtime on the model's float16 graphs (`cognet-export
   --fp16`); their lists are compared with the reference and the agreement reported, not
   required (APPROXIMATE);
+- `ort-cpu-gpupath`: what a GPU runs, on the CPU provider (`OrtModel(gpu_path=True)`: IO
+  binding into CPU memory, encodings gathered by init_gather, the split selection graphs):
+  its Python time is the GPU path's host side, measurable without a GPU (`--profile`);
 - `ort-cuda-streams`: ort-cuda with 4 host threads feeding the GPU (`ScoreOptions.streams`):
   batches of one call decode in parallel, so it differs from ort-cuda in the stream mode
   (a call per batch, the request mode, has one batch to decode).
@@ -39,6 +42,7 @@ ENGINES = (
     "ort-cpu",
     "ort-cpu-device",
     "ort-cpu-fp16",
+    "ort-cpu-gpupath",
     "ort-cuda",
     "ort-cuda-host",
     "ort-cuda-fp16",
@@ -51,6 +55,7 @@ ORT_DEVICES = {
     "ort-cpu": "cpu",
     "ort-cpu-device": "cpu",
     "ort-cpu-fp16": "cpu",
+    "ort-cpu-gpupath": "cpu",
     "ort-cuda": "cuda",
     "ort-cuda-host": "cuda",
     "ort-cuda-fp16": "cuda",
@@ -61,6 +66,7 @@ ORT_DEVICES = {
 ORT_SELECTIONS = {"ort-cpu-device": "device", "ort-cuda-host": "host"}
 ORT_VARIANTS = {"ort-cpu-fp16": "fp16", "ort-cuda-fp16": "fp16"}  # the manifest variant
 ORT_STREAMS = {"ort-cuda-streams": 4}  # host threads (batches decoded at once)
+GPU_PATH = ("ort-cpu-gpupath",)  # the GPU's code path on the CPU provider
 APPROXIMATE = ("ort-cpu-fp16", "ort-cuda-fp16")  # their agreement with the reference reported
 GPU_ENGINES = (
     "ort-cuda",
@@ -122,6 +128,11 @@ def availability(name: str, checkpoint: Path | None, model_dir: Path | None = No
 
         if ORT_VARIANTS[name] not in load_manifest(model_dir, verify=False).variants:
             return f"the model has no {ORT_VARIANTS[name]} graphs (cognet-export --fp16)"
+    if name in GPU_PATH and model_dir is not None:
+        from cognet.core.manifest import load_manifest
+
+        if not load_manifest(model_dir, verify=False).search:
+            return "the model has no search graphs (exported before them)"
     wanted = {
         "cuda": "CUDAExecutionProvider",
         "tensorrt": "TensorrtExecutionProvider",
@@ -279,11 +290,9 @@ class OrtEngine:
         return ScoreOptions(decoding="beam", beam=beam, **common)
 
     def _load(self, beam: int, batch_size: int) -> float:
-        from cognet.runtime import Scorer
-
         started = time.perf_counter()
         self.scorer = None  # free the previous sessions first
-        self.scorer = Scorer(self.model_dir, self.options(beam, batch_size))
+        self.scorer = scorer(self.model_dir, self.options(beam, batch_size), self.name in GPU_PATH)
         return time.perf_counter() - started
 
     def prepare(self, beam: int, batch_size: int) -> None:
@@ -309,6 +318,15 @@ class OrtEngine:
         if self.device == "cpu":
             return None
         return nvidia_smi_memory_mb()
+
+
+def scorer(model_dir: Path, options, gpu_path: bool = False):
+    """A `cognet.runtime.Scorer` of the model for `options`; gpu_path: the GPU's code path on
+    the CPU provider."""
+    from cognet.runtime import Scorer
+    from cognet.runtime.scorer import open_model
+
+    return Scorer(open_model(model_dir, options, gpu_path), options)
 
 
 def nvidia_smi(*query: str) -> str | None:

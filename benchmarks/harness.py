@@ -289,9 +289,13 @@ def run_all(ctx: Context, settings: Settings, say: Callable[[str], None] = print
 
 
 def profile_best(ctx: Context, settings: Settings, runs: list[dict], say) -> dict | None:
-    """Profile the runtime (ort-cuda where it ran, else ort-cpu) at the widest beam measured
-    and its best batch size (and mode)."""
-    engine = "ort-cuda" if any(r["engine"] == "ort-cuda" for r in runs) else "ort-cpu"
+    """Profile the runtime at the widest beam measured and its best batch size (and mode):
+    ort-cuda where it ran, else ort-cpu, else ort-cpu-gpupath (the GPU path's host side:
+    `--engines ort-cpu-gpupath` profiles it)."""
+    ran = {r["engine"] for r in runs}
+    engine = next((e for e in ("ort-cuda", "ort-cpu", "ort-cpu-gpupath") if e in ran), None)
+    if engine is None:
+        return None
     mine = [r for r in runs if r["engine"] == engine]
     if not mine:
         return None
@@ -306,7 +310,8 @@ def profile_best(ctx: Context, settings: Settings, runs: list[dict], say) -> dic
     from cognet.benchmarks.profile import profile_ort
 
     device = eng.ORT_DEVICES[engine]
-    out = profile_ort(ctx.model_dir, batches, beam, bs, settings.threads, device)
+    gpu_path = engine in eng.GPU_PATH
+    out = profile_ort(ctx.model_dir, batches, beam, bs, settings.threads, device, gpu_path=gpu_path)
     out["mode"] = best["mode"]
     graphs = ", ".join(f"{g} {v['share']:.0%}" for g, v in out["graphs"].items())
     say(

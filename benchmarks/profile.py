@@ -1,5 +1,5 @@
-"""Where the time of `ort-cpu` (or `ort-cuda`) goes: per graph, per ONNX operator, and in
-Python.
+"""Where the time of `ort-cpu` (or `ort-cuda`, or `ort-cpu-gpupath`: the GPU's code path on the
+CPU provider) goes: per graph, per ONNX operator, and in Python.
 
 Three passes over the same batches with a fresh `cognet.runtime.Scorer` each:
 
@@ -38,12 +38,14 @@ def profile_ort(
     threads: int,
     device: str = "cpu",
     top: int = 10,
+    gpu_path: bool = False,
 ) -> dict:
     def scorer():
-        from cognet.runtime import ScoreOptions, Scorer
+        from cognet.benchmarks.engines import scorer as open_scorer
+        from cognet.runtime import ScoreOptions
 
         options = ScoreOptions(beam=beam, device=device, threads=threads, batch_size=batch_size)
-        s = Scorer(model_dir, options)
+        s = open_scorer(model_dir, options, gpu_path)
         list(s.score_table(batches[0].table))  # warm-up
         return s
 
@@ -75,7 +77,7 @@ def profile_ort(
     score(s)
     prof.disable()
     return {
-        "engine": "ort-cpu" if device == "cpu" else f"ort-{device}",
+        "engine": "ort-cpu-gpupath" if gpu_path else f"ort-{device}",
         "beam": beam,
         "batch_size": batch_size,
         "visits": sum(len(b) for b in batches),

@@ -94,16 +94,24 @@ class ScoringModel:
     manifest: Manifest | None = None
 
 
-def open_model(model_dir: str | Path, options: ScoreOptions) -> ScoringModel:
+def open_model(
+    model_dir: str | Path, options: ScoreOptions, gpu_path: bool = False
+) -> ScoringModel:
     """The ONNX Runtime sessions of a model directory for `options` (device, threads,
     streams, variant). CPU: one single-threaded stream per thread by default; GPU: one
     unless `options.streams` asks for more (host threads that feed the one device: while
-    one waits for its graphs, another assembles or traces back)."""
+    one waits for its graphs, another assembles or traces back). gpu_path: the GPU's code
+    path on the CPU provider (`OrtModel`)."""
     manifest = load_manifest(model_dir)
     threads = options.threads or default_threads()
     streams = options.streams or (1 if options.device in GPU_DEVICES else threads)
     model = OrtModel(
-        manifest, options.device, max(1, threads // streams), options.variant, options.selection
+        manifest,
+        options.device,
+        max(1, threads // streams),
+        options.variant,
+        options.selection,
+        gpu_path,
     )
     if model.on_device and not options.streams:  # --device auto found a GPU
         streams = 1

@@ -128,7 +128,12 @@ def session_options(threads: int | None) -> ort.SessionOptions:
 
 
 class OrtModel:
-    """The encoder, decoder-init and decoder-step sessions of a model directory."""
+    """The encoder, decoder-init and decoder-step sessions of a model directory.
+
+    gpu_path: on the CPU provider, run what a GPU runs (IO binding into CPU memory,
+    encodings gathered by init_gather, the split selection graphs, gathers by the take
+    graphs): the tests check it against the host path, and cognet-bench's ort-cpu-gpupath
+    measures the GPU path's host side without a GPU."""
 
     def __init__(
         self,
@@ -137,6 +142,7 @@ class OrtModel:
         threads: int | None = None,
         variant: str | None = None,
         selection: str = "auto",
+        gpu_path: bool = False,
     ):
         self.manifest = manifest
         self.device = resolve_device(device)
@@ -158,16 +164,22 @@ class OrtModel:
             if first not in got:
                 log.warning("%s: requested %s, onnxruntime runs %s", name, first, got)
         self.providers = self.sessions["decoder_step"].get_providers()
-        self.on_device = self.providers[0] in (CUDA, TRT)
-        decoder = DeviceDecoder if self.on_device else HostDecoder
-        self.decoder = decoder(
-            self.sessions["decoder_init"], self.sessions["decoder_step"], manifest
-        )
+        gpu = self.providers[0] in (CUDA, TRT)
+        if gpu_path and (gpu or not manifest.search):
+            raise InputError("gpu_path runs the GPU's bindings on the CPU: --device cpu, and a "
+                             "model with the search graphs")  # fmt: skip
+        self.on_device = gpu or gpu_path
+        bound = ("cuda", 0) if gpu else ("cpu", 0)  # where device tensors live
+        init, step = self.sessions["decoder_init"], self.sessions["decoder_step"]
+        if self.on_device:
+            self.decoder = DeviceDecoder(init, step, manifest, device=bound)
+        else:
+            self.decoder = HostDecoder(init, step, manifest)
         self.selection = self._selection(selection)
         self.decoder.search = None
         if self.selection == "device" or (self.on_device and self.manifest.search):
             search = {}
-            wanted = [(CUDA, {"device_id": 0, "use_tf32": "0"}), CPU] if self.on_device else [CPU]
+            wanted = [(CUDA, {"device_id": 0, "use_tf32": "0"}), CPU] if gpu else [CPU]
             for name, spec in manifest.search.items():
                 path = Path(manifest.model_dir or ".") / spec.file
                 try:
@@ -176,8 +188,7 @@ class OrtModel:
                     raise InputError(
                         f"{path}: cannot load the ONNX graph ({one_line(exc)})"
                     ) from None
-            device = ("cuda", 0) if self.on_device else None
-            self.decoder.search = SearchGraphs(search, device)
+            self.decoder.search = SearchGraphs(search, bound if self.on_device else None)
         # select on the device: always for the take graphs on a GPU, per step when chosen
         self.decoder.select_on_device = self.selection == "device"
         self.encoder = Encoder(

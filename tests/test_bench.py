@@ -60,8 +60,9 @@ def test_quick_run_writes_results_and_guard_passes(quick_run):
     results = json.loads((out / "results.json").read_text())
     assert {"cpu", "cores", "versions"} <= set(results["machine"])
     runs = results["runs"]
-    engines = {"torch-perpatient", "torch-batched", "ort-cpu", "ort-cpu-device"}
+    engines = {"torch-perpatient", "torch-batched", "ort-cpu", "ort-cpu-device", "ort-cpu-gpupath"}
     assert {r["engine"] for r in runs} == engines
+    assert results["profile"]["engine"] == "ort-cpu"
     assert {r["beam"] for r in runs} == {1, 4}
     for run in runs + results["series"]["past_visits"]:
         assert run["matches_reference"] is True, run
@@ -82,6 +83,7 @@ def test_unavailable_engines_are_skipped_with_a_reason(quick_run):
         "ort-cpu",
         "ort-cpu-device",
         "ort-cpu-fp16",
+        "ort-cpu-gpupath",
         "ort-cuda",
         "ort-cuda-host",
         "ort-cuda-fp16",
@@ -264,3 +266,18 @@ def test_engine_options_hold_at_every_decoding(name):
         assert options.variant == eng.ORT_VARIANTS.get(name)
         assert options.streams == eng.ORT_STREAMS.get(name)
         assert options.decoding == ("set" if beam == eng.SET else "beam")
+
+
+def test_profile_of_the_gpu_path_on_the_cpu(tiny):
+    """The GPU's code path profiled on the CPU: its graphs (init_gather, the split
+    selection) and the host's share."""
+    import pyarrow.parquet as pq
+
+    from cognet.benchmarks.profile import profile_ort
+    from cognet.benchmarks.workload import Batch, mask_last_visits
+
+    table = mask_last_visits(pq.read_table(tiny["data"] / "visits.parquet").slice(0, 60))
+    out = profile_ort(tiny["model"], [Batch(table, [], [])], 4, 64, 1, gpu_path=True, top=3)
+    assert out["engine"] == "ort-cpu-gpupath"
+    assert {"init_gather_float32", "beam_select_split", "decoder_step"} <= set(out["graphs"])
+    assert 0 < out["python_share"] < 1

@@ -274,6 +274,22 @@ def test_device_selection_of_a_model_without_search_graphs_is_refused(tiny_many,
     with pytest.raises(InputError, match="re-export"):
         Scorer(old, device="cpu", selection="device")
     assert Scorer(old, device="cpu").decoder.search is None  # auto: the numpy selection
+    from cognet.core.manifest import load_manifest
+    from cognet.runtime.session import OrtModel
+
+    with pytest.raises(InputError, match="gpu_path"):
+        OrtModel(load_manifest(old), device="cpu", gpu_path=True)
+    # a model exported before init_gather: the GPU path gathers its encodings on the host
+    manifest = json.loads((tiny_many / "model" / "manifest.json").read_text())
+    for name in ("init_gather_float32", "init_gather_float16"):
+        manifest["search"].pop(name)
+    (old / "manifest.json").write_text(json.dumps(manifest))
+    model = OrtModel(load_manifest(old), device="cpu", threads=1, gpu_path=True)
+    assert model.encoder.search is None and model.decoder.select_on_device
+    table = _as_targets(pq.read_table(tiny_many / "data" / "visits.parquet")).slice(0, 400)
+    got = _lists(model.manifest, model.encoder, model.decoder, table, batch_size=64)
+    host = OrtModel(load_manifest(old), device="cpu", threads=1, selection="host")
+    assert got == _lists(host.manifest, host.encoder, host.decoder, table, batch_size=64)
 
 
 @pytest.fixture(scope="module")
@@ -371,22 +387,18 @@ def test_the_gpu_bindings_run_on_the_cpu_equal_the_host_path(tiny_many, options)
 
 
 def _bound(model_dir, variant=None):
-    """(an OrtModel on the CPU, its decoder and encoder bound as on a GPU, in CPU memory)."""
+    """(an OrtModel on the CPU with the host path: numpy selection; the decoder and encoder
+    of one with the GPU path, bound to CPU memory: `OrtModel(gpu_path=True)`)."""
     from cognet.core.manifest import load_manifest
-    from cognet.runtime.encoder import Encoder
-    from cognet.runtime.search import SearchGraphs
     from cognet.runtime.session import DeviceDecoder, OrtModel
 
     manifest = load_manifest(model_dir)
-    model = OrtModel(manifest, device="cpu", threads=1, selection="device", variant=variant)
-    model.decoder.select_on_device = False  # the host path: numpy selection
-    bound = DeviceDecoder(model.sessions["decoder_init"], model.sessions["decoder_step"],
-                          manifest, device=("cpu", 0))  # fmt: skip
-    bound.search = SearchGraphs(model.decoder.search.sessions, device=("cpu", 0))
-    bound.select_on_device = True
-    encoder = Encoder(model.sessions["encoder"], manifest.dims.dim, bound.search)
-    assert encoder.search is not None  # the model has the init_gather graphs
-    return model, bound, encoder
+    model = OrtModel(manifest, device="cpu", threads=1, selection="host", variant=variant)
+    gpu = OrtModel(manifest, device="cpu", threads=1, variant=variant, gpu_path=True)
+    assert isinstance(gpu.decoder, DeviceDecoder) and gpu.decoder.select_on_device
+    assert gpu.decoder.search.device == ("cpu", 0) and gpu.providers[0] == "CPUExecutionProvider"
+    assert gpu.encoder.search is not None  # the model has the init_gather graphs
+    return model, gpu.decoder, gpu.encoder
 
 
 def _lists(manifest, encode, decoder, table, **options) -> list[dict]:
