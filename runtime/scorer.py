@@ -404,7 +404,9 @@ class Scorer:
         )
         scores = np.concatenate([np.zeros(0, np.float32)] + [r.score for r in results])
         order = np.concatenate([np.zeros(0, np.int64)] + list(parts))  # target at each place
-        place = pa.array(np.argsort(order, kind="stable"))
+        place = np.empty(order.size, np.int64)
+        place[order] = np.arange(order.size)  # the inverse permutation
+        place = pa.array(place)
         medications = pa.ListArray.from_arrays(offsets, self._codes.take(pa.array(flat)))
         probabilities = pa.ListArray.from_arrays(offsets, pa.array(probs, pa.float32()))
         table = plan.table.take(pa.array(plan.targets))
