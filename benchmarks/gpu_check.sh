@@ -77,7 +77,8 @@ model = OrtModel(load_manifest(sys.argv[1]), device="cuda")
 sessions = {**model.sessions, **(model.decoder.search.sessions if model.decoder.search else {})}
 for name, sess in sessions.items():
     print(f"session {name}: get_providers() = {sess.get_providers()}")
-print("decoder:", type(model.decoder).__name__, "selection:", model.selection)
+print("decoder:", type(model.decoder).__name__, "selection:", model.selection,
+      "encodings on the device:", model.encoder.search is not None)
 EOF
 gpu=$($PY -c "import torch; print(torch.cuda.get_device_name(0).split()[1].lower())" 2>/dev/null || echo gpu)
 
