@@ -41,6 +41,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from cognet.core.graphspec import INIT_GATHERED
 from cognet.core.manifest import GraphSpec, TensorSpec, file_sha256
 
 F32, F64, I64, BOOL = TensorProto.FLOAT, TensorProto.DOUBLE, TensorProto.INT64, TensorProto.BOOL
@@ -52,16 +53,6 @@ TAKE_TYPES = {
     "bool": TensorProto.BOOL,
 }
 INIT_GATHER_TYPES = ("float32", "float16")  # the encoder outputs' types (fp32, fp16 variant)
-# init_gather's outputs: (name, buffer, rank of the index); the names of decoder_init's inputs
-INIT_GATHERED = (
-    ("diag_enc", "codes", 2),
-    ("proc_enc", "codes", 2),
-    ("slot_enc", "codes", 2),
-    ("v_d", "visits", 1),
-    ("v_p", "visits", 1),
-    ("hist_v_d", "visits", 2),
-    ("hist_v_p", "visits", 2),
-)
 BEAM_SELECT = ("beam_select", "beam_select_ddi", "beam_select_split", "beam_select_split_ddi")
 SEARCH_FILES = {
     **{name: f"{name}.onnx" for name in BEAM_SELECT},

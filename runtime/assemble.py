@@ -31,6 +31,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from cognet.core.graphspec import INIT_GATHERED
 from cognet.core.history import history_index
 from cognet.core.vocab import Vocab
 from cognet.runtime.reader import HashSet, patient_starts, string_hashes
@@ -287,11 +288,6 @@ class Assembler:
         return Spans(known, since, before)
 
 
-CODE_INPUTS = ("diag_enc", "proc_enc", "slot_enc")  # decoder-init inputs gathered from codes
-VISIT_INPUTS = ("v_d", "v_p", "hist_v_d", "hist_v_p")  # ... and from visit vectors
-GATHERED = CODE_INPUTS + VISIT_INPUTS
-
-
 @dataclass
 class Layout:
     """Where the encoder outputs of a chunk's rows go in two flat buffers, each encoder call's
@@ -315,17 +311,18 @@ class Layout:
     code_rows: int
     visit_rows: int
 
-    def outputs(self, k: int) -> dict[str, tuple[int, tuple[int, ...]]]:
-        """{encoder output: (first buffer row, shape without the last axis)} of call k."""
+    def outputs(self, k: int) -> dict[str, tuple[str, int, tuple[int, ...]]]:
+        """{encoder output: (its buffer, first row there, shape without the last axis)} of
+        call k."""
         n = int(self.parts[k].size)
         (ld, lp, lm), (d, p, m) = self.widths[k].tolist(), self.code_at[k].tolist()
         v = int(self.visit_at[k])
         return {
-            "diag_enc": (d, (n, ld)),
-            "proc_enc": (p, (n, lp)),
-            "med_enc": (m, (n, lm)),
-            "v_d": (v, (n,)),
-            "v_p": (v + _aligned(n), (n,)),
+            "diag_enc": ("codes", d, (n, ld)),
+            "proc_enc": ("codes", p, (n, lp)),
+            "med_enc": ("codes", m, (n, lm)),
+            "v_d": ("visits", v, (n,)),
+            "v_p": ("visits", v + _aligned(n), (n,)),
         }
 
 
@@ -397,19 +394,18 @@ def encoder_inputs(plan: Plan, rows: np.ndarray, vocab: Vocab) -> dict[str, np.n
 
 def store_encodings(enc: Encodings, k: int, out: Mapping[str, np.ndarray]) -> None:
     """Copy the outputs of encoder call k (host arrays) into their place."""
-    for name, (first, shape) in enc.layout.outputs(k).items():
-        buffer = enc.codes if name.endswith("_enc") else enc.visits
+    for name, (buffer, first, shape) in enc.layout.outputs(k).items():
         rows = int(np.prod(shape))
-        buffer[first : first + rows] = np.asarray(out[name]).reshape(rows, -1)
+        getattr(enc, buffer)[first : first + rows] = np.asarray(out[name]).reshape(rows, -1)
 
 
 def init_index(
     plan: Plan, lay: Layout, targets: np.ndarray, histories
 ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
     """The decoder-init inputs (`graphspec.INIT_INPUTS`) of the visits `targets` (chunk
-    rows; histories: theirs, as `history_index` takes them), as (buffer rows of the GATHERED
-    inputs, the other inputs): codes for CODE_INPUTS, visits for VISIT_INPUTS; padding
-    positions point at the buffer's zero row."""
+    rows; histories: theirs, as `history_index` takes them), as (buffer rows of the inputs
+    of `graphspec.INIT_GATHERED`, the other inputs); padding positions point at the
+    buffer's zero row."""
     gather: dict[str, np.ndarray] = {}
     rest: dict[str, np.ndarray] = {}
     zero_code, zero_visit = lay.code_rows - 1, lay.visit_rows - 1
@@ -438,6 +434,6 @@ def init_inputs(
     """Decoder-init inputs (`graphspec.INIT_INPUTS`) of the visits `targets` (chunk rows),
     gathered on the host."""
     gather, out = init_index(plan, enc.layout, targets, histories)
-    for name, rows in gather.items():
-        out[name] = (enc.codes if name in CODE_INPUTS else enc.visits)[rows]
+    for name, buffer, _ in INIT_GATHERED:
+        out[name] = getattr(enc, buffer)[gather[name]]
     return out

@@ -91,9 +91,8 @@ class Encoder:
         for key, value in inputs.items():
             io.bind_cpu_input(key, np.ascontiguousarray(value))
         device = None if self.search is None else self.search.device
-        for name, (first, shape) in enc.layout.outputs(k).items():
-            buffer = enc.codes if name.endswith("_enc") else enc.visits
-            bind_rows(io, name, buffer, first, shape, device)
+        for name, (buffer, first, shape) in enc.layout.outputs(k).items():
+            bind_rows(io, name, getattr(enc, buffer), first, shape, device)
         self.session.run_with_iobinding(io)
 
 

@@ -78,7 +78,7 @@ class ScoringModel:
     from any encoder and decoder (the tests plug torch in)."""
 
     # host arrays in, host arrays out; one with `new_encodings` and `encode_into`
-    # (`session.Encoder`) writes its outputs in place, on a GPU into the device's memory
+    # (`encoder.Encoder`) writes its outputs in place, on a GPU into the device's memory
     encode: Callable[[Mapping[str, np.ndarray]], Mapping[str, np.ndarray]]
     decoder: DecoderSession
     vocab: Vocab
@@ -358,7 +358,7 @@ class Scorer:
         cells = [self.encode_cells] * 3
         parts = cut_padded(rows, lengths, cells, self.encode_batch, squared=True)
         lay = assemble.layout(plan, parts)
-        in_place = getattr(self.encode, "encode_into", None)  # `session.Encoder`
+        in_place = getattr(self.encode, "encode_into", None)  # `encoder.Encoder`
         if in_place is not None:
             enc = self.encode.new_encodings(lay)
         else:

@@ -430,10 +430,9 @@ def test_init_gathered_on_the_device_equals_the_host_assembly(tiny_many, batch):
         encoder.encode_into(inputs, dev, k)
     written = {"codes": [lay.code_rows - 1], "visits": [lay.visit_rows - 1]}  # + zero rows
     for k in range(len(parts)):
-        for name, (first, shape) in lay.outputs(k).items():
+        for buffer, first, shape in lay.outputs(k).values():
             assert first % assemble.ALIGN_ROWS == 0
-            rows = list(range(first, first + int(np.prod(shape))))
-            written["codes" if name.endswith("_enc") else "visits"] += rows
+            written[buffer] += list(range(first, first + int(np.prod(shape))))
     for name in ("codes", "visits"):
         rows = np.array(written[name])
         assert np.unique(rows).size == rows.size  # no two outputs share a row

@@ -30,6 +30,18 @@ INIT_INPUTS = (
     "slot_med",  # int64 [N, S] medication id of the slot
 )
 
+# The encoding inputs of the decoder init, gathered from the encoder outputs laid out in two
+# flat buffers (`cognet.runtime.assemble.Layout`): (input, buffer, rank of its row index).
+INIT_GATHERED = (
+    ("diag_enc", "codes", 2),
+    ("proc_enc", "codes", 2),
+    ("slot_enc", "codes", 2),
+    ("v_d", "visits", 1),
+    ("v_p", "visits", 1),
+    ("hist_v_d", "visits", 2),
+    ("hist_v_p", "visits", 2),
+)
+
 # Per-visit memories: outputs of the decoder init, inputs of every decoder step.
 MEMORIES = (
     "cross_key_d",  # [N, H, dh, Ld]  keys, transposed and pre-scaled by 1/sqrt(dh)
