@@ -52,7 +52,7 @@ needs_ort_cuda = pytest.mark.skipif(not _ort_cuda(), reason="needs onnxruntime-g
 @pytest.fixture(scope="module")
 def real_size(tmp_path_factory):
     """A synthetic dataset of real vocabulary sizes (131 medications, ~19 per visit), a
-    checkpoint trained one epoch on the GPU, and its export."""
+    checkpoint trained one epoch on the GPU, and its export (with the float16 graphs)."""
     from cognet.data.synth import generate
     from cognet.export import export
     from cognet.train import TrainConfig, train
@@ -60,7 +60,7 @@ def real_size(tmp_path_factory):
     root = tmp_path_factory.mktemp("real_size")
     generate(root / "data", patients=600, seed=3)
     train(root / "data", root / "ckpt", TrainConfig(epochs=1, device="cuda", seed=0))
-    export(root / "ckpt", root / "model", validate=False)
+    export(root / "ckpt", root / "model", validate=False, fp16=True)
     return root
 
 
@@ -247,3 +247,26 @@ def test_ort_cuda_with_several_host_streams_equals_torch_reference(real_size):
     assert scorer.streams == 3 and scorer.decoder.select_on_device
     out = pa.concat_tables([c.recommendations for c in scorer.score_table(_targets(visits))])
     assert {r["visit_id"]: r["medications"] for r in out.to_pylist()} == by_id
+
+
+@needs_ort_cuda
+def test_ort_cuda_fp16_scores_end_to_end(real_size):
+    """The float16 graphs on CUDA, encodings in float16 on the device: close to the float16
+    graphs on the CPU (host path), list by list."""
+    import numpy as np
+    import pyarrow as pa
+
+    from cognet.runtime import Scorer
+
+    table = _targets(pq.read_table(real_size / "data" / "visits.parquet"))
+    runs = {}
+    for device in ("cpu", "cuda"):
+        scorer = Scorer(real_size / "model", device=device, batch_size=512, decoding="beam",
+                        variant="fp16")  # fmt: skip
+        if device == "cuda":
+            assert scorer.encode.search is not None and scorer.encode.dtype == np.float16
+        out = pa.concat_tables([c.recommendations for c in scorer.score_table(table)])
+        runs[device] = {r["visit_id"]: r["medications"] for r in out.to_pylist()}
+    assert len(runs["cpu"]) > 1000
+    same = sum(runs["cuda"][k] == v for k, v in runs["cpu"].items())
+    assert same / len(runs["cpu"]) >= 0.97
