@@ -281,3 +281,18 @@ def test_profile_of_the_gpu_path_on_the_cpu(tiny):
     assert out["engine"] == "ort-cpu-gpupath"
     assert {"init_gather_float32", "beam_select_split", "decoder_step"} <= set(out["graphs"])
     assert 0 < out["python_share"] < 1
+
+
+def test_guard_scores_a_bounded_number_of_differences():
+    """A broken engine (every visit differs) is not scored visit by visit: past TIE_CHECKS
+    differences, the rest count as mismatches unscored."""
+    from cognet.benchmarks.guard import TIE_CHECKS
+
+    n = TIE_CHECKS + 44
+    table = {(f"p{i}", m): -1.0 for i in range(n) for m in (("A",), ("B",))}  # all ties
+    guard = Guard(_Scored(table))
+    guard.add(4, {f"v{i}": ("A",) for i in range(n)})
+    guard.patients.update({f"v{i}": f"p{i}" for i in range(n)})
+    got = guard.compare(4, {f"v{i}": ("B",) for i in range(n)})
+    assert (got["ties"], got["mismatches"]) == (TIE_CHECKS, 44)
+    assert got["matches_reference"] is False
