@@ -36,20 +36,6 @@ from typing import Any, Protocol
 from cognet.benchmarks.workload import Batch
 from cognet.core.decoding import BEAM, Decoding
 
-ENGINES = (
-    "torch-perpatient",
-    "torch-batched",
-    "ort-cpu",
-    "ort-cpu-device",
-    "ort-cpu-fp16",
-    "ort-cpu-gpupath",
-    "ort-cuda",
-    "ort-cuda-host",
-    "ort-cuda-fp16",
-    "ort-cuda-streams",
-    "ort-tensorrt",
-    "torch-cuda",
-)
 TORCH_ENGINES = ("torch-perpatient", "torch-batched", "torch-cuda")
 ORT_DEVICES = {
     "ort-cpu": "cpu",
@@ -62,20 +48,14 @@ ORT_DEVICES = {
     "ort-cuda-streams": "cuda",
     "ort-tensorrt": "tensorrt",
 }
+ENGINES = ("torch-perpatient", "torch-batched", *ORT_DEVICES, "torch-cuda")  # in report order
 # the candidate selection of each runtime engine (`cognet.runtime.options.SELECTIONS`)
 ORT_SELECTIONS = {"ort-cpu-device": "device", "ort-cuda-host": "host"}
 ORT_VARIANTS = {"ort-cpu-fp16": "fp16", "ort-cuda-fp16": "fp16"}  # the manifest variant
 ORT_STREAMS = {"ort-cuda-streams": 4}  # host threads (batches decoded at once)
 GPU_PATH = ("ort-cpu-gpupath",)  # the GPU's code path on the CPU provider
 APPROXIMATE = ("ort-cpu-fp16", "ort-cuda-fp16")  # their agreement with the reference reported
-GPU_ENGINES = (
-    "ort-cuda",
-    "ort-cuda-host",
-    "ort-cuda-fp16",
-    "ort-cuda-streams",
-    "ort-tensorrt",
-    "torch-cuda",
-)
+GPU_ENGINES = (*(e for e, device in ORT_DEVICES.items() if device != "cpu"), "torch-cuda")
 SET = 0  # in a list of beam widths: the model's set decoding (`cognet.core.decoding`)
 
 

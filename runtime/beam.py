@@ -347,8 +347,9 @@ def _kept_rows(values: np.ndarray, keep: np.ndarray) -> list[np.ndarray]:
     """[values[i][keep[i]] for every row i]: one gather, then slices of it (3.6x faster than
     a gather per row at 16,384 rows)."""
     flat = values[keep]
-    ends = np.cumsum(keep.sum(1))
-    starts = ends - keep.sum(1)
+    counts = keep.sum(1)
+    ends = np.cumsum(counts)
+    starts = ends - counts
     return [flat[a:b] for a, b in zip(starts.tolist(), ends.tolist(), strict=True)]
 
 

@@ -15,7 +15,7 @@ import numpy as np
 import onnxruntime as ort
 
 from cognet.core.graphspec import ENCODER_OUTPUTS
-from cognet.runtime.assemble import Encodings, Layout
+from cognet.runtime.assemble import Encodings, Layout, new_encodings
 from cognet.runtime.search import INIT_GATHER, ORT_TYPES, SearchGraphs
 
 
@@ -40,14 +40,16 @@ class Encoder:
         return dict(zip(ENCODER_OUTPUTS, out, strict=True))
 
     def new_encodings(self, lay: Layout) -> Encodings:
-        """Buffers for a layout (on the device when it can gather there), at least as long
-        as it needs, their padding rows zero. Device buffers of the last chunk are reused
-        when long enough and `release`d (allocating and freeing device memory synchronises
-        the device; not measured). Host buffers are not: fresh memory pays a page fault
-        per page at first write (encoder calls into 213 MB of fresh codes took 1.46 s, into
-        touched memory 1.0 s), yet scoring with reused host buffers measured slower
-        (beam 4, batch 4,096, 2 vCPUs, 9 alternating runs each: median 1,322 visits/s
-        reused, 1,443 fresh, 1,440 before the buffers; the decoder step itself slowed)."""
+        """Buffers for a layout, their padding rows zero: host arrays, fresh per chunk; or on
+        the device when it can gather there, at least as long as the layout needs, the last
+        chunk's reused when long enough and `release`d (allocating and freeing device memory
+        synchronises the device; not measured). Host buffers are not reused: scoring with
+        reused ones measured slower (beam 4, batch 4,096, 2 vCPUs, 9 alternating runs each:
+        median 1,322 visits/s reused, 1,443 fresh, 1,440 before the buffers; the decoder
+        step itself slowed), though fresh memory pays a page fault per page at first write
+        (encoder calls into 213 MB of fresh codes took 1.46 s, into touched memory 1.0 s)."""
+        if self.search is None:
+            return new_encodings(lay, self.dim, self.dtype)
         with self._lock:
             spare, self._spare = self._spare, None
         if spare is None or _rows(spare[0]) < lay.code_rows or _rows(spare[1]) < lay.visit_rows:
@@ -62,22 +64,17 @@ class Encoder:
 
     def release(self, enc: Encodings) -> None:
         """The chunk is decoded: its device buffers may serve the next."""
-        if not isinstance(enc.codes, np.ndarray):
+        if self.search is not None:
             with self._lock:
                 self._spare = (enc.codes, enc.visits)
 
-    def _allocate(self, rows: int):
-        if self.search is None:
-            return np.empty((rows, self.dim), self.dtype)
+    def _allocate(self, rows: int) -> ort.OrtValue:
         return ort.OrtValue.ortvalue_from_shape_and_type(
             [rows, self.dim], self.dtype, *self.search.device
         )
 
-    def _zero_row(self, buffer, row: int) -> None:
-        """Zero one row of a buffer: on the device, the take graph writes it there."""
-        if isinstance(buffer, np.ndarray):
-            buffer[row] = 0
-            return
+    def _zero_row(self, buffer: ort.OrtValue, row: int) -> None:
+        """Zero one row of a device buffer: the take graph writes it there."""
         take = self.search.sessions[f"take_{self.dtype.name}"]
         io = take.io_binding()
         io.bind_cpu_input("x", np.zeros((1, self.dim), self.dtype))
@@ -96,8 +93,8 @@ class Encoder:
         self.session.run_with_iobinding(io)
 
 
-def _rows(buffer) -> int:
-    return buffer.shape[0] if isinstance(buffer, np.ndarray) else buffer.shape()[0]
+def _rows(buffer: ort.OrtValue) -> int:
+    return buffer.shape()[0]
 
 
 def bind_rows(io: ort.IOBinding, name: str, buffer, row: int, shape, device=None) -> None:
