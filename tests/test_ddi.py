@@ -12,9 +12,8 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 from click.testing import CliRunner
-from test_runtime_beam import TorchDecoder, make_case
 from test_runtime_scorer import tiny_model_dir
-from tiny import random_checkpoint
+from tiny import TorchDecoder, make_case, random_checkpoint
 
 from cognet import checkpoint, ddi_tradeoff
 from cognet.batching import make_batch

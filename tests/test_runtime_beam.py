@@ -6,92 +6,15 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from tiny import TorchDecoder, make_case
 
 from cognet.batching import make_batch
-from cognet.core.graphspec import ENCODER_INPUTS, ENCODER_OUTPUTS, INIT_INPUTS
-from cognet.core.history import Visit
-from cognet.core.vocab import Vocab
+from cognet.core.graphspec import INIT_INPUTS
 from cognet.decode import beam_search as torch_beam_search
-from cognet.model import COGNet, ModelConfig, history_inputs
+from cognet.model import history_inputs
 from cognet.runtime.beam import BeamConfig, beam_search, top_k_stable
 
 torch.set_num_threads(1)  # tiny tensors: threads only add contention
-
-
-class TorchDecoder:
-    """The `DecoderSession` protocol over the torch model (the reference's own graphs)."""
-
-    def __init__(self, model: COGNet):
-        self.model = model
-        with torch.no_grad():
-            self.graph = model.graph_embeddings()
-        self.steps = 0
-
-    @torch.no_grad()
-    def init(self, inputs):
-        return tuple(
-            self.model.decoder_init(
-                *(torch.from_numpy(np.ascontiguousarray(inputs[k])) for k in INIT_INPUTS)
-            )
-        )
-
-    def empty_cache(self, n, beam):
-        return self.model.empty_cache(n, beam)
-
-    @torch.no_grad()
-    def step(self, tokens, parent, cache, memories, outputs):
-        self.steps += 1
-        lp, gate, copy, k, v = self.model.decoder_step(
-            torch.from_numpy(tokens), torch.from_numpy(parent), *cache, *memories, graph=self.graph
-        )
-        out = {"log_probs": lp.numpy(), "gate": gate.numpy(), "copy_probs": copy.numpy()}
-        return {name: out[name] for name in outputs}, (k, v)
-
-    def take(self, value, rows):
-        index = torch.from_numpy(rows)
-        return tuple(x[index] for x in value)
-
-
-def torch_encoder(model: COGNet):
-    @torch.no_grad()
-    def encode(inputs):
-        out = model.encode_visits(*(torch.from_numpy(inputs[k]) for k in ENCODER_INPUTS))
-        return {name: t.numpy() for name, t in zip(ENCODER_OUTPUTS, out, strict=True)}
-
-    return encode
-
-
-# -- a small random model and patients ----------------------------------------------------------
-
-
-def make_case(n_med: int = 12, n_patients: int = 12, seed: int = 0, dim: int = 16):
-    rng = np.random.default_rng(seed)
-    d, p = 30, 20
-    vocab = Vocab(
-        tuple(f"d{i:02d}" for i in range(d)),
-        tuple(f"p{i:02d}" for i in range(p)),
-        tuple(f"m{i:02d}" for i in range(n_med)),
-        tuple(int(x) for x in rng.integers(1, 50, n_med)),
-    )
-
-    def visit(pid: str, i: int) -> Visit:
-        diag = rng.choice(d, rng.integers(0, 6), replace=False).tolist()
-        proc = rng.choice(p, rng.integers(0 if diag else 1, 4), replace=False).tolist()
-        meds = vocab.rare_first(
-            rng.choice(n_med, rng.integers(1, min(6, n_med)), replace=False).tolist()
-        )
-        return Visit(pid, f"{pid}-{i}", tuple(diag), tuple(proc), tuple(meds))
-
-    patients = [[visit(f"p{k}", i) for i in range(rng.integers(1, 5))] for k in range(n_patients)]
-    torch.manual_seed(seed)
-    cfg = ModelConfig(d, p, n_med, dim=dim, heads=2, ffn=2 * dim)
-    ddi = (rng.random((n_med, n_med)) < 0.1).astype(np.float32)
-    model = COGNet(cfg, np.zeros((n_med, n_med), np.float32), np.maximum(ddi, ddi.T))
-    with torch.no_grad():
-        for prm in model.parameters():
-            prm.add_(torch.randn_like(prm) * 0.3)
-        model.gen_head.bias[n_med] = -1.0  # END less likely: longer, varied lists
-    return model.eval(), vocab, patients
 
 
 def run_both(model, vocab, patients, beam, max_len, compact_at, prauc=True, explain=False):

@@ -7,7 +7,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 import torch
-from test_runtime_beam import make_case, torch_encoder
+from tiny import make_case, torch_encoder
 
 from cognet.batching import make_batch
 from cognet.core.errors import InputError

@@ -1,8 +1,11 @@
-"""Tiny random datasets and checkpoints for fast tests (no training needed for parity).
+"""Helpers shared by the test modules: tiny random datasets, checkpoints and models (no
+training needed for parity), and the torch model behind the runtime's session interface.
 
 `make_tiny(root)` writes `root/data` (a dataset directory with a split column) and
 `root/ckpt` (a checkpoint of a randomly initialised COGNet whose END bias is lowered so that
-beam search produces medication lists of varied lengths).
+beam search produces medication lists of varied lengths). `make_case()` builds such a model
+and its patients in memory; `TorchDecoder` and `torch_encoder` run the torch model's graphs
+where the runtime runs ONNX sessions. Fixtures built from these live in `conftest.py`.
 """
 
 from __future__ import annotations
@@ -12,6 +15,12 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
+import torch
+
+from cognet.core.graphspec import ENCODER_INPUTS, ENCODER_OUTPUTS, INIT_INPUTS
+from cognet.core.history import Visit
+from cognet.core.vocab import Vocab
+from cognet.model import COGNet, ModelConfig
 
 
 def tiny_visits(
@@ -101,13 +110,9 @@ def random_checkpoint(
 ) -> Path:
     """A randomly initialised COGNet over the vocabulary of a dataset directory's train split
     (graphs from its train split and DDI pairs), saved as a checkpoint; returns its path."""
-    import torch
-
     from cognet import checkpoint
     from cognet.batching import ddi_adjacency, ehr_adjacency
-    from cognet.core.vocab import Vocab
     from cognet.evaluate import load_split, split_table
-    from cognet.model import COGNet, ModelConfig
 
     visits = pq.read_table(Path(data) / "visits.parquet")
     ddi_table = pq.read_table(Path(data) / "ddi.parquet")
@@ -142,3 +147,79 @@ def random_checkpoint(
     ckpt = Path(ckpt)
     checkpoint.save(ckpt, model, vocab, ehr, ddi, pairs, {"seed": seed, "tiny": True})
     return ckpt
+
+
+class TorchDecoder:
+    """The `DecoderSession` protocol over the torch model (the reference's own graphs)."""
+
+    def __init__(self, model: COGNet):
+        self.model = model
+        with torch.no_grad():
+            self.graph = model.graph_embeddings()
+        self.steps = 0
+
+    @torch.no_grad()
+    def init(self, inputs):
+        return tuple(
+            self.model.decoder_init(
+                *(torch.from_numpy(np.ascontiguousarray(inputs[k])) for k in INIT_INPUTS)
+            )
+        )
+
+    def empty_cache(self, n, beam):
+        return self.model.empty_cache(n, beam)
+
+    @torch.no_grad()
+    def step(self, tokens, parent, cache, memories, outputs):
+        self.steps += 1
+        lp, gate, copy, k, v = self.model.decoder_step(
+            torch.from_numpy(tokens), torch.from_numpy(parent), *cache, *memories, graph=self.graph
+        )
+        out = {"log_probs": lp.numpy(), "gate": gate.numpy(), "copy_probs": copy.numpy()}
+        return {name: out[name] for name in outputs}, (k, v)
+
+    def take(self, value, rows):
+        index = torch.from_numpy(rows)
+        return tuple(x[index] for x in value)
+
+
+def torch_encoder(model: COGNet):
+    @torch.no_grad()
+    def encode(inputs):
+        out = model.encode_visits(*(torch.from_numpy(inputs[k]) for k in ENCODER_INPUTS))
+        return {name: t.numpy() for name, t in zip(ENCODER_OUTPUTS, out, strict=True)}
+
+    return encode
+
+
+# -- a small random model and patients, in memory
+
+
+def make_case(n_med: int = 12, n_patients: int = 12, seed: int = 0, dim: int = 16):
+    rng = np.random.default_rng(seed)
+    d, p = 30, 20
+    vocab = Vocab(
+        tuple(f"d{i:02d}" for i in range(d)),
+        tuple(f"p{i:02d}" for i in range(p)),
+        tuple(f"m{i:02d}" for i in range(n_med)),
+        tuple(int(x) for x in rng.integers(1, 50, n_med)),
+    )
+
+    def visit(pid: str, i: int) -> Visit:
+        diag = rng.choice(d, rng.integers(0, 6), replace=False).tolist()
+        proc = rng.choice(p, rng.integers(0 if diag else 1, 4), replace=False).tolist()
+        meds = vocab.rare_first(
+            rng.choice(n_med, rng.integers(1, min(6, n_med)), replace=False).tolist()
+        )
+        return Visit(pid, f"{pid}-{i}", tuple(diag), tuple(proc), tuple(meds))
+
+    patients = [[visit(f"p{k}", i) for i in range(rng.integers(1, 5))] for k in range(n_patients)]
+    torch.manual_seed(seed)
+    cfg = ModelConfig(d, p, n_med, dim=dim, heads=2, ffn=2 * dim)
+    ddi = (rng.random((n_med, n_med)) < 0.1).astype(np.float32)
+    model = COGNet(cfg, np.zeros((n_med, n_med), np.float32), np.maximum(ddi, ddi.T))
+    with torch.no_grad():
+        for prm in model.parameters():
+            prm.add_(torch.randn_like(prm) * 0.3)
+        model.gen_head.bias[n_med] = -1.0  # END less likely: longer, varied lists
+    return model.eval(), vocab, patients
