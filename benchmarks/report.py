@@ -8,6 +8,7 @@ from pathlib import Path
 
 from cognet.benchmarks.engines import decoding_label
 from cognet.core.decoding import BEAM
+from cognet.core.files import atomic_path, write_text
 
 BASELINES = ("torch-batched", "torch-perpatient")
 MAIN = "ort-cpu"
@@ -16,8 +17,8 @@ MAIN = "ort-cpu"
 def write_all(results: dict, out: Path) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
     paths = [out / "results.json", out / "results.md", out / "throughput.png"]
-    paths[0].write_text(json.dumps(results, indent=1) + "\n")
-    paths[1].write_text(markdown(results))
+    write_text(paths[0], json.dumps(results, indent=1) + "\n")
+    write_text(paths[1], markdown(results))
     plot(results, paths[2])
     if results.get("ddi_tradeoff") and (out / "ddi_tradeoff.png").is_file():
         paths.append(out / "ddi_tradeoff.png")  # written by the trade-off run
@@ -253,7 +254,8 @@ def plot(results: dict, path: Path) -> None:
     m = results["machine"]
     fig.suptitle(f"cognet-bench: {m['cpu']}, {m['threads']} thread(s)", fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, dpi=110, format="png")
     plt.close(fig)
 
 

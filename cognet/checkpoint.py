@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
+from contextlib import ExitStack
 from pathlib import Path
 
 import numpy as np
@@ -16,6 +16,7 @@ from safetensors.torch import save_file
 
 from cognet import checkpoint_checks as checks
 from cognet.core.errors import InputError, one_line, writing
+from cognet.core.files import atomic_path
 from cognet.core.vocab import Vocab
 from cognet.model import COGNet, ModelConfig
 
@@ -33,38 +34,39 @@ def save(
     train_config: dict,
     decoding: dict | None = None,
 ) -> Path:
-    """Write the checkpoint: every file under a temporary name first, then renamed into
-    place, config.json (holding the sha256 of the others: `checkpoint_checks`) last. A failed
-    write (a full disk) raises OutputError naming the file and leaves no new file behind."""
+    """Write the checkpoint: every file atomically (`cognet.core.files.atomic_path`), the
+    weights first, config.json (holding the sha256 of the others: `checkpoint_checks`) last,
+    so a checkpoint is complete once config.json is there. A failed write (a full disk)
+    raises OutputError naming the file and leaves no new file behind."""
     out = Path(out)
     created = not out.is_dir()
     with writing(out):
         out.mkdir(parents=True, exist_ok=True)
-    tmp = {name: out / f".{name}.tmp" for name in FILES}
     state = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
     done = False
     try:
-        _write_json(tmp["vocab.json"], vocab.to_json(), out / "vocab.json")
-        with writing(out / "model.safetensors"):
-            save_file(state, str(tmp["model.safetensors"]))
-        with writing(out / "graphs.npz"), open(tmp["graphs.npz"], "wb") as f:
-            np.savez(f, ehr=ehr_adj.astype(np.float32), ddi=ddi_adj.astype(np.float32))
-        config = {
-            "format_version": FORMAT_VERSION,
-            "model": model.cfg.to_json(),
-            "train": train_config,
-            "ddi_pairs": [list(p) for p in ddi_pairs],
-            "sha256": checks.file_hashes({n: tmp[n] for n in checks.HASHED}),
-        }
-        if decoding is not None:  # the model's default decoding (`cognet.core.decoding`)
-            config["decoding"] = decoding
-        _write_json(tmp["config.json"], config, out / "config.json")
-        for name in FILES:  # config.json last: a checkpoint is complete once it is there
-            os.replace(tmp[name], out / name)
+        # FILES holds config.json first: the stack renames it into place last
+        with ExitStack() as stack:
+            tmp = {name: stack.enter_context(atomic_path(out / name)) for name in FILES}
+            with writing(out / "vocab.json"):  # each failure names its own file
+                write_json(tmp["vocab.json"], vocab.to_json())
+            with writing(out / "model.safetensors"):
+                save_file(state, str(tmp["model.safetensors"]))
+            with writing(out / "graphs.npz"), open(tmp["graphs.npz"], "wb") as f:
+                np.savez(f, ehr=ehr_adj.astype(np.float32), ddi=ddi_adj.astype(np.float32))
+            config = {
+                "format_version": FORMAT_VERSION,
+                "model": model.cfg.to_json(),
+                "train": train_config,
+                "ddi_pairs": [list(p) for p in ddi_pairs],
+                "sha256": checks.file_hashes({n: tmp[n] for n in checks.HASHED}),
+            }
+            if decoding is not None:  # the model's default decoding (`cognet.core.decoding`)
+                config["decoding"] = decoding
+            with writing(out / "config.json"):
+                write_json(tmp["config.json"], config)
         done = True
     finally:
-        for path in tmp.values():
-            path.unlink(missing_ok=True)
         if created and not done and not any(out.iterdir()):
             out.rmdir()
     return out
@@ -110,7 +112,5 @@ def checkpoint_hash(path: str | Path) -> str:
     return h.hexdigest()
 
 
-def _write_json(path: Path, obj: dict, name: Path) -> None:
-    """Write `path`; a failure names the file it stands for."""
-    with writing(name):
-        path.write_text(json.dumps(obj, indent=1) + "\n")
+def write_json(path: Path, obj: dict) -> None:
+    path.write_text(json.dumps(obj, indent=1) + "\n")

@@ -32,6 +32,7 @@ import numpy as np
 
 from cognet.core.ddi import DDIPolicy, ddi_matrix
 from cognet.core.decoding import BEAM, Decoding
+from cognet.core.files import atomic_path
 
 DEFAULT_PENALTIES = (0.25, 0.5, 1.0, 2.0, 4.0)
 MAX_JACCARD_DROP = 0.01  # accuracy a recommended penalty may cost against `off`
@@ -260,7 +261,8 @@ def plot(
     ax.grid(alpha=0.3)
     fig.tight_layout()
     path = Path(path)
-    fig.savefig(path)
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, format="png")
     plt.close(fig)
     return path
 

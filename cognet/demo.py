@@ -14,6 +14,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from cognet.core.files import atomic_path
+
 
 def make_input(data_dir: str, out: str, split: str = "test") -> int:
     from cognet.core.schema import read_dataset
@@ -28,7 +30,8 @@ def make_input(data_dir: str, out: str, split: str = "test") -> int:
         pa.list_(pa.string()),
     )
     visits = visits.set_column(visits.schema.get_field_index("medications"), "medications", masked)
-    pq.write_table(visits, out)
+    with atomic_path(out) as tmp:
+        pq.write_table(visits, tmp)
     return sum(last)
 
 

@@ -14,6 +14,7 @@ import torch
 from cognet.batching import make_batch
 from cognet.core.ddi import DDIPolicy, ddi_matrix
 from cognet.core.decoding import BEAM, MAX_LEN, Decoding
+from cognet.core.files import atomic_path
 from cognet.core.history import Visit, patients_from_table
 from cognet.core.metrics import VisitResult, bootstrap_report, ddi_rate_of_sets, summarize
 from cognet.core.vocab import Vocab
@@ -239,10 +240,7 @@ def by_history(results: Sequence[VisitResult], ddi_adj: np.ndarray) -> dict:
 
 
 def _write_parquet(path, table: pa.Table) -> None:
-    import os
-
     import pyarrow.parquet as pq
 
-    tmp = f"{path}.tmp"
-    pq.write_table(table, tmp)
-    os.replace(tmp, path)
+    with atomic_path(path) as tmp:
+        pq.write_table(table, tmp)

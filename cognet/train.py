@@ -21,8 +21,8 @@ import torch.nn.functional as F
 from cognet import checkpoint
 from cognet.batching import IGNORE, ddi_adjacency, ehr_adjacency, make_batch
 from cognet.core.decoding import DECODINGS, SAMPLES, Decoding
-from cognet.core.errors import InputError, writing
-from cognet.core.files import writable_folder
+from cognet.core.errors import InputError
+from cognet.core.files import writable_folder, write_text
 from cognet.core.schema import read_dataset
 from cognet.core.vocab import Vocab
 from cognet.evaluate import decode_patients, load_split, report, split_table, visit_results
@@ -313,7 +313,5 @@ def train(
     checkpoint.save(
         out, model.cpu(), vocab, ehr, ddi, dataset.ddi_pairs, train_info, decoding.to_json()
     )
-    with writing(out / "train_log.jsonl"), open(out / "train_log.jsonl", "w") as fh:
-        for rec in history:
-            fh.write(json.dumps(rec) + "\n")
+    write_text(out / "train_log.jsonl", "".join(json.dumps(rec) + "\n" for rec in history))
     return {**best, "weights": chosen, "decoding": decoding.to_json()}

@@ -15,11 +15,11 @@ I/O is checked against `cognet.core.graphspec` with its symbolic axes.
 from __future__ import annotations
 
 import io
-import os
 import warnings
 from contextlib import contextmanager, redirect_stderr, redirect_stdout
 from pathlib import Path
 
+from cognet.core.files import atomic_path
 from cognet.core.graphspec import STEP_CACHE_INPUTS
 from cognet.core.manifest import GraphSpec, TensorSpec, file_sha256
 from cognet.export.errors import ExportError
@@ -40,8 +40,8 @@ def export_graph(model, name: str, path: Path) -> None:
     dynamic_axes = {
         k: {i: d for i, d in enumerate(specs[k].shape) if isinstance(d, str)} for k in (*ins, *outs)
     }
-    tmp = path.with_name(path.name + ".tmp")
     with (
+        atomic_path(path) as tmp,
         warnings.catch_warnings(),
         redirect_stdout(io.StringIO()),
         redirect_stderr(io.StringIO()),
@@ -60,15 +60,14 @@ def export_graph(model, name: str, path: Path) -> None:
             external_data=False,
             do_constant_folding=True,
         )
-    proto = onnx.load(str(tmp))
-    _restore_unused_inputs(proto, ins, specs)
-    _pin_fixed_axes(proto, specs)
-    if name == "decoder_step":
-        _literal_zeros(proto)
-    onnx.save(proto, str(tmp))
-    onnx.checker.check_model(proto, full_check=True)
-    _check_io(proto, name, specs)
-    os.replace(tmp, path)
+        proto = onnx.load(str(tmp))
+        _restore_unused_inputs(proto, ins, specs)
+        _pin_fixed_axes(proto, specs)
+        if name == "decoder_step":
+            _literal_zeros(proto)
+        onnx.save(proto, str(tmp))
+        onnx.checker.check_model(proto, full_check=True)
+        _check_io(proto, name, specs)
 
 
 @contextmanager
@@ -209,9 +208,8 @@ def write_fp16(src: Path, dst: Path, name: str, specs: dict[str, TensorSpec]) ->
 
     half = to_float16(onnx.load(str(src)))
     onnx.checker.check_model(half, full_check=True)
-    tmp = dst.with_name(dst.name + ".tmp")
-    onnx.save(half, str(tmp))
-    os.replace(tmp, dst)
+    with atomic_path(dst) as tmp:
+        onnx.save(half, str(tmp))
     dtypes = {v.name: v.type.tensor_type.elem_type for v in (*half.graph.input, *half.graph.output)}
     names = {
         onnx.TensorProto.FLOAT16: "float16",

@@ -15,6 +15,7 @@ from pathlib import Path
 from cognet.core.ddi import ddi_matrix
 from cognet.core.decoding import BEAM, MAX_LEN
 from cognet.core.errors import InputError, one_line
+from cognet.core.files import write_text
 from cognet.core.manifest import GRAPHS, Dims, Manifest, Special, write_manifest
 from cognet.export.onnx_export import OPSET, export_graph, graph_spec, write_fp16
 from cognet.export.search_graphs import SEARCH_FILES, write_search_graphs
@@ -85,7 +86,7 @@ def export(
         parity["ops"] = sorted(_ops(paths.values()) | _ops((fp16_paths or {}).values()))
         if not parity["passed"]:
             report = out / REPORT_FILE
-            report.write_text(json.dumps(parity, indent=1) + "\n")
+            write_text(report, json.dumps(parity, indent=1) + "\n")
             check(parity, report)
 
     cfg = model.cfg

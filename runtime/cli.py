@@ -24,9 +24,9 @@ from cognet.core.clitools import (
 )
 from cognet.core.decoding import BEAM, DECODINGS
 from cognet.core.errors import InputError
+from cognet.core.lock import OutputLock
 from cognet.core.metrics import PATIENT_COLUMNS
 from cognet.runtime import preflight, reader, summary, writer
-from cognet.runtime.lock import OutputLock
 from cognet.runtime.options import DEVICES, MAX_CODES, SELECTIONS, ScoreOptions
 from cognet.runtime.scorer import Scorer
 from cognet.runtime.signature import signature as run_signature
@@ -258,7 +258,7 @@ def score(
         _report(result, summary_json, quiet, f"{result['workers']} Ray worker(s)")
         return
     preflight.check_local(input_path, out, summary_json)  # before reading or writing anything
-    with OutputLock(writer.lock_path(out), what=out):  # one writer per OUT (runtime/lock.py)
+    with OutputLock(writer.lock_path(out), what=out):  # one writer per OUT (core/lock.py)
         _score_local(
             input_path, model_dir, out, options, score_all, explain, resume, summary_json,
             sort_rows, quiet,

@@ -56,7 +56,6 @@ import os
 import re
 import shutil
 import time
-import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -66,6 +65,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from cognet.core.errors import InputError, one_line
+from cognet.core.files import commit_dir, temp_path
 from cognet.core.manifest import load_manifest
 from cognet.runtime import preflight, reader, writer
 from cognet.runtime.options import GPU_DEVICES, ScoreOptions
@@ -243,8 +243,8 @@ class _Run:
         """The buckets' rows of stats and metrics, after the outputs are in place."""
         schema = output_schema(self.scoring["explain"], self.files.kept)
         staged = [
-            (f"{out}.tmp-{uuid.uuid4().hex[:8]}", out, schema),
-            (f"{rejects}.tmp-{uuid.uuid4().hex[:8]}", rejects, REJECTS_SCHEMA),
+            (str(temp_path(out)), out, schema),  # folders named as every temporary output
+            (str(temp_path(rejects)), rejects, REJECTS_SCHEMA),
         ]
         rows = []
         try:
@@ -349,11 +349,9 @@ def _commit(staged: list[tuple[str, str, pa.Schema]]) -> None:
         if not any(name.endswith(".parquet") for name in os.listdir(tmp)):
             pq.write_table(schema.empty_table(), os.path.join(tmp, "part-empty.parquet"))
         _check_out(final)
-        if os.path.isdir(final):
-            shutil.rmtree(final)
-        elif os.path.exists(final):
+        if os.path.exists(final) and not os.path.isdir(final):
             os.remove(final)
-        os.replace(tmp, final)
+        commit_dir(tmp, final)
 
 
 def _discard(folders: list[str]) -> None:

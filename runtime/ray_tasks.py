@@ -24,9 +24,9 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from cognet.core.errors import InputError, one_line, where
+from cognet.core.lock import OutputLock
 from cognet.core.metrics import PATIENT_COLUMNS
 from cognet.runtime import reader, writer
-from cognet.runtime.lock import OutputLock
 from cognet.runtime.options import ScoreOptions
 from cognet.runtime.outputs import COUNTS, REJECTS_SCHEMA, output_schema
 from cognet.runtime.scorer import Scorer
@@ -266,7 +266,7 @@ class RayScorer(BucketScorer):
 
 
 class LockHolder:
-    """Ray actor holding OUT's lock (`cognet.runtime.lock`) where OUT is, for the run: the
+    """Ray actor holding OUT's lock (`cognet.core.lock`) where OUT is, for the run: the
     lock goes when the actor does, also when the driver dies (Ray ends its actors)."""
 
     def __init__(self, out: str):

@@ -13,7 +13,7 @@ For `--out OUT` (e.g. `recs.parquet`):
   skips them and the final files equal those of an uninterrupted run. The work directory
   is removed once `OUT` and the rejects file are in place;
 - `OUT.parts/lock`: the lock that makes a run the only writer of these files
-  (`cognet.runtime.lock`), taken before anything is written or removed.
+  (`cognet.core.lock`), taken before anything is written or removed.
 
 A run that fails leaves the parts it committed (for `--resume`) and nothing else: with no
 committed part, its work directory goes (`discard`). `--resume` checks the marker, the
@@ -23,7 +23,6 @@ signature and every committed part file before it scores anything.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from collections.abc import Sequence
 from pathlib import Path
@@ -33,6 +32,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from cognet.core.errors import InputError, one_line, writing
+from cognet.core.files import atomic_path, write_text
 from cognet.runtime.outputs import REJECTS_SCHEMA, ScoredChunk, output_schema
 from cognet.runtime.summary import total_counts
 
@@ -59,25 +59,14 @@ def lock_path(out: str | Path) -> Path:
     return work_dir(out) / LOCK
 
 
-def _fsync_replace(tmp: Path, path: Path) -> None:
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 def write_parquet(path: Path, table: pa.Table) -> None:
-    """Write a table atomically (temporary name, fsync, rename)."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    with writing(path):
+    """Write a table atomically (`cognet.core.files.atomic_path`)."""
+    with atomic_path(path) as tmp:
         pq.write_table(table, tmp)
-        _fsync_replace(tmp, path)
 
 
 def write_json(path: Path, obj: dict) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    with writing(path):
-        tmp.write_text(json.dumps(obj, indent=1) + "\n")
-        _fsync_replace(tmp, path)
+    write_text(path, json.dumps(obj, indent=1) + "\n")
 
 
 class PartWriter:
@@ -168,11 +157,8 @@ class PartWriter:
         write_parquet(self.dir / files[1], chunk.rejects)
         if chunk.patient_metrics is not None:
             files.append(f"{name}.metrics.npy")
-            tmp = self.dir / f".{files[-1]}.tmp"
-            with writing(self.dir / files[-1]), open(tmp, "wb") as f:
+            with atomic_path(self.dir / files[-1]) as tmp, open(tmp, "wb") as f:
                 np.save(f, chunk.patient_metrics, allow_pickle=False)
-            with writing(self.dir / files[-1]):
-                _fsync_replace(tmp, self.dir / files[-1])
         self.parts.append(
             {
                 "name": name,
@@ -213,15 +199,13 @@ class PartWriter:
             (rejects_path(self.out), ".rejects.parquet", REJECTS_SCHEMA),
         )
         for path, suffix, schema in outputs:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_name(f".{path.name}.tmp")
             with writing(path):
-                with pq.ParquetWriter(tmp, schema) as w:
-                    for part in self.parts:
-                        table = pq.read_table(self.dir / f"{part['name']}{suffix}")
-                        if table.num_rows:
-                            w.write_table(table)
-                _fsync_replace(tmp, path)
+                path.parent.mkdir(parents=True, exist_ok=True)
+            with atomic_path(path) as tmp, pq.ParquetWriter(tmp, schema) as w:
+                for part in self.parts:
+                    table = pq.read_table(self.dir / f"{part['name']}{suffix}")
+                    if table.num_rows:
+                        w.write_table(table)
         self.clear()
         return outputs[0][0], outputs[1][0]
 

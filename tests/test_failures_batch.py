@@ -28,10 +28,10 @@ from click.testing import CliRunner
 from test_runtime_cli import KILLER, last_visits_unknown
 from test_runtime_scorer import tiny_model_dir
 
+from cognet.core.lock import OutputLock
 from cognet.core.manifest import file_sha256
 from cognet.runtime import signature, writer
 from cognet.runtime.cli import main
-from cognet.runtime.lock import OutputLock
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -3,7 +3,8 @@
 errors (`InputError`), the dataset contract (`schema`), vocabularies (`vocab`), history
 assembly (`history`), the model-directory format (`manifest`) and graph I/O names
 (`graphspec`), DDI policies (`ddi`), metrics (`metrics`), decoding defaults (`decoding`),
-TensorRT provider options (`tensorrt`) and the command-line helpers (`clitools`).
+TensorRT provider options (`tensorrt`), the command-line helpers (`clitools`), the atomic
+writes and checks of outputs (`files`) and the one-writer lock of outputs (`lock`).
 
 Nothing here imports torch nor any cognet module outside `cognet.core` (`make lint` checks
 it), so a scoring box installs the runtime without torch.

@@ -1,19 +1,24 @@
-"""One writer per output: an exclusive lock on an output's work area, held for a whole run.
+"""One writer per output: an exclusive lock on an output, held for a whole run (torch-free,
+so that every command takes it: training, export, the data converters, scoring).
 
-    with OutputLock(writer.lock_path(out)):
-        ...  # the only run writing OUT, its rejects file and OUT.parts/
+    with OutputLock(writer.lock_path(out), what=out):
+        ...  # the only cognet-batch run writing OUT, its rejects file and OUT.parts/
+
+    with claim(out, "cognet train"):
+        ...  # the only run writing the checkpoint directory OUT (lock file `.OUT.lock`)
 
 `OutputLock.acquire` takes `flock(LOCK_EX | LOCK_NB)` on the lock file (created with its
 folder when missing) and writes `PID HOST` in it; a second run gets `OutputBusy`, an
-InputError naming the holder's pid, at once (it never waits). Both engines lock the same
+InputError naming the holder's pid, at once (it never waits). Both scoring engines lock the same
 file, `OUT.parts/lock`, so a local and a Ray run on one OUT exclude each other too, and
 `--resume` takes it like any run.
 
 The kernel drops the lock when its holder's process ends, however it ends (kill -9 and a
 crash included): there is no stale lock to clean up, at most a lock file that the next run
-reuses. `release` removes the file, and its folder when nothing else is left in it, before
-it unlocks. A run that finds the file gone or replaced right after locking it (its holder
-was removing it) locks the new one instead, so two runs never hold different files.
+reuses. `release` removes the file (and, for OUT.parts/, its folder when nothing else is
+left in it) before it unlocks. A run that finds the file gone or replaced right after
+locking it (its holder was removing it) locks the new one instead, so two runs never hold
+different files.
 
 What a network file system promises: Linux runs flock over NFS as an NFS byte-range lock
 (NFSv4, or NLM for v3), which other clients see while the server keeps the lock. It does not
@@ -43,11 +48,20 @@ class OutputBusy(InputError):
 class OutputLock:
     """An exclusive, non-blocking lock on `path`; a context manager (`acquire`/`release`).
 
-    what: how the error names the locked output (default: the lock file's folder)."""
+    what: how the error names the locked output (default: the lock file's folder);
+    command: the command named as the holder; keep_folder: never remove the lock's folder."""
 
-    def __init__(self, path: str | Path, what: str | None = None):
+    def __init__(
+        self,
+        path: str | Path,
+        what: str | None = None,
+        command: str = "cognet-batch",
+        keep_folder: bool = False,
+    ):
         self.path = Path(path)
         self.what = what or str(self.path.parent)
+        self.command = command
+        self.keep_folder = keep_folder
         self._fd: int | None = None
 
     def __enter__(self) -> OutputLock:
@@ -74,7 +88,7 @@ class OutputLock:
                 if exc.errno not in (errno.EAGAIN, errno.EWOULDBLOCK, errno.EACCES):
                     raise InputError(f"{self.path}: cannot lock ({one_line(exc)})") from None
                 raise OutputBusy(
-                    f"{self.what}: OUT is being written by another cognet-batch run "
+                    f"{self.what}: OUT is being written by another {self.command} run "
                     f"({holder(self.path)}); wait for it to end or choose another --out"
                 ) from None
             if _same_file(fd, self.path):
@@ -103,13 +117,27 @@ class OutputLock:
         try:
             if _same_file(self._fd, self.path):
                 self.path.unlink()
-            try:
-                self.path.parent.rmdir()
-            except OSError:  # not empty: the parts --resume needs
-                pass
+            if not self.keep_folder:
+                try:
+                    self.path.parent.rmdir()
+                except OSError:  # not empty: the parts --resume needs
+                    pass
         finally:
             fd, self._fd = self._fd, None
             os.close(fd)
+
+
+def lock_file(out: str | Path) -> Path:
+    """The lock file of an output that is one file or folder: `.NAME.lock` beside it."""
+    out = Path(out)
+    return out.with_name(f".{out.name}.lock")
+
+
+def claim(out: str | Path, command: str) -> OutputLock:
+    """The lock that makes `command` the only run writing `out` (a file or a folder); use it
+    as a context manager around the whole run. A second run gets OutputBusy (exit 2) naming
+    the holder."""
+    return OutputLock(lock_file(out), what=str(out), command=command, keep_folder=True)
 
 
 def holder(path: str | Path) -> str:

@@ -38,13 +38,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from cognet.core.decoding import Decoding
 from cognet.core.errors import InputError, one_line
+from cognet.core.files import write_text
 from cognet.core.vocab import Vocab
 
 FORMAT_VERSION = 1
@@ -284,8 +284,5 @@ def verify_graphs(manifest: Manifest) -> None:
 
 def write_manifest(model_dir: str | Path, manifest: Manifest) -> Path:
     """Write `model_dir/manifest.json` atomically; returns its path."""
-    path = Path(model_dir) / MANIFEST_FILE
-    tmp = path.with_name(MANIFEST_FILE + ".tmp")
-    tmp.write_text(json.dumps(manifest.to_json(), indent=1) + "\n")
-    os.replace(tmp, path)
-    return path
+    text = json.dumps(manifest.to_json(), indent=1) + "\n"
+    return write_text(Path(model_dir) / MANIFEST_FILE, text)

@@ -20,7 +20,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from cognet.core.errors import InputError, one_line, where
+from cognet.core.errors import InputError, one_line, where, writing
+from cognet.core.files import atomic_path
 
 VISITS_FILE = "visits.parquet"
 DDI_FILE = "ddi.parquet"
@@ -352,11 +353,6 @@ def read_dataset(path: str | os.PathLike, split_seed: int = 0) -> Dataset:
 # -- writing ----------------------------------------------------------------------------------
 
 
-def _atomic_writer(path: Path, schema: pa.Schema):
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    return tmp, pq.ParquetWriter(tmp, schema, compression="zstd")
-
-
 def _write_atomic(
     path: str | os.PathLike,
     schema: pa.Schema,
@@ -364,16 +360,11 @@ def _write_atomic(
     row_group_size: int | None,
 ) -> Path:
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp, writer = _atomic_writer(path, schema)
-    try:
-        with writer:
-            for table in tables:
-                writer.write_table(table, row_group_size=row_group_size)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    with writing(path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_path(path) as tmp, pq.ParquetWriter(tmp, schema, compression="zstd") as writer:
+        for table in tables:
+            writer.write_table(table, row_group_size=row_group_size)
     return path
 
 

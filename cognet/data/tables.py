@@ -17,7 +17,6 @@ from __future__ import annotations
 import csv
 import gzip
 import json
-import os
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -28,7 +27,8 @@ import pyarrow.compute as pc
 import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 
-from cognet.core.errors import InputError, where
+from cognet.core.errors import InputError, one_line, where
+from cognet.core.files import write_text
 from cognet.core.schema import DDI_FILE, VISITS_FILE
 
 SUFFIXES = (".csv.gz", ".tsv.gz", ".csv", ".tsv", ".parquet")  # longest first
@@ -94,11 +94,7 @@ class Report:
 
 def write_summary(report: Report) -> Path:
     """``OUT/summary.json``, written atomically."""
-    path = report.out / SUMMARY_FILE
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(report.to_json(), indent=2) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
-    return path
+    return write_text(report.out / SUMMARY_FILE, json.dumps(report.to_json(), indent=2) + "\n")
 
 
 def check_output(out: Path, inputs: Iterable[Path]) -> None:
@@ -113,10 +109,6 @@ def check_output(out: Path, inputs: Iterable[Path]) -> None:
 
 
 # ---------------------------------------------------------------- reading tables
-
-
-def _one_line(exc: BaseException) -> str:
-    return " ".join(str(exc).split()) or type(exc).__name__
 
 
 class SourceTable:
@@ -140,7 +132,7 @@ class SourceTable:
                 self.delimiter = "\t" if "\t" in header else ","
                 names = [n.strip().strip('"').strip() for n in header.split(self.delimiter)]
         except (pa.ArrowException, OSError, UnicodeDecodeError, EOFError) as exc:
-            raise InputError(f"{self.path}: not readable ({_one_line(exc)})") from None
+            raise InputError(f"{self.path}: not readable ({one_line(exc)})") from None
         if not any(names):
             raise InputError(f"{self.path}: empty file (no header line)")
         self.names = names
@@ -171,7 +163,7 @@ class SourceTable:
                 start += batch.num_rows
         except (pa.ArrowException, OSError, UnicodeDecodeError, EOFError) as exc:
             raise InputError(
-                self._ragged_line() or f"{self.path}: not readable ({_one_line(exc)})"
+                self._ragged_line() or f"{self.path}: not readable ({one_line(exc)})"
             ) from None
 
     def _ragged_line(self) -> str | None:
