@@ -7,7 +7,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 TORCH ?= torch==2.13.0
-EXTRAS ?= train,cpu,dev,bench,ray
+EXTRAS ?= train,cpu,dev,bench,ray,db,meds
 DEMO_DIR ?= demo
 DEMO_PATIENTS ?= 2000
 DEMO_EPOCHS ?= 8

@@ -38,6 +38,10 @@ setup(
         "bench": ["matplotlib>=3.7"],
         "ray": ["ray[data]>=2.40"],  # --engine ray; tested with 2.40.0 and 2.60.0
         "dev": ["pytest>=7.4", "ruff>=0.4", "matplotlib>=3.7"],
+        # `cognet data omop --cdm` from a database: DuckDB in process, PostgreSQL through
+        # ADBC's libpq driver (Arrow batches by binary COPY); docs/DESIGN.md "Data sources"
+        "db": ["duckdb>=2.0", "adbc-driver-postgresql>=1.0"],
+        "meds": ["meds>=0.4,<0.5"],  # `cognet data meds`: MEDS 0.4 schemas (subject_id)
     },
     entry_points={
         "console_scripts": [

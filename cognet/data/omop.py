@@ -40,6 +40,7 @@ import pyarrow.compute as pc
 
 from cognet.core.errors import InputError
 from cognet.core.schema import DDI_FILE, VISITS_FILE, write_ddi, write_visits
+from cognet.data.omop_db import open_cdm
 from cognet.data.tables import (
     Report,
     SourceTable,
@@ -47,7 +48,6 @@ from cognet.data.tables import (
     check_output,
     code_lists,
     dataset_counts,
-    find_tables,
     read_ddi_pairs,
     write_summary,
 )
@@ -67,8 +67,10 @@ US_PER_DAY = 86_400_000_000
 ROW_GROUP = 1 << 16
 NO_DDI = "no --ddi file: ddi.parquet is empty, so the DDI graph and the DDI metrics will be empty"
 NO_DRUGS = (
-    "no drug_exposure row maps to an ATC 3rd class, so every visit has medications = "
-    "null (does concept_ancestor hold the ATC classes?)"
+    "no drug_exposure row maps to an ATC 3rd class, so every visit would have medications = "
+    "null and the dataset cannot train. The vocabulary needs the ATC classes and their "
+    "descendants: download it from Athena (athena.ohdsi.org) with ATC selected, and include "
+    "CONCEPT_ANCESTOR"
 )
 
 
@@ -245,6 +247,7 @@ def read_concepts(table: SourceTable, needed: np.ndarray, steps: list[Step]) -> 
     vocab, klass, code = (np.concatenate(parts[c])[first] for c in columns[1:])
     used = np.isin(ids, needed)
     atc = np.isin(klass, ATC_CLASSES) & (np.array([len(c) for c in code], int) >= 4)
+    rows = table.rows_read(rows)
     steps.append(Step("concept", rows, int((used | atc).sum()), "kept (codes in use, ATC)"))
     tokens = np.array([f"{v}/{c}" for v, c in zip(vocab[used], code[used], strict=True)], object)
     atc_codes = np.array([c[:4] for c in code[atc]], object)
@@ -284,6 +287,7 @@ def read_atc_map(
         descendants.append(down[hit])
         rows += len(up)
     ancestors, descendants = _cat(ancestors), _cat(descendants)
+    rows = table.rows_read(rows)
     steps.append(Step("concept_ancestor", rows, len(ancestors), "with an ATC ancestor"))
     concepts = np.concatenate([atc_ids, descendants])
     meds = np.concatenate([atc_med, atc_med[np.searchsorted(atc_ids, ancestors)]])
@@ -318,20 +322,35 @@ def build_omop(
     ddi: str | Path | None = None,
     visit_concepts: Sequence[int] | None = None,
     source_codes: bool = False,
+    *,
+    cdm_schema: str = "cdm",
+    vocab_schema: str | None = None,
+    allow_no_medications: bool = False,
 ) -> Report:
-    """Convert the OMOP CDM extract in ``cdm`` into ``out`` (visits.parquet, ddi.parquet,
-    summary.json). Raises InputError, naming the file, column and row, for a missing table or
-    column or an unreadable value, and when OUT would overwrite an input."""
-    cdm, out = Path(cdm), Path(out)
-    tables = find_tables(cdm, CLINICAL + VOCABULARY)
-    inputs = [cdm, *(t.path for t in tables.values())]
+    """Convert the OMOP CDM in ``cdm`` into ``out`` (visits.parquet, ddi.parquet,
+    summary.json). ``cdm`` is a folder of table files or a database (`omop_db`: a DuckDB file
+    or URL, a PostgreSQL URL, its tables in ``cdm_schema`` and the vocabulary in
+    ``vocab_schema``, by default the same). Raises InputError, naming the file or table, column
+    and row, for a missing table or column or an unreadable value, when OUT would overwrite an
+    input, and when no drug maps to ATC-3 (unless ``allow_no_medications``)."""
+    column = "_source_concept_id" if source_codes else "_concept_id"
+    vocab_schema = vocab_schema or cdm_schema
+    schemas = dict.fromkeys(CLINICAL, cdm_schema) | dict.fromkeys(VOCABULARY, vocab_schema)
+    events = {f"{k}_occurrence": k + column for k in ("condition", "procedure")}
+    with open_cdm(cdm, CLINICAL + VOCABULARY, schemas, events, ATC_CLASSES) as source:
+        return _convert(source, Path(out), ddi, visit_concepts, column, allow_no_medications)
+
+
+def _convert(source, out, ddi, visit_concepts, column, allow_no_medications) -> Report:
+    """`build_omop` on the opened tables; ``column`` is the suffix of the event concepts."""
+    tables, cdm = source.tables, source.shown
+    inputs = list(source.inputs)
     if ddi is not None:
         inputs.append(SourceTable(Path(ddi)).path)
     check_output(out, inputs)
     steps: list[Step] = []
     persons = read_persons(tables["person"], steps)
     visits = read_visits(tables["visit_occurrence"], persons, visit_concepts, steps)
-    column = "_source_concept_id" if source_codes else "_concept_id"
     events = {
         kind: read_events(tables[f"{kind}_occurrence"], kind + column, visits, f"{kind}_occurrence")
         for kind in ("condition", "procedure")
@@ -364,7 +383,14 @@ def build_omop(
             + "; ".join(s.line() for s in steps)
         )
     used = set(pc.unique(pc.list_flatten(table["medications"])).to_pylist())
-    warnings, pairs = [] if used else [NO_DRUGS], []
+    warnings, pairs = [], []
+    if not used:
+        if not allow_no_medications:
+            raise InputError(
+                f"{cdm}: {NO_DRUGS}; or pass --allow-no-medications to write the "
+                "dataset anyway, for scoring only"
+            )
+        warnings.append(NO_DRUGS)
     if ddi is None:
         warnings.append(NO_DDI)
     else:

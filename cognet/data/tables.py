@@ -166,6 +166,11 @@ class SourceTable:
                 self._ragged_line() or f"{self.path}: not readable ({one_line(exc)})"
             ) from None
 
+    def rows_read(self, read: int) -> int:
+        """The table's row count, given the rows its batches gave: the same for a file (a
+        database table whose batches were filtered in the database counts them there)."""
+        return read
+
     def _ragged_line(self) -> str | None:
         """The first CSV line whose number of fields is not the header's, told as an error."""
         if self.parquet:

@@ -1,0 +1,325 @@
+"""OMOP CDM tables read straight from a database: a DuckDB file or a PostgreSQL server.
+
+`open_database` takes what ``cognet data omop --cdm`` was given: ``duckdb:///cdm.duckdb``
+(SQLAlchemy's spelling: three slashes then a relative path, four for an absolute one), a path
+ending in ``.duckdb`` / ``.ddb``, or ``postgresql://user@host:port/db`` (``postgres://`` and
+``postgresql+driver://`` too; a Unix socket as ``postgresql://user@/db?host=/run/dir``).
+`DbTable` is a `tables.SourceTable` whose record batches come from a query, so that the
+conversion in `omop` (the code mapping, the counts, the errors) is the one the files use and
+the output is the same byte for byte.
+
+What the database does: column selection, and the filters that drop rows no step counts one by
+one (concept: the concepts in use and the ATC classes; concept_ancestor: the rows with an ATC
+ancestor); the steps still report the table's full row count. Rows come as Arrow record
+batches: DuckDB's own reader (in process, with ``memory_limit`` set: it counts toward our
+memory), PostgreSQL's through ADBC's libpq driver (binary COPY). Both are opened read-only.
+
+Credentials come from the URL or libpq's environment (PGPASSWORD, ~/.pgpass, PGSERVICE); the
+password never appears in a message: errors show the URL with it masked and have it cut out.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import unquote, urlsplit, urlunsplit
+
+import pyarrow as pa
+
+from cognet.core.errors import InputError, one_line
+from cognet.data.tables import SourceTable, find_tables
+
+DUCKDB_MEMORY = "1GB"  # DuckDB's memory_limit: it runs inside our process
+DUCKDB_THREADS = 2
+DUCKDB_BATCH = 1 << 18  # rows per record batch
+DUCKDB_SUFFIXES = (".duckdb", ".ddb")
+MASK = "***"
+
+
+def is_database(cdm: str | Path) -> bool:
+    """Whether ``--cdm`` names a database (a URL or a DuckDB file) rather than a folder."""
+    text = str(cdm)
+    return "://" in text or text.lower().endswith(DUCKDB_SUFFIXES)
+
+
+def _literal(text: str) -> str:
+    return "'" + text.replace("'", "''") + "'"
+
+
+def _ident(name: str) -> str:
+    return '"' + name.replace('"', '""') + '"'
+
+
+class Database:
+    """One read-only connection; every error it raises names the database, never a password."""
+
+    kind = ""
+
+    def __init__(self, shown: str, secret: str | None):
+        self.shown, self.secret = shown, secret or None
+
+    def error(self, what: str, exc: BaseException) -> InputError:
+        """``DATABASE: WHAT (reason)`` with the password cut out of the reason."""
+        reason = one_line(exc)
+        if self.secret:
+            reason = reason.replace(self.secret, MASK)
+        return InputError(f"{self.shown}: {what} ({reason})")
+
+    def stream(self, sql: str, name: str) -> Iterator[pa.RecordBatch]:
+        raise NotImplementedError
+
+    def rows(self, sql: str, name: str) -> list[tuple]:
+        """All rows of a small query (catalog look-ups, counts)."""
+        rows = []
+        for batch in self.stream(sql, name):
+            rows.extend(zip(*(c.to_pylist() for c in batch.columns), strict=True))
+        return rows
+
+    def find_table(self, schema: str, table: str) -> tuple[str, str, str, list[str]] | None:
+        """(catalog, schema, table, columns) as the database spells them, the names matched in
+        any case, in the database opened."""
+        rows = self.rows(
+            "SELECT table_catalog, table_schema, table_name, column_name "
+            "FROM information_schema.columns WHERE table_catalog = current_database() "
+            f"AND lower(table_schema) = {_literal(schema.lower())} "
+            f"AND lower(table_name) = {_literal(table.lower())} ORDER BY ordinal_position",
+            "information_schema.columns",
+        )
+        if not rows:
+            return None
+        first = rows[0][:3]
+        return (*first, [r[3] for r in rows if r[:3] == first])
+
+    def schemas(self) -> list[str]:
+        """The schemas that hold tables (for the message of a table not found)."""
+        rows = self.rows(
+            "SELECT DISTINCT table_schema FROM information_schema.tables "
+            "WHERE table_catalog = current_database() "
+            "AND table_schema NOT IN ('information_schema', 'pg_catalog') ORDER BY 1",
+            "information_schema.tables",
+        )
+        return [r[0] for r in rows]
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+
+class DuckDatabase(Database):
+    kind = "duckdb"
+
+    def __init__(self, path: Path):
+        import duckdb
+
+        super().__init__(str(path), None)
+        self.path = path
+        if not path.is_file():
+            raise InputError(f"{path}: DuckDB database not found")
+        config = {"memory_limit": DUCKDB_MEMORY, "threads": DUCKDB_THREADS}
+        try:
+            self.con = duckdb.connect(str(path), read_only=True, config=config)
+        except duckdb.Error as exc:
+            raise self.error("not a readable DuckDB database", exc) from None
+        self._error = duckdb.Error
+
+    def stream(self, sql: str, name: str) -> Iterator[pa.RecordBatch]:
+        try:
+            reader = self.con.cursor().sql(sql).to_arrow_reader(DUCKDB_BATCH)
+            yield from reader
+        except self._error as exc:
+            raise self.error(f"reading {name} failed", exc) from None
+
+    def close(self) -> None:
+        self.con.close()
+
+
+class PostgresDatabase(Database):
+    kind = "postgresql"
+
+    def __init__(self, url: str, password: str | None, shown: str):
+        from adbc_driver_postgresql import dbapi
+
+        super().__init__(shown, password)
+        self._error = dbapi.Error
+        try:
+            self.con = dbapi.connect(url)
+            with self.con.cursor() as cursor:  # nothing this run does may write there
+                cursor.execute("SET SESSION CHARACTERISTICS AS TRANSACTION READ ONLY")
+        except dbapi.Error as exc:
+            raise self.error("cannot connect", exc) from None
+
+    def stream(self, sql: str, name: str) -> Iterator[pa.RecordBatch]:
+        try:
+            with self.con.cursor() as cursor:
+                cursor.execute(sql)
+                yield from cursor.fetch_record_batch()
+        except self._error as exc:
+            raise self.error(f"reading {name} failed", exc) from None
+
+    def close(self) -> None:
+        self.con.close()
+
+
+def masked(url: str) -> tuple[str, str | None]:
+    """The URL with its password replaced by ``***``, and the password (None when none)."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url, None
+    host = parts.hostname or ""
+    if parts.port is not None:
+        host = f"{host}:{parts.port}"
+    user = f"{parts.username}:{MASK}@" if parts.username else f":{MASK}@"
+    return urlunsplit(parts._replace(netloc=user + host)), unquote(parts.password)
+
+
+def database_file(cdm: str | Path) -> Path | None:
+    """The DuckDB file that ``--cdm`` names (a path or duckdb:/// URL), else None."""
+    text = str(cdm)
+    if text.lower().startswith("duckdb:///"):
+        return Path(text[len("duckdb:///") :]) if len(text) > len("duckdb:///") else None
+    return Path(text) if is_database(text) and "://" not in text else None
+
+
+def open_database(cdm: str | Path) -> Database:
+    """The database that ``--cdm`` names; InputError for an unknown kind or a failed
+    connection (the message shows the URL with its password masked)."""
+    text = str(cdm)
+    scheme = text.split("://", 1)[0].lower() if "://" in text else ""
+    if not scheme:
+        return DuckDatabase(Path(text))
+    shown, secret = masked(text)
+    if scheme == "duckdb":
+        path = database_file(text)
+        if path is None:
+            raise InputError(
+                f"{shown}: a DuckDB URL is duckdb:///relative/path or duckdb:////absolute/path"
+            )
+        return DuckDatabase(path)
+    base = scheme.split("+", 1)[0]
+    if base in ("postgresql", "postgres"):
+        return PostgresDatabase("postgresql://" + text.split("://", 1)[1], secret, shown)
+    raise InputError(
+        f"{shown}: unsupported database {scheme!r} (supported: duckdb:///PATH, a .duckdb "
+        "file, postgresql://USER@HOST/DB)"
+    )
+
+
+class DbTable(SourceTable):
+    """One table of a database, read as `SourceTable` reads a file: ``batches`` streams the
+    columns asked for (and the rows the filter keeps), and `rows_read` gives the full count."""
+
+    def __init__(self, db: Database, catalog: str, schema: str, name: str, columns: list[str]):
+        self.db, self.schema, self.table = db, schema, name
+        self.path = Path(f"{schema}.{name}")
+        # the catalog too: a DuckDB file cdm.duckdb is a catalog "cdm", as the schema may be
+        self.qualified = ".".join(_ident(n) for n in (catalog, schema, name))
+        self.parquet = True  # typed columns: no tab-file unquoting
+        self.names = list(columns)
+        self.columns = {}
+        for column in self.names:
+            self.columns.setdefault(column.lower(), column)
+        self.filter: str | None = None
+
+    def label(self) -> str:
+        return f"{self.db.shown}: table {self.schema}.{self.table}"
+
+    def row_name(self, row: int) -> str:
+        return f"row {row} of the scan"
+
+    def where(self, column: str, row: int | None = None) -> str:
+        text = f"{self.label()}: column {self.columns.get(column, column)!r}"
+        return text if row is None else f"{text}, {self.row_name(row)}"
+
+    def column(self, name: str) -> str:
+        """The column as a quoted SQL identifier; InputError when the table lacks it."""
+        if name not in self.columns:
+            raise InputError(f"{self.where(name)}: missing column")
+        return _ident(self.columns[name])
+
+    def batches(self, required: Sequence[str], optional: Sequence[str] = ()):
+        wanted = [*required, *(c for c in optional if c in self.columns)]
+        select = ", ".join(self.column(c) for c in wanted)
+        sql = f"SELECT {select} FROM {self.qualified}"
+        if self.filter:
+            sql += f" WHERE {self.filter}"
+        start = 0
+        for batch in self.db.stream(sql, f"table {self.schema}.{self.table}"):
+            yield start, {c: batch.column(i) for i, c in enumerate(wanted)}
+            start += batch.num_rows
+
+    def rows_read(self, read: int) -> int:
+        if not self.filter:
+            return read
+        sql = f"SELECT count(*) FROM {self.qualified}"
+        return int(self.db.rows(sql, f"table {self.schema}.{self.table}")[0][0])
+
+
+def find_db_tables(
+    db: Database, names: Sequence[str], schema_of: dict[str, str]
+) -> dict[str, DbTable]:
+    """Each table in its schema; InputError naming the missing one and the schemas there are."""
+    tables = {}
+    for name in names:
+        schema = schema_of[name]
+        found = db.find_table(schema, name)
+        if found is None:
+            there = ", ".join(db.schemas()) or "none"
+            raise InputError(
+                f"{db.shown}: table {schema}.{name} not found (schemas with tables: {there}; "
+                "see --cdm-schema and --vocab-schema)"
+            )
+        tables[name] = DbTable(db, *found)
+    return tables
+
+
+def push_down_filters(
+    tables: dict[str, DbTable], atc_classes: Sequence[str], event_columns: dict[str, str]
+) -> None:
+    """The rows of concept and concept_ancestor that the conversion can use, chosen in the
+    database: concepts of conditions and procedures, ATC classes, their descendants."""
+    concept, ancestor = tables["concept"], tables["concept_ancestor"]
+    classes = ", ".join(_literal(c) for c in atc_classes)
+    atc = f"lower({concept.column('concept_class_id')}) IN ({classes})"
+    used = " UNION ".join(
+        f"SELECT {tables[t].column(c)} FROM {tables[t].qualified}" for t, c in event_columns.items()
+    )
+    concept.filter = f"{atc} OR {concept.column('concept_id')} IN ({used})"
+    ancestor.filter = (
+        f"{ancestor.column('ancestor_concept_id')} IN "
+        f"(SELECT {concept.column('concept_id')} FROM {concept.qualified} WHERE {atc})"
+    )
+
+
+@dataclass
+class Cdm:
+    """The opened tables of a CDM, what to show for it, and the paths the run reads."""
+
+    tables: dict[str, SourceTable]
+    shown: str
+    inputs: list[Path]
+
+
+@contextmanager
+def open_cdm(
+    cdm: str | Path,
+    names: Sequence[str],
+    schema_of: dict[str, str],
+    event_columns: dict[str, str],
+    atc_classes: Sequence[str],
+) -> Iterator[Cdm]:
+    """The tables of a CDM folder (`tables.find_tables`) or database, closed on exit; in a
+    database the concept filters are pushed down (`push_down_filters`)."""
+    if not is_database(cdm):
+        folder = Path(cdm)
+        tables = find_tables(folder, names)
+        yield Cdm(tables, str(folder), [folder, *(t.path for t in tables.values())])
+        return
+    db = open_database(cdm)
+    try:
+        found = find_db_tables(db, names, schema_of)
+        push_down_filters(found, atc_classes, event_columns)
+        inputs = [db.path] if isinstance(db, DuckDatabase) else []
+        yield Cdm(dict(found), db.shown, inputs)
+    finally:
+        db.close()
