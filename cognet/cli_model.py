@@ -15,7 +15,7 @@ from cognet.core.clitools import (
     progress,
     setup_logging,
 )
-from cognet.core.decoding import DECODINGS, Decoding
+from cognet.core.decoding import DECODINGS, Decoding, asked_decoding
 
 RECIPE_CHOICES = ("default", "reference")
 
@@ -156,7 +156,11 @@ def train(data_dir, out, threads, quiet, recipe, **config):
     help="set: the model's best set (samples, tuned threshold); beam: the paper's beam "
     "search. Default: the checkpoint's own.",
 )
-@count_option("--beam", help="Beam width of --decoding beam (default 4); 1 = greedy.")
+@count_option(
+    "--beam",
+    help="Beam width of --decoding beam (default 4); 1 = greedy. Alone, it asks for beam "
+    "search; with --samples or --threshold, a usage error.",
+)
 @count_option("--samples", help="Samples per visit of --decoding set (default: the model's).")
 @click.option(
     "--threshold",
@@ -247,8 +251,10 @@ def evaluate(
         if ddi_tradeoff or ddi_mode != "off" or ddi_max_rate is not None:
             raise click.UsageError("the DDI options decode a --checkpoint, not a --baseline")
     policy = ddi_policy(ddi_mode, ddi_penalty, ddi_max_rate)
-    if beam is not None and decoding is None:
-        decoding = "beam"
+    try:  # --beam alone asks for beam search; with --samples or --threshold it is refused
+        decoding = asked_decoding(decoding, beam, samples, threshold, flag="--")
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from None
     changes = {"name": decoding, "beam": beam, "samples": samples, "threshold": threshold}
     settings = {"split": split, "decoding": changes, "rounds": rounds, "seed": seed}
     if ddi_tradeoff:
