@@ -22,7 +22,7 @@ from cognet.core.clitools import (
     progress,
     setup_logging,
 )
-from cognet.core.decoding import BEAM, DECODINGS
+from cognet.core.decoding import BEAM, DECODINGS, asked_decoding
 from cognet.core.errors import InputError
 from cognet.core.lock import OutputLock
 from cognet.core.metrics import PATIENT_COLUMNS
@@ -31,7 +31,10 @@ from cognet.runtime.options import DEVICES, MAX_CODES, SELECTIONS, ScoreOptions
 from cognet.runtime.scorer import Scorer
 from cognet.runtime.signature import signature as run_signature
 
-BEAM_HELP = f"--decoding beam: beam width (default {BEAM}; 1 = greedy); alone, it asks for beam."
+BEAM_HELP = (
+    f"--decoding beam: beam width (default {BEAM}; 1 = greedy); alone, it asks for beam "
+    "search; with --samples or --threshold, a usage error."
+)
 model_option = click.option(
     "--model",
     "model_dir",
@@ -52,9 +55,9 @@ def main() -> None:
 
 
 def score_options(func):
-    """--beam, --device, --selection, --variant, --batch-size, --threads, --streams,
-    --max-history-visits, the DDI options, --max-codes-per-visit and --keep-columns, given to
-    `func` as one `options: ScoreOptions`."""
+    """--decoding, --beam, --samples, --threshold, --device, --selection, --variant,
+    --batch-size, --threads, --streams, --max-history-visits, the DDI options,
+    --max-codes-per-visit and --keep-columns, given to `func` as one `options: ScoreOptions`."""
 
     @functools.wraps(func)
     def wrapper(
@@ -78,6 +81,10 @@ def score_options(func):
         keep_all_columns,
         **kwargs,
     ):
+        try:  # --beam alone asks for beam search; with --samples or --threshold it is refused
+            asked_decoding(decoding, beam, samples, threshold, flag="--")
+        except ValueError as exc:
+            raise click.UsageError(str(exc)) from None
         options = ScoreOptions(
             decoding=decoding,
             beam=beam,
@@ -351,20 +358,12 @@ def _finish(
             metric_rows = np.zeros((0, len(PATIENT_COLUMNS)))
     out, rejects = parts.finish()
     return summary.run_summary(
-        source=source.path,
-        output=out,
-        rejects=rejects,
-        totals=totals,
+        summary.Files(source.path, out, rejects),
+        summary.Setup.of(scorer),
+        totals,
+        summary.Timing(load_seconds, seconds, scored),
+        metric_rows,
         resumed_rows=parts.resumed_rows,
-        load_seconds=load_seconds,
-        seconds=seconds,
-        visits_scored=scored,
-        providers=scorer.providers,
-        threads=scorer.threads,
-        decoding=scorer.decoding,
-        batch_size=scorer.batch_size,
-        options=scorer.options,
-        metric_rows=metric_rows,
     )
 
 

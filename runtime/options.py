@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from cognet.core.ddi import DDIPolicy
-from cognet.core.decoding import DECODINGS, Decoding
+from cognet.core.decoding import DECODINGS, Decoding, asked_decoding
 from cognet.core.errors import InputError
 
 DEVICES = ("auto", "cpu", "cuda", "tensorrt")
@@ -96,12 +96,14 @@ class ScoreOptions:
             raise InputError(f"max_history_visits must be >= 0, not {self.max_history_visits}")
         if not 0.0 < self.compact_at <= 1.0:
             raise InputError(f"compact_at must be in (0, 1], not {self.compact_at}")
+        try:  # beam together with samples or threshold is refused (one rule, core.decoding)
+            asked_decoding(self.decoding, self.beam, self.samples, self.threshold)
+        except ValueError as exc:
+            raise InputError(str(exc)) from None
 
     def resolve_decoding(self, default: Decoding) -> Decoding:
         """The decoding these options ask for, on top of the model's `default`."""
-        name = self.decoding
-        if name is None and self.beam is not None and self.samples is None:
-            name = "beam"  # --beam alone asks for beam search
+        name = asked_decoding(self.decoding, self.beam, self.samples, self.threshold)
         try:
             return default.with_changes(
                 name=name, beam=self.beam, samples=self.samples, threshold=self.threshold

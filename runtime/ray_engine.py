@@ -73,7 +73,6 @@ from cognet.runtime.outputs import REJECTS_SCHEMA, output_schema
 from cognet.runtime.ray_tasks import (
     BUCKET,
     COLUMNS,
-    KEYS,
     MARK,
     ROW,
     RayScorer,
@@ -85,7 +84,7 @@ from cognet.runtime.ray_tasks import (
     unpack,
     visit_rows,
 )
-from cognet.runtime.summary import check_rows, run_summary, total_counts
+from cognet.runtime.summary import Files, Setup, Timing, check_rows, run_summary, total_counts
 
 log = logging.getLogger(__name__)
 
@@ -173,20 +172,16 @@ def score(
     totals = total_counts(stats)
     check_rows(totals, files.num_rows)
     last = stats[-1] if stats else {"providers": None, "threads": 0, "batch_size": None}
+    decoding = score_options.resolve_decoding(manifest.default_decoding())
+    setup = Setup(
+        score_options, decoding, last["providers"], last["threads"] * workers, last["batch_size"]
+    )
     result = run_summary(
-        source=files.source,
-        output=out,
-        rejects=rejects,
-        totals=totals,
-        load_seconds=load_seconds,
-        seconds=sum(run.stages.values()),
-        visits_scored=totals["rows_scored"],
-        providers=last["providers"],
-        threads=last["threads"] * workers,
-        decoding=score_options.resolve_decoding(manifest.default_decoding()),
-        batch_size=last["batch_size"],
-        options=score_options,
-        metric_rows=_metric_rows(rows) if score_all else None,
+        Files(files.source, out, rejects),
+        setup,
+        totals,
+        Timing(load_seconds, sum(run.stages.values()), totals["rows_scored"]),
+        _metric_rows(rows) if score_all else None,
     )
     result.update(
         engine="ray",
@@ -284,7 +279,7 @@ class _Run:
             from ray.data._internal.aggregate import Count, Min
 
         repeated = (
-            self._read(KEYS)
+            self._read(list(reader.KEYS))
             .map_batches(visit_rows, batch_format="pyarrow")
             .groupby("visit_id")
             .aggregate(Count(), Min(ROW))

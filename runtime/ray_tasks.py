@@ -33,7 +33,6 @@ from cognet.runtime.scorer import Scorer
 from cognet.runtime.summary import total_counts
 
 ROW, BUCKET = reader.ROW, "_bucket"
-KEYS = ["patient_id", "visit_id", "visit_seq"]
 COLUMNS = reader.INPUT_SCHEMA.names
 MARK = "<<cognet-input-error>>"  # brackets an InputError's message through Ray's exceptions
 
@@ -83,7 +82,7 @@ def _typed(table: pa.Table, kept: tuple[pa.Field, ...], path: str) -> pa.Table:
 
 def _cast_keys(table: pa.Table, path: str) -> pa.Table:
     out = {}
-    for name in KEYS:
+    for name in reader.KEYS:
         kind = reader.INPUT_SCHEMA.field(name).type
         try:
             out[name] = table[name].cast(kind)
@@ -229,20 +228,20 @@ class BucketScorer:
         )
 
     def _check_seq(self, table: pa.Table) -> None:
-        """InputError when a patient has two rows with one visit_seq (as in local mode)."""
+        """InputError when a patient has two rows with one visit_seq: the local reader's rule
+        (`reader.continues`) over a bucket's rows, sorted by key (so only repeats remain)."""
         keyed = table.filter(pc.and_(table["patient_id"].is_valid(), table["visit_seq"].is_valid()))
-        if len(keyed) < 2:
-            return
-        pid, seq, rows = keyed["patient_id"], keyed["visit_seq"], keyed[ROW]
-        twice = pc.and_(pc.equal(pid[1:], pid[:-1]), pc.equal(seq[1:], seq[:-1]))
-        hits = np.flatnonzero(twice.to_numpy(zero_copy_only=False))
+        pid, seq, rows = (
+            keyed["patient_id"].combine_chunks(),
+            keyed["visit_seq"].to_numpy(),
+            keyed[ROW],
+        )
+        same, prev_seq = reader.continues(pid, seq)
+        hits = np.flatnonzero(same & (seq == prev_seq))
         if hits.size:
-            i = int(hits[0]) + 1
-            raise InputError(
-                f"{self.files.where('visit_seq', rows[i].as_py())}: patient {pid[i].as_py()!r} "
-                f"has visit_seq {seq[i].as_py()} twice (also at "
-                f"{self.files.where('visit_seq', rows[i - 1].as_py())})"
-            )
+            i = int(hits[0])
+            at, also = (self.files.where("visit_seq", rows[j].as_py()) for j in (i, i - 1))
+            raise reader.repeated_seq(at, pid[i].as_py(), int(seq[i]), also)
 
     def _later_holders(self, table: pa.Table) -> np.ndarray:
         """bool [rows]: a complete-key row whose visit_id an earlier row holds."""

@@ -206,6 +206,37 @@ def string_hashes(values: pa.Array | pa.ChunkedArray) -> list[int]:
     return [hash(v) for v in values.to_pylist()]
 
 
+def continues(
+    pid: pa.Array, seq: np.ndarray, last: tuple[str, int] | None = None
+) -> tuple[np.ndarray, np.ndarray]:
+    """The ordering rule's facts about each row of rows in stream order, keys all present:
+    bool [rows] the row continues the patient of the row before it, and int64 [rows] that
+    row's visit_seq (`last`: (patient_id, visit_seq) of the row before the first; None: no
+    row). A patient's rows are in order when seq > previous wherever they continue; an equal
+    visit_seq is a repeat (`repeated_seq`), which no sorting fixes. The local reader
+    (`OrderCheck`) and the Ray engine (`ray_tasks`, on rows sorted by key) both use it."""
+    same = np.empty(len(pid), bool)
+    same[1:] = pc.equal(pid[1:], pid[:-1]).to_numpy(zero_copy_only=False)
+    prev_seq = np.empty_like(seq)
+    prev_seq[1:] = seq[:-1]
+    if len(pid) and last is None:
+        same[0] = False
+    elif len(pid):
+        same[0] = pid[0].as_py() == last[0]
+        prev_seq[0] = last[1]
+    return same, prev_seq
+
+
+def repeated_seq(at: str, patient: str, seq: int, also: str | None = None) -> InputError:
+    """The error of a patient with two rows of one visit_seq: `at` names the second row,
+    `also` the first when it is worth naming (another file)."""
+    first = f" (also at {also})" if also else ""
+    return InputError(
+        f"{at}: patient {patient!r} has visit_seq {seq} twice{first}; a patient's visit_seq "
+        "values must be unique"
+    )
+
+
 class OrderCheck:
     """Streaming check that each patient's rows are contiguous and ordered by visit_seq.
 
@@ -227,27 +258,17 @@ class OrderCheck:
         pid = table["patient_id"].combine_chunks()
         seq = table["visit_seq"].to_numpy()
         rows = table[ROW].to_numpy()
-        same = np.empty(len(table), bool)  # row i continues the patient of row i - 1
-        same[1:] = pc.equal(pid[1:], pid[:-1]).to_numpy(zero_copy_only=False)
-        prev_seq = np.empty_like(seq)
-        prev_seq[1:] = seq[:-1]
-        if self._last is None:
-            same[0] = False
-        else:
-            same[0] = pid[0].as_py() == self._last[0]
-            prev_seq[0] = self._last[1]
+        same, prev_seq = continues(pid, seq, self._last)
         bad = np.flatnonzero(same & (seq <= prev_seq))
         if bad.size:
             i = int(bad[0])
-            at = f"{where(self.path, 'visit_seq', int(rows[i]))}: patient {pid[i].as_py()!r}"
+            at = where(self.path, "visit_seq", int(rows[i]))
             if seq[i] == prev_seq[i]:  # sorting cannot help
-                raise InputError(
-                    f"{at} has visit_seq {seq[i]} twice; a patient's visit_seq values must "
-                    "be unique"
-                )
+                raise repeated_seq(at, pid[i].as_py(), int(seq[i]))
             raise InputError(
-                f"{at} has visit_seq {seq[i]} after visit_seq {prev_seq[i]}; the rows of a "
-                "patient must be ordered by increasing visit_seq (use --sort to sort in memory)"
+                f"{at}: patient {pid[i].as_py()!r} has visit_seq {seq[i]} after visit_seq "
+                f"{prev_seq[i]}; the rows of a patient must be ordered by increasing visit_seq "
+                "(use --sort to sort in memory)"
             )
         starts = np.flatnonzero(~same)
         again = self._patients.add(string_hashes(pid.take(pa.array(starts))))

@@ -10,6 +10,7 @@ chunks' per-patient rows: what `cognet evaluate` reports for the same visits).
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -41,42 +42,68 @@ def check_rows(totals: Mapping, num_rows: int) -> None:
         raise RuntimeError(f"row accounting is off ({num_rows} rows in the input): {totals}")
 
 
+@dataclass(frozen=True)
+class Files:
+    """The files of a run."""
+
+    source: str | Path  # the input
+    output: str | Path  # OUT
+    rejects: str | Path  # its rejects file
+
+
+@dataclass(frozen=True)
+class Setup:
+    """What a run scored with: its options and what the scorer made of them. A `Scorer` has
+    these attributes (`Setup.of`); the Ray driver builds one from its workers' reports."""
+
+    options: ScoreOptions
+    decoding: Decoding  # the options' decoding resolved on the model's own
+    providers: Sequence[str] | None = None  # ONNX Runtime's execution providers
+    threads: int | None = None  # CPU threads in all
+    batch_size: int | None = None  # visits decoded together at most
+
+    @classmethod
+    def of(cls, scorer) -> Setup:
+        """The setup of a `cognet.runtime.Scorer`."""
+        return cls(
+            scorer.options, scorer.decoding, scorer.providers, scorer.threads, scorer.batch_size
+        )
+
+
+@dataclass(frozen=True)
+class Timing:
+    load_seconds: float  # loading the model and starting the engine
+    seconds: float  # scoring
+    visits_scored: int  # visits scored in `seconds` (a resumed run: by this run)
+
+
 def run_summary(
-    *,
-    source: str | Path,
-    output: str | Path,
-    rejects: str | Path,
+    files: Files,
+    setup: Setup,
     totals: Mapping,
-    load_seconds: float,
-    seconds: float,
-    visits_scored: int,
-    providers: Sequence[str] | None,
-    threads: int | None,
-    decoding: Decoding,
-    batch_size: int | None,
-    options: ScoreOptions,
+    timing: Timing,
     metric_rows: np.ndarray | None = None,
     resumed_rows: int = 0,
 ) -> dict:
     """The summary of a run whose counts are `totals` (`total_counts`).
 
-    visits_scored: visits scored in `seconds` (a resumed run: by this run); metric_rows:
-    the per-patient metric rows of a `--all` run, in input order (None without --all).
-    The caller has checked the row accounting (`check_rows`)."""
+    metric_rows: the per-patient metric rows of a `--all` run, in input order (None without
+    --all). The caller has checked the row accounting (`check_rows`)."""
+    options, decoding, seconds = setup.options, setup.decoding, timing.seconds
     summary = {
-        "input": str(source),
-        "output": str(output),
-        "rejects": str(rejects),
+        "input": str(files.source),
+        "output": str(files.output),
+        "rejects": str(files.rejects),
         **totals,
         "resumed_rows": resumed_rows,
-        "load_seconds": round(load_seconds, 3),
+        "load_seconds": round(timing.load_seconds, 3),
         "seconds": round(seconds, 3),
-        "visits_per_s": round(visits_scored / max(seconds, 1e-9), 2),
-        "providers": None if providers is None else list(providers),
-        "threads": threads,
+        "visits_per_s": round(timing.visits_scored / max(seconds, 1e-9), 2),
+        "providers": None if setup.providers is None else list(setup.providers),
+        "threads": setup.threads,
         "decoding": decoding.to_json(),
         "beam": decoding.beam,
-        "batch_size": batch_size,
+        "batch_size": setup.batch_size,
         "ddi": options.ddi.to_json(),
         "options": options.to_json(),
     }

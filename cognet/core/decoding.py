@@ -67,3 +67,24 @@ class Decoding:
     def with_changes(self, **changes) -> Decoding:
         """This decoding with the given fields changed (None values are ignored)."""
         return replace(self, **{k: v for k, v in changes.items() if v is not None})
+
+
+def asked_decoding(
+    name: str | None,
+    beam: int | None,
+    samples: int | None,
+    threshold: float | None,
+    flag: str = "",
+) -> str | None:
+    """The decoding a caller asks for, by the one rule of `cognet evaluate`, `cognet-batch
+    score` and `ScoreOptions` (DESIGN.md §3): `name` when given; a beam width alone asks for
+    beam search; None leaves the model's own. A beam width together with set decoding's
+    samples or threshold is refused (ValueError naming them, prefixed with `flag`: "--" for
+    the command-line options)."""
+    if beam is not None and (samples is not None or threshold is not None):
+        others = [n for n, v in (("samples", samples), ("threshold", threshold)) if v is not None]
+        given = " and ".join(f"{flag}{n}" for n in others)
+        raise ValueError(
+            f"{flag}beam is for beam search and {given} for set decoding: give one or the other"
+        )
+    return "beam" if name is None and beam is not None else name
