@@ -1,15 +1,21 @@
-"""Fixtures shared by the test modules: small synthetic datasets (read-only, session-wide)."""
+"""Fixtures shared by the test modules, built once per session and read-only (copy before
+changing): small synthetic datasets and the tiny random model. Helpers are in tests/tiny.py;
+no test module imports another."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
+from tiny import make_tiny
 
 from cognet.data.synth import generate
 
 TINY_PATIENTS = 60
 SMALL_PATIENTS = 1500
+TINY_MODEL_PATIENTS = 80  # 248 visits
 
 
 @pytest.fixture(scope="session")
@@ -22,3 +28,22 @@ def tiny_dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def small_dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A 1,500-patient synthetic dataset directory (seed 0), for statistics. Do not modify."""
     return generate(tmp_path_factory.mktemp("small_dataset"), patients=SMALL_PATIENTS, seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny random model (tests/tiny.py `make_tiny`, 80 patients, 248 visits): a folder with
+    `data/` (dataset with a split column), `ckpt/` (checkpoint) and `model/` (its export,
+    unvalidated). Do not modify."""
+    from cognet.export import export
+
+    root = tmp_path_factory.mktemp("tiny")
+    _, ckpt = make_tiny(root, n_patients=TINY_MODEL_PATIENTS)
+    export(ckpt, root / "model", validate=False)
+    return root
+
+
+@pytest.fixture(scope="session")
+def visits(tiny: Path) -> pa.Table:
+    """The tiny model's `visits.parquet` (every visit with its medications)."""
+    return pq.read_table(tiny / "data" / "visits.parquet")

@@ -9,7 +9,6 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
-from tiny import make_tiny
 
 from cognet import checkpoint
 from cognet.batching import make_batch
@@ -23,28 +22,18 @@ from cognet.evaluate import load_split
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> dict[str, Path]:
-    from cognet.export import export
-
-    root = tmp_path_factory.mktemp("bench")
-    data, ckpt = make_tiny(root, n_patients=60)
-    export(ckpt, root / "model", validate=False)
-    return {"data": data, "ckpt": ckpt, "model": root / "model", "root": root}
-
-
-@pytest.fixture(scope="module")
-def quick_run(tiny) -> tuple[object, Path]:
-    out = tiny["root"] / "out"
+def quick_run(tiny, tmp_path_factory) -> tuple[object, Path]:
+    out = tmp_path_factory.mktemp("bench") / "out"
     result = CliRunner().invoke(
         main,
         [
             "--quick",
             "--model",
-            str(tiny["model"]),
+            str(tiny / "model"),
             "--checkpoint",
-            str(tiny["ckpt"]),
+            str(tiny / "ckpt"),
             "--data",
-            str(tiny["data"]),
+            str(tiny / "data"),
             "--out",
             str(out),
         ],
@@ -122,8 +111,8 @@ def test_ddi_tradeoff_is_reported(quick_run):
 @pytest.mark.parametrize("beam", [1, 4])
 def test_perpatient_decodes_like_the_reference(tiny, beam):
     torch.set_num_threads(1)
-    model, vocab, _ = checkpoint.load(tiny["ckpt"])
-    visits = read_dataset(tiny["data"]).visits
+    model, vocab, _ = checkpoint.load(tiny / "ckpt")
+    visits = read_dataset(tiny / "data").visits
     patients = load_split(visits, vocab, "train").patients[:12]
     batch = make_batch(patients, vocab, targets=False)
     last = torch.tensor([sum(map(len, patients[: i + 1])) - 1 for i in range(len(patients))])
@@ -210,9 +199,9 @@ def test_list_scores_are_the_beam_scores(tiny):
     from cognet.benchmarks.engines import TorchBatched
 
     torch.set_num_threads(1)
-    engine = TorchBatched("torch-batched", tiny["ckpt"], 1)
+    engine = TorchBatched("torch-batched", tiny / "ckpt", 1)
     vocab = engine.vocab
-    visits = read_dataset(tiny["data"]).visits
+    visits = read_dataset(tiny / "data").visits
     patients = load_split(visits, vocab, "train").patients[:20]
     batch = make_batch(patients, vocab, targets=False)
     last = torch.tensor([sum(map(len, patients[: i + 1])) - 1 for i in range(len(patients))])
@@ -276,8 +265,8 @@ def test_profile_of_the_gpu_path_on_the_cpu(tiny):
     from cognet.benchmarks.profile import profile_ort
     from cognet.benchmarks.workload import Batch, mask_last_visits
 
-    table = mask_last_visits(pq.read_table(tiny["data"] / "visits.parquet").slice(0, 60))
-    out = profile_ort(tiny["model"], [Batch(table, [], [])], 4, 64, 1, gpu_path=True, top=3)
+    table = mask_last_visits(pq.read_table(tiny / "data" / "visits.parquet").slice(0, 60))
+    out = profile_ort(tiny / "model", [Batch(table, [], [])], 4, 64, 1, gpu_path=True, top=3)
     assert out["engine"] == "ort-cpu-gpupath"
     assert {"init_gather_float32", "beam_select_split", "decoder_step"} <= set(out["graphs"])
     assert 0 < out["python_share"] < 1

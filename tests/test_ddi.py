@@ -12,7 +12,6 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 from click.testing import CliRunner
-from test_runtime_scorer import tiny_model_dir
 from tiny import TorchDecoder, make_case, random_checkpoint
 
 from cognet import checkpoint, ddi_tradeoff
@@ -85,11 +84,6 @@ def test_an_active_policy_needs_the_adjacency():
 
 
 # -- ONNX runtime vs torch reference on >= 200 visits ---------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> Path:
-    return tiny_model_dir(tmp_path_factory.getbasetemp())
 
 
 @pytest.fixture(scope="module")

@@ -33,8 +33,10 @@ ALLOWLIST = Path(__file__).parents[1] / "export" / "onnx_ops_allowlist.txt"
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> tuple[Path, Path]:
-    return make_tiny(tmp_path_factory.mktemp("tiny"), n_patients=300)
+def tiny300(tmp_path_factory) -> tuple[Path, Path]:
+    """(data, ckpt) of a tiny random model over 300 patients: several hundred visits to
+    compare lists on (the shared `tiny` fixture has 248)."""
+    return make_tiny(tmp_path_factory.mktemp("tiny300"), n_patients=300)
 
 
 class Exported(NamedTuple):
@@ -46,12 +48,12 @@ class Exported(NamedTuple):
 
 
 @pytest.fixture(scope="module")
-def exported(tiny, tmp_path_factory) -> Exported:
+def exported(tiny300, tmp_path_factory) -> Exported:
     """The tiny checkpoint exported with its float16 variant (and validated)."""
     out = tmp_path_factory.mktemp("model")
-    manifest = export(tiny[1], out, fp16=True)
-    model, vocab, _ = checkpoint.load(tiny[1])
-    return Exported(manifest, out, model, vocab, tiny[1])
+    manifest = export(tiny300[1], out, fp16=True)
+    model, vocab, _ = checkpoint.load(tiny300[1])
+    return Exported(manifest, out, model, vocab, tiny300[1])
 
 
 def _graph_paths(model_dir: Path, files=GRAPH_FILES) -> dict[str, Path]:
@@ -201,11 +203,11 @@ def test_step_accepts_an_empty_cache(exported):
         np.testing.assert_allclose(got["log_probs"], ref[0].numpy(), atol=val.FLOAT32_ATOL)
 
 
-def test_beam4_and_greedy_lists_equal_torch_on_real_visits(exported, tiny):
+def test_beam4_and_greedy_lists_equal_torch_on_real_visits(exported, tiny300):
     """Beam-4 (and greedy) medication lists decoded through the ONNX graphs equal the torch
     reference on every visit of the tiny dataset (several hundred)."""
     _, out, model, vocab, _ = exported
-    table = pq.read_table(tiny[0] / "visits.parquet")
+    table = pq.read_table(tiny300[0] / "visits.parquet")
     patients = list(patients_from_table(table, vocab))
     graphs = val.Graphs.load(_graph_paths(out), threads=1)
     report = val.compare_decoding(model, graphs, vocab, patients)
@@ -224,9 +226,11 @@ def test_ablations_export_with_every_input(tmp_path, ablation):
     assert manifest.graph_spec("decoder_init").input_names == GRAPH_IO["decoder_init"][0]
 
 
-def test_parity_failure_writes_report_and_no_manifest(tiny, tmp_path, monkeypatch):
+def test_parity_failure_writes_report_and_no_manifest(tiny300, tmp_path, monkeypatch):
     monkeypatch.setattr(val, "FLOAT32_ATOL", 0.0)
-    result = CliRunner().invoke(main, ["--checkpoint", str(tiny[1]), "--out", str(tmp_path / "m")])
+    result = CliRunner().invoke(
+        main, ["--checkpoint", str(tiny300[1]), "--out", str(tmp_path / "m")]
+    )
     assert result.exit_code == 1
     assert "parity failed" in result.output and "Traceback" not in result.output
     report = json.loads((tmp_path / "m" / "parity_report.json").read_text())
@@ -242,9 +246,9 @@ def test_cli_help():
         assert option in result.output
 
 
-def test_cli_exports_without_validation(tiny, tmp_path):
+def test_cli_exports_without_validation(tiny300, tmp_path):
     result = CliRunner().invoke(
-        main, ["--checkpoint", str(tiny[1]), "--out", str(tmp_path / "m"), "--no-validate"]
+        main, ["--checkpoint", str(tiny300[1]), "--out", str(tmp_path / "m"), "--no-validate"]
     )
     assert result.exit_code == 0, result.output
     assert load_manifest(tmp_path / "m").parity is None
@@ -254,9 +258,9 @@ def test_cli_exports_without_validation(tiny, tmp_path):
     "TensorrtExecutionProvider" in ort.get_available_providers(),
     reason="TensorRT is installed here",
 )
-def test_cli_tensorrt_without_tensorrt_exits_2(tiny, tmp_path):
+def test_cli_tensorrt_without_tensorrt_exits_2(tiny300, tmp_path):
     result = CliRunner().invoke(
-        main, ["--checkpoint", str(tiny[1]), "--out", str(tmp_path / "m"), "--tensorrt"]
+        main, ["--checkpoint", str(tiny300[1]), "--out", str(tmp_path / "m"), "--tensorrt"]
     )
     assert result.exit_code == 2
     assert result.output.count("\n") == 1 and "TensorRT" in result.output
@@ -271,9 +275,9 @@ def test_cli_missing_checkpoint_exits_2(tmp_path):
     assert result.output.count("\n") == 1 and "not a cognet checkpoint" in result.output
 
 
-def test_cli_corrupt_checkpoint_exits_2(tiny, tmp_path):
+def test_cli_corrupt_checkpoint_exits_2(tiny300, tmp_path):
     bad = tmp_path / "ckpt"
-    shutil.copytree(tiny[1], bad)
+    shutil.copytree(tiny300[1], bad)
     (bad / "model.safetensors").write_bytes(b"garbage")
     result = CliRunner().invoke(main, ["--checkpoint", str(bad), "--out", str(tmp_path / "m")])
     assert result.exit_code == 2

@@ -5,10 +5,10 @@ Never corrupt, never surprise (README "Failure behaviour"). With tests/test_fail
 
     make failures      # = pytest tests/test_failures_batch.py tests/test_failures_train.py
 
-Case -> test: 1 one writer per OUT (`test_case01_*`), 2 OUT equal to or inside the input,
-3 bounded memory, 4 checks before work, 7 resume refuses a damaged work folder, 8 swapped
-graphs, 9 small things, 11 --keep-columns, 12 the resume signature. An error case asserts
-the exit code, one line without a traceback, the message, and that no output is left.
+Sections, one per behaviour of the README table: one writer per OUT, an OUT that is an
+input, bounded memory, checks before work, resume refuses a damaged work folder, swapped
+graphs, small things, --keep-columns, the resume signature. An error case asserts the exit
+code, one line without a traceback, the message, and that no output is left.
 """
 
 from __future__ import annotations
@@ -25,8 +25,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from click.testing import CliRunner
-from test_runtime_cli import KILLER, last_visits_unknown
-from test_runtime_scorer import tiny_model_dir
+from tiny import KILLER, last_visits_unknown
 
 from cognet.core.lock import OutputLock
 from cognet.core.manifest import file_sha256
@@ -34,16 +33,6 @@ from cognet.runtime import signature, writer
 from cognet.runtime.cli import main
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> Path:
-    return tiny_model_dir(tmp_path_factory.getbasetemp())
-
-
-@pytest.fixture(scope="module")
-def visits(tiny) -> pa.Table:
-    return pq.read_table(tiny / "data" / "visits.parquet")
 
 
 @pytest.fixture
@@ -77,7 +66,7 @@ def cli(*args: str, **kwargs) -> subprocess.CompletedProcess:
     return subprocess.run(argv, capture_output=True, text=True, cwd=REPO, **kwargs)
 
 
-# -- 1. one writer per OUT -------------------------------------------------------------------
+# -- one writer per OUT -------------------------------------------------------------------
 PAUSED = """
 import pathlib, sys, time
 from cognet.runtime import writer
@@ -95,7 +84,7 @@ main(sys.argv[3:])
 """
 
 
-def test_case01_a_second_run_on_the_same_out_is_refused(tiny, inp, tmp_path):
+def test_a_second_run_on_the_same_out_is_refused(tiny, inp, tmp_path):
     out, ready, go = tmp_path / "o.parquet", tmp_path / "ready", tmp_path / "go"
     args = ["score", str(inp), "--model", str(tiny / "model"), "--all", "--batch-size", "2",
             "--quiet", "--out"]  # fmt: skip
@@ -131,7 +120,7 @@ def test_case01_a_second_run_on_the_same_out_is_refused(tiny, inp, tmp_path):
     assert score(tiny, inp, out, "--beam", "1").exit_code == 0  # and the next run may write
 
 
-def test_case01_the_lock_is_released_by_a_crash(tiny, inp, tmp_path):
+def test_the_lock_is_released_by_a_crash(tiny, inp, tmp_path):
     out = tmp_path / "o.parquet"
     code = KILLER.replace("{func}", "write_json").replace("{after}", "1")
     killed = subprocess.run(
@@ -146,8 +135,8 @@ def test_case01_the_lock_is_released_by_a_crash(tiny, inp, tmp_path):
     assert not writer.work_dir(out).exists()
 
 
-# -- 2. an output that is an input -----------------------------------------------------------
-def test_case02_out_equal_to_input_is_refused_before_reading(tiny, inp, tmp_path):
+# -- an output that is an input -----------------------------------------------------------
+def test_out_equal_to_input_is_refused_before_reading(tiny, inp, tmp_path):
     before = inp.read_bytes()
     alias = tmp_path / "alias.parquet"
     alias.symlink_to(inp)
@@ -160,7 +149,7 @@ def test_case02_out_equal_to_input_is_refused_before_reading(tiny, inp, tmp_path
     assert nothing_written(tmp_path / "s.parquet") and not writer.work_dir(inp).exists()
 
 
-# -- 3. bounded memory -----------------------------------------------------------------------
+# -- bounded memory -----------------------------------------------------------------------
 RSS = """
 import resource, sys
 from cognet.runtime.cli import main
@@ -205,7 +194,7 @@ def wide(tmp_path_factory) -> Path:
     return root
 
 
-def test_case03_one_wide_visit_keeps_memory_bounded(wide, tmp_path):
+def test_one_wide_visit_keeps_memory_bounded(wide, tmp_path):
     rss = {}
     for name in ("base", "wide"):
         done = subprocess.run(
@@ -222,7 +211,7 @@ def test_case03_one_wide_visit_keeps_memory_bounded(wide, tmp_path):
     assert rss["wide"] <= 2 * rss["base"], rss
 
 
-def test_case03_codes_are_sets_and_a_visit_above_the_cap_is_rejected(tiny, visits, tmp_path):
+def test_codes_are_sets_and_a_visit_above_the_cap_is_rejected(tiny, visits, tmp_path):
     rows = last_visits_unknown(visits).to_pylist()
     target = next(i for i, r in enumerate(rows) if r["medications"] is None)
     n = len(set(rows[target]["diagnoses"]))
@@ -248,8 +237,8 @@ def test_case03_codes_are_sets_and_a_visit_above_the_cap_is_rejected(tiny, visit
     assert {r["reason"] for r in rejected} == {"too_many_codes"}
 
 
-# -- 4. checks before work -------------------------------------------------------------------
-def test_case04_output_problems_exit_2_before_any_work(tiny, inp, tmp_path):
+# -- checks before work -------------------------------------------------------------------
+def test_output_problems_exit_2_before_any_work(tiny, inp, tmp_path):
     no_model = tmp_path / "no-model"  # never opened: every check comes first
     folder = tmp_path / "folder.parquet"
     folder.mkdir()
@@ -273,7 +262,7 @@ def test_case04_output_problems_exit_2_before_any_work(tiny, inp, tmp_path):
     assert nothing_written(out) and nothing_written(blocker / "o.parquet")
 
 
-# -- 7. resume refuses a damaged work folder -------------------------------------------------
+# -- resume refuses a damaged work folder -------------------------------------------------
 def interrupted(tiny: Path, inp: Path, out: Path, *args: str) -> list[str]:
     """Run score with `args` and kill -9 it after its 3rd committed part; returns the args."""
     argv = ["score", str(inp), "--model", str(tiny / "model"), "--batch-size", "2", "--quiet",
@@ -285,7 +274,7 @@ def interrupted(tiny: Path, inp: Path, out: Path, *args: str) -> list[str]:
     return argv
 
 
-def test_case07_a_tampered_progress_file_or_a_lost_part_is_named(tiny, inp, tmp_path):
+def test_a_tampered_progress_file_or_a_lost_part_is_named(tiny, inp, tmp_path):
     out = tmp_path / "o.parquet"
     argv = interrupted(tiny, inp, out, "--all")
     work = writer.work_dir(out)
@@ -305,8 +294,8 @@ def test_case07_a_tampered_progress_file_or_a_lost_part_is_named(tiny, inp, tmp_
     assert pq.read_table(out).num_rows == pq.read_metadata(inp).num_rows
 
 
-# -- 8. swapped graphs -----------------------------------------------------------------------
-def test_case08_swapped_graphs_are_refused_by_name(tiny, inp, tmp_path):
+# -- swapped graphs -----------------------------------------------------------------------
+def test_swapped_graphs_are_refused_by_name(tiny, inp, tmp_path):
     model = tmp_path / "model"
     shutil.copytree(tiny / "model", model)
     a, b = model / "encoder.onnx", model / "decoder_init.onnx"
@@ -323,8 +312,8 @@ def test_case08_swapped_graphs_are_refused_by_name(tiny, inp, tmp_path):
     assert nothing_written(out)
 
 
-# -- 9. small things -------------------------------------------------------------------------
-def test_case09_a_failed_run_leaves_no_work_folder(tiny, visits, tmp_path):
+# -- small things -------------------------------------------------------------------------
+def test_a_failed_run_leaves_no_work_folder(tiny, visits, tmp_path):
     rows = visits.to_pylist()
     rows[1]["visit_seq"] = rows[0]["visit_seq"]  # a repeated visit_seq, found while scoring
     pq.write_table(pa.Table.from_pylist(rows, visits.schema), tmp_path / "dup.parquet")
@@ -340,7 +329,7 @@ def test_case09_a_failed_run_leaves_no_work_folder(tiny, visits, tmp_path):
     assert nothing_written(out)
 
 
-def test_case09_a_directory_input_is_named_as_one(tiny, visits, tmp_path):
+def test_a_directory_input_is_named_as_one(tiny, visits, tmp_path):
     (tmp_path / "visits").mkdir()
     pq.write_table(visits, tmp_path / "visits" / "a.parquet")
     line = error(score(tiny, tmp_path / "visits", tmp_path / "o.parquet"))
@@ -349,7 +338,7 @@ def test_case09_a_directory_input_is_named_as_one(tiny, visits, tmp_path):
     assert "a glob?" in line and "--engine ray expands globs" in line
 
 
-# -- 11. --keep-columns ----------------------------------------------------------------------
+# -- --keep-columns ----------------------------------------------------------------------
 def with_extras(visits: pa.Table) -> pa.Table:
     n = visits.num_rows
     dates = pa.array([f"2024-01-{i % 28 + 1:02d}" for i in range(n)])
@@ -357,7 +346,7 @@ def with_extras(visits: pa.Table) -> pa.Table:
         "ward", pa.array([f"W{i % 3}" for i in range(n)]))  # fmt: skip
 
 
-def test_case11_keep_columns_carries_input_columns(tiny, visits, tmp_path):
+def test_keep_columns_carries_input_columns(tiny, visits, tmp_path):
     table = with_extras(visits)
     pq.write_table(table, tmp_path / "in.parquet")
     by_id = {r["visit_id"]: r for r in table.to_pylist()}
@@ -385,8 +374,8 @@ def test_case11_keep_columns_carries_input_columns(tiny, visits, tmp_path):
     assert nothing_written(tmp_path / "x.parquet")
 
 
-# -- 12. the resume signature ----------------------------------------------------------------
-def test_case12_resume_refuses_every_option_that_changes_the_output(tiny, inp, tmp_path):
+# -- the resume signature ----------------------------------------------------------------
+def test_resume_refuses_every_option_that_changes_the_output(tiny, inp, tmp_path):
     assert {"decoding", "beam", "ddi", "max_history_visits", "variant", "max_codes_per_visit",
             "keep_columns"} <= set(signature.output_fields())  # fmt: skip
     assert not {"threads", "batch_size", "device"} & set(signature.output_fields())

@@ -2,7 +2,7 @@
 splits, a full disk and the thread default, one test per case, through the CLI (with
 tests/test_failures_batch.py: the issue's runnable script, `make failures`).
 
-Case -> test: 5 a damaged checkpoint, 6 empty splits and a full disk, 10 thread defaults.
+Sections: a damaged checkpoint, empty splits and a full disk, the thread defaults.
 """
 
 from __future__ import annotations
@@ -16,19 +16,11 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
-from tiny import make_tiny
 
 from cognet.cli import main
 from cognet.export.cli import main as export_main
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    root = tmp_path_factory.mktemp("tiny")
-    data, ckpt = make_tiny(root, n_patients=45)
-    return data, ckpt
 
 
 def error(result, code: int = 2) -> str:
@@ -47,7 +39,7 @@ def export(ckpt: Path, out: Path):
     return CliRunner().invoke(export_main, ["--checkpoint", str(ckpt), "--out", str(out)])
 
 
-# -- 5. a damaged checkpoint -----------------------------------------------------------------
+# -- a damaged checkpoint -----------------------------------------------------------------
 def damaged(ckpt: Path, where: Path, how) -> Path:
     bad = where / f"bad-{how.__name__}"
     shutil.copytree(ckpt, bad)
@@ -82,23 +74,23 @@ def unhashed(path: Path) -> None:  # a checkpoint saved before the hashes, then 
 @pytest.mark.parametrize(
     "how,message",
     [
-        (no_model_entry, "config.json: malformed model entry ('model')"),
+        (no_model_entry, "config.json: field 'model': missing or not an object"),
         (truncated_weights, "model.safetensors: sha256 differs from the one config.json recorded"),
         (five_codes_cut, "vocab.json: sha256 differs from the one config.json recorded"),
         (unhashed, "vocab.json: 35 diagnoses, but the model was built for 40"),
     ],
 )
-def test_case05_a_damaged_checkpoint_is_named_by_evaluate_and_export(tiny, tmp_path, how,
+def test_a_damaged_checkpoint_is_named_by_evaluate_and_export(tiny, tmp_path, how,
                                                                      message):  # fmt: skip
-    data, ckpt = tiny
+    data, ckpt = tiny / "data", tiny / "ckpt"
     bad = damaged(ckpt, tmp_path, how)
     assert message in error(evaluate(bad, data, "--json", str(tmp_path / "r.json")))
     assert message in error(export(bad, tmp_path / "model"))  # the same loader
     assert not (tmp_path / "r.json").exists() and not (tmp_path / "model").exists()
 
 
-def test_case05_truncated_weights_without_a_hash_are_named_too(tiny, tmp_path):
-    data, ckpt = tiny
+def test_truncated_weights_without_a_hash_are_named_too(tiny, tmp_path):
+    data, ckpt = tiny / "data", tiny / "ckpt"
 
     def cut_unhashed(path: Path) -> None:
         truncated_weights(path)
@@ -110,7 +102,7 @@ def test_case05_truncated_weights_without_a_hash_are_named_too(tiny, tmp_path):
     assert "model.safetensors: unreadable weights" in error(evaluate(bad, data))
 
 
-# -- 6. empty splits, a full disk ------------------------------------------------------------
+# -- empty splits, a full disk ------------------------------------------------------------
 def without_split(data: Path, split: str, where: Path) -> Path:
     import pyarrow.compute as pc
     import pyarrow.parquet as pq
@@ -124,8 +116,8 @@ def without_split(data: Path, split: str, where: Path) -> Path:
 
 
 @pytest.mark.parametrize("split", ["train", "val"])
-def test_case06_an_empty_split_exits_2_before_training(tiny, tmp_path, split):
-    data, _ = tiny
+def test_an_empty_split_exits_2_before_training(tiny, tmp_path, split):
+    data = tiny / "data"
     out = tmp_path / "ckpt"
     argv = ["train", "--data", str(without_split(data, split, tmp_path)), "--out", str(out)]
     line = error(CliRunner().invoke(main, [*argv, "--epochs", "1", "--quiet"]))
@@ -133,11 +125,11 @@ def test_case06_an_empty_split_exits_2_before_training(tiny, tmp_path, split):
     assert not out.exists()
 
 
-def test_case06_a_full_disk_names_the_file(tiny, tmp_path):
+def test_a_full_disk_names_the_file(tiny, tmp_path):
     """`cognet train` onto a 16 KB tmpfs (its own mount namespace: `unshare`, no root needed
     where user namespaces are allowed): the kernel's ENOSPC, named with the file, and no
     partial checkpoint left."""
-    data, _ = tiny
+    data = tiny / "data"
     disk = tmp_path / "disk"
     disk.mkdir()
     probe = subprocess.run(["unshare", "-rm", "true"], capture_output=True)
@@ -159,9 +151,9 @@ def test_case06_a_full_disk_names_the_file(tiny, tmp_path):
     assert done.stdout.strip() == ""  # no partial checkpoint left behind
 
 
-# -- 10. thread defaults ---------------------------------------------------------------------
-def test_case10_train_and_evaluate_default_to_one_thread(tiny, tmp_path):
-    data, ckpt = tiny
+# -- thread defaults ---------------------------------------------------------------------
+def test_train_and_evaluate_default_to_one_thread(tiny, tmp_path):
+    data, ckpt = tiny / "data", tiny / "ckpt"
     for command in ("train", "evaluate"):
         text = CliRunner().invoke(main, [command, "--help"]).output
         assert "--threads" in text and "default: 1" in text

@@ -9,8 +9,7 @@ import sys
 from pathlib import Path
 
 import pyarrow.parquet as pq
-from test_runtime_cli import last_visits_unknown
-from test_runtime_scorer import tiny_model_dir
+from tiny import last_visits_unknown
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 
@@ -23,8 +22,7 @@ def readme_example() -> str:
     return blocks[0]
 
 
-def test_readme_example_runs_without_torch(tmp_path_factory, tmp_path):
-    tiny = tiny_model_dir(tmp_path_factory.getbasetemp())
+def test_readme_example_runs_without_torch(tiny, tmp_path):
     visits = last_visits_unknown(pq.read_table(tiny / "data" / "visits.parquet"))
     pq.write_table(visits, tmp_path / "visits.parquet")
     (tmp_path / "model").symlink_to(tiny / "model")

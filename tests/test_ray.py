@@ -16,8 +16,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from click.testing import CliRunner
-from test_runtime_cli import last_visits_unknown
-from test_runtime_scorer import tiny_model_dir
+from tiny import last_visits_unknown
 
 from cognet.core.errors import InputError
 from cognet.runtime import reader as ray_engine  # listing INPUT moved to the reader
@@ -28,11 +27,6 @@ COUNTS = ("rows_read", "rows_scored", "rows_rejected", "rows_skipped", "unknown_
 # Scores and probabilities may differ in the last float32 bits: a visit is decoded in
 # another batch (other visits, other padding) than in the local engine.
 ATOL = 1e-5
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> Path:
-    return tiny_model_dir(tmp_path_factory.getbasetemp())
 
 
 @pytest.fixture(scope="module")

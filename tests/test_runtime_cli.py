@@ -13,22 +13,12 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from click.testing import CliRunner
-from test_runtime_scorer import tiny_model_dir
+from tiny import KILLER, last_visits_unknown
 
 from cognet.runtime.cli import main
 from cognet.runtime.outputs import OUTPUT_SCHEMA, REJECTS_SCHEMA
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> Path:
-    return tiny_model_dir(tmp_path_factory.getbasetemp())
-
-
-@pytest.fixture(scope="module")
-def visits(tiny) -> pa.Table:
-    return pq.read_table(tiny / "data" / "visits.parquet")
 
 
 def score(tiny: Path, input_path: Path, out: Path, *args: str):
@@ -46,20 +36,6 @@ def score(tiny: Path, input_path: Path, out: Path, *args: str):
         ],
     )
     return result
-
-
-def with_meds(table: pa.Table, meds: list) -> pa.Table:
-    col = pa.array(meds, pa.list_(pa.string()))
-    return table.set_column(table.schema.get_field_index("medications"), "medications", col)
-
-
-def last_visits_unknown(table: pa.Table) -> pa.Table:
-    pids = table["patient_id"].to_pylist()
-    meds = table["medications"].to_pylist()
-    return with_meds(
-        table,
-        [None if i + 1 == len(pids) or pids[i + 1] != p else meds[i] for i, p in enumerate(pids)],
-    )
 
 
 def test_help_on_every_command():
@@ -192,24 +168,6 @@ def test_misordered_rows_name_the_row_and_sort_fixes_them(tiny, visits, tmp_path
     assert len(got) == n and all(r == want[r["visit_id"]] for r in got)
 
 
-KILLER = """
-import os, signal, sys
-from cognet.runtime import writer
-calls = {"n": 0}
-target = writer.{func}
-def killing(*args, **kwargs):
-    calls["n"] += 1
-    if calls["n"] == {after} and {before}:
-        os.kill(os.getpid(), signal.SIGKILL)
-    target(*args, **kwargs)
-    if calls["n"] == {after} and not {before}:
-        os.kill(os.getpid(), signal.SIGKILL)
-writer.{func} = killing
-from cognet.runtime.cli import main
-main(sys.argv[1:])
-"""
-
-
 @pytest.mark.parametrize(
     "func,after,before",
     [
@@ -306,3 +264,53 @@ def test_runs_without_torch(tiny, visits, tmp_path):
     )
     assert done.returncode == 0, done.stderr
     assert pq.read_table(tmp_path / "o.parquet").num_rows > 0
+
+
+def _set_decoding_model(tiny: Path, where: Path) -> Path:
+    """A copy of the tiny model whose own decoding is set decoding (as a trained model's)."""
+    import shutil
+
+    model = where / "model"
+    shutil.copytree(tiny / "model", model)
+    manifest = json.loads((model / "manifest.json").read_text())
+    manifest["decoding"] = {"name": "set", "samples": 4, "threshold": 0.3}
+    (model / "manifest.json").write_text(json.dumps(manifest))
+    return model
+
+
+@pytest.mark.parametrize(
+    "args,name,beam",
+    [([], "set", 4), (["--beam", "2"], "beam", 2), (["--decoding", "beam"], "beam", 4)],
+)
+def test_beam_alone_asks_for_beam_search(tiny, visits, tmp_path, args, name, beam):
+    model, inp = _set_decoding_model(tiny, tmp_path), tmp_path / "in.parquet"
+    pq.write_table(last_visits_unknown(visits), inp)
+    out, summary = tmp_path / "out.parquet", tmp_path / "s.json"
+    argv = ["score", str(inp), "--model", str(model), "--out", str(out), "--quiet"]
+    result = CliRunner().invoke(main, [*argv, "--summary-json", str(summary), *args])
+    assert result.exit_code == 0, result.output
+    decoding = json.loads(summary.read_text())["decoding"]
+    assert (decoding["name"], decoding["beam"]) == (name, beam)
+    scores = pq.read_table(out)["score"].to_pylist()
+    # beam search: sums of log-probabilities; set decoding: mean P(in set) of the set
+    assert all(s <= 0 for s in scores) if name == "beam" else all(0 <= s <= 1 for s in scores)
+
+
+@pytest.mark.parametrize(
+    "args,named",
+    [
+        (["--beam", "2", "--samples", "4"], "--samples"),
+        (["--beam", "2", "--threshold", "0.3"], "--threshold"),
+        (["--decoding", "beam", "--beam", "1", "--samples", "4"], "--samples"),
+        (["--decoding", "set", "--beam", "2", "--threshold", "0.3"], "--threshold"),
+    ],
+)
+def test_beam_with_set_options_is_a_usage_error(tiny, visits, tmp_path, args, named):
+    inp, out = tmp_path / "in.parquet", tmp_path / "out.parquet"
+    pq.write_table(last_visits_unknown(visits), inp)
+    result = score(tiny, inp, out, *args)
+    assert result.exit_code == 2, result.output
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert "Traceback" not in result.output and "--beam is for beam search" in lines[-1]
+    assert named in lines[-1]
+    assert not out.exists() and not (tmp_path / "out.parquet.parts").exists()

@@ -3,8 +3,6 @@ reference (`cognet.evaluate`), output schema, explanations, history truncation."
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -23,25 +21,6 @@ from cognet.runtime.batches import cut_batches
 from cognet.runtime.scorer import CPU_BATCH_SLOTS
 
 torch.set_num_threads(1)
-
-
-def tiny_model_dir(base: Path) -> Path:
-    """A tiny dataset (80 patients, 248 visits), checkpoint and exported model, built once per
-    test session under `base` (shared by the runtime test files)."""
-    root = base / "runtime_tiny"
-    if not (root / "model" / "manifest.json").is_file():
-        from tiny import make_tiny
-
-        from cognet.export import export
-
-        _, ckpt = make_tiny(root, n_patients=80)
-        export(ckpt, root / "model", validate=False)
-    return root
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> Path:
-    return tiny_model_dir(tmp_path_factory.getbasetemp())
 
 
 @pytest.fixture(scope="module")

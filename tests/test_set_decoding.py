@@ -49,13 +49,6 @@ def _runtime_sets(root, **options) -> dict:
     return {r["visit_id"]: r["medications"] for r in out.to_pylist()}
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    from test_runtime_scorer import tiny_model_dir
-
-    return tiny_model_dir(tmp_path_factory.getbasetemp())
-
-
 @pytest.mark.parametrize("batch_size", [5, 64])
 def test_runtime_sets_equal_torch_on_the_tiny_model(tiny, batch_size):
     decoding = Decoding(name="set", samples=8, threshold=0.3)

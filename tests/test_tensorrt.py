@@ -3,20 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
-from test_runtime_scorer import tiny_model_dir
 
 from cognet.core.manifest import GRAPHS, load_manifest
 from cognet.core.tensorrt import CACHE_DIR
 from cognet.export.tensorrt import profile_shapes, provider_options
 from cognet.runtime.session import TRT, providers
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> Path:
-    return tiny_model_dir(tmp_path_factory.getbasetemp())
 
 
 @pytest.mark.parametrize("fp16", [False, True])

@@ -3,26 +3,19 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
 from click.testing import CliRunner
-from tiny import make_tiny
 
 from cognet import checkpoint
 from cognet.cli import main
 from cognet.core.errors import InputError
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    root = tmp_path_factory.mktemp("tiny")
-    data, ckpt = make_tiny(root, n_patients=45)
-    return root, data, ckpt
-
-
 def test_train_then_evaluate(tiny, tmp_path):
-    _, data, _ = tiny
+    data = tiny / "data"
     out = tmp_path / "ckpt"
     runner = CliRunner()
     res = runner.invoke(
@@ -84,7 +77,7 @@ def test_train_then_evaluate(tiny, tmp_path):
 
 @pytest.mark.parametrize("sampling", ["0", "0.5"])
 def test_training_is_deterministic_with_a_seed(tiny, tmp_path, sampling):
-    _, data, _ = tiny
+    data = tiny / "data"
     runner = CliRunner()
     for name in ("a", "b"):
         res = runner.invoke(
@@ -112,7 +105,7 @@ def test_training_is_deterministic_with_a_seed(tiny, tmp_path, sampling):
 
 @pytest.mark.parametrize("baseline", ["copy-last", "frequent", "lr"])
 def test_evaluate_baselines(tiny, baseline):
-    _, data, _ = tiny
+    data = tiny / "data"
     res = CliRunner().invoke(
         main, ["evaluate", "--data", str(data), "--baseline", baseline, "--rounds", "2"]
     )
@@ -121,14 +114,14 @@ def test_evaluate_baselines(tiny, baseline):
 
 
 def test_evaluate_needs_a_checkpoint_or_baseline(tiny):
-    _, data, _ = tiny
+    data = tiny / "data"
     res = CliRunner().invoke(main, ["evaluate", "--data", str(data)])
     assert res.exit_code == 2
     assert "--checkpoint" in res.output
 
 
 def test_bad_checkpoint_is_a_one_line_input_error(tiny, tmp_path):
-    _, data, _ = tiny
+    data = tiny / "data"
     res = CliRunner().invoke(main, ["evaluate", "--checkpoint", str(tmp_path), "--data", str(data)])
     assert res.exit_code == 2
     assert "not a cognet checkpoint" in res.output
@@ -141,7 +134,7 @@ def test_checkpoint_loading_never_unpickles(tiny, tmp_path):
 
     import numpy as np
 
-    _, _, ckpt = tiny
+    ckpt = tiny / "ckpt"
     bad = tmp_path / "bad"
     shutil.copytree(ckpt, bad)
     np.savez(bad / "graphs.npz", ehr=np.array([object()], dtype=object), ddi=np.zeros(1))
@@ -157,7 +150,7 @@ def test_checkpoint_loading_never_unpickles(tiny, tmp_path):
 def test_checkpoint_format_version_is_checked(tiny, tmp_path):
     import shutil
 
-    _, _, ckpt = tiny
+    ckpt = tiny / "ckpt"
     bad = tmp_path / "bad"
     shutil.copytree(ckpt, bad)
     cfg = json.loads((bad / "config.json").read_text())
@@ -191,3 +184,50 @@ def test_by_history_splits_first_and_later_visits():
     assert parts["first"]["n_visits"] == 2
     assert parts["later"]["jaccard"] == 0.0 and parts["later"]["n_visits"] == 1
     assert by_history(results[2:], ddi)["later"] is None
+
+
+def _set_decoding_checkpoint(tiny: Path, where: Path) -> Path:
+    """A copy of the tiny checkpoint whose own decoding is set decoding (as a trained one's)."""
+    import shutil
+
+    ckpt = where / "ckpt"
+    shutil.copytree(tiny / "ckpt", ckpt)
+    config = json.loads((ckpt / "config.json").read_text())
+    config["decoding"] = {"name": "set", "samples": 4, "threshold": 0.3}
+    (ckpt / "config.json").write_text(json.dumps(config))
+    return ckpt
+
+
+def _evaluate(ckpt: Path, data: Path, report: Path, *args: str):
+    argv = ["evaluate", "--checkpoint", str(ckpt), "--data", str(data), "--rounds", "1"]
+    return CliRunner().invoke(main, [*argv, "--quiet", "--json", str(report), *args])
+
+
+@pytest.mark.parametrize(
+    "args,name,beam",
+    [([], "set", 4), (["--beam", "2"], "beam", 2), (["--decoding", "beam"], "beam", 4)],
+)
+def test_evaluate_beam_alone_asks_for_beam_search(tiny, tmp_path, args, name, beam):
+    ckpt, report = _set_decoding_checkpoint(tiny, tmp_path), tmp_path / "r.json"
+    res = _evaluate(ckpt, tiny / "data", report, *args)
+    assert res.exit_code == 0, res.output
+    decoding = json.loads(report.read_text())["decoding"]
+    assert (decoding["name"], decoding["beam"]) == (name, beam)
+
+
+@pytest.mark.parametrize(
+    "args,named",
+    [
+        (["--beam", "2", "--samples", "4"], "--samples"),
+        (["--beam", "2", "--threshold", "0.3"], "--threshold"),
+        (["--decoding", "beam", "--beam", "1", "--samples", "4"], "--samples"),
+        (["--decoding", "set", "--beam", "2", "--threshold", "0.3"], "--threshold"),
+    ],
+)
+def test_evaluate_refuses_beam_with_set_options(tiny, tmp_path, args, named):
+    report = tmp_path / "r.json"
+    res = _evaluate(tiny / "ckpt", tiny / "data", report, *args)
+    assert res.exit_code == 2, res.output
+    lines = [line for line in res.output.splitlines() if line.strip()]
+    assert "Traceback" not in res.output and "--beam is for beam search" in lines[-1]
+    assert named in lines[-1] and not report.exists()

@@ -223,3 +223,40 @@ def make_case(n_med: int = 12, n_patients: int = 12, seed: int = 0, dim: int = 1
             prm.add_(torch.randn_like(prm) * 0.3)
         model.gen_head.bias[n_med] = -1.0  # END less likely: longer, varied lists
     return model.eval(), vocab, patients
+
+
+# -- scoring inputs ----------------------------------------------------------------------
+
+
+def with_meds(table: pa.Table, meds: list) -> pa.Table:
+    col = pa.array(meds, pa.list_(pa.string()))
+    return table.set_column(table.schema.get_field_index("medications"), "medications", col)
+
+
+def last_visits_unknown(table: pa.Table) -> pa.Table:
+    pids = table["patient_id"].to_pylist()
+    meds = table["medications"].to_pylist()
+    return with_meds(
+        table,
+        [None if i + 1 == len(pids) or pids[i + 1] != p else meds[i] for i, p in enumerate(pids)],
+    )
+
+
+# A `cognet-batch` run killed by SIGKILL at the {after}-th call of `writer.{func}` (before
+# or after the call, as {before} says): `python -c KILLER score ...`.
+KILLER = """
+import os, signal, sys
+from cognet.runtime import writer
+calls = {"n": 0}
+target = writer.{func}
+def killing(*args, **kwargs):
+    calls["n"] += 1
+    if calls["n"] == {after} and {before}:
+        os.kill(os.getpid(), signal.SIGKILL)
+    target(*args, **kwargs)
+    if calls["n"] == {after} and not {before}:
+        os.kill(os.getpid(), signal.SIGKILL)
+writer.{func} = killing
+from cognet.runtime.cli import main
+main(sys.argv[1:])
+"""
