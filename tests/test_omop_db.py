@@ -12,13 +12,13 @@ import pyarrow as pa
 import pytest
 from cdm_forms import typed, write_duckdb
 from click.testing import CliRunner
+from omop_tables import CONCEPT, CONCEPT_ANCESTOR, DDI, TABLES, write_extract, write_table
 from pg_server import PASSWORD, PgServer
-from test_omop import CONCEPT, CONCEPT_ANCESTOR, DDI, TABLES, write_extract, write_table
 
 from cognet.cli import main
 from cognet.core.errors import InputError
 from cognet.data.omop import ATC_CLASSES, CLINICAL, VOCABULARY, build_omop
-from cognet.data.omop_db import masked, open_cdm, open_database
+from cognet.data.omop_db import DUCKDB_MEMORY, masked, open_cdm, open_database
 
 OPTIONS = [{}, {"source_codes": True}, {"visit_concepts": [9201, 262]}]
 
@@ -111,7 +111,10 @@ def test_duckdb_memory_limit_is_set(duck):
         limit = db.rows("SELECT current_setting('memory_limit')", "settings")[0][0]
     finally:
         db.close()
-    assert limit.replace(" ", "").lower().startswith(("1gb", "953.6mib", "1.0gib", "1000.0mb"))
+    default = duckdb.connect().execute("SELECT current_setting('memory_limit')").fetchone()[0]
+    with duckdb.connect(config={"memory_limit": DUCKDB_MEMORY}) as con:
+        assert limit == con.execute("SELECT current_setting('memory_limit')").fetchone()[0]
+    assert limit != default
 
 
 def test_missing_table_exits_2_naming_it_and_the_schemas(tmp_path):

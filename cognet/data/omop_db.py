@@ -31,7 +31,7 @@ import pyarrow as pa
 from cognet.core.errors import InputError, one_line
 from cognet.data.tables import SourceTable, find_tables
 
-DUCKDB_MEMORY = "1GB"  # DuckDB's memory_limit: it runs inside our process
+DUCKDB_MEMORY = "512MB"  # DuckDB's memory_limit: it runs in our process; a scan needs little
 DUCKDB_THREADS = 2
 DUCKDB_BATCH = 1 << 18  # rows per record batch
 DUCKDB_SUFFIXES = (".duckdb", ".ddb")
