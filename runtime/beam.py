@@ -1,4 +1,5 @@
-"""Batched beam search in numpy over an abstract decoder session (torch-free).
+"""Beam search on the host: the paper's decoding as a selector of the one decoding loop
+(`cognet.core.driver.run`), in numpy over any decoder session (torch-free).
 
 The rules are those of `cognet.decode.beam_search` (docs/INTERNALS.md "Beam search"):
 scores start at 0 for beam 0 and -inf for the others; medications already in a hypothesis
@@ -9,81 +10,45 @@ b * V1 + v); a visit is done once its beam 0 has finished or after `max_len` ste
 How the work is kept small:
 - The session holds the per-visit memories (decoder init, once per visit) and the
   self-attention KV cache; the step reorders the cache itself through its `parent` input,
-  so the driver never gathers the cache between steps.
-- Finished visits stop counting as soon as they are done; their rows leave the batch when
-  the live fraction drops below `compact_at`: a compaction copies every memory, so doing it
-  at each finish costs more than carrying a few dead rows for a few steps (2 cores, batch
-  64, visits/s: compact_at 1.0 -> 773, 0.9 -> 861, 0.75 -> 936, 0.5 -> 796).
+  so the driver never gathers the cache between steps. Finished visits leave the batch by
+  the driver's compaction rule (`cognet.core.driver`).
 - Top-k is B passes of `argmax` (the first maximum, i.e. the smallest flat index among
   ties: exactly a stable descending sort) with a stable argsort fallback for the rare rows
   where a chosen candidate is -inf (fewer than B finite candidates). For 256 visits x
   4 x 132 candidates: 0.16 ms, against 9.7 ms for a stable argsort of every row.
-- Each step only records (parent, token, chosen log-prob) per beam; the best hypothesis
-  is traced back once per batch at the end, along with the optional PRAUC scores (mean
-  step probabilities) and explanations (gate, copy distribution and diagnosis attention
-  at each step).
+- Each step only records (parent, token, chosen log-prob) per beam (`Trace`); the best
+  hypothesis is traced back once per batch at the end, along with the optional PRAUC
+  scores (mean step probabilities) and explanations (gate, copy distribution and diagnosis
+  attention at each step). The device selector (`cognet.runtime.search`) shares the trace.
 
 DDI-aware decoding (`cfg.ddi`) follows the rules written in `cognet.core.ddi`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 
-from cognet.core.ddi import RATE_TOLERANCE, DDIPolicy
-from cognet.core.decoding import BEAM, MAX_LEN, Decoding
-from cognet.core.sampling import SetConfig, SetResult, decode_sets, set_result, visit_keys
+from cognet.core import driver
+from cognet.core.ddi import RATE_TOLERANCE, DDIPolicy, check_adjacency, ddi_rates
+from cognet.core.decoding import BEAM
+from cognet.core.driver import DecoderSession, LoopConfig, step_outputs
 
 NEG_INF = np.float32(-np.inf)
 
 
-class DecoderSession(Protocol):
-    """What the beam driver needs from a model runtime (ONNX Runtime, or torch in tests).
-
-    Memories and caches are opaque handles (numpy arrays on the CPU, device buffers on a
-    GPU); only step outputs come back as numpy arrays, freshly allocated at each call.
-    """
-
-    def init(self, inputs: Mapping[str, np.ndarray]) -> Any:
-        """Per-visit memories from the decoder-init inputs (`graphspec.INIT_INPUTS`)."""
-
-    def empty_cache(self, n: int, beam: int) -> Any:
-        """The KV cache of n visits x beam rows before the first step (T = 0)."""
-
-    def step(
-        self,
-        tokens: np.ndarray,
-        parent: np.ndarray,
-        cache: Any,
-        memories: Any,
-        outputs: Sequence[str],
-    ) -> tuple[dict[str, np.ndarray], Any]:
-        """One decoder step: tokens, parent int64 [n, B] -> ({name: array} for `outputs`
-        among log_probs [n, B, V1], gate [n, B], copy_probs [n, B, S]; the next cache)."""
-
-    def take(self, value: Any, rows: np.ndarray) -> Any:
-        """Rows (axis 0) of a memories or cache handle."""
-
-
 @dataclass(frozen=True)
-class BeamConfig:
-    end: int  # END id (= number of medications M); START = END + 1
+class BeamConfig(LoopConfig):
+    """Beam search's driver configuration (`LoopConfig`: end, max_len, compact_at, ddi)."""
+
     beam: int = BEAM
-    max_len: int = MAX_LEN
-    # Compact the batch (drop done visits from memories and cache) when the fraction of
-    # live rows falls below this; 1.0 compacts at every finish, like the torch reference.
-    compact_at: float = 0.75
-    ddi: DDIPolicy = DDIPolicy()  # the paper's decoding: off
 
     def __post_init__(self) -> None:
-        if self.beam < 1 or self.max_len < 1:
+        super().__post_init__()
+        if self.beam < 1:
             raise ValueError("beam and max_len must be >= 1")
-        if not 0.0 < self.compact_at <= 1.0:
-            raise ValueError("compact_at must be in (0, 1]")
 
 
 @dataclass
@@ -102,7 +67,7 @@ class BeamResult:
 
 
 @dataclass
-class _Step:
+class Step:
     """What one step decided, for the trace back (arrays over the rows of that step)."""
 
     rows: np.ndarray  # [R] visit index of each row
@@ -145,6 +110,129 @@ def top_k_stable(cand: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
     return idx, val
 
 
+class BeamRule:
+    """What the host and the device beam selectors share (`cognet.core.driver.Selector`
+    less `select` and `keep`): the scores and finished flags of every beam on the host, the
+    trace of each step's decisions, and each visit's answer, chosen when it is over (by
+    score, or under `max_rate` by DDI rate) and traced back at the end."""
+
+    on_device = False
+    outputs: tuple[str, ...] = ("log_probs",)
+
+    def __init__(self, cfg: BeamConfig, ddi_adj: np.ndarray | None = None):
+        self.cfg, self.width, self.ddi_adj = cfg, cfg.beam, ddi_adj
+        self.prauc = self.explain = False
+
+    def start(self, session: Any, n: int) -> None:
+        self.scores = np.full((n, self.width), NEG_INF, np.float32)
+        self.scores[:, 0] = 0.0
+        self.finished = np.zeros((n, self.width), bool)
+        self.trace: list[Step] = []
+        self.end_step = np.full(n, -1, np.int64)  # per visit: the step at which it was done
+        self.end_beam = np.zeros(n, np.int64)  # per visit: the beam holding its answer
+        self.final_score = np.zeros(n, np.float32)
+
+    def over(self) -> np.ndarray:
+        """bool [R]: the best hypothesis is final once beam 0 is finished; choosing by DDI
+        rate needs every beam finished."""
+        return self.finished[:, 0] if self.cfg.ddi.max_rate is None else self.finished.all(1)
+
+    def held(self, newly: np.ndarray) -> np.ndarray:
+        """bool [k, B, M]: the medications of each beam of the rows `newly`."""
+        raise NotImplementedError
+
+    def finish(self, t: int, newly: np.ndarray, rows: np.ndarray) -> None:
+        choice = 0
+        if self.cfg.ddi.max_rate is not None:
+            choice = within_rate(
+                self.held(newly), self.scores[newly], self.ddi_adj, self.cfg.ddi.max_rate
+            )
+            self.end_beam[rows[newly]] = choice
+        self.end_step[rows[newly]] = t
+        self.final_score[rows[newly]] = self.scores[newly, choice]
+
+    def result(self, steps: int) -> BeamResult:
+        return trace_back(
+            self.trace,
+            self.end_step,
+            self.end_beam,
+            self.final_score,
+            self.cfg.end,
+            self.prauc,
+            self.explain,
+        )
+
+    def empty(self) -> BeamResult:
+        return BeamResult([], np.zeros(0, np.float32), [])
+
+
+class BeamSelector(BeamRule):
+    """Beam search's selection in numpy: masks, DDI policy, stable top-B, per beam."""
+
+    def __init__(
+        self,
+        cfg: BeamConfig,
+        prauc: bool = False,
+        explain: bool = False,
+        ddi_adj: np.ndarray | None = None,
+        attention: bool = False,
+    ):
+        if cfg.ddi.active:
+            ddi_adj = check_adjacency(cfg.ddi, ddi_adj, cfg.end)
+        super().__init__(cfg, ddi_adj)
+        self.prauc, self.explain = prauc, explain
+        self.outputs = step_outputs(explain, attention)
+
+    def start(self, session: Any, n: int) -> None:
+        super().start(session, n)
+        self.used: np.ndarray | None = None  # bool [R, B, V1]: medications in each hypothesis
+
+    def select(self, t, out, rows, parent):
+        b, end, policy = self.width, self.cfg.end, self.cfg.ddi
+        scores, finished, used = self.scores, self.finished, self.used
+        raw = out["log_probs"]  # [R, B, V1]
+        r, v1 = raw.shape[0], raw.shape[2]
+        if policy.mode != "off" and used is not None:
+            cand = scores[:, :, None] + _penalise(raw, used, self.ddi_adj, policy)
+        else:
+            cand = scores[:, :, None] + raw
+        if used is not None:
+            np.copyto(cand, NEG_INF, where=used)
+        if finished.any():  # a finished beam proposes only END, with its frozen score
+            cand[finished] = NEG_INF
+            cand[finished, end] = scores[finished]
+        pick, self.scores = top_k_stable(cand.reshape(r, b * v1), b)
+        parent, tokens = np.divmod(pick, v1)
+        row_ix = np.arange(r)[:, None]
+        live = ~finished[row_ix, parent]
+        chosen = raw[row_ix, parent, tokens]
+        used = np.zeros(raw.shape, bool) if used is None else used[row_ix, parent]
+        used[row_ix, np.arange(b), tokens] = True
+        self.used, self.finished = used, ~live | (tokens == end)
+        self.trace.append(
+            Step(
+                rows,
+                parent,
+                tokens,
+                live,
+                chosen,
+                raw if self.prauc else None,
+                out.get("gate"),
+                out.get("copy_probs"),
+                out.get("diag_attention"),
+            )
+        )
+        return tokens, parent, self.over()
+
+    def held(self, newly: np.ndarray) -> np.ndarray:
+        return self.used[newly, :, : self.cfg.end]
+
+    def keep(self, live: np.ndarray) -> None:
+        self.scores, self.finished, self.used = (
+            x[live] for x in (self.scores, self.finished, self.used)
+        )
+
+
 def beam_search(
     session: DecoderSession,
     memories: Any,
@@ -162,87 +250,8 @@ def beam_search(
     (the step output `diag_attention`); ddi_adj: bool/0-1 [M, M] symmetric DDI adjacency
     over medication ids with a zero diagonal, needed when `cfg.ddi` is active.
     """
-    b, end = cfg.beam, cfg.end
-    if n == 0:
-        return BeamResult([], np.zeros(0, np.float32), [])
-    policy = cfg.ddi
-    if policy.active:
-        if ddi_adj is None or ddi_adj.shape != (end, end):
-            raise ValueError(f"DDI policy {policy.label!r} needs the [{end}, {end}] adjacency")
-        ddi_adj = np.asarray(ddi_adj, np.float32)
-    outputs = ("log_probs",)
-    if explain:
-        outputs = ("log_probs", "gate", "copy_probs", *(("diag_attention",) if attention else ()))
-    rows = np.arange(n)  # visit of each row of the current batch
-    scores = np.full((n, b), NEG_INF, np.float32)
-    scores[:, 0] = 0.0
-    finished = np.zeros((n, b), bool)
-    used = None  # bool [R, B, V1]: medications already in each hypothesis
-    tokens = np.full((n, b), end + 1, np.int64)  # START
-    parent = np.tile(np.arange(b, dtype=np.int64), (n, 1))
-    done = np.zeros(n, bool)  # per row
-    cache = session.empty_cache(n, b)
-    end_step = np.full(n, -1, np.int64)  # per visit: the step at which it was done
-    end_beam = np.zeros(n, np.int64)  # per visit: the beam holding its answer
-    final_score = np.zeros(n, np.float32)
-    trace: list[_Step] = []
-
-    for t in range(cfg.max_len):
-        out, cache = session.step(tokens, parent, cache, memories, outputs)
-        raw = out["log_probs"]  # [R, B, V1]
-        r, v1 = raw.shape[0], raw.shape[2]
-        if policy.mode != "off" and used is not None:
-            cand = scores[:, :, None] + _penalise(raw, used, ddi_adj, policy)
-        else:
-            cand = scores[:, :, None] + raw
-        if used is not None:
-            np.copyto(cand, NEG_INF, where=used)
-        if finished.any():  # a finished beam proposes only END, with its frozen score
-            cand[finished] = NEG_INF
-            cand[finished, end] = scores[finished]
-        pick, scores = top_k_stable(cand.reshape(r, b * v1), b)
-        parent, tokens = np.divmod(pick, v1)
-        row_ix = np.arange(r)[:, None]
-        live = ~finished[row_ix, parent]
-        chosen = raw[row_ix, parent, tokens]
-        used = np.zeros(raw.shape, bool) if used is None else used[row_ix, parent]
-        used[row_ix, np.arange(b), tokens] = True
-        finished = ~live | (tokens == end)
-        step = _Step(
-            rows,
-            parent,
-            tokens,
-            live,
-            chosen,
-            raw if prauc else None,
-            out.get("gate"),
-            out.get("copy_probs"),
-            out.get("diag_attention"),
-        )
-        trace.append(step)
-
-        # the best hypothesis is final once beam 0 is finished; choosing by DDI rate needs all
-        over = finished[:, 0] if policy.max_rate is None else finished.all(1)
-        newly = ~done & (over if t < cfg.max_len - 1 else True)
-        if newly.any():
-            choice = 0
-            if policy.max_rate is not None:
-                choice = _within_rate(used[newly, :, :end], scores[newly], ddi_adj, policy.max_rate)
-                end_beam[rows[newly]] = choice
-            end_step[rows[newly]] = t
-            final_score[rows[newly]] = scores[newly, choice]
-            done |= newly
-            n_live = r - int(done.sum())
-            if n_live == 0:
-                break
-            if n_live < cfg.compact_at * r:
-                keep = np.flatnonzero(~done)
-                rows, scores, finished, used, tokens, parent, done = (
-                    x[keep] for x in (rows, scores, finished, used, tokens, parent, done)
-                )
-                cache = session.take(cache, keep)
-                memories = session.take(memories, keep)
-    return _trace_back(trace, end_step, end_beam, final_score, end, prauc, explain)
+    selector = BeamSelector(cfg, prauc, explain, ddi_adj, attention)
+    return driver.run(session, memories, n, selector, cfg)
 
 
 def _penalise(
@@ -260,16 +269,7 @@ def _penalise(
     return logp
 
 
-def ddi_rates(used: np.ndarray, ddi_adj: np.ndarray) -> np.ndarray:
-    """float32 [...]: DDI rate of each medication set, used bool [..., M], ddi_adj [M, M]."""
-    u = used.astype(np.float32)
-    pairs = ((u @ ddi_adj) * u).sum(-1) / 2
-    k = u.sum(-1)
-    total = k * (k - 1) / 2
-    return np.where(total > 0, pairs / np.maximum(total, 1), np.float32(0))
-
-
-def _within_rate(
+def within_rate(
     used: np.ndarray, scores: np.ndarray, ddi_adj: np.ndarray, max_rate: float
 ) -> np.ndarray:
     """int64 [k]: per visit, the first beam (score order) with a finite score and a DDI rate
@@ -280,8 +280,8 @@ def _within_rate(
     return np.where(ok.any(1), ok.argmax(1), lowest)
 
 
-def _trace_back(
-    trace: list[_Step],
+def trace_back(
+    trace: list[Step],
     end_step: np.ndarray,
     end_beam: np.ndarray,
     final_score: np.ndarray,
@@ -351,46 +351,3 @@ def _kept_rows(values: np.ndarray, keep: np.ndarray) -> list[np.ndarray]:
     ends = np.cumsum(counts)
     starts = ends - counts
     return [flat[a:b] for a, b in zip(starts.tolist(), ends.tolist(), strict=True)]
-
-
-def decoding_configs(
-    decoding: Decoding, end: int, ddi: DDIPolicy, compact_at: float
-) -> tuple[BeamConfig, SetConfig | None]:
-    """The driver configurations of a decoding: beam search's (always: its beam width and
-    length are reported), and the set decoding's when `decoding` is a set decoding."""
-    beam = BeamConfig(end, decoding.beam, decoding.max_len, compact_at, ddi)
-    if decoding.name != "set":
-        return beam, None
-    sets = SetConfig.of(decoding, end, ddi, compact_at)
-    return beam, sets
-
-
-def decode(
-    session: DecoderSession,
-    memories: Any,
-    cfg: BeamConfig | SetConfig,
-    visit_ids: Sequence[str],
-    prauc: bool = False,
-    explain: bool = False,
-    ddi_adj: np.ndarray | None = None,
-    attention: bool = False,
-) -> BeamResult | SetResult:
-    """Beam search or set decoding (by `cfg`) of the visits named `visit_ids` (their random
-    streams), whose memories come from `session.init`. Both results carry the same fields."""
-    n = len(visit_ids)
-    # the search graphs (runtime/search.py) when the session selects on its device; the
-    # numpy drivers for explanations and beam search's PRAUC scores
-    graphs = getattr(session, "select_on_device", False) and not explain
-    if isinstance(cfg, SetConfig):
-        keys = visit_keys(visit_ids)
-        if graphs:
-            from cognet.runtime import search
-
-            marginals, _, steps = search.set_marginals(session, memories, n, cfg, keys)
-            return set_result(marginals, steps, cfg, ddi_adj)
-        return decode_sets(session, memories, n, cfg, keys, ddi_adj, explain, attention)
-    if graphs and not prauc:
-        from cognet.runtime import search
-
-        return search.beam_search(session, memories, n, cfg, ddi_adj)
-    return beam_search(session, memories, n, cfg, prauc, explain, ddi_adj, attention)

@@ -41,8 +41,10 @@ from cognet.core.metrics import PATIENT_COLUMNS, VisitResult, patient_rows
 from cognet.core.vocab import Vocab
 from cognet.runtime import assemble, reader
 from cognet.runtime.batches import CPU_BATCH_CODES, GPU_BATCH_CODES, cut_padded, encoder_budget
-from cognet.runtime.beam import BeamResult, DecoderSession, decoding_configs
-from cognet.runtime.beam import decode as run_decoding
+from cognet.core.driver import DecoderSession
+from cognet.runtime.beam import BeamResult
+from cognet.runtime.decode import decode as run_decoding
+from cognet.runtime.decode import decoding_configs
 from cognet.runtime.options import GPU_DEVICES, ScoreOptions
 from cognet.runtime.outputs import (
     ScoredChunk,
@@ -178,8 +180,7 @@ class Scorer:
         self.beam_config, self.set_config = decoding_configs(
             self.decoding, self.vocab.end, options.ddi, options.compact_at
         )
-        step_outputs = getattr(model.decoder, "step_outputs", ())
-        self._attention = model.attention and "diag_attention" in step_outputs
+        self._attention = model.attention and "diag_attention" in model.decoder.step_outputs
         self._pool = ThreadPoolExecutor(self.streams, "cognet-batch") if self.streams > 1 else None
         self._codes = pa.array(self.vocab.medications, pa.string())
         self._diag_codes = np.asarray(self.vocab.diagnoses, dtype=object)
@@ -298,6 +299,7 @@ class Scorer:
                 memories,
                 self.set_config or self.beam_config,
                 ids,
+                on_device=self.decoder.select_on_device,
                 prauc=score_all,
                 explain=explain,
                 ddi_adj=self._ddi_adj,

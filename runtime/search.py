@@ -3,13 +3,14 @@
 the log-probabilities [n, B, V1] stay where the step computed them (on a GPU: on the device).
 
 Per step only [n, B] values cross to the host: the parent, token, chosen log-probability and
-liveness of each beam (for the trace back, `beam._trace_back`), the finished flags and the
+liveness of each beam (for the trace back, `beam.trace_back`), the finished flags and the
 scores (to tell when a visit is done), or for set decoding the drawn tokens and finished
 flags. The `used` masks, the set decoding's hazard sums, the KV cache and the memories stay
 on the device; finished visits leave the batch by the `take_*` graphs (a gather on the
-device). The rules are those of the numpy drivers (`beam.beam_search`,
-`cognet.core.sampling.set_marginals`), which remain the path for explanations and for the
-PRAUC scores of beam search; tests hold both paths equal visit by visit.
+device). The rules are those of the numpy selectors (`beam.BeamSelector`,
+`cognet.core.sampling.SetSampler`), which remain the path for explanations and for the
+PRAUC scores of beam search; both run in the one loop of `cognet.core.driver`, and tests
+hold both paths equal visit by visit.
 
 `SearchGraphs` runs the graphs on the decoder's provider: numpy arrays on the CPU provider,
 OrtValues with IO binding on CUDA / TensorRT.
@@ -23,9 +24,10 @@ from typing import Any
 import numpy as np
 import onnxruntime as ort
 
-from cognet.core.ddi import DDIPolicy
+from cognet.core import driver
+from cognet.core.ddi import DDIPolicy, check_adjacency
 from cognet.core.sampling import SetConfig, uniforms
-from cognet.runtime.beam import NEG_INF, BeamConfig, BeamResult, _Step, _trace_back, _within_rate
+from cognet.runtime.beam import BeamConfig, BeamResult, BeamRule, Step
 
 _TAKE = {
     "tensor(float)": "take_float32",
@@ -118,66 +120,110 @@ def _ddi_feeds(policy: DDIPolicy) -> tuple[str, dict[str, np.ndarray]]:
     }
 
 
+class BeamGraphSelector(BeamRule):
+    """Beam search's selection in the `beam_select` graphs (the split variant on a device):
+    the `used` masks stay where the graphs run; per step the parent, token, chosen
+    log-probability, liveness, finished flag and score of each beam come to the host."""
+
+    on_device = True
+    HOST_OUT = ("scores_out", "parent_out", "token_out", "chosen_out", "live_out", "finished_out")
+
+    def __init__(self, search: SearchGraphs, cfg: BeamConfig, ddi_adj: np.ndarray | None = None):
+        if cfg.ddi.max_rate is not None:
+            ddi_adj = check_adjacency(cfg.ddi, ddi_adj, cfg.end)
+        super().__init__(cfg, ddi_adj)
+        self.search = search
+        suffix, self.extra = _ddi_feeds(cfg.ddi)
+        self.graph = ("beam_select" if search.device is None else "beam_select_split") + suffix
+
+    def start(self, session: Any, n: int) -> None:
+        super().start(session, n)
+        self.used = self.search.zeros((n, self.width, self.cfg.end + 1), bool)
+
+    def select(self, t, out, rows, parent):
+        feeds = {
+            "log_probs": out["log_probs"],
+            "scores": self.scores,
+            "used": self.used,
+            "finished": self.finished,
+        }
+        got, state = self.search.run(
+            self.graph, {**feeds, **self.extra}, self.HOST_OUT, ("used_out",)
+        )
+        self.scores, parent, tokens = got["scores_out"], got["parent_out"], got["token_out"]
+        self.finished, self.used = got["finished_out"], state["used_out"]
+        live, chosen = got["live_out"], got["chosen_out"]
+        self.trace.append(Step(rows, parent, tokens, live, chosen, None, None, None, None))
+        return tokens, parent, self.over()
+
+    def held(self, newly: np.ndarray) -> np.ndarray:
+        return self.search.host(self.used, np.flatnonzero(newly))[..., : self.cfg.end]
+
+    def keep(self, live: np.ndarray) -> None:
+        self.scores, self.finished = self.scores[live], self.finished[live]
+        self.used = self.search.take(self.used, live)
+
+
+class SetGraphSampler:
+    """The set decoding's sampling step in the `set_select` graphs (`SetSampler`'s rule, a
+    `cognet.core.driver.Selector`): the `used` masks and the hazard sums stay where the
+    graphs run; per step the drawn tokens and finished flags come to the host."""
+
+    on_device = True
+    outputs = ("log_probs",)
+
+    def __init__(self, search: SearchGraphs, cfg: SetConfig, keys: np.ndarray):
+        self.search, self.cfg, self.keys, self.width = search, cfg, keys, cfg.samples
+        suffix, self.extra = _ddi_feeds(cfg.ddi)
+        self.graph = "set_select" + suffix
+
+    def start(self, session: Any, n: int) -> None:
+        s, end = self.cfg.samples, self.cfg.end
+        self.finished = np.zeros((n, s), bool)
+        self.used = self.search.zeros((n, s, end + 1), bool)
+        self.hazard = self.search.zeros((n, end), np.float64)
+        self.out = np.zeros((n, end), np.float64)
+
+    def select(self, t, out, rows, parent):
+        feeds = {
+            "log_probs": out["log_probs"],
+            "used": self.used,
+            "finished": self.finished,
+            "uniforms": uniforms(self.cfg.seed, self.keys[rows], self.cfg.samples, t),
+            "hazard": self.hazard,
+            **self.extra,
+        }
+        got, state = self.search.run(
+            self.graph, feeds, ("token_out", "finished_out"), ("used_out", "hazard_out")
+        )
+        tokens, self.finished = got["token_out"], got["finished_out"]
+        self.used, self.hazard = state["used_out"], state["hazard_out"]
+        return tokens, parent, self.finished.all(1)  # samples never change rows
+
+    def finish(self, t: int, newly: np.ndarray, rows: np.ndarray) -> None:
+        # an estimate may pass 1 (an unbiased sum, not a probability): clip it
+        held = self.search.host(self.hazard, np.flatnonzero(newly))
+        self.out[rows[newly]] = np.minimum(held / self.cfg.samples, 1.0)
+
+    def keep(self, live: np.ndarray) -> None:
+        self.finished = self.finished[live]
+        self.used, self.hazard = (
+            self.search.take(self.used, live),
+            self.search.take(self.hazard, live),
+        )
+
+    def result(self, steps: int) -> tuple[np.ndarray, None, int]:
+        return self.out, None, steps
+
+    def empty(self) -> tuple[np.ndarray, None, int]:
+        return np.zeros((0, self.cfg.end), np.float64), None, 0
+
+
 def beam_search(session, memories: Any, n: int, cfg: BeamConfig, ddi_adj=None) -> BeamResult:
     """`beam.beam_search` (no PRAUC scores, no explanations) with the selection in the
     `beam_select` graphs of `session.search` (a `SearchGraphs`)."""
-    search: SearchGraphs = session.search
-    b, end = cfg.beam, cfg.end
-    if n == 0:
-        return BeamResult([], np.zeros(0, np.float32), [])
-    policy = cfg.ddi
-    if policy.max_rate is not None:
-        if ddi_adj is None or ddi_adj.shape != (end, end):
-            raise ValueError(f"DDI policy {policy.label!r} needs the [{end}, {end}] adjacency")
-        ddi_adj = np.asarray(ddi_adj, np.float32)
-    suffix, extra = _ddi_feeds(policy)
-    graph = ("beam_select" if search.device is None else "beam_select_split") + suffix
-    rows = np.arange(n)
-    scores = np.full((n, b), NEG_INF, np.float32)
-    scores[:, 0] = 0.0
-    finished = np.zeros((n, b), bool)
-    used = search.zeros((n, b, end + 1), bool)
-    tokens = np.full((n, b), end + 1, np.int64)  # START
-    parent = np.tile(np.arange(b, dtype=np.int64), (n, 1))
-    done = np.zeros(n, bool)
-    cache = session.empty_cache(n, b)
-    end_step = np.full(n, -1, np.int64)
-    end_beam = np.zeros(n, np.int64)
-    final_score = np.zeros(n, np.float32)
-    trace: list[_Step] = []
-    host_out = ("scores_out", "parent_out", "token_out", "chosen_out", "live_out", "finished_out")
-    for t in range(cfg.max_len):
-        logp, cache = session.step_log_probs(tokens, parent, cache, memories)
-        feeds = {"log_probs": logp, "scores": scores, "used": used, "finished": finished}
-        got, state = search.run(graph, {**feeds, **extra}, host_out, ("used_out",))
-        scores, parent, tokens = got["scores_out"], got["parent_out"], got["token_out"]
-        finished, used = got["finished_out"], state["used_out"]
-        trace.append(
-            _Step(rows, parent, tokens, got["live_out"], got["chosen_out"], None, None, None, None)
-        )
-        over = finished[:, 0] if policy.max_rate is None else finished.all(1)
-        newly = ~done & (over if t < cfg.max_len - 1 else True)
-        if newly.any():
-            choice = 0
-            if policy.max_rate is not None:
-                held = search.host(used, np.flatnonzero(newly))[..., :end]
-                choice = _within_rate(held, scores[newly], ddi_adj, policy.max_rate)
-                end_beam[rows[newly]] = choice
-            end_step[rows[newly]] = t
-            final_score[rows[newly]] = scores[newly, choice]
-            done |= newly
-            n_live = rows.size - int(done.sum())
-            if n_live == 0:
-                break
-            if n_live < cfg.compact_at * rows.size:
-                keep = np.flatnonzero(~done)
-                rows, scores, finished, tokens, parent, done = (
-                    x[keep] for x in (rows, scores, finished, tokens, parent, done)
-                )
-                used = search.take(used, keep)
-                cache = session.take(cache, keep)
-                memories = session.take(memories, keep)
-    return _trace_back(trace, end_step, end_beam, final_score, end, False, False)
+    selector = BeamGraphSelector(session.search, cfg, ddi_adj)
+    return driver.run(session, memories, n, selector, cfg)
 
 
 def set_marginals(
@@ -185,48 +231,4 @@ def set_marginals(
 ) -> tuple[np.ndarray, None, int]:
     """`cognet.core.sampling.set_marginals` (no explanations) with each sampling step in the
     `set_select` graphs of `session.search`: (P(k in S) float64 [n, M], None, steps run)."""
-    search: SearchGraphs = session.search
-    s, end = cfg.samples, cfg.end
-    suffix, extra = _ddi_feeds(cfg.ddi)
-    rows = np.arange(n)
-    tokens = np.full((n, s), end + 1, np.int64)  # START
-    parent = np.tile(np.arange(s, dtype=np.int64), (n, 1))  # samples never change rows
-    finished = np.zeros((n, s), bool)
-    used = search.zeros((n, s, end + 1), bool)
-    hazard = search.zeros((n, end), np.float64)
-    out = np.zeros((n, end), np.float64)
-    done = np.zeros(n, bool)
-    cache = session.empty_cache(n, s)
-    steps = 0
-    for t in range(cfg.max_len):
-        logp, cache = session.step_log_probs(tokens, parent, cache, memories)
-        steps += 1
-        feeds = {
-            "log_probs": logp,
-            "used": used,
-            "finished": finished,
-            "uniforms": uniforms(cfg.seed, keys[rows], s, t),
-            "hazard": hazard,
-            **extra,
-        }
-        got, state = search.run(
-            "set_select" + suffix, feeds, ("token_out", "finished_out"), ("used_out", "hazard_out")
-        )
-        tokens, finished = got["token_out"], got["finished_out"]
-        used, hazard = state["used_out"], state["hazard_out"]
-        newly = ~done & (finished.all(1) if t < cfg.max_len - 1 else True)
-        if newly.any():
-            # an estimate may pass 1 (an unbiased sum, not a probability): clip it
-            out[rows[newly]] = np.minimum(search.host(hazard, np.flatnonzero(newly)) / s, 1.0)
-            done |= newly
-            live = np.flatnonzero(~done)
-            if live.size == 0:
-                break
-            if live.size < cfg.compact_at * done.size:
-                rows, tokens, parent, finished, done = (
-                    x[live] for x in (rows, tokens, parent, finished, done)
-                )
-                used, hazard = search.take(used, live), search.take(hazard, live)
-                cache = session.take(cache, live)
-                memories = session.take(memories, live)
-    return out, None, steps
+    return driver.run(session, memories, n, SetGraphSampler(session.search, cfg, keys), cfg)

@@ -282,6 +282,8 @@ class HostDecoder:
         self._heads, self._head_dim = manifest.dims.heads, manifest.dims.head_dim
         # what `step` can return (models exported before `diag_attention` lack it)
         self.step_outputs = tuple(o.name for o in step.get_outputs())
+        self.search: SearchGraphs | None = None  # the search graphs, on the CPU provider
+        self.select_on_device = False  # select in the search graphs (--selection device)
 
     def init(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         feed = {k: np.asarray(inputs[k], self._init_types[k]) for k in INIT_INPUTS}
@@ -340,6 +342,8 @@ class DeviceDecoder:
         self._cache_type = input_dtypes(step)["past_key"]
         self._heads, self._head_dim = manifest.dims.heads, manifest.dims.head_dim
         self.step_outputs = tuple(o.name for o in step.get_outputs())
+        self.search: SearchGraphs | None = None  # the search graphs, on the device
+        self.select_on_device = False  # select in the search graphs (--selection device)
 
     def _to_device(self, array: np.ndarray) -> ort.OrtValue:
         return ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(array), *self._device)
@@ -412,7 +416,7 @@ class DeviceDecoder:
         return out[0], (out[1], out[2])
 
     def take(self, value, rows: np.ndarray):
-        search = getattr(self, "search", None)
+        search = self.search
 
         def one(v):
             if search is not None and not isinstance(v, np.ndarray):

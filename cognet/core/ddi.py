@@ -93,3 +93,28 @@ def policy_from_options(
     if mode == "soft" and penalty is None:
         penalty = RECOMMENDED_PENALTY
     return DDIPolicy(mode, penalty or 0.0, max_rate)
+
+
+def check_adjacency(policy: DDIPolicy, ddi_adj: np.ndarray | None, end: int) -> np.ndarray:
+    """The [end, end] DDI adjacency as float32; ValueError when a policy needs it and it is
+    missing or of another shape."""
+    if ddi_adj is None or np.shape(ddi_adj) != (end, end):
+        raise ValueError(f"DDI policy {policy.label!r} needs the [{end}, {end}] adjacency")
+    return np.asarray(ddi_adj, np.float32)
+
+
+def pair_counts(used: np.ndarray, ddi_adj: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(interacting pairs, all unordered pairs), float32 [...], of each medication set:
+    used bool [..., M]; ddi_adj float32 [M, M], symmetric 0/1 with a zero diagonal
+    (`ddi_matrix`). The one count behind the decoders' DDI rates and the metrics'."""
+    u = used.astype(np.float32)
+    pairs = ((u @ ddi_adj) * u).sum(-1) / 2
+    k = u.sum(-1)
+    return pairs, k * (k - 1) / 2
+
+
+def ddi_rates(used: np.ndarray, ddi_adj: np.ndarray) -> np.ndarray:
+    """float32 [...]: DDI rate of each medication set, used bool [..., M], ddi_adj [M, M]
+    (`pair_counts`); 0 for a set of fewer than two medications."""
+    pairs, total = pair_counts(used, ddi_adj)
+    return np.where(total > 0, pairs / np.maximum(total, 1), np.float32(0))

@@ -15,6 +15,9 @@ step's p_t(k), so the sum has the expectation P(k in S) (a Rao-Blackwellised est
 has far less variance than counting the samples that hold k, and is continuous, which
 PRAUC needs). The estimate is the mean over the N samples.
 
+The loop is `cognet.core.driver.run`; `SetSampler` is the rule it runs on the host (the
+runtime's `search.SetGraphSampler` runs the same rule in the exported `set_select` graphs).
+
 Random draws are counter-based: the uniform of (seed, visit, sample, step) is a hash of
 those four numbers, so a visit's samples do not depend on its batch-mates, its row or the
 engine, and the torch reference and the runtime draw the same numbers. One driver serves
@@ -36,8 +39,11 @@ from typing import Any
 
 import numpy as np
 
-from cognet.core.ddi import RATE_TOLERANCE, DDIPolicy
-from cognet.core.decoding import Decoding
+from cognet.core import driver
+from cognet.core.ddi import RATE_TOLERANCE, DDIPolicy, check_adjacency
+from cognet.core.decoding import SAMPLES, Decoding
+from cognet.core.driver import COMPACT_AT, LoopConfig, step_outputs
+from cognet.core.graphspec import PROB_FLOOR
 
 _SEED = np.uint64(0x9E3779B97F4A7C15)
 _SAMPLE = np.uint64(0xD1B54A32D192ED03)
@@ -71,24 +77,27 @@ def uniforms(seed: int, keys: np.ndarray, samples: int, step: int) -> np.ndarray
 
 
 @dataclass(frozen=True)
-class SetConfig:
-    end: int  # END id (= number of medications M)
-    samples: int = 16
+class SetConfig(LoopConfig):
+    """The set decoding's driver configuration (`LoopConfig`: end, max_len, compact_at, ddi)."""
+
+    samples: int = SAMPLES
     threshold: float = 0.5
-    max_len: int = 45
     seed: int = 0
-    ddi: DDIPolicy = DDIPolicy()
-    compact_at: float = 0.75  # as `BeamConfig.compact_at`
 
     def __post_init__(self) -> None:
-        if self.samples < 1 or self.max_len < 1:
+        super().__post_init__()
+        if self.samples < 1:
             raise ValueError("samples and max_len must be >= 1")
         if not 0.0 < self.threshold <= 1.0:
             raise ValueError("the set threshold must be in (0, 1]")
 
     @classmethod
     def of(
-        cls, decoding: Decoding, end: int, ddi: DDIPolicy = DDIPolicy(), compact_at: float = 0.75
+        cls,
+        decoding: Decoding,
+        end: int,
+        ddi: DDIPolicy = DDIPolicy(),
+        compact_at: float = COMPACT_AT,
     ) -> SetConfig:
         """The driver configuration of a set `Decoding` (`cognet.core.decoding`)."""
         return cls(
@@ -112,8 +121,73 @@ class SetResult:
     prauc_scores: np.ndarray  # float32 [N, M]: P(k in S) of every medication
     gates: list[np.ndarray] | None = None  # per visit: mean w_g where the samples emitted it
     copies: list[np.ndarray] | None = None  # per visit: [meds, S] mean copy distribution
+    # per visit: [meds, S] mean copy share by slot, (1 - w_g) copy[s] / Pr[k] (README --explain)
+    shares: list[np.ndarray] | None = None
     attention: list[np.ndarray] | None = None  # per visit: [meds, Ld] mean diagnosis attention
     steps: int = 0
+
+
+class SetSampler:
+    """The set decoding's rule on the host (a `cognet.core.driver.Selector`): each step,
+    every sample draws its next medication from Pr (masked, DDI policy applied); the sums
+    of the step probabilities estimate P(k in S). Result: (P(k in S) float64 [n, M], the
+    explanation sums or None, steps run)."""
+
+    on_device = False
+
+    def __init__(
+        self,
+        cfg: SetConfig,
+        keys: np.ndarray,
+        ddi_adj: np.ndarray | None = None,
+        explain: bool = False,
+        attention: bool = False,
+    ):
+        self.cfg, self.keys, self.explain = cfg, keys, explain
+        self.ddi_adj = ddi_adj
+        if cfg.ddi.mode in ("soft", "hard"):
+            self.ddi_adj = check_adjacency(cfg.ddi, ddi_adj, cfg.end)
+        self.width = cfg.samples
+        self.outputs = step_outputs(explain, attention)
+
+    def start(self, session: Any, n: int) -> None:
+        s, end = self.cfg.samples, self.cfg.end
+        self.n = n
+        self.finished = np.zeros((n, s), bool)
+        self.used = np.zeros((n, s, end + 1), bool)
+        self.hazard = np.zeros((n, end), np.float64)  # sum over samples and steps of p_t(k)
+        self.out = np.zeros((n, end), np.float64)
+        self.sums: dict | None = None
+
+    def select(self, t, got, rows, parent):
+        cfg, end = self.cfg, self.cfg.end
+        p = _step_distribution(
+            got["log_probs"], self.used, self.finished, end, cfg.ddi, self.ddi_adj
+        )
+        self.hazard[rows] += p[..., :end].sum(1)  # finished samples have p = 0 below END
+        u = uniforms(cfg.seed, self.keys[rows], cfg.samples, t)
+        cum = np.cumsum(p, -1)
+        tokens = np.minimum((cum < (u * cum[..., -1])[..., None]).sum(-1), end)
+        r_ix, s_ix = np.indices(tokens.shape)
+        emitted = ~self.finished & (tokens < end)
+        if self.explain:
+            self.sums = _add_explanation(self.sums, self.n, end, got, rows, tokens, emitted)
+        self.used[r_ix, s_ix, tokens] = True
+        self.finished = self.finished | (tokens == end)
+        return tokens, parent, self.finished.all(1)  # samples never change rows
+
+    def finish(self, t, newly, rows) -> None:
+        # an estimate may pass 1 (an unbiased sum, not a probability): clip it
+        self.out[rows[newly]] = np.minimum(self.hazard[rows[newly]] / self.cfg.samples, 1.0)
+
+    def keep(self, live) -> None:
+        self.finished, self.used = self.finished[live], self.used[live]
+
+    def result(self, steps: int) -> tuple[np.ndarray, dict | None, int]:
+        return self.out, self.sums, steps
+
+    def empty(self) -> tuple[np.ndarray, dict | None, int]:
+        return np.zeros((0, self.cfg.end), np.float64), None, 0
 
 
 def set_marginals(
@@ -127,56 +201,9 @@ def set_marginals(
     attention: bool = False,
 ) -> tuple[np.ndarray, dict | None, int]:
     """(P(k in S) float64 [n, M], the explanation sums or None, steps run) of the n visits
-    whose memories come from `session.init` (a `runtime.beam.DecoderSession`)."""
-    s, end = cfg.samples, cfg.end
-    policy = cfg.ddi
-    if policy.mode in ("soft", "hard"):
-        if ddi_adj is None or ddi_adj.shape != (end, end):
-            raise ValueError(f"DDI policy {policy.label!r} needs the [{end}, {end}] adjacency")
-        ddi_adj = np.asarray(ddi_adj, np.float32)
-    outputs = ("log_probs",)
-    if explain:
-        outputs = ("log_probs", "gate", "copy_probs", *(("diag_attention",) if attention else ()))
-    rows = np.arange(n)  # visit of each row
-    tokens = np.full((n, s), end + 1, np.int64)  # START
-    parent = np.tile(np.arange(s, dtype=np.int64), (n, 1))  # samples never change rows
-    finished = np.zeros((n, s), bool)
-    used = np.zeros((n, s, end + 1), bool)
-    hazard = np.zeros((n, end), np.float64)  # sum over samples and steps of p_t(k)
-    out = np.zeros((n, end), np.float64)
-    sums = None
-    done = np.zeros(n, bool)
-    cache = session.empty_cache(n, s)
-    steps = 0
-    for t in range(cfg.max_len):
-        got, cache = session.step(tokens, parent, cache, memories, outputs)
-        steps += 1
-        p = _step_distribution(got["log_probs"], used, finished, end, policy, ddi_adj)
-        hazard[rows] += p[..., :end].sum(1)  # finished samples have p = 0 below END
-        u = uniforms(cfg.seed, keys[rows], s, t)
-        cum = np.cumsum(p, -1)
-        tokens = np.minimum((cum < (u * cum[..., -1])[..., None]).sum(-1), end)
-        r_ix, s_ix = np.indices(tokens.shape)
-        emitted = ~finished & (tokens < end)
-        if explain:
-            sums = _add_explanation(sums, n, end, got, rows, tokens, emitted)
-        used[r_ix, s_ix, tokens] = True
-        finished = finished | (tokens == end)
-        newly = ~done & (finished.all(1) if t < cfg.max_len - 1 else True)
-        if newly.any():
-            # an estimate may pass 1 (an unbiased sum, not a probability): clip it
-            out[rows[newly]] = np.minimum(hazard[rows[newly]] / s, 1.0)
-            done |= newly
-            live = np.flatnonzero(~done)
-            if live.size == 0:
-                break
-            if live.size < cfg.compact_at * done.size:
-                rows, tokens, parent, finished, used, done = (
-                    x[live] for x in (rows, tokens, parent, finished, used, done)
-                )
-                cache = session.take(cache, live)
-                memories = session.take(memories, live)
-    return out, sums, steps
+    whose memories come from `session.init` (a `cognet.core.driver.DecoderSession`)."""
+    sampler = SetSampler(cfg, keys, ddi_adj, explain, attention)
+    return driver.run(session, memories, n, sampler, cfg)
 
 
 def _step_distribution(log_probs, used, finished, end, policy, ddi_adj) -> np.ndarray:
@@ -211,6 +238,12 @@ def _add_explanation(sums, n, end, got, rows, tokens, emitted) -> dict:
         sums["copy"] = np.zeros((n, end, copy.shape[2]))
     width = min(copy.shape[2], sums["copy"].shape[2])  # rows keep their slot count
     np.add.at(sums["copy"], (vis, med), copy[r, smp, :width])
+    # what the emission copied, by slot: (1 - w_g) copy[s] / Pr[k], Pr before any DDI penalty
+    prob = np.exp(got["log_probs"][r, smp, med].astype(np.float64))
+    weight = (1.0 - got["gate"][r, smp]) / np.maximum(prob, PROB_FLOOR)
+    if "share" not in sums:
+        sums["share"] = np.zeros_like(sums["copy"])
+    np.add.at(sums["share"], (vis, med), copy[r, smp, :width] * weight[:, None])
     if "diag_attention" in got:
         att = got["diag_attention"].mean(1)  # [R, S, Ld] over heads
         if "attention" not in sums:
@@ -300,6 +333,10 @@ def _explain(result: SetResult, sums: dict, meds: list[np.ndarray]) -> None:
     result.gates = [(gate[i, k] / count[i, k]).astype(np.float32) for i, k in enumerate(meds)]
     result.copies = [
         (copy[i, k] / count[i, k, None]).astype(np.float32) for i, k in enumerate(meds)
+    ]
+    share = sums.get("share", np.zeros_like(copy))
+    result.shares = [
+        (share[i, k] / count[i, k, None]).astype(np.float32) for i, k in enumerate(meds)
     ]
     if att is not None:
         result.attention = [

@@ -1,0 +1,59 @@
+"""Which selector decodes a batch: beam search or set decoding, with the selection in numpy
+on the host (`beam.BeamSelector`, `cognet.core.sampling.SetSampler`) or in the exported
+search graphs where the decoder runs (`search.BeamGraphSelector`, `search.SetGraphSampler`);
+every one runs the one loop of `cognet.core.driver`."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from cognet.core.ddi import DDIPolicy
+from cognet.core.decoding import Decoding
+from cognet.core.sampling import SetConfig, SetResult, decode_sets, set_result, visit_keys
+from cognet.runtime import search
+from cognet.runtime.beam import BeamConfig, BeamResult, beam_search
+
+
+def decoding_configs(
+    decoding: Decoding, end: int, ddi: DDIPolicy, compact_at: float
+) -> tuple[BeamConfig, SetConfig | None]:
+    """The driver configurations of a decoding: beam search's (always: its beam width and
+    length are reported), and the set decoding's when `decoding` is a set decoding."""
+    beam = BeamConfig(
+        end=end, beam=decoding.beam, max_len=decoding.max_len, compact_at=compact_at, ddi=ddi
+    )
+    if decoding.name != "set":
+        return beam, None
+    return beam, SetConfig.of(decoding, end, ddi, compact_at)
+
+
+def decode(
+    session: Any,
+    memories: Any,
+    cfg: BeamConfig | SetConfig,
+    visit_ids: Sequence[str],
+    on_device: bool = False,
+    prauc: bool = False,
+    explain: bool = False,
+    ddi_adj: np.ndarray | None = None,
+    attention: bool = False,
+) -> BeamResult | SetResult:
+    """Beam search or set decoding (by `cfg`) of the visits named `visit_ids` (their random
+    streams), whose memories come from `session.init`. Both results carry the same fields.
+
+    on_device: select in the search graphs of `session.search` (`--selection device`), but
+    for explanations and beam search's PRAUC scores, which the numpy selectors give."""
+    n = len(visit_ids)
+    graphs = on_device and not explain
+    if isinstance(cfg, SetConfig):
+        keys = visit_keys(visit_ids)
+        if graphs:
+            marginals, _, steps = search.set_marginals(session, memories, n, cfg, keys)
+            return set_result(marginals, steps, cfg, ddi_adj)
+        return decode_sets(session, memories, n, cfg, keys, ddi_adj, explain, attention)
+    if graphs and not prauc:
+        return search.beam_search(session, memories, n, cfg, ddi_adj)
+    return beam_search(session, memories, n, cfg, prauc, explain, ddi_adj, attention)
