@@ -3,17 +3,28 @@ case), with the mapping files of the MIMIC-III tests."""
 
 from __future__ import annotations
 
-import csv
 import gzip
-import io
 import json
 from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
 from click.testing import CliRunner
-from test_mimic3 import ALL_PAIRS, DDI, DRUG_ATC, N1, N2, N3, N5, N7, N8, NDC_RXNORM, RXNORM_ATC
-from test_mimic3 import write_csv as write_plain_csv
+from mimic_tables import (
+    ALL_PAIRS,
+    DDI,
+    DRUG_ATC,
+    N1,
+    N2,
+    N3,
+    N5,
+    N7,
+    N8,
+    NDC_RXNORM,
+    RXNORM_ATC,
+    write_gz,
+)
+from mimic_tables import write_csv as write_plain_csv
 
 from cognet.cli import main
 from cognet.core.errors import InputError
@@ -104,13 +115,6 @@ TABLES = {
     "procedures_icd": PROCEDURES,
     "prescriptions": PRESCRIPTIONS,
 }
-
-
-def write_gz(path: Path, table: tuple[list, list]) -> Path:
-    text = io.StringIO()
-    csv.writer(text).writerows([table[0], *table[1]])
-    path.write_bytes(gzip.compress(text.getvalue().encode()))
-    return path
 
 
 @pytest.fixture
@@ -226,6 +230,15 @@ def test_cli_prints_steps_and_summary(files):
     assert f"wrote {files['out']}: patients 2, visits 3" in result.output
     summary = json.loads((files["out"] / "summary.json").read_text())
     assert summary["source"] == "mimic4" and summary["dataset"]["visits"] == 3
+
+
+def test_cli_no_mapped_medication_exits_2_saying_what_to_do(files):
+    files["ndc_rxnorm"].write_text("{'99999999999': '1001'}")
+    result = CliRunner().invoke(main, ["data", "mimic4", *cli_args(files)])
+    assert result.exit_code == 2
+    assert "no prescription's NDC maps to ATC-3 through" in result.output
+    assert "use SafeDrug's ndc2rxnorm_mapping.txt and ndc2atc_level4.csv" in result.output
+    assert not (files["out"] / "visits.parquet").exists()
 
 
 @pytest.mark.parametrize("table", ["prescriptions", "admissions"])

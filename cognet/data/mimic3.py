@@ -51,6 +51,7 @@ import pyarrow as pa
 
 from cognet.core.errors import InputError, one_line, where
 from cognet.core.schema import DDI_FILE, VISITS_FILE, VISITS_SCHEMA, write_ddi, write_visits
+from cognet.data.tables import no_mapped_medications
 
 log = logging.getLogger(__name__)
 
@@ -113,6 +114,8 @@ def build_mimic3(
     medications = prescriptions_to_atc3(
         prescriptions, read_ndc_rxnorm(ndc_rxnorm), read_rxnorm_atc4(rxnorm_atc)
     )
+    if medications.empty and not prescriptions.empty:
+        raise InputError(no_mapped_medications(tables["PRESCRIPTIONS"], ndc_rxnorm, rxnorm_atc))
     medications = medications[
         medications["ATC3"].isin(ranked_codes(medications["ATC3"])[:top_medications])
     ]

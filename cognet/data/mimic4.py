@@ -52,6 +52,7 @@ from cognet.data.tables import (
     Step,
     check_output,
     dataset_counts,
+    no_mapped_medications,
     write_summary,
 )
 
@@ -238,6 +239,8 @@ def build_mimic4(
     medications, admissions, step = load_prescriptions(
         tables["PRESCRIPTIONS"], read_ndc_rxnorm(mappings[0]), read_rxnorm_atc4(mappings[1])
     )
+    if medications.empty and not admissions.empty:
+        raise InputError(no_mapped_medications(tables["PRESCRIPTIONS"], mappings[0], mappings[1]))
     steps = [step]
     multi = keep_multi_admission_patients(admissions)["SUBJECT_ID"].unique()
     step = Step("patients with 2+ admissions", len(medications), 0, "kept")

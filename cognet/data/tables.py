@@ -352,6 +352,17 @@ def read_ddi_pairs(path: Path, medications: set[str]) -> tuple[list[tuple[str, s
     return kept, step.close()
 
 
+def no_mapped_medications(prescriptions: object, ndc_rxnorm: object, rxnorm_atc: object) -> str:
+    """The refusal of mimic3 / mimic4 when no prescription maps to ATC-3 (issue 23 item 7):
+    they keep only admissions with mapped medications, so nothing would be left to write."""
+    return (
+        f"{prescriptions}: no prescription's NDC maps to ATC-3 through {ndc_rxnorm} and "
+        f"{rxnorm_atc}, and only admissions with mapped medications are kept: use SafeDrug's "
+        "ndc2rxnorm_mapping.txt and ndc2atc_level4.csv (RXCUI, ATC4), whose keys are "
+        "MIMIC's 11-digit NDCs"
+    )
+
+
 def dataset_counts(table: pa.Table, ddi_pairs: int) -> dict[str, int]:
     """Patients, visits (and those with medications null), distinct codes, DDI pairs."""
     counts = {"patients": len(pc.unique(table["patient_id"])), "visits": table.num_rows}
