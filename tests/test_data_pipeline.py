@@ -3,60 +3,28 @@
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import numpy as np
-import pyarrow.parquet as pq
 import pytest
-from click.testing import CliRunner
-from test_mimic3 import DDI, DRUG_ATC, N1, N2, N3, N5, N7, NDC_RXNORM, RXNORM_ATC, write_csv
-from test_mimic4 import write_gz
+from mimic_tables import (
+    DDI,
+    DRUG_ATC,
+    N1,
+    N2,
+    N3,
+    N5,
+    N7,
+    NDC_RXNORM,
+    RXNORM_ATC,
+    write_csv,
+    write_gz,
+)
+from tiny import run_pipeline
 
 from cognet.benchmarks.omop_convert import generate_extract
-from cognet.cli import main
 from cognet.data.mimic4 import build_mimic4
 from cognet.data.omop import build_omop
-from cognet.export.cli import main as export_main
-from cognet.runtime.cli import main as batch_main
 
 pytestmark = pytest.mark.slow
-
-
-def run_pipeline(data: Path, tmp: Path) -> dict:
-    """stats, one epoch of training, export and scoring of every visit; the score summary."""
-
-    def ok(command, args: list) -> str:
-        result = CliRunner().invoke(command, [str(a) for a in args])
-        assert result.exit_code == 0, result.output
-        return result.output
-
-    stats = json.loads(ok(main, ["data", "stats", data, "--json"]))
-    assert stats["visits"] == pq.read_metadata(data / "visits.parquet").num_rows
-    ok(
-        main,
-        ["train", "--data", data, "--out", tmp / "ckpt", "--epochs", 1, "--threads", 1, "--quiet"],
-    )
-    ok(export_main, ["--checkpoint", tmp / "ckpt", "--out", tmp / "model", "--no-validate"])
-    ok(
-        batch_main,
-        [
-            "score",
-            data / "visits.parquet",
-            "--model",
-            tmp / "model",
-            "--out",
-            tmp / "recs.parquet",
-            "--all",
-            "--summary-json",
-            tmp / "s.json",
-            "--quiet",
-        ],
-    )
-    summary = json.loads((tmp / "s.json").read_text())
-    assert summary["rows_read"] == stats["visits"] == summary["rows_scored"]
-    assert pq.read_table(tmp / "recs.parquet").num_rows == stats["visits"]
-    return summary
 
 
 def test_omop_dataset_trains_and_scores(tmp_path):

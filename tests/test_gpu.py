@@ -182,9 +182,9 @@ def test_cuda_beam_select_equals_the_cpu(split):
 
 
 def _targets(visits):
-    from test_search import _as_targets
+    from tiny import as_targets
 
-    return _as_targets(visits)
+    return as_targets(visits)
 
 
 @needs_ort_cuda

@@ -1,5 +1,6 @@
-"""The layering of DESIGN.md §1 and the 450-line rule (tools/check_layout.py, run by `make
-lint`): the tree keeps them, and the check fails on a tree that breaks any of them."""
+"""The layering of DESIGN.md §1, the 450-line rule and the tree-wide rules (no test module
+imports another; every DESIGN.md citation resolves) of tools/check_layout.py, run by `make
+lint`: the tree keeps them, and the check fails on a tree that breaks any of them."""
 
 from __future__ import annotations
 
@@ -98,3 +99,68 @@ def test_the_check_fails_when_a_rule_is_broken(tmp_path, file, source, rule):
         [sys.executable, str(SCRIPT), "--root", str(root)], capture_output=True, text=True
     )
     assert result.returncode == 1 and rule in result.stdout
+
+
+# -- the rules over the whole tree (TREE_RULES) ---------------------------------------------
+DESIGN = "# design\n\n## 1. Layout\n\ntext\n\n## 2. Dataset contract\n\n### 2.1 not a section\n"
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        "from test_b import helper\n",
+        "import test_b\n",
+        "def test_x():\n    from test_b import helper\n",  # lazy imports count too
+        "from tests.test_b import helper\n",
+        "from tests import test_b\n",
+    ],
+)
+def test_a_test_module_importing_another_is_refused(tmp_path, source):
+    root = write_tree(tmp_path, {"tests/test_a.py": source, "tests/test_b.py": "helper = 1\n"})
+    found = check_layout.violations(root)
+    assert len(found) == 1 and found[0].startswith("tests/test_a.py:"), found
+    assert "test-imports: imports test module" in found[0] and "test_b" in found[0]
+
+
+def test_tests_may_import_helper_modules_and_conftest(tmp_path):
+    changes = {
+        "tests/test_a.py": "from tiny import make\nimport conftest\nimport pytest\n",
+        "tests/tiny.py": "from test_b import x\n",  # a helper module is no test module
+        "tests/conftest.py": "",
+        "tests/test_b.py": "x = 1\n",
+    }
+    assert check_layout.violations(write_tree(tmp_path, changes)) == []
+
+
+@pytest.mark.parametrize(
+    "file,text,bad",
+    [
+        ("README.md", "see DESIGN.md §3\n", ["§3"]),
+        ("cognet/core/vocab.py", '"""As DESIGN.md §2 and §7 say."""\n', ["§7"]),
+        ("Makefile", "# the layering of DESIGN.md §1, \u00a79\n", ["\u00a79"]),
+        ("docs/INTERNALS.md", "(DESIGN §4: metrics)\n", ["§4"]),
+        ("docs/INTERNALS.md", "docs/DESIGN.md §2 and DESIGN.md §1\n", []),
+        ("README.md", "the section 2.1 of DESIGN.md; § alone\n", []),
+    ],
+)
+def test_every_design_citation_names_a_heading(tmp_path, file, text, bad):
+    root = write_tree(tmp_path, {"docs/DESIGN.md": DESIGN, file: text})
+    found = check_layout.violations(root)
+    assert [f.split("cites ")[1].split(":")[0] for f in found] == bad, found
+    assert all(f.startswith(f"{file}:1: design-citations: ") for f in found)
+
+
+def test_citations_without_the_design_document_are_refused(tmp_path):
+    root = write_tree(tmp_path, {"README.md": "intro\n\nsee DESIGN.md §1\n"})
+    found = check_layout.violations(root)
+    assert len(found) == 1 and found[0].startswith("README.md:3: design-citations: ")
+    assert "no docs/DESIGN.md" in found[0]
+
+
+def test_hidden_and_build_folders_are_not_read(tmp_path):
+    changes = {
+        ".venv/lib/x.py": "# DESIGN.md \u00a79\n",
+        "build/lib/y.py": "# DESIGN.md \u00a79\n",
+        "docs/DESIGN.md": DESIGN,
+    }
+    assert check_layout.violations(write_tree(tmp_path, changes)) == []

@@ -14,7 +14,7 @@ import pytest
 from cdm_forms import typed, write_duckdb
 from click.testing import CliRunner
 from cohort import DRUGS, make_cohort, to_omop, token_pairs, write_mappings, write_meds
-from test_omop import write_table
+from omop_tables import write_table
 
 from cognet.cli import main
 from cognet.core.schema import read_dataset
@@ -76,8 +76,13 @@ def test_three_forms_give_the_same_visits(meds_dir, maps, tmp_path):
 
 
 def test_every_dropped_event_is_counted(meds_dir, maps, tmp_path):
-    report = invoke("--meds-dir", meds_dir, "--out", tmp_path / "out",
-                    *[a for k, v in maps.items() for a in (f"--{k.replace('_', '-')}", v)])
+    report = invoke(
+        "--meds-dir",
+        meds_dir,
+        "--out",
+        tmp_path / "out",
+        *[a for k, v in maps.items() for a in (f"--{k.replace('_', '-')}", v)],
+    )
     assert report.exit_code == 0, report.output
     got = steps(tmp_path / "out")
     admissions = [a for s in COHORT for a in s.admissions]
@@ -128,7 +133,7 @@ def test_without_hadm_id_windows_hold_the_discharge_instant(meds_dir, maps, tmp_
 
 
 def test_trains_with_one_epoch_and_scores(meds_dir, maps, tmp_path):
-    from test_data_pipeline import run_pipeline
+    from tiny import run_pipeline
 
     build_meds(meds_dir, tmp_path / "data", **maps)
     run_pipeline(tmp_path / "data", tmp_path)

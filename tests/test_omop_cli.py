@@ -12,7 +12,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from click.testing import CliRunner
-from test_omop import DDI, VISIT, rewrite_tables, write_extract, write_table
+from omop_tables import DDI, VISIT, rewrite_tables, write_extract, write_table
 
 from cognet.cli import main
 from cognet.core.errors import InputError

@@ -14,6 +14,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 from onnx import TensorProto, helper
+from tiny import as_targets
 
 from cognet import checkpoint
 from cognet.cli import main as cognet_main
@@ -179,20 +180,6 @@ def test_take_graphs_gather_rows_of_any_rank(dtype):
 # -- --selection device against the torch reference ----------------------------------------------
 
 
-def _as_targets(visits: pa.Table) -> pa.Table:
-    """Every visit as the one visit to score (medications unknown) of its own patient, its
-    earlier visits as history: `--all` would ask for PRAUC scores, which beam search
-    computes on the host path only."""
-    rows = visits.sort_by([("patient_id", "ascending"), ("visit_seq", "ascending")]).to_pylist()
-    out = []
-    for i, row in enumerate(rows):
-        past = [r for r in rows[:i] if r["patient_id"] == row["patient_id"]]
-        pid = f"{row['patient_id']}#{len(past)}"
-        out += [{**r, "patient_id": pid, "visit_id": f"{r['visit_id']}#{len(past)}"} for r in past]
-        out.append({**row, "patient_id": pid, "medications": None})
-    return pa.Table.from_pylist(out, schema=visits.schema)
-
-
 def _scored(root, visits: pa.Table, **options) -> dict:
     """visit_id -> output row of the runtime on the CPU; with selection="device", checks
     that every batch went through the search graphs."""
@@ -210,7 +197,7 @@ def _scored(root, visits: pa.Table, **options) -> dict:
         for name in drivers:
             patch.setattr(search, name, counted(name))
         scorer = Scorer(root / "model", device="cpu", threads=1, **options)
-        chunks = scorer.score_table(_as_targets(visits))
+        chunks = scorer.score_table(as_targets(visits))
         out = {r["visit_id"]: r for c in chunks for r in c.recommendations.to_pylist()}
     assert bool(calls) == (options.get("selection") == "device")
     return out
@@ -286,7 +273,7 @@ def test_device_selection_of_a_model_without_search_graphs_is_refused(tiny_many,
     (old / "manifest.json").write_text(json.dumps(manifest))
     model = OrtModel(load_manifest(old), device="cpu", threads=1, gpu_path=True)
     assert model.encoder.search is None and model.decoder.select_on_device
-    table = _as_targets(pq.read_table(tiny_many / "data" / "visits.parquet")).slice(0, 400)
+    table = as_targets(pq.read_table(tiny_many / "data" / "visits.parquet")).slice(0, 400)
     got = _lists(model.manifest, model.encoder, model.decoder, table, batch_size=64)
     host = OrtModel(load_manifest(old), device="cpu", threads=1, selection="host")
     assert got == _lists(host.manifest, host.encoder, host.decoder, table, batch_size=64)
@@ -372,7 +359,7 @@ def test_the_gpu_bindings_run_on_the_cpu_equal_the_host_path(tiny_many, options)
 
     encoder.new_encodings = counted(encoder.new_encodings, "chunks")
     encoder._allocate = counted(encoder._allocate, "allocations")
-    table = _as_targets(pq.read_table(tiny_many / "data" / "visits.parquet"))
+    table = as_targets(pq.read_table(tiny_many / "data" / "visits.parquet"))
     common = {"batch_size": 64, "compact_at": 0.5, "chunk_targets": 300, **options}
     runs = {
         name: _lists(model.manifest, encode, decoder, table, **common)
@@ -466,7 +453,7 @@ def test_the_fp16_variant_scores_end_to_end(tiny_many, tmp_path):
     assert lists["host"] == lists["device"]
     model, bound, encoder = _bound(tmp_path / "model", variant="fp16")  # as on a GPU
     assert encoder.dtype == np.float16
-    gpu = _lists(model.manifest, encoder, bound, _as_targets(visits), batch_size=256)
+    gpu = _lists(model.manifest, encoder, bound, as_targets(visits), batch_size=256)
     assert {r["visit_id"]: r["medications"] for r in gpu} == lists["device"]
     same = sum(lists["host"][k] == r["medications"] for k, r in fp32.items())
     assert len(fp32) >= 2000 and same / len(fp32) >= 0.9

@@ -10,6 +10,7 @@ where the runtime runs ONNX sessions. Fixtures built from these live in `conftes
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -260,3 +261,62 @@ writer.{func} = killing
 from cognet.runtime.cli import main
 main(sys.argv[1:])
 """
+
+
+def as_targets(visits: pa.Table) -> pa.Table:
+    """Every visit as the one visit to score (medications unknown) of its own patient, its
+    earlier visits as history: `--all` would ask for PRAUC scores, which beam search
+    computes on the host path only."""
+    rows = visits.sort_by([("patient_id", "ascending"), ("visit_seq", "ascending")]).to_pylist()
+    out = []
+    for i, row in enumerate(rows):
+        past = [r for r in rows[:i] if r["patient_id"] == row["patient_id"]]
+        pid = f"{row['patient_id']}#{len(past)}"
+        out += [{**r, "patient_id": pid, "visit_id": f"{r['visit_id']}#{len(past)}"} for r in past]
+        out.append({**row, "patient_id": pid, "medications": None})
+    return pa.Table.from_pylist(out, schema=visits.schema)
+
+
+# -- the whole pipeline -------------------------------------------------------------------
+
+
+def run_pipeline(data: Path, tmp: Path) -> dict:
+    """stats, one epoch of training, export and scoring of every visit; the score summary."""
+
+    from click.testing import CliRunner
+
+    from cognet.cli import main
+    from cognet.export.cli import main as export_main
+    from cognet.runtime.cli import main as batch_main
+
+    def ok(command, args: list) -> str:
+        result = CliRunner().invoke(command, [str(a) for a in args])
+        assert result.exit_code == 0, result.output
+        return result.output
+
+    stats = json.loads(ok(main, ["data", "stats", data, "--json"]))
+    assert stats["visits"] == pq.read_metadata(data / "visits.parquet").num_rows
+    ok(
+        main,
+        ["train", "--data", data, "--out", tmp / "ckpt", "--epochs", 1, "--threads", 1, "--quiet"],
+    )
+    ok(export_main, ["--checkpoint", tmp / "ckpt", "--out", tmp / "model", "--no-validate"])
+    ok(
+        batch_main,
+        [
+            "score",
+            data / "visits.parquet",
+            "--model",
+            tmp / "model",
+            "--out",
+            tmp / "recs.parquet",
+            "--all",
+            "--summary-json",
+            tmp / "s.json",
+            "--quiet",
+        ],
+    )
+    summary = json.loads((tmp / "s.json").read_text())
+    assert summary["rows_read"] == stats["visits"] == summary["rows_scored"]
+    assert pq.read_table(tmp / "recs.parquet").num_rows == stats["visits"]
+    return summary

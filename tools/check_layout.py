@@ -1,4 +1,5 @@
-"""Check cognet's layering (DESIGN.md §1) and its file-size rule; `make lint` runs it.
+"""Check cognet's layering (DESIGN.md §1), its file-size rule and the tree-wide rules;
+`make lint` runs it.
 
     python tools/check_layout.py [--root DIR]
 
@@ -14,15 +15,24 @@ collects its imports with `ast` (import-linter would miss the remapped folders),
 - benchmarks-on-top: nothing but `cognet.benchmarks` imports `cognet.benchmarks`;
 - size: no source file is over MAX_LINES lines.
 
-Every import counts, lazy ones too, except where a rule says "at module level". Prints one
-line per violation (`FILE:LINE: rule: what`) and exits 1 when there is any.
+Every import counts, lazy ones too, except where a rule says "at module level". Then the
+rules over the whole tree (TREE_RULES, each a function of the root):
+
+- test-imports: no test module (tests/test_*.py) imports another test module; shared
+  fixtures live in tests/conftest.py, shared helpers in helper modules (tests/tiny.py);
+- design-citations: every "DESIGN.md §N" cited in the tree (code, docs, Makefile, help
+  texts) names a numbered heading ("## N. ...") of docs/DESIGN.md.
+
+Prints one line per violation (`FILE:LINE: rule: what`) and exits 1 when there is any.
 """
 
 from __future__ import annotations
 
 import argparse
 import ast
+import re
 import sys
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -119,6 +129,12 @@ TORCH_FREE = {"core": "core", "data": "data", "runtime": "runtime"}
 
 
 def violations(root: Path) -> list[str]:
+    """Every violation in the tree at `root`: the layering and size rules, then TREE_RULES."""
+    return [*layering(root), *(line for rule in TREE_RULES for line in rule(root))]
+
+
+def layering(root: Path) -> list[str]:
+    """The import rules and the size rule over the installed packages."""
     found = modules(root)
     known = set(found)
     out = []
@@ -147,6 +163,93 @@ def violations(root: Path) -> list[str]:
     return out
 
 
+# -- rules over the whole tree ---------------------------------------------------------------
+# Each takes the root and returns violation lines (`FILE:LINE: rule: what`). A rule of the
+# kind "written once" or "cited right" goes here: write the function, add it to TREE_RULES
+# and test it in tests/test_layout.py.
+
+TESTS = "tests"
+DESIGN = Path("docs") / "DESIGN.md"
+# "DESIGN.md §2", "DESIGN §4", "DESIGN.md §2 and §7", "DESIGN.md §1, §3": each § counts
+CITATION = re.compile(r"DESIGN(?:\.md)?\s+(§\d+(?:(?:,\s*|\s+and\s+|\s+or\s+)§\d+)*)")
+HEADING = re.compile(r"^#{1,6}\s+(\d+)\.\s")
+TEXT_SUFFIXES = {".py", ".md", ".txt", ".toml", ".cfg", ".ini", ".sh", ".yml", ".yaml"}
+SKIP_DIRS = {"build", "dist", "__pycache__", "node_modules", "demo", "bench"}
+
+
+def test_imports(root: Path) -> list[str]:
+    """test-imports: a test module importing another test module (lazy imports too)."""
+    folder = root / TESTS
+    if not folder.is_dir():
+        return []
+    modules = {p.stem for p in folder.rglob("test_*.py")}
+    out = []
+    for path in sorted(folder.rglob("test_*.py")):
+        tree = ast.parse(path.read_text(), str(path))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module, *(f"{node.module}.{a.name}" for a in node.names)]
+            elif isinstance(node, ast.ImportFrom):  # from . import test_x
+                names = [a.name for a in node.names]
+            else:
+                continue
+            hit = next((n for n in names if _test_module(n, modules)), None)
+            if hit:
+                out.append(
+                    f"{path.relative_to(root)}:{node.lineno}: test-imports: imports test module "
+                    f"{hit} (shared fixtures go to tests/conftest.py, helpers to tests/tiny.py)"
+                )
+    return out
+
+
+def _test_module(name: str, modules: set[str]) -> bool:
+    parts = name.split(".")
+    if parts[0] == TESTS:
+        parts = parts[1:]
+    return bool(parts) and parts[0] in modules
+
+
+def design_citations(root: Path) -> list[str]:
+    """design-citations: a "DESIGN.md §N" whose N is no numbered heading of docs/DESIGN.md."""
+    design = root / DESIGN
+    headings = set()
+    if design.is_file():
+        headings = {m.group(1) for m in map(HEADING.match, design.read_text().splitlines()) if m}
+    out = []
+    for path in _text_files(root):
+        try:
+            lines = path.read_text(encoding="utf-8").splitlines()
+        except (UnicodeDecodeError, OSError):
+            continue
+        for number, line in enumerate(lines, 1):
+            for match in CITATION.finditer(line):
+                for section in re.findall(r"§(\d+)", match.group(1)):
+                    if section not in headings:
+                        where = "no such heading" if design.is_file() else f"no {DESIGN}"
+                        out.append(
+                            f"{path.relative_to(root)}:{number}: design-citations: "
+                            f"{match.group(0)!r} cites §{section}: {where} in {DESIGN}"
+                        )
+    return out
+
+
+def _text_files(root: Path) -> Iterator[Path]:
+    """The tree's text files (hidden folders such as .venv and .git, and build output left
+    out)."""
+    for path in sorted(root.iterdir()):
+        if path.is_dir():
+            if not path.name.startswith(".") and path.name not in SKIP_DIRS:
+                if not path.name.endswith(".egg-info"):
+                    yield from _text_files(path)
+        elif path.suffix in TEXT_SUFFIXES or path.name == "Makefile":
+            yield path
+
+
+TREE_RULES: list[Callable[[Path], list[str]]] = [test_imports, design_citations]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--root", type=Path, default=Path(__file__).resolve().parents[1])
@@ -158,7 +261,10 @@ def main(argv: list[str] | None = None) -> int:
     if found:
         print(f"layout: {len(found)} violation(s) in {n} modules", file=sys.stderr)
         return 1
-    print(f"layout: {n} modules keep the layering and the {MAX_LINES}-line rule")
+    print(
+        f"layout: {n} modules keep the layering and the {MAX_LINES}-line rule; the tree keeps "
+        f"{', '.join(rule.__name__ for rule in TREE_RULES)}"
+    )
     return 0
 
 
