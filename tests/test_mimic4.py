@@ -3,17 +3,28 @@ case), with the mapping files of the MIMIC-III tests."""
 
 from __future__ import annotations
 
-import csv
 import gzip
-import io
 import json
 from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
 from click.testing import CliRunner
-from test_mimic3 import ALL_PAIRS, DDI, DRUG_ATC, N1, N2, N3, N5, N7, N8, NDC_RXNORM, RXNORM_ATC
-from test_mimic3 import write_csv as write_plain_csv
+from mimic_tables import (
+    ALL_PAIRS,
+    DDI,
+    DRUG_ATC,
+    N1,
+    N2,
+    N3,
+    N5,
+    N7,
+    N8,
+    NDC_RXNORM,
+    RXNORM_ATC,
+    write_gz,
+)
+from mimic_tables import write_csv as write_plain_csv
 
 from cognet.cli import main
 from cognet.core.errors import InputError
@@ -104,13 +115,6 @@ TABLES = {
     "procedures_icd": PROCEDURES,
     "prescriptions": PRESCRIPTIONS,
 }
-
-
-def write_gz(path: Path, table: tuple[list, list]) -> Path:
-    text = io.StringIO()
-    csv.writer(text).writerows([table[0], *table[1]])
-    path.write_bytes(gzip.compress(text.getvalue().encode()))
-    return path
 
 
 @pytest.fixture
