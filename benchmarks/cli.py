@@ -90,9 +90,10 @@ def _ints(text: str, name: str) -> tuple[int, ...]:
     show_default=True,
     help="Comma-separated subset of: torch-perpatient, torch-batched, ort-cpu, ort-cpu-device, "
     "ort-cpu-fp16, ort-cpu-gpupath, ort-cuda, ort-cuda-host, ort-cuda-fp16, ort-cuda-streams, "
-    "ort-tensorrt, torch-cuda (-device / -host: the other candidate selection, "
-    "runtime/search.py; -fp16: the float16 graphs, agreement reported; -gpupath: what a GPU "
-    "runs, on the CPU, to measure its host side; -streams: 4 host threads feeding the GPU).",
+    "ort-cuda-fp16-streams, ort-tensorrt, torch-cuda (-device / -host: the other candidate "
+    "selection, runtime/search.py; -fp16: the float16 graphs, agreement reported; -gpupath: "
+    "what a GPU runs, on the CPU, to measure its host side; -streams: 4 host threads feeding "
+    "the GPU).",
 )
 @count_option(
     "--threads", default=1, help="Intra-op threads of every engine (torch and ONNX Runtime alike)."

@@ -20,7 +20,8 @@ recommended medication codes of each scored visit. Engines:
   its Python time is the GPU path's host side, measurable without a GPU (`--profile`);
 - `ort-cuda-streams`: ort-cuda with 4 host threads feeding the GPU (`ScoreOptions.streams`):
   batches of one call decode in parallel, so it differs from ort-cuda in the stream mode
-  (a call per batch, the request mode, has one batch to decode).
+  (a call per batch, the request mode, has one batch to decode);
+- `ort-cuda-fp16-streams`: both levers at once (the float16 graphs, 4 host threads).
 
 `availability(name)` says why an engine cannot run here (None when it can), so that the
 results name every skipped engine with its reason.
@@ -46,15 +47,17 @@ ORT_DEVICES = {
     "ort-cuda-host": "cuda",
     "ort-cuda-fp16": "cuda",
     "ort-cuda-streams": "cuda",
+    "ort-cuda-fp16-streams": "cuda",
     "ort-tensorrt": "tensorrt",
 }
 ENGINES = ("torch-perpatient", "torch-batched", *ORT_DEVICES, "torch-cuda")  # in report order
 # the candidate selection of each runtime engine (`cognet.runtime.options.SELECTIONS`)
 ORT_SELECTIONS = {"ort-cpu-device": "device", "ort-cuda-host": "host"}
-ORT_VARIANTS = {"ort-cpu-fp16": "fp16", "ort-cuda-fp16": "fp16"}  # the manifest variant
-ORT_STREAMS = {"ort-cuda-streams": 4}  # host threads (batches decoded at once)
+# the manifest variant
+ORT_VARIANTS = {"ort-cpu-fp16": "fp16", "ort-cuda-fp16": "fp16", "ort-cuda-fp16-streams": "fp16"}
+ORT_STREAMS = {"ort-cuda-streams": 4, "ort-cuda-fp16-streams": 4}  # host threads
 GPU_PATH = ("ort-cpu-gpupath",)  # the GPU's code path on the CPU provider
-APPROXIMATE = ("ort-cpu-fp16", "ort-cuda-fp16")  # their agreement with the reference reported
+APPROXIMATE = tuple(ORT_VARIANTS)  # their agreement with the reference reported
 GPU_ENGINES = (*(e for e, device in ORT_DEVICES.items() if device != "cpu"), "torch-cuda")
 SET = 0  # in a list of beam widths: the model's set decoding (`cognet.core.decoding`)
 

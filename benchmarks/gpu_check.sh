@@ -6,8 +6,9 @@
 #   2. prints onnxruntime's providers and opens CUDA sessions (get_providers() read back);
 #   3. runs cognet-bench at beam 4 over 65,536 visits, batch sizes 4,096 / 16,384 / 65,536:
 #      ort-cuda (the search graphs on the device), ort-cuda-streams (4 host threads feeding
-#      the GPU) and ort-cuda-fp16 (the float16 graphs, when the model has them: cognet-export
-#      --fp16) against torch-cuda, the correctness reference (BENCH_ENGINES to choose);
+#      the GPU), ort-cuda-fp16 (the float16 graphs, when the model has them: cognet-export
+#      --fp16) and ort-cuda-fp16-streams (both) against torch-cuda, the correctness reference
+#      (BENCH_ENGINES to choose);
 #   4. runs `pytest -m gpu` (ort-cuda on both selections, TopK ties on CUDA, set decoding and
 #      torch-cuda against the torch reference, the CLI);
 #   5. runs cognet-bench on 16,384 visits with the model's set decoding, ort-cuda against
@@ -83,7 +84,7 @@ EOF
 gpu=$($PY -c "import torch; print(torch.cuda.get_device_name(0).split()[1].lower())" 2>/dev/null || echo gpu)
 
 # 3. the benchmark at beam 4 (the acceptance): ort-cuda against torch-cuda on 65,536 visits
-BENCH_ENGINES=${BENCH_ENGINES:-ort-cuda,ort-cuda-streams,ort-cuda-fp16,torch-cuda}
+BENCH_ENGINES=${BENCH_ENGINES:-ort-cuda,ort-cuda-streams,ort-cuda-fp16,ort-cuda-fp16-streams,torch-cuda}
 log "cognet-bench beam 4: $BENCH_ENGINES"
 timeout ${BENCH_S:-240} "$bin/cognet-bench" --model "$MODEL/model" --checkpoint "$MODEL/ckpt" \
     --out "$OUT/bench" --engines "$BENCH_ENGINES" --reference torch-cuda --beams 4 \
