@@ -43,11 +43,8 @@ class Encoder:
         """Buffers for a layout, their padding rows zero: host arrays, fresh per chunk; or on
         the device when it can gather there, at least as long as the layout needs, the last
         chunk's reused when long enough and `release`d (allocating and freeing device memory
-        synchronises the device; not measured). Host buffers are not reused: scoring with
-        reused ones measured slower (beam 4, batch 4,096, 2 vCPUs, 9 alternating runs each:
-        median 1,322 visits/s reused, 1,443 fresh, 1,440 before the buffers; the decoder
-        step itself slowed), though fresh memory pays a page fault per page at first write
-        (encoder calls into 213 MB of fresh codes took 1.46 s, into touched memory 1.0 s)."""
+        synchronises the device; not measured). Host buffers are fresh per chunk: reusing
+        them measured slower (BENCHMARKS.md, "The GPU path's host side")."""
         if self.search is None:
             return new_encodings(lay, self.dim, self.dtype)
         with self._lock:
