@@ -6,6 +6,7 @@ reads (`cognet.checkpoint_checks`): files, hashes, vocabulary sizes, weight shap
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from contextlib import ExitStack
@@ -81,6 +82,7 @@ def load(path: str | Path, device: str = "cpu") -> tuple[COGNet, Vocab, dict]:
     for name in FILES:
         if not (path / name).is_file():
             raise InputError(f"{path}: not a cognet checkpoint (missing {name})")
+    checks.check_files(path, FILES)
     config = checks.read_json(path / "config.json")
     if config.get("format_version") != FORMAT_VERSION:
         raise InputError(
@@ -88,6 +90,8 @@ def load(path: str | Path, device: str = "cpu") -> tuple[COGNet, Vocab, dict]:
             f"{config.get('format_version')!r} (expected {FORMAT_VERSION})"
         )
     checks.check_hashes(path, config)
+    fields = {f.name: str(f.type) for f in dataclasses.fields(ModelConfig)}
+    checks.check_config(path, config, fields)
     vocab = checks.read_vocab(path)
     try:
         cfg = ModelConfig.from_json(config["model"])
@@ -95,6 +99,7 @@ def load(path: str | Path, device: str = "cpu") -> tuple[COGNet, Vocab, dict]:
         detail = one_line(exc)
         raise InputError(f"{path / 'config.json'}: malformed model entry ({detail})") from None
     checks.check_sizes(path, vocab, cfg)
+    checks.check_capacity(path, cfg)
     ehr, ddi = checks.read_graphs(path, cfg.n_med)
     model = COGNet(cfg, ehr, ddi)
     weights = checks.read_weights(path)

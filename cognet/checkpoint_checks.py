@@ -10,21 +10,30 @@ instead of a raw exception or, worse, a model that silently answers differently.
   checkpoint saved before the hashes skips this check.
 - The vocabulary's sizes match the model's (`check_sizes`) and every weight has the shape the
   model needs (`check_weights`): a vocabulary cut by a few codes would shift every id.
+- Every field of config.json has its type and range (`check_config`: the model's sizes,
+  dropouts, the default decoding, the DDI pairs) and the model's sizes fit the weights file
+  before the model is built (`check_capacity`: `dim: 1e7` is refused, not allocated).
+- Every file is a plain name inside the checkpoint directory once symlinks are resolved
+  (`cognet.core.files.confined`), checked before it is opened.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+import math
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
 
+from cognet.core.decoding import Decoding
 from cognet.core.errors import InputError, one_line
+from cognet.core.files import confined
 from cognet.core.manifest import file_sha256
 from cognet.core.vocab import Vocab
 
 HASHED = ("vocab.json", "model.safetensors", "graphs.npz")
+LIMIT = 10_000_000  # above any size a model has
 
 
 def file_hashes(files: Mapping[str, Path]) -> dict[str, str]:
@@ -55,6 +64,78 @@ def check_hashes(path: Path, config: Mapping) -> None:
                 f"{path / name}: sha256 differs from the one config.json recorded at training "
                 "(file damaged or replaced); restore the checkpoint or train again"
             )
+
+
+def check_config(path: Path, config: Mapping, fields: Mapping[str, str]) -> None:
+    """InputError naming config.json and the field unless its entries have their types and
+    ranges. fields: {name: type annotation} of the model's config (ModelConfig)."""
+    file = path / "config.json"
+
+    def bad(name: str, why: str) -> InputError:
+        return InputError(f"{file}: field {name!r}: {why}")
+
+    model = config.get("model")
+    if not isinstance(model, Mapping):
+        raise bad("model", "missing or not an object")
+    for name, kind in fields.items():
+        if name not in model:
+            continue  # ModelConfig's default, or its own error for a required one
+        value, where = model[name], f"model.{name}"
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if kind.startswith("int"):
+            if value is None and "None" in kind:
+                continue
+            if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= LIMIT:
+                raise bad(where, f"{value!r} is not an integer in [1, {LIMIT}]")
+        elif kind == "float":
+            if not number or not math.isfinite(value):
+                raise bad(where, f"{value!r} is not a number")
+            if "dropout" in name and not 0 <= value < 1:
+                raise bad(where, f"{value!r} is not in [0, 1)")
+        elif kind == "bool" and not isinstance(value, bool):
+            raise bad(where, f"{value!r} is not true or false")
+        elif kind == "str" and not isinstance(value, str):
+            raise bad(where, f"{value!r} is not a string")
+    heads, dim = model.get("heads", 1), model.get("dim", 1)
+    if dim % heads:
+        raise bad("model.heads", f"{heads} does not divide dim {dim}")
+    try:
+        Decoding.from_json(config.get("decoding"))
+    except (TypeError, ValueError) as exc:
+        raise bad("decoding", one_line(exc)) from None
+    pairs = config.get("ddi_pairs", [])
+    if not isinstance(pairs, list) or not all(
+        isinstance(p, list) and len(p) == 2 and all(isinstance(c, str) for c in p) for p in pairs
+    ):
+        raise bad("ddi_pairs", "not a list of [code, code] pairs")
+
+
+def check_files(path: Path, names: Sequence[str]) -> None:
+    """InputError unless each file is a plain name inside the checkpoint directory."""
+    for name in names:
+        confined(path, name, f"{path}: checkpoint file")
+
+
+def check_capacity(path: Path, model_cfg) -> None:
+    """InputError naming config.json unless model.safetensors holds at least the weights the
+    model's sizes imply (its embeddings and feed-forward layers), read from the file's
+    header: sizes that do not fit are refused before the model is allocated."""
+    from safetensors import safe_open
+
+    file = path / "model.safetensors"
+    try:
+        with safe_open(str(file), framework="np") as f:
+            stored = sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())
+    except Exception as exc:  # noqa: BLE001 - safetensors raises its own types
+        raise InputError(f"{file}: unreadable weights ({_short(exc)})") from None
+    c = model_cfg
+    ffn = c.ffn + (c.dec_ffn or c.ffn)
+    needed = c.dim * (c.n_diag + c.n_proc + c.n_med + ffn)
+    if needed > stored:
+        raise InputError(
+            f"{path / 'config.json'}: field 'model.dim': dim {c.dim}, ffn {c.ffn} and the "
+            f"vocabulary need at least {needed:,} weights; {file.name} holds {stored:,}"
+        )
 
 
 def read_vocab(path: Path) -> Vocab:

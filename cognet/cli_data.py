@@ -10,7 +10,12 @@ from pathlib import Path
 import click
 
 from cognet.core.clitools import count_option, handle_errors, setup_logging
+from cognet.core.files import Reads, guarded
 from cognet.data.mimic3 import DDI_TYPES, build_mimic3
+
+# every converter writes one folder, checked and locked before the work and removed again
+# (what the run added to it) when the run fails (`cognet.core.files.guarded`)
+FOLDER = ("--out",)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -57,7 +62,8 @@ def synth(out_dir: Path, patients: int, seed: int) -> None:
     from cognet.data.synth import generate
 
     start = time.perf_counter()
-    generate(out_dir, patients=patients, seed=seed)
+    with guarded("cognet data synth", {"--out": out_dir}, Reads(), FOLDER):  # whole or none
+        generate(out_dir, patients=patients, seed=seed)
     click.echo(
         f"wrote {out_dir} ({patients:,} patients, seed {seed}) "
         f"in {time.perf_counter() - start:.1f}s"
@@ -156,7 +162,9 @@ def mimic3_command(
         --drug-atc drug-atc.csv --ddi drug-DDI.csv --out data/mimic3
     """
     setup_logging(verbose)
-    summary = build_mimic3(mimic_dir, ndc_rxnorm, rxnorm_atc, drug_atc, ddi, out, ddi_types)
+    reads = Reads(files=[ndc_rxnorm, rxnorm_atc, drug_atc, ddi], folders=[mimic_dir])
+    with guarded("cognet data mimic3", {"--out": out}, reads, FOLDER):
+        summary = build_mimic3(mimic_dir, ndc_rxnorm, rxnorm_atc, drug_atc, ddi, out, ddi_types)
     click.echo(f"wrote {out}: " + ", ".join(f"{k} {v}" for k, v in asdict(summary).items()))
 
 

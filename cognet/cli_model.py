@@ -11,11 +11,13 @@ from cognet.core.clitools import (
     count_option,
     ddi_options,
     ddi_policy,
+    guard_outputs,
     handle_errors,
     progress,
     setup_logging,
 )
 from cognet.core.decoding import DECODINGS, Decoding, asked_decoding
+from cognet.core.files import Reads, guarded, write_text
 
 RECIPE_CHOICES = ("default", "reference")
 
@@ -124,9 +126,15 @@ def train(data_dir, out, threads, quiet, recipe, **config):
         )
 
     bar = None if quiet else progress
-    best = run_train(
-        data_dir, out, cfg, on_epoch=on_epoch, progress=(lambda **kw: bar(**kw)) if bar else None
-    )
+    # one run per --out, never onto the dataset it reads (cognet.core.files.guarded)
+    with guarded("cognet train", {"--out": out}, Reads(datasets=[data_dir]), ["--out"]):
+        best = run_train(
+            data_dir,
+            out,
+            cfg,
+            on_epoch=on_epoch,
+            progress=(lambda **kw: bar(**kw)) if bar else None,
+        )
     weights = best["weights"]["epochs"]
     kept = (
         f"epoch {weights[0]}"
@@ -251,6 +259,8 @@ def evaluate(
         if ddi_tradeoff or ddi_mode != "off" or ddi_max_rate is not None:
             raise click.UsageError("the DDI options decode a --checkpoint, not a --baseline")
     policy = ddi_policy(ddi_mode, ddi_penalty, ddi_max_rate)
+    outputs = {"--json": json_out, "--predictions": predictions, "--plot": plot_out}
+    guard_outputs("cognet evaluate", outputs, Reads(datasets=[data_dir], checkpoints=[ckpt]))
     try:  # --beam alone asks for beam search; with --samples or --threshold it is refused
         decoding = asked_decoding(decoding, beam, samples, threshold, flag="--")
     except ValueError as exc:
@@ -314,5 +324,6 @@ def _tradeoff(
     click.echo(result.table)
     if plot_out:
         ddi_tradeoff.plot(result.rows, plot_out, result.recommended)
+        click.echo(f"plot written to {plot_out}", err=True)
     if json_out:
-        Path(json_out).write_text(json.dumps(result.to_json(), indent=1) + "\n")
+        write_text(json_out, json.dumps(result.to_json(), indent=1) + "\n")

@@ -17,6 +17,7 @@ from cognet.core.decoding import BEAM, MAX_LEN, Decoding
 from cognet.core.files import atomic_path
 from cognet.core.history import Visit, patients_from_table
 from cognet.core.metrics import VisitResult, bootstrap_report, ddi_rate_of_sets, summarize
+from cognet.core.schema import PREDICTIONS_SCHEMA
 from cognet.core.vocab import Vocab
 from cognet.decode import Decoded, beam_search
 from cognet.decode_set import set_decode
@@ -107,16 +108,23 @@ def predictions_table(
     predicted: Sequence[Sequence[int]],
     scores: Sequence[float],
     vocab: Vocab,
+    probabilities: Sequence[Sequence[float]] | None = None,
 ) -> pa.Table:
-    """The `cognet-batch score` output schema: patient_id, visit_id, medications, score."""
+    """The `cognet-batch score` output schema (`cognet.core.schema.PREDICTIONS_SCHEMA`):
+    patient_id, visit_id, medications, score and probabilities (each medication's; a
+    baseline's are null)."""
     visits = [v for p in patients for v in p]
-    return pa.table(
-        {
-            "patient_id": pa.array([v.patient_id for v in visits], pa.string()),
-            "visit_id": pa.array([v.visit_id for v in visits], pa.string()),
-            "medications": pa.array([vocab.med_codes(m) for m in predicted], pa.list_(pa.string())),
-            "score": pa.array(scores, pa.float32()),
-        }
+    probs = [None] * len(visits) if probabilities is None else [list(p) for p in probabilities]
+    columns = [
+        [v.patient_id for v in visits],
+        [v.visit_id for v in visits],
+        [vocab.med_codes(m) for m in predicted],
+        list(scores),
+        probs,
+    ]
+    return pa.Table.from_arrays(
+        [pa.array(c, f.type) for c, f in zip(columns, PREDICTIONS_SCHEMA, strict=True)],
+        schema=PREDICTIONS_SCHEMA,
     )
 
 

@@ -6,8 +6,9 @@ import sys
 
 import click
 
-from cognet.core.clitools import handle_errors, setup_logging
+from cognet.core.clitools import guard_outputs, handle_errors, setup_logging
 from cognet.core.errors import ParityError
+from cognet.core.files import Reads
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
@@ -47,6 +48,10 @@ def main(
     from cognet.export import export
 
     setup_logging(verbose)
+    # never onto the checkpoint, one run per MODEL, checked before the work; a failed export
+    # removes its own files (the parity report stays)
+    reads = Reads(checkpoints=[checkpoint])
+    guard_outputs("cognet-export", {"--out": out}, reads, ["--out"], clean=False)
     try:
         manifest = export(checkpoint, out, validate=validate, fp16=fp16, tensorrt=tensorrt)
     except ParityError as exc:

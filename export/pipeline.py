@@ -14,9 +14,16 @@ from pathlib import Path
 
 from cognet.core.ddi import ddi_matrix
 from cognet.core.decoding import BEAM, MAX_LEN
-from cognet.core.errors import InputError, one_line
-from cognet.core.files import write_text
-from cognet.core.manifest import GRAPHS, Dims, Manifest, Special, write_manifest
+from cognet.core.errors import InputError, ParityError, one_line, writing
+from cognet.core.files import remove, write_text
+from cognet.core.manifest import (
+    GRAPHS,
+    Dims,
+    Manifest,
+    Special,
+    check_manifest,
+    write_manifest,
+)
 from cognet.export.onnx_export import OPSET, export_graph, graph_spec, write_fp16
 from cognet.export.search_graphs import SEARCH_FILES, write_search_graphs
 
@@ -25,6 +32,8 @@ log = logging.getLogger(__name__)
 GRAPH_FILES = {name: f"{name}.onnx" for name in GRAPHS}
 FP16_FILES = {name: f"{name}.fp16.onnx" for name in GRAPHS}
 REPORT_FILE = "parity_report.json"
+# every file an export writes but the manifest and the report (TensorRT's are in CACHE_DIR)
+MODEL_FILES = (*GRAPH_FILES.values(), *FP16_FILES.values(), *SEARCH_FILES.values())
 
 
 def export(
@@ -41,9 +50,6 @@ def export(
     cognet.core.errors.ParityError when validation fails (the report is then in
     `out/parity_report.json`). `n_patients`: random patients decoded by the parity check.
     """
-    import torch
-
-    from cognet import checkpoint as ckpt
 
     if tensorrt:
         from cognet.export.tensorrt import require_tensorrt
@@ -51,13 +57,30 @@ def export(
         require_tensorrt()
     model, vocab, config = _load_checkpoint(Path(checkpoint))
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
+    created = not out.exists()
+    with writing(out):
+        out.mkdir(parents=True, exist_ok=True)
     # the manifest goes first (the directory is not servable until the end), then every
     # file a previous export may have left
-    stale_files = (*GRAPH_FILES.values(), *FP16_FILES.values(), *SEARCH_FILES.values())
-    for stale in ("manifest.json", REPORT_FILE, *stale_files):
+    for stale in ("manifest.json", REPORT_FILE, *MODEL_FILES):
         (out / stale).unlink(missing_ok=True)
+    try:
+        return _export(model, vocab, config, checkpoint, out, validate, fp16, tensorrt, n_patients)
+    except ParityError:  # the graphs and the report stay, for a look; no manifest
+        raise
+    except BaseException:  # a full disk, an interrupt: no partial model left
+        for name in MODEL_FILES:
+            remove(out / name)
+        if created:
+            remove(out)
+        raise
 
+
+def _export(model, vocab, config, checkpoint, out: Path, validate, fp16, tensorrt, n_patients):
+    """`export` once the checkpoint is loaded and OUT is ready."""
+    import torch
+
+    from cognet import checkpoint as ckpt
     from cognet.export.graphs import tensor_specs
 
     specs = tensor_specs(model)
@@ -117,6 +140,7 @@ def export(
         from cognet.export.tensorrt import build_engines
 
         manifest = build_engines(manifest, fp16=fp16)
+    check_manifest(manifest)  # the runtime's checks: never write a model it would refuse
     write_manifest(out, manifest)
     return manifest
 

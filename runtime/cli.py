@@ -24,6 +24,7 @@ from cognet.core.clitools import (
 )
 from cognet.core.decoding import BEAM, DECODINGS, asked_decoding
 from cognet.core.errors import InputError
+from cognet.core.files import Reads, check_not_read
 from cognet.core.lock import OutputLock
 from cognet.core.metrics import PATIENT_COLUMNS
 from cognet.runtime import preflight, reader, summary, writer
@@ -253,6 +254,9 @@ def score(
           --explain --summary-json summary.json
     """
     setup_logging(verbose)
+    # never onto the model in use (its manifest, graphs, engines); the input: `preflight`
+    outputs = {**preflight.outputs_of(out), "--summary-json": summary_json}
+    check_not_read(outputs, Reads(models=[model_dir]))
     if ray is not None:  # the same Scorer on a Ray cluster (cognet.runtime.ray_engine)
         from cognet.runtime import ray_engine
 

@@ -148,10 +148,6 @@ ERRORS = {
         lambda: table(visits(patient_id=["A", "A", None, "A", "C", "C"])),
         "column 'patient_id', row 2: null value",
     ),
-    "null diagnoses": (
-        lambda: table(visits(diagnoses=[["1"], ["2"], ["3"], None, ["4"], ["5"]])),
-        "column 'diagnoses', row 3: null value",
-    ),
     "null code": (
         lambda: table(visits(procedures=[[], [], [], [], [], ["39.61", None]])),
         "column 'procedures', row 5: empty or null code",
@@ -167,6 +163,20 @@ ERRORS = {
 def _bad_dataset(root: Path, case: str) -> Path:
     make, _ = ERRORS[case]
     return dataset(root, make())
+
+
+def test_a_null_code_list_is_read_as_an_empty_one(tmp_path):
+    """The one rule of every command (issue 23, class 9): a null diagnoses or procedures list
+    holds no codes; a visit left with no code at all is refused as an empty one."""
+    nulls = visits(diagnoses=[["1"], ["2"], ["3"], None, ["4"], ["5"]])
+    got = read_dataset(dataset(tmp_path / "ok", table(nulls))).visits
+    by_id = dict(zip(got["visit_id"].to_pylist(), got["diagnoses"].to_pylist(), strict=True))
+    assert by_id["a2"] == [] and got["diagnoses"].null_count == 0
+    empty = visits(
+        procedures=[[], ["39.61"], None, None, [], []], diagnoses=[["1"]] * 3 + [None, ["4"], ["5"]]
+    )
+    with pytest.raises(InputError, match="row 3: diagnoses and procedures are both empty"):
+        read_dataset(dataset(tmp_path / "bad", table(empty)))
 
 
 @pytest.mark.parametrize("case", ERRORS)

@@ -1,17 +1,19 @@
-"""Helpers shared by the cognet command lines: error mapping, logging, progress bars and the
-options several commands take (`count_option`, `ddi_options`)."""
+"""Helpers shared by the cognet command lines: error mapping, the output guard, logging,
+progress bars and the options several commands take (`count_option`, `ddi_options`)."""
 
 from __future__ import annotations
 
 import functools
 import logging
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from pathlib import Path
 from typing import TypeVar
 
 import click
 
 from cognet.core.errors import InputError, OutputError
+from cognet.core.files import Reads, guarded
 
 T = TypeVar("T")
 
@@ -51,6 +53,20 @@ def handle_errors(func: Callable) -> Callable:
             sys.exit(1)
 
     return wrapper
+
+
+def guard_outputs(
+    command: str,
+    outputs: Mapping[str, str | Path | None],
+    reads: Reads,
+    folders: Sequence[str] = (),
+    clean: bool = True,
+) -> None:
+    """Check the command's outputs before any work and lock them until the command ends
+    (`cognet.core.files.guarded`): an output on an input, or one that cannot be written,
+    exits 2 naming it; so does a second run on an output that a run is writing."""
+    guard = guarded(command, outputs, reads, folders, clean)
+    click.get_current_context().with_resource(guard)
 
 
 def setup_logging(verbose: bool = False) -> None:
@@ -119,8 +135,9 @@ def ddi_options(func: Callable) -> Callable:
             "--ddi-max-rate",
             type=click.FloatRange(0, 1),
             default=None,
-            help="Return the best finished beam whose DDI rate is <= this "
-            "(else the lowest-rate beam).",
+            help="Keep the DDI rate of each recommendation <= this: set decoding drops "
+            "a medication that would lift its set's rate above it; beam search returns the "
+            "best finished beam within it (else the lowest-rate beam).",
         ),
     ]
     for option in reversed(options):

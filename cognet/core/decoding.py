@@ -21,6 +21,8 @@ MAX_LEN = 45  # decoder steps at most (medications + END)
 SAMPLES = 16  # samples per visit of the set decoding (see README "Set decoding": cost)
 DECODINGS = ("beam", "set")
 DEFAULT_DECODING = "beam"  # of a model that has no tuned set threshold
+# The largest value each count may take (samples x visits x steps bounds the memory)
+LIMITS = {"beam": 64, "samples": 1024, "max_len": 1000}
 
 
 @dataclass(frozen=True)
@@ -37,8 +39,16 @@ class Decoding:
     def __post_init__(self) -> None:
         if self.name not in DECODINGS:
             raise ValueError(f"unknown decoding {self.name!r}; choose from {', '.join(DECODINGS)}")
-        if self.beam < 1 or self.samples < 1 or self.max_len < 1:
-            raise ValueError("beam, samples and max_len must be >= 1")
+        for key, top in LIMITS.items():  # a value read from a file is trusted no more
+            value = getattr(self, key)
+            if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= top:
+                raise ValueError(f"{key} must be an integer in [1, {top}], not {value!r}")
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool):
+            raise ValueError(f"seed must be an integer, not {self.seed!r}")
+        if self.threshold is not None and (
+            not isinstance(self.threshold, (int, float)) or isinstance(self.threshold, bool)
+        ):
+            raise ValueError(f"the set threshold must be a number, not {self.threshold!r}")
         if self.threshold is not None and not 0.0 < self.threshold <= 1.0:
             raise ValueError(f"the set threshold must be in (0, 1], not {self.threshold}")
         if self.name == "set" and self.threshold is None:

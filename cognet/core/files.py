@@ -9,10 +9,12 @@ denied) is an OutputError naming the target. `commit_dir` moves a folder written
 place of an older one.
 
 Guarding. `check_outputs` refuses (InputError, exit 2) before any work an output that lands
-on what the run reads: a file it reads, a file of a dataset, checkpoint or model directory
-it reads (`Reads`), a path inside a folder it reads by listing, or (for a folder output)
-a folder that holds any of these. Symlinks are resolved. It also refuses an output that
-cannot be written there (`writable_file`, `writable_folder`).
+on what the run reads: a file it reads, a dataset, checkpoint or model directory it reads or
+one of their files (`Reads`), or a path inside a folder it reads by listing (a CDM folder, a
+scoring input directory). Symlinks are resolved. A new file beside a dataset's files stays
+allowed (`--json data/report.json`). It also refuses an output that cannot be written
+there (`writable_file`, `writable_folder`). `guarded` runs both checks, then holds each
+output's lock (`cognet.core.lock.claim`) for the run: one writer per output.
 """
 
 from __future__ import annotations
@@ -120,6 +122,25 @@ def remove(path: Path) -> None:
             path.unlink(missing_ok=True)
 
 
+# ---------------------------------------------------------------- file references
+
+
+def confined(folder: str | Path, name: object, where: str) -> Path:
+    """`folder/name` for a file name read from a manifest or checkpoint, refused (InputError
+    naming `where`, the file and field that hold it) before anything opens it unless `name`
+    is a plain name (no folder part, not absolute) that stays inside `folder` once symlinks
+    are resolved."""
+    if not isinstance(name, str) or not name or name in (".", ".."):
+        raise InputError(f"{where}: {name!r} is not a file name")
+    if Path(name).is_absolute() or Path(name).name != name or "\\" in name:
+        raise InputError(f"{where}: {name!r} is not a plain file name inside {folder}")
+    path = Path(folder) / name
+    real, home = _real(path), _real(folder)
+    if home not in real.parents:
+        raise InputError(f"{where}: {name!r} leads outside {folder} (to {real})")
+    return path
+
+
 # ---------------------------------------------------------------- checks before work
 
 
@@ -143,6 +164,7 @@ class Reads:
         no output may be in (resolved)."""
         files = [(p, "the input file") for p in self.files if p]
         for d in filter(None, self.datasets):
+            files.append((Path(d), "the dataset directory"))
             files += [(Path(d) / n, f"a file of the dataset {d}") for n in DATASET_FILES]
         for kind, dirs in (("checkpoint", self.checkpoints), ("model", self.models)):
             for d in filter(None, dirs):
@@ -161,28 +183,91 @@ def check_outputs(
 ) -> None:
     """InputError (exit 2) naming the output when it lands on what the run reads (see the
     module docstring) or cannot be written. outputs: {option: path}, None for an option
-    not given; folders: the options whose output is a folder (written whole)."""
+    not given; folders: the options whose output is a folder."""
+    given = {k: Path(v) for k, v in outputs.items() if v}
+    check_not_read(given, reads)
+    for option, path in given.items():
+        if option in folders:
+            writable_folder(path, f"{path}: {option}")
+        else:
+            writable_file(path, option)
+
+
+def check_not_read(outputs: Mapping[str, str | Path | None], reads: Reads) -> None:
+    """The first half of `check_outputs`: InputError when an output is something the run
+    reads, lies inside a folder it lists, or two outputs are one path."""
     files, listed = reads.protected()
     given = {k: Path(v) for k, v in outputs.items() if v}
     for option, path in given.items():
         real = _real(path)
         for file, what in files:
             if real == file or _same_file(real, file):
-                raise InputError(f"{path}: {option} would overwrite {what} {file}")
-            if option in folders and real in file.parents:
-                raise InputError(f"{path}: {option} holds {what} {file}; choose another folder")
+                raise InputError(f"{path}: {option} would overwrite {what} {file}; choose another")
         for folder, what in listed:
             if real == folder or folder in real.parents:
-                raise InputError(f"{path}: {option} is inside {what} {folder}")
-            if option in folders and real in folder.parents:
-                raise InputError(f"{path}: {option} holds {what} {folder}")
+                raise InputError(f"{path}: {option} is inside {what} {folder}; choose another")
         for other, other_path in given.items():
             if other < option and _real(other_path) == real:
                 raise InputError(f"{path}: {option} and {other} name the same path")
-        if option in folders:
-            writable_folder(path, option)
-        else:
-            writable_file(path, option)
+
+
+@contextlib.contextmanager
+def guarded(
+    command: str,
+    outputs: Mapping[str, str | Path | None],
+    reads: Reads,
+    folders: Iterable[str] = (),
+    clean: bool = True,
+) -> Iterator[None]:
+    """`check_outputs`, then every output locked (`claim`) for the block: a second run on
+    one of them is refused (exit 2) naming the run that holds it. When the block fails (an
+    exit with a code other than 0 included), what it added to a folder output goes (the
+    folder too when the block made it), so a failed run leaves no half dataset, unless not
+    `clean` (the command cleans up itself); a folder made for a lock goes when left empty."""
+    from cognet.core.lock import claim
+
+    folders = tuple(folders)
+    check_outputs(outputs, reads, folders)
+    given = {k: Path(v) for k, v in outputs.items() if v}
+    made = [p.parent for p in given.values() if not p.parent.exists()]
+    before = {k: _entries(p) for k, p in given.items() if k in folders}
+    try:
+        with contextlib.ExitStack() as stack:
+            for path in given.values():
+                stack.enter_context(claim(path, command))
+            try:
+                yield
+            except BaseException as exc:
+                if clean and _failed(exc):
+                    for option, entries in before.items():
+                        _remove_new(given[option], entries)
+                raise
+    finally:
+        for folder in made:
+            with contextlib.suppress(OSError):
+                folder.rmdir()
+
+
+def _failed(exc: BaseException) -> bool:
+    """Whether an exception ends a run in failure: not an exit with code 0 (sys.exit(0), or
+    click's Exit(0) that ends every successful command)."""
+    code = exc.code if isinstance(exc, SystemExit) else getattr(exc, "exit_code", 1)
+    return code not in (0, None)
+
+
+def _entries(folder: Path) -> set[str] | None:
+    """The names in `folder`, None when it does not exist yet."""
+    return set(os.listdir(folder)) if folder.is_dir() else None
+
+
+def _remove_new(folder: Path, before: set[str] | None) -> None:
+    """Remove what was added to `folder` since `before` (the folder itself when it was not
+    there)."""
+    if before is None:
+        remove(folder)
+    elif folder.is_dir():
+        for name in set(os.listdir(folder)) - before:
+            remove(folder / name)
 
 
 def writable_file(path: str | Path, what: object) -> None:

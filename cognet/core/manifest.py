@@ -44,11 +44,14 @@ from typing import Any
 
 from cognet.core.decoding import Decoding
 from cognet.core.errors import InputError, one_line
-from cognet.core.files import write_text
+from cognet.core.files import confined, write_text
 from cognet.core.vocab import Vocab
 
 FORMAT_VERSION = 1
 MANIFEST_FILE = "manifest.json"
+LIMIT = 10_000_000  # above any size, id or opset a model has
+MAX_BEAM = 64
+MAX_STEPS = 1000  # max_len
 GRAPHS = ("encoder", "decoder_init", "decoder_step")
 DTYPES = ("int64", "float32", "float16", "float64", "bool")
 
@@ -261,9 +264,77 @@ def load_manifest(model_dir: str | Path, verify: bool = True) -> Manifest:
         manifest = Manifest.from_json(obj, model_dir)
     except (KeyError, TypeError, ValueError) as exc:
         raise InputError(f"{path}: malformed manifest ({one_line(exc)})") from None
+    check_manifest(manifest)
     if verify:
         verify_graphs(manifest)
     return manifest
+
+
+def check_manifest(manifest: Manifest) -> None:
+    """InputError naming manifest.json and the field, before any graph is opened, unless
+    every field has its type and range and they agree with each other: dims (positive
+    integers, heads x head_dim = dim, out_size = n_med + 1), special ids, the vocabulary's
+    sizes, max_len, beam, the default decoding (`Decoding`'s ranges), every file a plain
+    name inside the model directory (`cognet.core.files.confined`) with a sha256, every
+    tensor axis a name or a size. The exporter runs it before writing, so it never writes a
+    model that the runtime refuses."""
+    file = manifest._file()
+    folder = Path(manifest.model_dir or ".")
+
+    def bad(field_name: str, why: str) -> InputError:
+        return InputError(f"{file}: field {field_name!r}: {why}")
+
+    sizes = [("opset", manifest.opset), ("max_len", manifest.max_len), ("beam", manifest.beam)]
+    sizes += [("dims." + k, v) for k, v in vars(manifest.dims).items()]
+    sizes += [("special." + k, v) for k, v in vars(manifest.special).items()]
+    for name, value in sizes:
+        if not isinstance(value, int) or isinstance(value, bool) or not 0 < value <= LIMIT:
+            raise bad(name, f"{value!r} is not an integer in [1, {LIMIT}]")
+    d, s = manifest.dims, manifest.special
+    if d.heads * d.head_dim != d.dim:
+        raise bad("dims.head_dim", f"heads {d.heads} x head_dim {d.head_dim} != dim {d.dim}")
+    if d.out_size != d.n_med + 1:
+        raise bad("dims.out_size", f"{d.out_size}, expected n_med + 1 = {d.n_med + 1}")
+    want = {"end": d.n_med, "start": d.n_med + 1, "med_pad": d.n_med + 2,
+            "diag_pad": d.n_diag, "proc_pad": d.n_proc}  # fmt: skip
+    for key, value in want.items():
+        if getattr(s, key) != value:
+            raise bad(f"special.{key}", f"{getattr(s, key)}, the dims need {value}")
+    try:
+        vocab = manifest.vocabulary()
+    except (KeyError, TypeError, ValueError) as exc:
+        raise bad("vocab", one_line(exc)) from None
+    for key, size in (("n_diag", vocab.n_diag), ("n_proc", vocab.n_proc), ("n_med", vocab.n_med)):
+        if getattr(d, key) != size:
+            raise bad(f"dims.{key}", f"{getattr(d, key)}, but the vocabulary has {size} codes")
+    if manifest.beam > MAX_BEAM:
+        raise bad("beam", f"{manifest.beam} is above {MAX_BEAM}")
+    if manifest.max_len > MAX_STEPS:
+        raise bad("max_len", f"{manifest.max_len} is above {MAX_STEPS}")
+    manifest.default_decoding()  # an InputError naming the decoding field
+    groups = [("graphs", manifest.graphs), ("search", manifest.search)]
+    groups += [(f"variants.{v}", gs) for v, gs in manifest.variants.items()]
+    for group, specs in groups:
+        for name, spec in specs.items():
+            where = f"{file}: field '{group}.{name}.file'"
+            confined(folder, spec.file, where)
+            if not isinstance(spec.sha256, str) or len(spec.sha256) != 64:
+                raise bad(f"{group}.{name}.sha256", "not a sha256")
+            for t in (*spec.inputs, *spec.outputs):
+                if not all(_axis(a) for a in t.shape):
+                    raise bad(f"{group}.{name}.{t.name}", f"shape {list(t.shape)}")
+    if manifest.tensorrt is not None:
+        trt = manifest.tensorrt
+        if not isinstance(trt, dict) or not isinstance(trt.get("profiles"), dict):
+            raise bad("tensorrt", "not an engine entry")
+        confined(folder, trt.get("cache_dir"), f"{file}: field 'tensorrt.cache_dir'")
+
+
+def _axis(a: object) -> bool:
+    """A tensor axis: a symbolic name or a fixed size."""
+    return (isinstance(a, str) and bool(a)) or (
+        isinstance(a, int) and not isinstance(a, bool) and 0 <= a <= LIMIT
+    )
 
 
 def verify_graphs(manifest: Manifest) -> None:
@@ -272,7 +343,8 @@ def verify_graphs(manifest: Manifest) -> None:
     specs += [gs[g] for gs in manifest.variants.values() for g in GRAPHS]
     specs += list(manifest.search.values())
     for spec in specs:
-        path = Path(manifest.model_dir or ".") / spec.file
+        folder = Path(manifest.model_dir or ".")
+        path = confined(folder, spec.file, f"{manifest._file()}: graph file")
         if not path.is_file():
             raise InputError(f"{path}: graph file missing (named in {MANIFEST_FILE})")
         if file_sha256(path) != spec.sha256:

@@ -46,6 +46,19 @@ DDI_SCHEMA = pa.schema(
         pa.field("drug_b", pa.string(), nullable=False),
     ]
 )
+# One recommendation per visit: what `cognet-batch score` writes (before its optional
+# columns) and `cognet evaluate --predictions` too.
+PREDICTIONS_SCHEMA = pa.schema(
+    [
+        ("patient_id", pa.string()),
+        ("visit_id", pa.string()),
+        # beam: generation order; set: decreasing P(in set) (docs/INTERNALS.md)
+        ("medications", pa.list_(pa.string())),
+        # beam: sum of log-probabilities of the hypothesis, END included; set: mean P(in set)
+        ("score", pa.float32()),
+        ("probabilities", pa.list_(pa.float32())),  # beam: at its step; set: P(in set)
+    ]
+)
 
 
 @dataclass(frozen=True, eq=False)
@@ -129,6 +142,10 @@ def check_visits_columns(schema: pa.Schema, path: object, require_split: bool = 
     return pa.schema(fields)
 
 
+# code lists where null means "no codes" (medications: null = unknown, to be recommended)
+NO_CODES_IF_NULL = ("diagnoses", "procedures")
+
+
 def _first(mask: np.ndarray) -> int | None:
     hits = np.flatnonzero(mask)
     return int(hits[0]) if hits.size else None
@@ -138,6 +155,8 @@ def cast_visits(table: pa.Table | pa.RecordBatch, target: pa.Schema, path: objec
     """Select and cast the contract columns of `table` to `target` (from check_visits_columns).
 
     Raises `InputError` for a visit_seq outside int32 and for a null in a non-nullable column.
+    A null diagnoses or procedures list is an empty one (no codes), the rule of every command
+    (`cognet-batch score` reads it so too).
     """
     if isinstance(table, pa.RecordBatch):
         table = pa.Table.from_batches([table])
@@ -151,6 +170,11 @@ def cast_visits(table: pa.Table | pa.RecordBatch, target: pa.Schema, path: objec
             raise InputError(
                 f"{where(path, 'visit_seq', bad)}: value {values[bad]} out of the int32 range"
             )
+    for name in NO_CODES_IF_NULL:
+        if name in target.names and table[name].null_count:
+            column = table[name]
+            i = table.schema.get_field_index(name)
+            table = table.set_column(i, name, pc.fill_null(column, pa.scalar([], column.type)))
     for field in target:
         if not field.nullable:
             row = _first(table[field.name].is_null().to_numpy(zero_copy_only=False))

@@ -1,0 +1,114 @@
+"""Checks of a model's graphs when they are loaded (torch-free): a graph that does not fit
+its manifest is refused with one line naming the graph file, the tensor and the axis
+(InputError, exit 2), before any visit is scored.
+
+- `check_io`: the graph's input and output names, the element types the manifest declares,
+  and every fixed axis (embedding width, heads, head width, vocabulary size) against the
+  manifest's. Another cognet model's graph passes names and types but not these.
+- `probe`: one tiny run per graph (one visit, one code, ids 0), whose outputs' fixed axes
+  are checked too: a graph that loads but cannot run with the manifest's sizes fails here.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnxruntime as ort
+
+from cognet.core.errors import InputError, one_line
+from cognet.core.graphspec import (
+    ENCODER_INPUTS,
+    ENCODER_OUTPUTS,
+    INIT_INPUTS,
+    MEMORIES,
+    STEP_INPUTS,
+    STEP_OUTPUTS,
+)
+from cognet.core.manifest import Dims, GraphSpec, Manifest
+from cognet.runtime.search import ORT_TYPES
+
+# What each graph must take and give (`cognet.core.graphspec`); `diag_attention` is optional
+# (models exported before it lack it).
+GRAPH_IO = {
+    "encoder": (ENCODER_INPUTS, ENCODER_OUTPUTS),
+    "decoder_init": (INIT_INPUTS, MEMORIES),
+    "decoder_step": (STEP_INPUTS, tuple(n for n in STEP_OUTPUTS if n != "diag_attention")),
+}
+
+
+def check_io(
+    name: str, path: object, session: ort.InferenceSession, spec: GraphSpec, dims: Dims | None
+) -> None:
+    """InputError unless the graph loaded as `name` takes exactly that graph's inputs, with
+    the element types the manifest declares (float16 in the fp16 variant) and its fixed axes
+    (embedding width, heads, vocabulary sizes; `dims` names them), and gives its outputs: a
+    graph file swapped for another (its sha256 re-entered in the manifest) fails here, by
+    name and axis, rather than at its first run."""
+    inputs, outputs = GRAPH_IO[name]
+    got_in = [i.name for i in session.get_inputs()]
+    got_out = {o.name for o in session.get_outputs()}
+    if sorted(got_in) != sorted(inputs) or not got_out.issuperset(outputs):
+        raise InputError(
+            f"{path}: not the {name} graph (its inputs are {_names(got_in)}; {name} takes "
+            f"{_names(inputs)}); re-export the model"
+        )
+    declared = {t.name: t.dtype for t in spec.inputs}
+    for i in session.get_inputs():
+        dtype = ORT_TYPES.get(i.type, i.type)
+        if i.name in declared and declared[i.name] != dtype:
+            raise InputError(
+                f"{path}: input {i.name} is {dtype}, the manifest declares "
+                f"{declared[i.name]} (a graph of another variant?); re-export the model"
+            )
+    # another cognet model's graph has the same names and types: its fixed axes (width,
+    # heads, vocabulary) tell it apart
+    shapes = {t.name: t.shape for t in (*spec.inputs, *spec.outputs)}
+    for kind, tensors in (("input", session.get_inputs()), ("output", session.get_outputs())):
+        for t in tensors:
+            if t.name in shapes:
+                check_axes(path, f"{kind} {t.name}", t.shape, shapes[t.name], dims)
+
+
+def check_axes(path: object, what: str, got, want, dims: Dims | None) -> None:
+    """InputError naming the graph, the tensor and the axis when a fixed axis of `got`
+    differs from the manifest's `want` (dims: the manifest's, to name the axis)."""
+    if len(got) != len(want):
+        raise InputError(
+            f"{path}: {what} has {len(got)} axes, the manifest declares {len(want)}; "
+            "re-export the model"
+        )
+    for axis, (g, w) in enumerate(zip(got, want, strict=True)):
+        if isinstance(g, int) and isinstance(w, int) and g != w:
+            named = [k for k, v in vars(dims or {}).items() if v == w]
+            field = f" (dims.{named[0]})" if named else ""
+            raise InputError(
+                f"{path}: {what} axis {axis} is {g}, the manifest's is {w}{field}: a graph "
+                "of another model; re-export the model"
+            )
+
+
+def probe(name: str, path: object, session: ort.InferenceSession, manifest: Manifest) -> None:
+    """Run the graph once on one visit of one code (every symbolic axis 1, ids 0, masks
+    1) and check its outputs' fixed axes against the manifest: a graph that loads but
+    cannot run with the manifest's sizes is refused here (InputError naming it), not at the
+    first batch. Costs well under a millisecond per graph at this size."""
+    feed = {}
+    for i in session.get_inputs():
+        shape = [a if isinstance(a, int) else 1 for a in i.shape]
+        dtype = np.dtype(ORT_TYPES.get(i.type, "float32"))
+        feed[i.name] = (np.zeros if dtype == np.int64 else np.ones)(shape, dtype)
+    try:
+        got = session.run(None, feed)
+    except Exception as exc:  # noqa: BLE001 - any failure of the run is a bad graph
+        raise InputError(
+            f"{path}: the {name} graph fails a probe run with the manifest's sizes "
+            f"({one_line(exc)[:200]}); re-export the model"
+        ) from None
+    want = {t.name: t.shape for t in manifest.graph_spec(name).outputs}
+    for o, value in zip(session.get_outputs(), got, strict=True):
+        if o.name in want:
+            check_axes(path, f"output {o.name}", list(value.shape), want[o.name], manifest.dims)
+
+
+def _names(names) -> str:
+    names = list(names)
+    return ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")
