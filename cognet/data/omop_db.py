@@ -57,14 +57,14 @@ class Database:
 
     kind = ""
 
-    def __init__(self, shown: str, secret: str | None):
-        self.shown, self.secret = shown, secret or None
+    def __init__(self, shown: str, secrets: Sequence[str] = ()):
+        self.shown, self.secrets = shown, [s for s in secrets if s]
 
     def error(self, what: str, exc: BaseException) -> InputError:
         """``DATABASE: WHAT (reason)`` with the password cut out of the reason."""
         reason = one_line(exc)
-        if self.secret:
-            reason = reason.replace(self.secret, MASK)
+        for secret in self.secrets:
+            reason = reason.replace(secret, MASK)
         return InputError(f"{self.shown}: {what} ({reason})")
 
     def stream(self, sql: str, name: str) -> Iterator[pa.RecordBatch]:
@@ -112,7 +112,7 @@ class DuckDatabase(Database):
     def __init__(self, path: Path):
         import duckdb
 
-        super().__init__(str(path), None)
+        super().__init__(str(path))
         self.path = path
         if not path.is_file():
             raise InputError(f"{path}: DuckDB database not found")
@@ -137,10 +137,10 @@ class DuckDatabase(Database):
 class PostgresDatabase(Database):
     kind = "postgresql"
 
-    def __init__(self, url: str, password: str | None, shown: str):
+    def __init__(self, url: str, secrets: Sequence[str], shown: str):
         from adbc_driver_postgresql import dbapi
 
-        super().__init__(shown, password)
+        super().__init__(shown, secrets)
         self._error = dbapi.Error
         try:
             self.con = dbapi.connect(url)
@@ -161,16 +161,27 @@ class PostgresDatabase(Database):
         self.con.close()
 
 
-def masked(url: str) -> tuple[str, str | None]:
-    """The URL with its password replaced by ``***``, and the password (None when none)."""
+def masked(url: str) -> tuple[str, list[str]]:
+    """The URL with its password (in the user part or a ``password=`` parameter) replaced by
+    ``***``, and the password as written and decoded (empty when there is none)."""
     parts = urlsplit(url)
-    if parts.password is None:
-        return url, None
-    host = parts.hostname or ""
-    if parts.port is not None:
-        host = f"{host}:{parts.port}"
-    user = f"{parts.username}:{MASK}@" if parts.username else f":{MASK}@"
-    return urlunsplit(parts._replace(netloc=user + host)), unquote(parts.password)
+    secrets = []
+    netloc = parts.netloc
+    user, at, host = netloc.rpartition("@")
+    if at and ":" in user:
+        name, _, secret = user.partition(":")
+        secrets.append(secret)
+        netloc = f"{name}:{MASK}@{host}"
+    query = []
+    for item in parts.query.split("&") if parts.query else []:
+        key, equals, value = item.partition("=")
+        if key.lower() == "password" and equals:
+            secrets.append(value)
+            value = MASK
+        query.append(f"{key}{equals}{value}")
+    shown = urlunsplit(parts._replace(netloc=netloc, query="&".join(query)))
+    secrets = [s for s in secrets if s]
+    return shown, sorted({*secrets, *(unquote(s) for s in secrets)}, key=len, reverse=True)
 
 
 def database_file(cdm: str | Path) -> Path | None:
@@ -188,7 +199,7 @@ def open_database(cdm: str | Path) -> Database:
     scheme = text.split("://", 1)[0].lower() if "://" in text else ""
     if not scheme:
         return DuckDatabase(Path(text))
-    shown, secret = masked(text)
+    shown, secrets = masked(text)
     if scheme == "duckdb":
         path = database_file(text)
         if path is None:
@@ -198,7 +209,7 @@ def open_database(cdm: str | Path) -> Database:
         return DuckDatabase(path)
     base = scheme.split("+", 1)[0]
     if base in ("postgresql", "postgres"):
-        return PostgresDatabase("postgresql://" + text.split("://", 1)[1], secret, shown)
+        return PostgresDatabase("postgresql://" + text.split("://", 1)[1], secrets, shown)
     raise InputError(
         f"{shown}: unsupported database {scheme!r} (supported: duckdb:///PATH, a .duckdb "
         "file, postgresql://USER@HOST/DB)"
