@@ -10,8 +10,9 @@ from pathlib import Path
 
 import click
 
-from cognet.core.clitools import count_option, handle_errors, setup_logging
+from cognet.core.clitools import count_option, guard_outputs, handle_errors, setup_logging
 from cognet.core.errors import InputError
+from cognet.core.files import Reads
 
 log = logging.getLogger(__name__)
 
@@ -224,6 +225,10 @@ def main(
         )
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
+    # never onto the model, checkpoint or data it reads; one run per --out (a failed run
+    # keeps what it measured)
+    reads = Reads(models=[model_dir], checkpoints=[checkpoint], datasets=[data_dir])
+    guard_outputs("cognet-bench", {"--out": out}, reads, ["--out"], clean=False)
 
     import torch
 
