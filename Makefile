@@ -37,14 +37,16 @@ demo: install
 test: install
 	$(PY) -m pytest -q
 
-# the cases of issue 14 (README "Failure behaviour"), one test each
+# the cases of issues 14 and 23 (README "Failure behaviour"), one test or more each
 failures: install
-	$(PY) -m pytest -q tests/test_failures_batch.py tests/test_failures_train.py
+	$(PY) -m pytest -q tests/test_failures_batch.py tests/test_failures_train.py \
+		tests/test_failures_outputs.py
 
 bench: install
 	$(VENV)/bin/cognet-bench --out bench
 
-# ruff, then the layering of DESIGN.md §1 and the 450-line rule (tools/check_layout.py)
+# ruff, then tools/check_layout.py: the layering of DESIGN.md §1, the 450-line rule, no test
+# module importing another, every "DESIGN.md §N" naming a heading of docs/DESIGN.md
 lint: install
 	$(VENV)/bin/ruff check cognet export runtime benchmarks tests tools
 	$(VENV)/bin/ruff format --check cognet export runtime benchmarks tests tools

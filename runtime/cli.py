@@ -208,8 +208,8 @@ def ray_options(func):
                    "with .rejects.parquet.")
 @score_options
 @click.option("--all", "score_all", is_flag=True,
-              help="Score every visit, not only those with null medications, and report "
-                   "metrics against the known medications.")
+              help="Score every visit, not only those with null medications, and compute "
+                   "metrics against the known medications (written to --summary-json).")
 @click.option("--explain", is_flag=True,
               help="Add per medication its copy share, the past visit it came from and the "
                    "diagnoses it attended to most.")

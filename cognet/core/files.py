@@ -272,11 +272,14 @@ def _remove_new(folder: Path, before: set[str] | None) -> None:
 
 def writable_file(path: str | Path, what: object) -> None:
     """InputError naming `what` unless a file can be written at `path`: not a directory,
-    in a folder that exists (or can be made) and is writable."""
+    in a folder that exists and is writable."""
     path = Path(path)
     if path.is_dir():
         raise InputError(f"{path}: {what} is a directory; it names a file to write")
-    writable_folder(path.parent, f"{path}: {what}")
+    folder = Path(os.path.abspath(path)).parent
+    if not folder.is_dir():
+        raise InputError(f"{path}: {what}: the folder {folder} does not exist")
+    writable_folder(folder, f"{path}: {what}")
 
 
 def writable_folder(folder: str | Path, what: object) -> None:
