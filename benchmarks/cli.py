@@ -275,13 +275,15 @@ def run_ddi_tradeoff(checkpoint, data_dir, out: Path, quick: bool, notes: list) 
     test split of `data_dir`, its plot written to OUT/ddi_tradeoff.png; None (and a note)
     when there is no checkpoint or no labelled data."""
     from cognet.ddi_tradeoff import plot, run_tradeoff
+    from cognet.evaluate import EvalOptions
 
     if checkpoint is None or data_dir is None:
         notes.append("DDI trade-off skipped: it needs --checkpoint and --data (or the demo)")
         return None
     patients = 30 if quick else TRADEOFF_PATIENTS
     click.echo(f"DDI trade-off on the test split of {data_dir} ({patients} patients)", err=True)
-    result = run_tradeoff(checkpoint, data_dir, rounds=2 if quick else 10, max_patients=patients)
+    options = EvalOptions(rounds=2 if quick else 10)
+    result = run_tradeoff(checkpoint, data_dir, options, max_patients=patients)
     plot(
         result.rows,
         out / "ddi_tradeoff.png",

@@ -249,7 +249,7 @@ def evaluate(
     """
     import torch
 
-    from cognet.evaluate import run_evaluation
+    from cognet.evaluate import EvalOptions, run_evaluation
 
     setup_logging()
     torch.set_num_threads(threads)
@@ -266,26 +266,21 @@ def evaluate(
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
     changes = {"name": decoding, "beam": beam, "samples": samples, "threshold": threshold}
-    settings = {"split": split, "decoding": changes, "rounds": rounds, "seed": seed}
+    options = EvalOptions(
+        split=split, decoding=changes, ddi=policy, rounds=rounds, seed=seed,
+        baseline=baseline, predictions=predictions, quiet=quiet,
+    )  # fmt: skip
     if ddi_tradeoff:
         if policy.active or predictions:
             raise click.UsageError(
                 "--ddi-tradeoff runs every policy: drop --ddi-mode, "
                 "--ddi-penalty, --ddi-max-rate and --predictions"
             )
-        _tradeoff(ckpt, data_dir, settings, penalties, max_rates, plot_out, json_out, quiet)
+        _tradeoff(ckpt, data_dir, options, penalties, max_rates, plot_out, json_out)
         return
     if plot_out:
         raise click.UsageError("--plot goes with --ddi-tradeoff")
-    result = run_evaluation(
-        ckpt,
-        data_dir,
-        **settings,
-        predictions=predictions,
-        baseline=baseline,
-        quiet=quiet,
-        ddi=policy,
-    )
+    result = run_evaluation(ckpt, data_dir, options)
     click.echo(result["table"])
     if json_out:
         Path(json_out).write_text(json.dumps(result["report"], indent=1) + "\n")
@@ -300,10 +295,8 @@ def _floats(text: str, option: str) -> tuple[float, ...]:
         ) from None
 
 
-def _tradeoff(
-    ckpt, data_dir, settings: dict, penalties, max_rates, plot_out, json_out, quiet
-) -> None:
-    """--ddi-tradeoff; settings: split, beam, rounds and seed, as `run_evaluation` takes them."""
+def _tradeoff(ckpt, data_dir, options, penalties, max_rates, plot_out, json_out) -> None:
+    """--ddi-tradeoff; options: `cognet.evaluate.EvalOptions` (its policy is off)."""
     from cognet import ddi_tradeoff
 
     pens, caps = _floats(penalties, "--penalties"), _floats(max_rates, "--max-rates")
@@ -311,16 +304,15 @@ def _tradeoff(
         raise click.UsageError("penalties must be >= 0 and max rates in [0, 1]")
 
     def done(row) -> None:
-        if not quiet:
+        if not options.quiet:
             click.echo(
                 f"{row.policy.label}: jaccard {row.mean('jaccard'):.4f}, ddi "
                 f"{row.mean('ddi'):.4f} ({row.seconds:.1f}s)",
                 err=True,
             )
 
-    result = ddi_tradeoff.run_tradeoff(
-        ckpt, data_dir, **settings, penalties=pens, max_rates=caps, on_policy=done
-    )
+    policy_list = ddi_tradeoff.policies(pens, caps)
+    result = ddi_tradeoff.run_tradeoff(ckpt, data_dir, options, policy_list, on_policy=done)
     click.echo(result.table)
     if plot_out:
         ddi_tradeoff.plot(result.rows, plot_out, result.recommended)

@@ -5,7 +5,7 @@ For the paper's decoding (`off`), `hard`, and `soft` at several penalties (plus 
 F1, PRAUC, DDI rate and number of drugs (DESIGN.md §4, bootstrap mean and std), as rows,
 a table and a plot of Jaccard against DDI rate.
 
-    result = run_tradeoff("ckpt", "data", penalties=(0.25, 0.5, 1, 2, 4))
+    result = run_tradeoff("ckpt", "data", EvalOptions(split="test"), policies((0.5, 1, 2)))
     print(result.table)
     plot(result.rows, "tradeoff.png")
 
@@ -25,14 +25,17 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from cognet.core.ddi import DDIPolicy, ddi_matrix
-from cognet.core.decoding import BEAM, Decoding
 from cognet.core.files import atomic_path
+
+if TYPE_CHECKING:  # cognet.evaluate imports torch: only where a policy is decoded
+    from cognet.evaluate import EvalOptions
 
 DEFAULT_PENALTIES = (0.25, 0.5, 1.0, 2.0, 4.0)
 MAX_JACCARD_DROP = 0.01  # accuracy a recommended penalty may cost against `off`
@@ -99,26 +102,31 @@ def tradeoff(
     patients,
     ddi_adj: np.ndarray,
     policy_list: Sequence[DDIPolicy],
-    beam: int | Decoding = BEAM,
-    rounds: int = 10,
-    seed: int = 0,
+    options: EvalOptions | None = None,
     on_policy: Callable[[TradeoffRow], None] | None = None,
 ) -> list[TradeoffRow]:
     """Decode `patients` (lists of `cognet.core.history.Visit`) under every policy; one row each.
 
     ddi_adj: bool [M, M] for the DDI rate (`cognet.core.ddi.ddi_matrix`); the decoding
-    itself uses the model's DDI graph, built from the same pairs."""
-    from cognet.evaluate import decode_patients, report, visit_results
+    itself uses the model's DDI graph, built from the same pairs. options: the decoding
+    (None: the paper's beam search), bootstrap rounds and seed; its own policy is ignored."""
+    from cognet.evaluate import (
+        EvalOptions,
+        decode_patients,
+        report,
+        resolve_decoding,
+        visit_results,
+    )
 
+    options = options or EvalOptions()
+    decoding = resolve_decoding({}, options.decoding)
     rows = []
     for policy in policy_list:
         started = time.perf_counter()
-        if isinstance(beam, Decoding):
-            decoded = decode_patients(model, vocab, patients, ddi=policy, decoding=beam)
-        else:
-            decoded = decode_patients(model, vocab, patients, beam=beam, ddi=policy)
+        decoded = decode_patients(model, vocab, patients, decoding, policy)
         seconds = time.perf_counter() - started
-        rep = report(visit_results(patients, decoded), ddi_adj, rounds=rounds, seed=seed)
+        results = visit_results(patients, decoded)
+        rep = report(results, ddi_adj, rounds=options.rounds, seed=options.seed)
         rows.append(TradeoffRow(policy, rep, seconds))
         if on_policy:
             on_policy(rows[-1])
@@ -270,42 +278,32 @@ def plot(
 def run_tradeoff(
     ckpt,
     data_dir,
-    split: str = "test",
-    penalties: Sequence[float] = DEFAULT_PENALTIES,
-    max_rates: Sequence[float] = (),
-    beam: int | None = None,
-    rounds: int = 10,
-    seed: int = 0,
+    options: EvalOptions | None = None,
+    policy_list: Sequence[DDIPolicy] | None = None,
     on_policy: Callable[[TradeoffRow], None] | None = None,
     max_patients: int | None = None,
-    decoding: Decoding | dict | None = None,
 ) -> TradeoffResult:
     """What `cognet evaluate --ddi-tradeoff` does (and what `cognet-bench` may call): every
-    policy of `policies(penalties, max_rates)` on a split of a dataset directory (its first
-    `max_patients` patients when given: a policy costs about a torch decoding of the split)."""
+    policy of `policy_list` (default: `policies()`) on the split of `options` of a dataset
+    directory (its first `max_patients` patients when given: a policy costs about a torch
+    decoding of the split), decoded as `options` says on top of the checkpoint's own."""
     from cognet import checkpoint
     from cognet.core.errors import InputError
     from cognet.core.schema import read_dataset
-    from cognet.evaluate import ground_truth_ddi, load_split, resolve_decoding
+    from cognet.evaluate import EvalOptions, ground_truth_ddi, load_split, resolve_decoding
 
+    options = options or EvalOptions()
+    split = options.split
     dataset = read_dataset(data_dir)
     model, vocab, config = checkpoint.load(ckpt)
-    decoding = resolve_decoding(config, decoding, beam)
+    decoding = resolve_decoding(config, options.decoding)
     patients = load_split(dataset.visits, vocab, split).patients[:max_patients]
     if not patients:
         raise InputError(f"{data_dir}: the {split} split has no labelled visit")
     ddi_adj = ddi_matrix(vocab, dataset.ddi_pairs)
-    rows = tradeoff(
-        model,
-        vocab,
-        patients,
-        ddi_adj,
-        policies(penalties, max_rates),
-        beam=decoding,
-        rounds=rounds,
-        seed=seed,
-        on_policy=on_policy,
-    )
+    policy_list = policies() if policy_list is None else policy_list
+    resolved = replace(options, decoding=decoding)
+    rows = tradeoff(model, vocab, patients, ddi_adj, policy_list, resolved, on_policy)
     best = recommend(rows)
     truth = ground_truth_ddi(patients, ddi_adj)
     table = (

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
@@ -13,7 +14,7 @@ import torch
 
 from cognet.batching import make_batch
 from cognet.core.ddi import DDIPolicy, ddi_matrix
-from cognet.core.decoding import BEAM, MAX_LEN, Decoding
+from cognet.core.decoding import Decoding
 from cognet.core.files import atomic_path
 from cognet.core.history import Visit, patients_from_table
 from cognet.core.metrics import VisitResult, bootstrap_report, ddi_rate_of_sets, summarize
@@ -24,6 +25,23 @@ from cognet.decode_set import set_decode
 from cognet.model import COGNet
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class EvalOptions:
+    """What `cognet evaluate` (and `--ddi-tradeoff`) evaluates and how, in one value: the
+    command builds it from its options, the functions below take it whole."""
+
+    split: str = "test"
+    # None: the checkpoint's own decoding (config.json "decoding"; beam 4 for a model from
+    # before set decoding); a dict changes fields of it; a Decoding is used as it is
+    decoding: Decoding | dict | None = None
+    ddi: DDIPolicy = DDIPolicy()  # DDI-aware decoding (off)
+    rounds: int = 10  # bootstrap rounds of 80% of the patients (1: every patient, once)
+    seed: int = 0
+    baseline: str | None = None  # evaluate this baseline instead of the checkpoint
+    predictions: str | Path | None = None  # write every visit's recommendation there
+    quiet: bool = True  # no progress bar
 
 
 @dataclass
@@ -55,23 +73,20 @@ def decode_patients(
     model: COGNet,
     vocab: Vocab,
     patients: Sequence[Sequence[Visit]],
-    beam: int = BEAM,
-    max_len: int = MAX_LEN,
-    batch_patients: int = 128,
-    on_batch: Callable[[int], None] | None = None,
+    decoding: Decoding = Decoding(),
     ddi: DDIPolicy = DDIPolicy(),
-    decoding: Decoding | None = None,
+    on_batch: Callable[[int], None] | None = None,
+    batch_patients: int = 128,
 ) -> list[Decoded]:
-    """Decode every visit of `patients` (history: the earlier visits' true medications):
-    beam search of width `beam`, or `decoding` when given (beam or set)."""
-    if decoding is not None and decoding.name == "beam":
-        beam, max_len, decoding = decoding.beam, decoding.max_len, None
+    """Decode every visit of `patients` (history: the earlier visits' true medications) with
+    `decoding` (default: the paper's beam search, beam 4) under the DDI policy `ddi`."""
     out: list[Decoded] = []
     with torch.no_grad():
         for i in range(0, len(patients), batch_patients):
             chunk = patients[i : i + batch_patients]
             batch = make_batch(chunk, vocab, targets=False)
-            if decoding is None:
+            if decoding.name == "beam":
+                beam, max_len = decoding.beam, decoding.max_len
                 out.extend(beam_search(model, batch, beam=beam, max_len=max_len, ddi=ddi))
             else:
                 ids = [v.visit_id for p in chunk for v in p]
@@ -136,33 +151,18 @@ def model_name(beam: int | Decoding, ddi: DDIPolicy = DDIPolicy()) -> str:
     return name if not ddi.active else f"{name[:-1]}, DDI {ddi.label})"
 
 
-def run_evaluation(
-    ckpt,
-    data_dir,
-    split: str = "test",
-    beam: int | None = None,
-    rounds: int = 10,
-    seed: int = 0,
-    predictions=None,
-    baseline: str | None = None,
-    quiet: bool = True,
-    ddi: DDIPolicy = DDIPolicy(),
-    decoding: Decoding | dict | None = None,
-) -> dict:
-    """What `cognet evaluate` does: returns {"report": dict, "table": str}.
-
-    decoding: None = the checkpoint's own (config.json "decoding"; beam 4 for a model from
-    before set decoding), or beam search of width `beam` when that is given; a dict changes
-    fields of the checkpoint's decoding; a `Decoding` is used as it is."""
+def run_evaluation(ckpt, data_dir, options: EvalOptions = EvalOptions()) -> dict:
+    """What `cognet evaluate` does: returns {"report": dict, "table": str}."""
     from cognet import checkpoint
     from cognet.core.clitools import progress
     from cognet.core.metrics import format_table
     from cognet.core.schema import read_dataset
 
+    split, baseline, ddi, seed = options.split, options.baseline, options.ddi, options.seed
     dataset = read_dataset(data_dir)
     if ckpt:
         model, vocab, config = checkpoint.load(ckpt)
-        decoding = resolve_decoding(config, decoding, beam)
+        decoding = resolve_decoding(config, options.decoding)
     else:
         train_rows = split_table(dataset.visits, "train")
         vocab = Vocab.build(
@@ -181,20 +181,18 @@ def run_evaluation(
         name = baseline
     else:
         n_visits = sum(map(len, data.patients))
-        with progress(total=n_visits, desc="decoding", unit="visit", quiet=quiet) as bar:
-            decoded = decode_patients(
-                model, vocab, data.patients, on_batch=bar.update, ddi=ddi, decoding=decoding
-            )
+        with progress(total=n_visits, desc="decoding", unit="visit", quiet=options.quiet) as bar:
+            decoded = decode_patients(model, vocab, data.patients, decoding, ddi, bar.update)
         results = visit_results(data.patients, decoded)
         name = model_name(decoding, ddi)
-        if predictions:
+        if options.predictions:
             _write_parquet(
-                predictions,
+                options.predictions,
                 predictions_table(
                     data.patients, [d.meds for d in decoded], [d.score for d in decoded], vocab
                 ),
             )
-    rep = report(results, ddi_adj, rounds=rounds, seed=seed)
+    rep = report(results, ddi_adj, rounds=options.rounds, seed=seed)
     rep["by_history"] = by_history(results, ddi_adj)
     if not baseline:
         rep["ddi_policy"] = ddi.to_json()
@@ -220,16 +218,15 @@ def run_evaluation(
     return {"report": rep, "table": table}
 
 
-def resolve_decoding(config: dict, decoding: Decoding | dict | None, beam: int | None) -> Decoding:
-    """The decoding to run: see `run_evaluation`; a bad combination is an InputError."""
+def resolve_decoding(config: dict, decoding: Decoding | dict | None) -> Decoding:
+    """The decoding to run (`EvalOptions.decoding`) on top of a checkpoint's `config`; a bad
+    combination is an InputError."""
     from cognet.core.errors import InputError
 
     if isinstance(decoding, Decoding):
         return decoding
     try:
         stored = Decoding.from_json(config.get("decoding"))
-        if decoding is None and beam is not None:
-            return stored.with_changes(name="beam", beam=beam)
         return stored.with_changes(**(decoding or {}))
     except ValueError as exc:
         raise InputError(str(exc)) from None

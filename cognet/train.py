@@ -263,7 +263,7 @@ def train(
         record = {"epoch": epoch, "loss": loss, "train_s": train_s}
         record["val_nll"] = validation_nll(model, vocab, val_patients)
         if cfg.select == "jaccard":
-            decoded = decode_patients(model, vocab, val_patients, beam=1)
+            decoded = decode_patients(model, vocab, val_patients, decoding=Decoding(beam=1))
             val = report(visit_results(val_patients, decoded), ddi_bool, rounds=1)
             for k in ("jaccard", "f1", "prauc", "ddi", "avg_drugs"):
                 record[f"val_{k}"] = val[k]["mean"]

@@ -18,10 +18,11 @@ from cognet import checkpoint, ddi_tradeoff
 from cognet.batching import make_batch
 from cognet.cli import main as cognet_main
 from cognet.core.ddi import RECOMMENDED_PENALTY, DDIPolicy, ddi_matrix, policy_from_options
+from cognet.core.decoding import Decoding
 from cognet.core.graphspec import INIT_INPUTS
 from cognet.core.history import patients_from_table
 from cognet.decode import beam_search as torch_beam_search
-from cognet.evaluate import decode_patients, run_evaluation
+from cognet.evaluate import EvalOptions, decode_patients, run_evaluation
 from cognet.model import history_inputs
 from cognet.runtime import Scorer
 from cognet.runtime.beam import BeamConfig, beam_search, ddi_rates
@@ -93,7 +94,9 @@ def reference(tiny):
     patients = list(patients_from_table(visits, vocab))
     flat = [v.visit_id for p in patients for v in p]
     adj = ddi_matrix(vocab, config["ddi_pairs"])
-    off = dict(zip(flat, decode_patients(model, vocab, patients, beam=4), strict=True))
+    off = dict(
+        zip(flat, decode_patients(model, vocab, patients, decoding=Decoding(beam=4)), strict=True)
+    )
     return {"model": model, "vocab": vocab, "visits": visits, "patients": patients,
             "flat": flat, "adj": adj, "off": off}  # fmt: skip
 
@@ -107,7 +110,9 @@ def _rate(adj: np.ndarray, meds) -> float:
 @pytest.mark.parametrize("policy", POLICIES, ids=IDS)
 def test_onnx_runtime_equals_torch_reference(tiny, reference, policy):
     vocab, adj = reference["vocab"], reference["adj"]
-    decoded = decode_patients(reference["model"], vocab, reference["patients"], beam=4, ddi=policy)
+    decoded = decode_patients(
+        reference["model"], vocab, reference["patients"], decoding=Decoding(beam=4), ddi=policy
+    )
     ref = dict(zip(reference["flat"], decoded, strict=True))
     scorer = Scorer(tiny / "model", device="cpu", batch_size=64, threads=1, ddi=policy)
     out = [row for c in scorer.score_table(reference["visits"], score_all=True)
@@ -128,7 +133,7 @@ def test_onnx_runtime_equals_torch_reference(tiny, reference, policy):
     assert off_rate > 0.05 and np.mean(rates) < off_rate
 
 
-# -- evaluate and the trade-off on a synthetic split (cognet.synth) -----------------------------
+# -- evaluate and the trade-off on a synthetic split (cognet.data.synth) ---------------------------
 
 
 @pytest.fixture(scope="module")
@@ -137,8 +142,8 @@ def synth_ckpt(tiny_dataset, tmp_path_factory) -> Path:
 
 
 def test_hard_gives_ddi_rate_zero_on_the_synthetic_test_split(tiny_dataset, synth_ckpt):
-    off = run_evaluation(synth_ckpt, tiny_dataset, rounds=2)["report"]
-    hard = run_evaluation(synth_ckpt, tiny_dataset, rounds=2, ddi=DDIPolicy("hard"))
+    off = run_evaluation(synth_ckpt, tiny_dataset, EvalOptions(rounds=2))["report"]
+    hard = run_evaluation(synth_ckpt, tiny_dataset, EvalOptions(ddi=DDIPolicy("hard"), rounds=2))
     assert off["ddi"]["mean"] > 0
     assert hard["report"]["ddi"] == {"mean": 0.0, "std": 0.0}
     assert hard["report"]["ddi_policy"]["mode"] == "hard"
@@ -146,8 +151,8 @@ def test_hard_gives_ddi_rate_zero_on_the_synthetic_test_split(tiny_dataset, synt
 
 
 def test_tradeoff_rows_table_and_plot(tiny_dataset, synth_ckpt, tmp_path):
-    result = ddi_tradeoff.run_tradeoff(synth_ckpt, tiny_dataset, penalties=(1.0, 8.0),
-                                       max_rates=(0.0,), rounds=2)  # fmt: skip
+    policy_list = ddi_tradeoff.policies(penalties=(1.0, 8.0), max_rates=(0.0,))
+    result = ddi_tradeoff.run_tradeoff(synth_ckpt, tiny_dataset, EvalOptions(rounds=2), policy_list)
     labels = [r.policy.label for r in result.rows]
     assert labels == ["off", "hard", "soft 1", "soft 8", "off, max-rate 0"]
     by = {r.policy.label: r for r in result.rows}
@@ -263,7 +268,7 @@ def test_explanations_of_a_model_without_attention_output(tiny, reference):
         o for o in model.decoder.step_outputs if o != "diag_attention"
     )
     scorer = Scorer.from_session(
-        model.encode, model.decoder, manifest.vocabulary(), manifest.dims.dim
+        model.encoder, model.decoder, manifest.vocabulary(), manifest.dims.dim
     )
     chunks = scorer.score_table(reference["visits"].slice(0, 30), score_all=True, explain=True)
     rows = [r for c in chunks for r in c.recommendations.to_pylist()]

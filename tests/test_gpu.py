@@ -9,6 +9,7 @@ import torch
 from tiny import make_tiny
 
 from cognet import checkpoint
+from cognet.core.decoding import Decoding
 from cognet.evaluate import decode_patients, load_split
 
 pytestmark = [
@@ -21,8 +22,8 @@ def test_beam_search_on_cuda_equals_cpu(tmp_path):
     data, ckpt = make_tiny(tmp_path, n_patients=60)
     model, vocab, _ = checkpoint.load(ckpt)
     patients = load_split(pq.read_table(data / "visits.parquet"), vocab, "test").patients
-    cpu = decode_patients(model, vocab, patients, beam=4)
-    gpu = decode_patients(model.to("cuda"), vocab, patients, beam=4)
+    cpu = decode_patients(model, vocab, patients, decoding=Decoding(beam=4))
+    gpu = decode_patients(model.to("cuda"), vocab, patients, decoding=Decoding(beam=4))
     assert [d.meds for d in gpu] == [d.meds for d in cpu]
     assert max(abs(a.score - b.score) for a, b in zip(gpu, cpu, strict=True)) < 1e-3
 
@@ -71,7 +72,7 @@ def _reference(root, device: str) -> tuple[list, dict]:
     model, vocab, _ = checkpoint.load(root / "ckpt")
     visits = pq.read_table(root / "data" / "visits.parquet")
     patients = list(patients_from_table(visits, vocab))
-    decoded = decode_patients(model.to(device), vocab, patients, beam=4)
+    decoded = decode_patients(model.to(device), vocab, patients, decoding=Decoding(beam=4))
     flat = [v for p in patients for v in p]
     by_id = {v.visit_id: vocab.med_codes(d.meds) for v, d in zip(flat, decoded, strict=True)}
     return visits, by_id
@@ -203,7 +204,7 @@ def test_ort_cuda_device_selection_equals_torch_reference(real_size, batch_size)
 
             model, vocab, _ = checkpoint.load(real_size / "ckpt")
             patients = list(patients_from_table(visits, vocab))
-            decoded = decode_patients(model, vocab, patients, beam=4, ddi=policy)
+            decoded = decode_patients(model, vocab, patients, decoding=Decoding(beam=4), ddi=policy)
             flat = [v for p in patients for v in p]
             ref = {v.visit_id: vocab.med_codes(d.meds) for v, d in zip(flat, decoded, strict=True)}
         else:
