@@ -60,12 +60,3 @@ def cut_padded(
         parts.append(order[lo : lo + take])
         lo += take
     return parts
-
-
-def cut_batches(
-    order: np.ndarray, slots: np.ndarray, batch_size: int, batch_slots: int
-) -> list[np.ndarray]:
-    """Cut `order` (sorted by history slots, `slots` alongside it) into batches of at most
-    `batch_size` visits whose padded history, visits x the most slots, stays within
-    `batch_slots` (a visit alone may exceed it)."""
-    return cut_padded(order, [slots], [batch_slots], batch_size)

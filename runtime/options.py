@@ -54,7 +54,8 @@ class ScoreOptions:
     chunk_targets: int | None = None  # visits to score per chunk; None: 16 x batch_size
     chunk_rows: int = 1 << 15  # rows per chunk at most
     encode_batch: int | None = None  # visits per encoder call; None: 64 CPU, 4096 GPU
-    # -- added later (fields go at the end)
+    # -- the input's limits and columns, and where candidates are selected (a new field goes
+    # at the end: `to_json`, which summaries record, keeps the declaration order)
     max_codes_per_visit: int = MAX_CODES  # more known codes of one kind: too_many_codes
     keep_columns: tuple[str, ...] = ()  # input columns carried into the output
     selection: str = "auto"  # one of SELECTIONS: where candidates are selected

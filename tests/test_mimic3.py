@@ -1,4 +1,4 @@
-"""cognet.mimic3 on tiny MIMIC-shaped CSVs written here (there is no MIMIC data in the repo)."""
+"""cognet.data.mimic3 on tiny MIMIC-shaped CSVs written here (no MIMIC data in the repo)."""
 
 from __future__ import annotations
 

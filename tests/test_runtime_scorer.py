@@ -13,12 +13,12 @@ from cognet import checkpoint
 from cognet.core import metrics
 from cognet.core import metrics as evaluation  # runtime/evaluation.py merged into metrics
 from cognet.core.ddi import ddi_matrix
+from cognet.core.decoding import Decoding
 from cognet.core.history import patients_from_table
 from cognet.core.manifest import load_manifest
 from cognet.evaluate import decode_patients, visit_results
 from cognet.runtime import OUTPUT_SCHEMA, Scorer
-from cognet.runtime.batches import cut_batches
-from cognet.runtime.scorer import CPU_BATCH_SLOTS
+from cognet.runtime.batches import CPU_BATCH_SLOTS, cut_padded
 
 torch.set_num_threads(1)
 
@@ -29,7 +29,7 @@ def reference(tiny):
     model, vocab, config = checkpoint.load(tiny / "ckpt")
     visits = pq.read_table(tiny / "data" / "visits.parquet")
     patients = list(patients_from_table(visits, vocab))
-    decoded = decode_patients(model, vocab, patients, beam=4)
+    decoded = decode_patients(model, vocab, patients, decoding=Decoding(beam=4))
     ddi = ddi_matrix(vocab, config["ddi_pairs"])
     flat = [v for p in patients for v in p]
     return {
@@ -78,12 +78,12 @@ def test_onnx_runtime_equals_torch_reference(tiny, reference, batch_size, stream
 def test_batches_are_cut_by_visits_and_by_padded_history():
     slots = np.array([0, 0, 3, 5, 5, 9, 20, 100])
     order = np.arange(slots.size)[::-1].copy()  # any labels, in the slots' order
-    parts = cut_batches(order, slots, batch_size=4, batch_slots=20)
+    parts = cut_padded(order, [slots], [20], batch_size=4)
     assert [p.tolist() for p in parts] == [[7, 6, 5, 4], [3, 2], [1], [0]]
     # [0 0 3 5]: 4 visits (the cap on visits); [5 9]: 2 x 9 = 18 (3 x 20 would be 60);
     # [20]: exactly 20; [100]: alone, above the cap
     assert np.array_equal(np.concatenate(parts), order)
-    one = cut_batches(order, slots, batch_size=100, batch_slots=1 << 30)
+    one = cut_padded(order, [slots], [1 << 30], batch_size=100)
     assert [p.tolist() for p in one] == [order.tolist()]
 
 
@@ -207,7 +207,7 @@ def test_beam_option_and_greedy(tiny, reference):
     _, out = _score(scorer, reference["visits"].slice(0, 40), score_all=True)
     model, vocab, _ = checkpoint.load(tiny / "ckpt")
     patients = list(patients_from_table(reference["visits"].slice(0, 40), vocab))
-    greedy = decode_patients(model, vocab, patients, beam=1)
+    greedy = decode_patients(model, vocab, patients, decoding=Decoding(beam=1))
     assert out["medications"].to_pylist() == [vocab.med_codes(d.meds) for d in greedy]
 
 
@@ -236,9 +236,9 @@ def test_io_binding_decoder_equals_the_host_decoder(tiny, reference):
     bound = DeviceDecoder(model.sessions["decoder_init"], model.sessions["decoder_step"],
                           manifest, device=("cpu", 0))  # fmt: skip
     table = reference["visits"]
-    host = Scorer.from_session(model.encode, model.decoder, manifest.vocabulary(), 16,
+    host = Scorer.from_session(model.encoder, model.decoder, manifest.vocabulary(), 16,
                                batch_size=16, compact_at=0.5)  # fmt: skip
-    dev = Scorer.from_session(model.encode, bound, manifest.vocabulary(), 16, batch_size=16,
+    dev = Scorer.from_session(model.encoder, bound, manifest.vocabulary(), 16, batch_size=16,
                               compact_at=0.5)  # fmt: skip
     _, a = _score(host, table, score_all=True, explain=True)
     _, b = _score(dev, table, score_all=True, explain=True)

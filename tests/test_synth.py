@@ -1,4 +1,4 @@
-"""The synthetic EHR generator (cognet.synth) and `cognet data synth`."""
+"""The synthetic EHR generator (cognet.data.synth) and `cognet data synth`."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """MIMIC-IV (``hosp`` module) -> a cognet dataset with the SafeDrug / COGNet preprocessing.
 
-The steps of `cognet.mimic3` (its mapping readers, top-k ranking, join and DDI code are
+The steps of `cognet.data.mimic3` (its mapping readers, top-k ranking, join and DDI code are
 reused), on MIMIC-IV's tables: admissions, diagnoses_icd, procedures_icd and prescriptions as
 PhysioNet ships them (``.csv.gz``, lower-case names and columns; ``--mimic-dir`` may be the
 release folder or its ``hosp/`` folder).
