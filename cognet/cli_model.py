@@ -79,6 +79,28 @@ threads_option = count_option(
     help="Share of the decoder's input medications replaced by the model's own "
     "prediction during training (exposure to its mistakes).",
 )
+@click.option(
+    "--aux-loss",
+    type=click.FloatRange(0),
+    help="Weight of an auxiliary multi-label loss (a training signal only: at each decoder "
+    "position, the medications still to come; 0: off).",
+)
+@click.option(
+    "--lr-decay",
+    type=click.FloatRange(0, 1, min_open=True),
+    help="Multiply the learning rate by this after every epoch (default: 1, constant).",
+)
+@count_option("--dim", help="Embedding size (default: 64).")
+@click.option(
+    "--emb-dropout",
+    type=click.FloatRange(0, 1, max_open=True),
+    help="Dropout on the code and medication embeddings (default: 0; reference: 0.3).",
+)
+@click.option(
+    "--attn-dropout",
+    type=click.FloatRange(0, 1, max_open=True),
+    help="Dropout on attention weights (default: 0; reference: 0.2).",
+)
 @click.option("--device", default="cpu", show_default=True, help="cpu, cuda, cuda:1, ...")
 @click.option(
     "--ablation",

@@ -303,17 +303,26 @@ class COGNet(nn.Module):
     ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """Everything after self-attention: x, attn_out [N, Q, s] -> log_probs, gate, copy,
         and the diagnosis cross-attention weights [N, H, Q, Ld]."""
-        kd, vd, bd, fd, kp, vp, bp, fp, copy_key, copy_bias, onehot, has_history = memories
+        h, att_d = self._hidden(x, attn_out, memories)
+        return (*self._mixture(h, memories), att_d)
+
+    def _hidden(self, x: Tensor, attn_out: Tensor, memories) -> tuple[Tensor, Tensor]:
+        """The decoder layer's output h [N, Q, s] and the diagnosis cross-attention weights."""
+        kd, vd, bd, fd, kp, vp, bp, fp = memories[:8]
         x = self.norm1(x + self.drop(attn_out))
         cross_d, att_d = self._cross(self.cross_d, x, kd, vd, bd, fd)
         cross_p, _ = self._cross(self.cross_p, x, kp, vp, bp, fp)
         x = self.norm2(x + self.drop(cross_d + cross_p))
-        h = self.norm3(x + self.drop(self.ffn(x)))  # [N, Q, s]
+        return self.norm3(x + self.drop(self.ffn(x))), att_d  # [N, Q, s]
+
+    def _mixture(self, h: Tensor, memories) -> tuple[Tensor, Tensor, Tensor]:
+        """h [N, Q, s] -> the copy-or-predict log_probs [N, Q, V1], gate [N, Q], copy [N, Q, S]."""
+        copy_key, copy_bias, onehot, has_history = memories[8:]
         gen = self.gen_head(h).softmax(-1)  # Pr_g [N, Q, V1]
         copy = (self.copy_query(h) @ copy_key + copy_bias.unsqueeze(1)).softmax(-1)  # [N, Q, S]
         gate = 1.0 - (1.0 - torch.sigmoid(self.gate_head(h).squeeze(-1))) * has_history.unsqueeze(1)
         prob = gate.unsqueeze(-1) * gen + (1.0 - gate).unsqueeze(-1) * (copy @ onehot)
-        return torch.log(prob.clamp_min(PROB_FLOOR)), gate, copy, att_d
+        return torch.log(prob.clamp_min(PROB_FLOOR)), gate, copy
 
     # -- graph 3: one decoder step with a KV cache -------------------------------------------------
     def decoder_step(
@@ -354,23 +363,30 @@ class COGNet(nn.Module):
         return k, v
 
     # -- teacher forcing ---------------------------------------------------------------------------
-    def decode_teacher_forced(self, tokens: Tensor, memories) -> tuple[Tensor, Tensor, Tensor]:
-        """tokens [N, L] (START then the target prefix) -> log_probs [N, L, V1], gate, copy."""
+    def decode_teacher_forced(
+        self, tokens: Tensor, memories, hidden: bool = False
+    ) -> tuple[Tensor, ...]:
+        """tokens [N, L] (START then the target prefix) -> log_probs [N, L, V1], gate, copy,
+        and with `hidden` the decoder layer's output h [N, L, s] (for training losses)."""
         x = self._embed_tokens(tokens, self.graph_embeddings())
         length = tokens.shape[1]
         causal = torch.full((length, length), NEG, device=tokens.device).triu(1)
         y = self.self_attn(x, x, causal.unsqueeze(0))
-        return self._finish(x, y, memories)[:3]
+        h, _ = self._hidden(x, y, memories)
+        out = self._mixture(h, memories)
+        return (*out, h) if hidden else out
 
-    def forward(self, batch: dict[str, Tensor]) -> Tensor:
-        """Teacher-forced log-probabilities [N, L, V1] for a batch from `cognet.batching`."""
+    def forward(self, batch: dict[str, Tensor], hidden: bool = False):
+        """Teacher-forced log-probabilities [N, L, V1] for a batch from `cognet.batching`;
+        with `hidden`, (log_probs, h [N, L, s])."""
         diag_enc, proc_enc, v_d, v_p, med_enc = self.encode_visits(
             batch["diagnoses"], batch["procedures"], batch["medications"]
         )
         memories = self.decoder_init(
             *history_inputs(batch, diag_enc, proc_enc, v_d, v_p, med_enc, self.cfg)
         )
-        return self.decode_teacher_forced(batch["dec_input"], memories)[0]
+        out = self.decode_teacher_forced(batch["dec_input"], memories, hidden)
+        return (out[0], out[3]) if hidden else out[0]
 
 
 def history_inputs(batch, diag_enc, proc_enc, v_d, v_p, med_enc, cfg: ModelConfig):

@@ -70,6 +70,9 @@ class TrainConfig:
     patience: int | None = 4  # epochs without a better validation score before stopping
     weight_decay: float = 0.0
     grad_clip: float = 5.0
+    lr_decay: float = 1.0  # the learning rate is multiplied by this after every epoch
+    # weight of the auxiliary multi-label loss (`aux_loss`); 0: off, the head not even built
+    aux_loss: float = 0.0
     # share of decoder input medications replaced by the model's own prediction (_forward)
     scheduled_sampling: float = 0.0
     dim: int = 64
@@ -102,6 +105,10 @@ class TrainConfig:
             raise ValueError("patience must be >= 1 (or None: no early stopping)")
         if not self.average or min(self.average) < 1:
             raise ValueError("average: window sizes >= 1")
+        if not 0 < self.lr_decay <= 1 or self.aux_loss < 0:
+            raise ValueError("lr_decay must be in (0, 1] and aux_loss >= 0")
+        if self.dim % self.heads:
+            raise ValueError(f"dim ({self.dim}) must be divisible by heads ({self.heads})")
 
     @classmethod
     def from_recipe(cls, recipe: str = "default", **changes) -> TrainConfig:
@@ -134,6 +141,43 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def aux_loss(aux_head: torch.nn.Linear, hidden: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """The auxiliary multi-label loss: at every decoder position t (START, each medication,
+    END), binary cross-entropy of `aux_head(h_t)` (one logit per medication) against the set
+    of medications still to come at t (at START the whole set, at END none), summed over
+    medications, averaged over positions. A training signal for the shared network only: the
+    head is not part of the model, and recommendations stay the copy-or-predict mixture.
+
+    hidden [N, L, s] (decoder outputs, teacher-forced); target [N, L] (`dec_target`).
+    """
+    n_med = aux_head.out_features
+    valid = target != IGNORE
+    is_med = valid & (target < n_med)
+    onehot = F.one_hot(torch.where(is_med, target, 0), n_med).float() * is_med.unsqueeze(-1)
+    remaining = onehot.flip(1).cumsum(1).flip(1).clamp_max(1.0)  # [N, L, M]
+    logits = aux_head(hidden[valid])
+    bce = F.binary_cross_entropy_with_logits(logits, remaining[valid], reduction="sum")
+    return bce / valid.sum().clamp_min(1)
+
+
+def batch_loss(
+    model: COGNet,
+    batch: dict,
+    vocab: Vocab,
+    cfg: TrainConfig,
+    gen: torch.Generator | None = None,
+    aux_head: torch.nn.Linear | None = None,
+) -> torch.Tensor:
+    """The training loss of a batch: teacher-forced NLL per target token, plus `cfg.aux_loss`
+    times `aux_loss` when an auxiliary head is given."""
+    log_probs, hidden = _forward(model, batch, vocab, cfg.scheduled_sampling, gen)
+    target = batch["dec_target"]
+    loss = F.nll_loss(log_probs.flatten(0, 1), target.flatten(), ignore_index=IGNORE)
+    if aux_head is not None:
+        loss = loss + cfg.aux_loss * aux_loss(aux_head, hidden, target)
+    return loss
+
+
 def train_epoch(
     model: COGNet,
     optim: torch.optim.Optimizer,
@@ -142,6 +186,7 @@ def train_epoch(
     cfg: TrainConfig,
     rng: random.Random,
     bar=None,
+    aux_head: torch.nn.Linear | None = None,
 ) -> float:
     """One pass over the patients (shuffled in place) with teacher forcing; mean loss."""
     model.train()
@@ -151,13 +196,11 @@ def train_epoch(
     for i in range(0, len(patients), cfg.batch_size):
         batch = make_batch(patients[i : i + cfg.batch_size], vocab, cfg.max_history)
         batch = {k: v.to(cfg.device) for k, v in batch.items()}
-        log_probs = _forward(model, batch, vocab, cfg.scheduled_sampling, gen)
-        loss = F.nll_loss(
-            log_probs.flatten(0, 1), batch["dec_target"].flatten(), ignore_index=IGNORE
-        )
+        loss = batch_loss(model, batch, vocab, cfg, gen, aux_head)
         optim.zero_grad(set_to_none=True)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        params = [p for group in optim.param_groups for p in group["params"]]
+        torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
         optim.step()
         total, count = total + float(loss.detach()), count + 1
         if bar is not None:
@@ -170,8 +213,9 @@ def train_epoch(
 
 def _forward(
     model: COGNet, batch: dict, vocab: Vocab, share: float, gen: torch.Generator | None
-) -> torch.Tensor:
-    """Teacher-forced log-probabilities [N, L, V1] of a training batch.
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Teacher-forced log-probabilities [N, L, V1] of a training batch and the decoder
+    outputs h [N, L, s].
 
     With `share` > 0 (scheduled sampling), that share of the decoder's input medications
     (after START) is replaced by the model's own prediction for that position from a first
@@ -180,14 +224,15 @@ def _forward(
     encoded once for both passes.
     """
     if share <= 0:
-        return model(batch)
+        return model(batch, hidden=True)
     enc = model.encode_visits(batch["diagnoses"], batch["procedures"], batch["medications"])
     memories = model.decoder_init(*history_inputs(batch, *enc, model.cfg))
     inputs = batch["dec_input"]
     with torch.no_grad():
         predicted = model.decode_teacher_forced(inputs, memories)[0].argmax(-1)  # [N, L]
     mixed = mix_inputs(inputs, predicted, share, vocab.n_med, gen)
-    return model.decode_teacher_forced(mixed, memories)[0]
+    out = model.decode_teacher_forced(mixed, memories, hidden=True)
+    return out[0], out[3]
 
 
 def mix_inputs(
@@ -242,7 +287,13 @@ def train(
     ehr = ehr_adjacency(train_data.patients, vocab.n_med)
     ddi = ddi_adjacency(dataset.ddi_pairs, vocab)
     model = COGNet(cfg.model_config(vocab), ehr, ddi).to(cfg.device)
-    optim = torch.optim.Adam(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    params = list(model.parameters())
+    aux_head = None
+    if cfg.aux_loss > 0:  # built after the model: the model's initialisation stays the same
+        aux_head = torch.nn.Linear(cfg.dim, vocab.n_med).to(cfg.device)
+        params += list(aux_head.parameters())
+    optim = torch.optim.Adam(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    decay = torch.optim.lr_scheduler.ExponentialLR(optim, cfg.lr_decay)
     rng = random.Random(cfg.seed)
     ddi_bool = ddi > 0
     best, history, stale = None, [], 0
@@ -258,9 +309,11 @@ def train(
             if progress
             else None
         )
-        loss = train_epoch(model, optim, patients, vocab, cfg, rng, bar)
+        lr = optim.param_groups[0]["lr"]
+        loss = train_epoch(model, optim, patients, vocab, cfg, rng, bar, aux_head)
+        decay.step()
         train_s = time.perf_counter() - start
-        record = {"epoch": epoch, "loss": loss, "train_s": train_s}
+        record = {"epoch": epoch, "loss": loss, "train_s": train_s, "lr": lr}
         record["val_nll"] = validation_nll(model, vocab, val_patients)
         if cfg.select == "jaccard":
             decoded = decode_patients(model, vocab, val_patients, decoding=Decoding(beam=1))

@@ -1,0 +1,166 @@
+"""Training options: the auxiliary multi-label loss (a training signal only), the learning
+rate decay, and the width and dropout options of `cognet train`."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import onnx
+import pytest
+import torch
+import torch.nn.functional as F
+from click.testing import CliRunner
+from tiny import make_tiny
+
+from cognet import checkpoint
+from cognet.batching import IGNORE, make_batch
+from cognet.cli import main
+from cognet.evaluate import load_split
+from cognet.train import TrainConfig, aux_loss, batch_loss
+
+# small and quick: the options under test, not the recipe's size
+SMALL = ["--dim", "16", "--epochs", "2", "--seed", "3", "--quiet"]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tiny")
+    data, ckpt = make_tiny(root, n_patients=45)
+    return data, ckpt
+
+
+@pytest.fixture(scope="module")
+def trained(tiny, tmp_path_factory):
+    """Two trainings of the same seed: without and with the auxiliary loss."""
+    root = tmp_path_factory.mktemp("trained")
+    out = {}
+    for name, extra in (("plain", []), ("aux", ["--aux-loss", "0.5", "--lr-decay", "0.5"])):
+        out[name] = root / name
+        res = CliRunner().invoke(
+            main, ["train", "--data", str(tiny[0]), "--out", str(out[name]), *SMALL, *extra]
+        )
+        assert res.exit_code == 0, res.output
+    return out
+
+
+def _batch(tiny):
+    import pyarrow.parquet as pq
+
+    model, vocab, _ = checkpoint.load(tiny[1])
+    patients = load_split(pq.read_table(tiny[0] / "visits.parquet"), vocab, "train").patients
+    return model, vocab, make_batch(patients[:6], vocab)
+
+
+def test_aux_loss_targets_the_medications_still_to_come():
+    head = torch.nn.Linear(3, 4)
+    hidden = torch.randn(2, 4, 3)
+    # visit 0: meds 2, 0 then END (4); visit 1: med 3, END, padding
+    target = torch.tensor([[2, 0, 4, IGNORE], [3, 4, IGNORE, IGNORE]])
+    remaining = {
+        (0, 0): {0, 2},
+        (0, 1): {0},
+        (0, 2): set(),
+        (1, 0): {3},
+        (1, 1): set(),
+    }
+    expected = 0.0
+    for (n, t), meds in remaining.items():
+        y = torch.tensor([float(k in meds) for k in range(4)])
+        logits = head(hidden[n, t]).detach()
+        expected += float(F.binary_cross_entropy_with_logits(logits, y, reduction="sum"))
+    got = float(aux_loss(head, hidden, target).detach())
+    assert got == pytest.approx(expected / len(remaining), rel=1e-5)
+
+
+def test_batch_loss_adds_the_weighted_aux_loss(tiny):
+    model, vocab, batch = _batch(tiny)
+    model.eval()  # no dropout: the same forward pass each call
+    head = torch.nn.Linear(model.cfg.dim, vocab.n_med)
+    plain = batch_loss(model, batch, vocab, TrainConfig())
+    off = batch_loss(model, batch, vocab, TrainConfig(aux_loss=0.0), aux_head=head)
+    on = batch_loss(model, batch, vocab, TrainConfig(aux_loss=0.7), aux_head=head)
+    log_probs, hidden = model(batch, hidden=True)
+    assert torch.equal(log_probs, model(batch))  # `hidden` changes nothing else
+    aux = aux_loss(head, hidden, batch["dec_target"])
+    assert float(off) == pytest.approx(float(plain), rel=1e-6)
+    assert float(on) == pytest.approx(float(plain) + 0.7 * float(aux), rel=1e-5)
+    assert float(aux) > 0
+
+
+def test_aux_gradient_reaches_the_shared_network_not_the_output_heads(tiny):
+    model, vocab, batch = _batch(tiny)
+    head = torch.nn.Linear(model.cfg.dim, vocab.n_med)
+    _, hidden = model(batch, hidden=True)
+    aux_loss(head, hidden, batch["dec_target"]).backward()
+    for shared in (model.diag_emb.weight, model.cross_d.q.weight, model.ffn[0].weight):
+        assert shared.grad is not None and shared.grad.abs().sum() > 0
+    assert head.weight.grad.abs().sum() > 0
+    for output in (model.gen_head.weight, model.copy_query.weight, model.gate_head.weight):
+        assert output.grad is None  # the recommendation's heads are left to the NLL
+
+
+def test_aux_head_is_not_part_of_the_checkpoint(trained):
+    plain = json.loads((trained["plain"] / "config.json").read_text())
+    aux = json.loads((trained["aux"] / "config.json").read_text())
+    assert plain["model"] == aux["model"]  # the same architecture
+    assert (plain["train"]["aux_loss"], aux["train"]["aux_loss"]) == (0.0, 0.5)
+    assert (plain["train"]["lr_decay"], aux["train"]["lr_decay"]) == (1.0, 0.5)
+    model_a, _, config_a = checkpoint.load(trained["plain"])
+    model_b, _, config_b = checkpoint.load(trained["aux"])
+    assert config_b["train"]["aux_loss"] == 0.5  # round-trips through the loader
+    a, b = model_a.state_dict(), model_b.state_dict()
+    assert a.keys() == b.keys()
+    assert {k: v.shape for k, v in a.items()} == {k: v.shape for k, v in b.items()}
+    assert any(not torch.equal(a[k], b[k]) for k in a)  # trained differently
+
+
+def test_lr_decay_is_applied_per_epoch(trained):
+    log = (trained["aux"] / "train_log.jsonl").read_text().splitlines()
+    lrs = [json.loads(line)["lr"] for line in log]
+    assert lrs == pytest.approx([1e-3, 5e-4])
+    plain = (trained["plain"] / "train_log.jsonl").read_text().splitlines()
+    assert [json.loads(line)["lr"] for line in plain] == [1e-3, 1e-3]
+
+
+def test_exported_graphs_do_not_depend_on_the_training_loss(trained, tmp_path):
+    from cognet.export import GRAPH_FILES, export
+
+    def structure(path):
+        graph = onnx.load(str(path)).graph
+        return (
+            [(n.op_type, list(n.input), list(n.output)) for n in graph.node],
+            [i.name for i in graph.input],
+            [o.name for o in graph.output],
+            sorted((t.name, tuple(t.dims)) for t in graph.initializer),
+        )
+
+    for name in ("plain", "aux"):
+        export(trained[name], tmp_path / name, validate=False)
+    for file in GRAPH_FILES.values():
+        assert structure(tmp_path / "plain" / file) == structure(tmp_path / "aux" / file)
+    weights = [
+        np.concatenate(
+            [onnx.numpy_helper.to_array(t).ravel() for t in onnx.load(str(p)).graph.initializer]
+        )
+        for p in (tmp_path / n / GRAPH_FILES["decoder_step"] for n in ("plain", "aux"))
+    ]
+    assert not np.array_equal(*weights)  # same graph, other weights
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--aux-loss", "-1"], "--aux-loss"),
+        (["--lr-decay", "0"], "--lr-decay"),
+        (["--lr-decay", "1.5"], "--lr-decay"),
+        (["--dim", "15"], "divisible by heads"),
+        (["--emb-dropout", "1"], "--emb-dropout"),
+    ],
+)
+def test_bad_options_exit_2(tiny, tmp_path, args, message):
+    res = CliRunner().invoke(
+        main, ["train", "--data", str(tiny[0]), "--out", str(tmp_path / "c"), "--quiet", *args]
+    )
+    assert res.exit_code == 2 and message in res.output
+    assert not (tmp_path / "c").exists()
