@@ -22,15 +22,18 @@ also follow; tests hold the two equal, visit by visit.
   log_probs [N, S, V1], `used`, `finished`, the step's uniforms u [N, S] (counter-based, from
   the host) and the running hazard sums [N, M]: the drawn tokens and the next used / finished
   / hazard.
-- `take_<dtype>`: rows of any tensor (Gather on axis 0): finished visits leave the batch on
-  the device.
+- `take_<dtype>` and `take_<dtype>_<r>d` (`graphspec.take_graph_name`): rows (Gather on
+  axis 0) of a matrix, or of a rank-r tensor (r = 1, 3, 4, 5): finished visits leave the
+  batch on the device.
 - `init_gather_<dtype>` (float32, float16): the decoder-init inputs gathered from the
   encoder outputs where the encoder wrote them (`cognet.runtime.assemble.Layout`): from the
   flat `codes` and `visits` buffers and one index tensor per input (`<input>_rows`), the
   seven encoding inputs of `decoder_init`, so that encodings never cross to the host.
 
-Only standard ONNX operators, no control flow. With `--device tensorrt` they run on the
-CUDA provider, not TensorRT: set decoding is float64, which TensorRT does not have.
+Only standard ONNX operators, no control flow, and every input and output has a rank: each
+graph passes `onnx.checker.check_model(full_check=True)` (tests/test_graph_validity.py). With
+`--device tensorrt` they run on the CUDA provider, not TensorRT: set decoding is float64,
+which TensorRT does not have.
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from cognet.core.graphspec import INIT_GATHERED
+from cognet.core.graphspec import INIT_GATHERED, TAKE_DTYPES, TAKE_RANKS, take_graph_name
 from cognet.core.manifest import GraphSpec, TensorSpec, file_sha256
 
 F32, F64, I64, BOOL = TensorProto.FLOAT, TensorProto.DOUBLE, TensorProto.INT64, TensorProto.BOOL
@@ -52,13 +55,15 @@ TAKE_TYPES = {
     "int64": TensorProto.INT64,
     "bool": TensorProto.BOOL,
 }
+assert tuple(TAKE_TYPES) == TAKE_DTYPES
+TAKES = {take_graph_name(t, r): (t, r) for t in TAKE_DTYPES for r in TAKE_RANKS}
 INIT_GATHER_TYPES = ("float32", "float16")  # the encoder outputs' types (fp32, fp16 variant)
 BEAM_SELECT = ("beam_select", "beam_select_ddi", "beam_select_split", "beam_select_split_ddi")
 SEARCH_FILES = {
     **{name: f"{name}.onnx" for name in BEAM_SELECT},
     "set_select": "set_select.onnx",
     "set_select_ddi": "set_select_ddi.onnx",
-    **{f"take_{t}": f"take_{t}.onnx" for t in TAKE_TYPES},
+    **{name: f"{name}.onnx" for name in TAKES},
     **{f"init_gather_{t}": f"init_gather_{t}.onnx" for t in INIT_GATHER_TYPES},
 }
 # A candidate at or below this is impossible (-inf): far below any hypothesis score (45 steps
@@ -102,8 +107,7 @@ class _Graph:
         graph = helper.make_graph(self.nodes, self.name, self.inputs, self.outputs, self.inits)
         model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
         model.ir_version = 8
-        if all(v.type.tensor_type.HasField("shape") for v in self.inputs):
-            onnx.checker.check_model(model, full_check=True)
+        onnx.checker.check_model(model, full_check=True)
         return model
 
 
@@ -240,14 +244,15 @@ def set_select_graph(v1: int, ddi_adj: np.ndarray | None, opset: int) -> onnx.Mo
     return g.model(opset)
 
 
-def take_graph(dtype: str, opset: int) -> onnx.ModelProto:
-    """Rows of a tensor of any shape: Gather(x, rows, axis=0)."""
+def take_graph(dtype: str, opset: int, rank: int = 2) -> onnx.ModelProto:
+    """Rows of a rank-`rank` tensor: y [K, ...] = Gather(x [N, ...], rows [K], axis=0)."""
     elem = TAKE_TYPES[dtype]
-    g = _Graph(f"take_{dtype}")
-    x = g.input("x", elem, None)
+    g = _Graph(take_graph_name(dtype, rank))
+    rest = [f"A{i}" for i in range(1, rank)]
+    x = g.input("x", elem, ["N", *rest])
     rows = g.input("rows", I64, ["K"])
     g.op("Gather", x, rows, axis=0, name="y")
-    g.outputs.append(helper.make_tensor_value_info("y", elem, None))
+    g.outputs.append(helper.make_tensor_value_info("y", elem, ["K", *rest]))
     return g.model(opset)
 
 
@@ -275,7 +280,7 @@ def write_search_graphs(
         },
         "set_select": set_select_graph(v1, None, opset),
         "set_select_ddi": set_select_graph(v1, ddi_adj, opset),
-        **{f"take_{t}": take_graph(t, opset) for t in TAKE_TYPES},
+        **{name: take_graph(t, opset, rank) for name, (t, rank) in TAKES.items()},
         **{f"init_gather_{t}": init_gather_graph(t, opset) for t in INIT_GATHER_TYPES},
     }
     specs = {}
@@ -295,8 +300,6 @@ def _specs(values) -> tuple[TensorSpec, ...]:
     out = []
     for v in values:
         t = v.type.tensor_type
-        dims = ("...",)  # a take graph's tensors: any rank
-        if t.HasField("shape"):
-            dims = tuple(d.dim_param or d.dim_value for d in t.shape.dim)
+        dims = tuple(d.dim_param or d.dim_value for d in t.shape.dim)
         out.append(TensorSpec(v.name, _DTYPE_NAMES[t.elem_type], dims))
     return tuple(out)

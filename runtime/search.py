@@ -26,6 +26,7 @@ import onnxruntime as ort
 
 from cognet.core import driver
 from cognet.core.ddi import DDIPolicy, check_adjacency
+from cognet.core.graphspec import take_graph_name
 from cognet.core.sampling import SetConfig, uniforms
 from cognet.runtime.beam import BeamConfig, BeamResult, BeamRule, Step
 
@@ -92,7 +93,9 @@ class SearchGraphs:
         """Rows (axis 0) of a handle, gathered where it lives."""
         if isinstance(value, np.ndarray):
             return value[rows]
-        name = _TAKE[value.data_type()]
+        name = take_graph_name(_TAKE[value.data_type()][5:], len(value.shape()))
+        if name not in self.sessions:  # a model exported before: one take graph of any rank
+            name = _TAKE[value.data_type()]
         _, out = self.run(name, {"x": value, "rows": np.asarray(rows, np.int64)}, (), ("y",))
         return out["y"]
 

@@ -70,6 +70,20 @@ STEP_OUTPUTS = (
     "present_value",  # [N, B, H, T + 1, dh]
 )
 
+# The take graphs of `cognet-export` (export/search_graphs.py): rows (axis 0) of a tensor of
+# each element type and rank that the runtime gathers on a device (the KV cache has rank 5).
+# ONNX wants a rank on every graph input and output, hence one graph per rank; the rank-2 one
+# keeps the plain name `take_<dtype>`, which a model exported before gave its one rank-free
+# take graph (the runtime runs that one for every rank: `take_graph_name` falls back to it).
+TAKE_DTYPES = ("float32", "float16", "float64", "int64", "bool")
+TAKE_RANKS = (1, 2, 3, 4, 5)
+
+
+def take_graph_name(dtype: str, rank: int) -> str:
+    """The take graph of a rank-`rank` tensor of `dtype` ("float32", ...)."""
+    return f"take_{dtype}" if rank == 2 else f"take_{dtype}_{rank}d"
+
+
 # Additive bias of padded attention positions: finite so fp16 and all-padding rows stay safe.
 NEG = -1.0e4
 # Floor of the mixture probability before the log.
