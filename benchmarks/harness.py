@@ -376,6 +376,8 @@ def _run_line(run: dict) -> str:
     ]
     if run["matches_reference"] is None and run.get("agreement") is not None:
         ok = f"agrees on {run['agreement']:.2%}"
+    if run.get("batch_dependent"):  # the reference's answer there depends on its batch
+        ok += f" ({run['batch_dependent']} batch-dependent reference)"
     p50 = run["latency_ms"]["p50"]
     return (
         f"{_label(run['engine'], run.get('mode', 'request')):<24} "

@@ -292,11 +292,17 @@ def _guard(run: dict) -> str:
         notes.append(f"{run['ties']} float tie(s) broken the other way (score gap {gaps})")
     if run.get("reference_ambiguous"):
         notes.append(f"the reference answered {run['reference_ambiguous']} visit(s) two ways")
+    if run.get("batch_dependent"):
+        notes.append(
+            f"batch-dependent reference on {run['batch_dependent']} visit(s): decoded alone, "
+            "it gives this engine's answer"
+        )
     note = "".join(f"; {n}" for n in notes)
     if not run["matches_reference"]:
         return f"**NO: {run['mismatches']} of {run['compared']} differ**{note}"
     if run["mismatches"] or notes:  # a set decoding within its tolerance, or notes
-        same = run["compared"] - run["mismatches"] - run.get("ties", 0)
+        apart = run.get("ties", 0) + run.get("batch_dependent", 0)
+        same = run["compared"] - run["mismatches"] - apart
         return f"yes ({same} of {run['compared']} equal{note})"
     return f"yes ({run['compared']})"
 

@@ -121,7 +121,7 @@ def test_perpatient_decodes_like_the_reference(tiny, beam):
 
 
 def test_guard_flags_a_wrong_engine():
-    guard = Guard(reference=object())
+    guard = Guard(reference=_Reference())
     guard.add(4, {"v1": ("A", "B"), "v2": ("C",)})
     assert guard.compare(4, {"v1": ("A", "B"), "v2": ("C",)})["matches_reference"] is True
     bad = guard.compare(4, {"v1": ("B", "A"), "v2": ("C",)})
@@ -132,7 +132,7 @@ def test_guard_flags_a_wrong_engine():
 
 def test_guard_accepts_any_answer_the_reference_gave():
     """A near-tie the reference itself answers two ways (two batch sizes on a GPU)."""
-    guard = Guard(reference=object())
+    guard = Guard(reference=_Reference())
     guard.add(4, {"v1": ("A", "B"), "v2": ("C",)})
     assert guard.compare(4, {"v1": ("A", "C"), "v2": ("C",)})["mismatches"] == 1
     guard.add(4, {"v1": ("A", "C"), "v2": ("C",)})
@@ -214,10 +214,29 @@ def test_list_scores_are_the_beam_scores(tiny):
     assert all(abs(a - b) > 1e-3 for a, b in zip(changed, scores, strict=False))
 
 
-class _Scored:
+class _Reference:
+    """A reference engine whose answer for a visit decoded alone is `alone[visit_id]` (no
+    medication when not given)."""
+
+    def __init__(self, alone: dict | None = None):
+        self.alone, self.runs = alone or {}, 0
+
+    def prepare(self, beam: int, batch_size: int) -> None:
+        assert batch_size == 1  # the guard decodes a differing visit alone
+
+    def run(self, batch) -> list:
+        self.runs += 1
+        return [self.alone.get(vid, ()) for vid in batch.visit_ids]
+
+    def recommendations(self, batch, output) -> dict:
+        return dict(zip(batch.visit_ids, output, strict=True))
+
+
+class _Scored(_Reference):
     """A reference that scores lists from a table (the guard's tie check)."""
 
     def __init__(self, table: dict):
+        super().__init__()
         self.table = table
 
     def list_scores(self, patients, lists):
@@ -285,3 +304,48 @@ def test_guard_scores_a_bounded_number_of_differences():
     got = guard.compare(4, {f"v{i}": ("B",) for i in range(n)})
     assert (got["ties"], got["mismatches"]) == (TIE_CHECKS, 44)
     assert got["matches_reference"] is False
+
+
+def test_guard_reports_a_batch_dependent_reference_apart():
+    """The reference answered v1 one way in its batch and another alone: an engine giving
+    the answer alone is reported apart, not as a mismatch; another answer still is one."""
+    reference = _Reference(alone={"v1": ("B", "A"), "v2": ("C",)})
+    guard = Guard(reference)
+    guard.add(4, {"v1": ("A", "B"), "v2": ("C",)})
+    guard.patients.update({"v1": "p1", "v2": "p2"})
+    got = guard.compare(4, {"v1": ("B", "A"), "v2": ("C",)})
+    assert got["matches_reference"] is True and got["mismatches"] == 0
+    assert got["batch_dependent"] == 1
+    assert got["batch_dependent_examples"] == [
+        {"visit_id": "v1", "reference": ["A", "B"], "got": ["B", "A"]}
+    ]
+    bad = guard.compare(4, {"v1": ("D",), "v2": ("C",)})
+    assert bad["matches_reference"] is False and bad["mismatches"] == 1
+    assert bad["batch_dependent"] == 0
+    assert reference.runs == 1  # v1 decoded alone once; v2 never differed
+
+
+def test_guard_decodes_a_differing_visit_alone_with_the_torch_reference(tiny):
+    """With torch-batched as the reference: a visit whose reference answer (as if flipped by
+    its batch) differs from the engine's is decoded alone, which gives the engine's answer."""
+    from cognet.benchmarks.engines import TorchBatched
+    from cognet.benchmarks.workload import Batch
+
+    torch.set_num_threads(1)
+    engine = TorchBatched("torch-batched", tiny / "ckpt", 1)
+    patients = load_split(read_dataset(tiny / "data").visits, engine.vocab, "train").patients
+    patients = patients[:6]
+    batch = Batch(None, patients, [p[-1].visit_id for p in patients])
+    engine.prepare(4, len(patients))
+    right = engine.recommendations(batch, engine.run(batch))
+    guard = Guard(engine)
+    guard.patients.update((p[-1].visit_id, p) for p in patients)
+    flipped = batch.visit_ids[0]
+    other, wrong = [(m,) for m in engine.vocab.medications if (m,) != right[flipped]][:2]
+    guard.add(4, {**right, flipped: other})  # the reference's answer in its batch
+    got = guard.compare(4, right)
+    assert got["matches_reference"] is True and got["mismatches"] == 0
+    assert got["batch_dependent"] == 1
+    assert got["batch_dependent_examples"][0]["visit_id"] == flipped
+    bad = guard.compare(4, {**right, flipped: wrong})
+    assert bad["mismatches"] == 1 and bad["batch_dependent"] == 0
