@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import click
 
@@ -305,7 +304,7 @@ def evaluate(
     result = run_evaluation(ckpt, data_dir, options)
     click.echo(result["table"])
     if json_out:
-        Path(json_out).write_text(json.dumps(result["report"], indent=1) + "\n")
+        write_text(json_out, json.dumps(result["report"], indent=1) + "\n")
 
 
 def _floats(text: str, option: str) -> tuple[float, ...]:

@@ -210,8 +210,9 @@ def plot(
     title: str = "",
 ) -> Path:
     """Jaccard against DDI rate, one point per policy (bootstrap std as error bars), off and
-    the soft penalties joined in order, dotted lines at `off` - MAX_JACCARD_DROP and at 70%
-    of off's DDI rate; a PNG at `path`. Needs matplotlib (imported here)."""
+    the soft penalties joined in order, a dotted line at `off` - MAX_JACCARD_DROP and a
+    dashed one at 70% of off's DDI rate, each named in the legend (right of the axes, off
+    hollow so that a point it covers shows); a PNG at `path`. Needs matplotlib."""
     try:
         import matplotlib
     except ImportError:
@@ -221,7 +222,7 @@ def plot(
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6.4, 4.4), dpi=120)
+    fig, ax = plt.subplots(figsize=(8.4, 4.4), dpi=120)  # the legend right of the axes
     off = next((r for r in rows if not r.policy.active), None)
     soft = sorted(
         (r for r in rows if r.policy.mode == "soft" and r.policy.max_rate is None),
@@ -238,8 +239,10 @@ def plot(
             zorder=1,
         )
     if off is not None:  # the region a recommended penalty must reach
-        ax.axhline(off.mean("jaccard") - MAX_JACCARD_DROP, color="gray", ls=":", lw=1)
-        ax.axvline(0.7 * off.mean("ddi"), color="gray", ls=":", lw=1)
+        floor = f"Jaccard of off - {MAX_JACCARD_DROP:g}"
+        ax.axhline(off.mean("jaccard") - MAX_JACCARD_DROP, color="gray", ls=":", lw=1, label=floor)
+        cut = "70% of off's DDI rate"
+        ax.axvline(0.7 * off.mean("ddi"), color="gray", ls="--", lw=1, label=cut)
     shades = plt.get_cmap("viridis")(np.linspace(0.15, 0.85, max(1, len(soft))))
     colors = {id(r): c for r, c in zip(soft, shades, strict=False)}
     style = {"off": ("s", "tab:gray"), "hard": ("D", "tab:red"), "soft": ("o", None)}
@@ -256,13 +259,15 @@ def plot(
             yerr=r.report["jaccard"]["std"],
             fmt=marker,
             color=color,
-            ms=8 if r is recommended else 6,
+            ms=9 if r is recommended else 7,
             mec="black" if r is recommended else color,
+            mfc="none" if r.policy.mode == "off" else color,  # hollow: see what it covers
+            alpha=0.85,
             capsize=2,
             zorder=2,
             label=label,
         )
-    ax.legend(fontsize=8, loc="lower right")
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0)
     ax.set_xlabel("DDI rate (lower is safer)")
     ax.set_ylabel("Jaccard")
     ax.set_title(title or "COGNet: accuracy vs drug-drug interactions by decoding policy")

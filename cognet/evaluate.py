@@ -189,7 +189,11 @@ def run_evaluation(ckpt, data_dir, options: EvalOptions = EvalOptions()) -> dict
             _write_parquet(
                 options.predictions,
                 predictions_table(
-                    data.patients, [d.meds for d in decoded], [d.score for d in decoded], vocab
+                    data.patients,
+                    [d.meds for d in decoded],
+                    [d.score for d in decoded],
+                    vocab,
+                    [d.med_probs for d in decoded],
                 ),
             )
     rep = report(results, ddi_adj, rounds=options.rounds, seed=seed)

@@ -71,7 +71,7 @@ def test_train_then_evaluate(tiny, tmp_path):
     import pyarrow.parquet as pq
 
     table = pq.read_table(preds)
-    assert table.column_names == ["patient_id", "visit_id", "medications", "score"]
+    assert table.column_names == ["patient_id", "visit_id", "medications", "score", "probabilities"]
     assert table.num_rows == rep["n_visits"]
 
 
