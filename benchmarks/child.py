@@ -15,6 +15,7 @@ import pyarrow.parquet as pq
 
 from cognet.benchmarks.settings import Context, Settings
 from cognet.benchmarks.workload import Pool, repeat_patients
+from cognet.core.files import atomic_path
 
 # `cognet-batch` in a child that writes its own peak RSS (VmHWM) at exit: the rusage of a
 # child is no good here, Linux carries the parent's peak into it across fork + exec.
@@ -106,5 +107,6 @@ def write_input(pool: Pool, rows: int, path: Path) -> int:
     number of visits to score (last visits of the patients whose rows are all in)."""
     table = pool.table
     table = repeat_patients(table, -(-rows // len(table))).slice(0, rows)
-    pq.write_table(table, path)
+    with atomic_path(path) as tmp:
+        pq.write_table(table, tmp)
     return int(table["medications"].null_count)

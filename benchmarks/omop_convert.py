@@ -35,6 +35,8 @@ import pyarrow as pa
 import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 
+from cognet.core.files import write_text
+
 N_CONDITIONS, N_PROCEDURES, N_DRUGS, N_ATC3 = 2000, 500, 3000, 150
 CONDITIONS_PER_VISIT, PROCEDURES_PER_VISIT, VISITS_PER_PERSON = 5, 2, 4
 CHUNK = 1_000_000  # rows generated and written at a time
@@ -323,7 +325,7 @@ def run(work: Path, visits: int, drug_rows: int, fmt: str, keep: bool) -> dict:
     if not keep:
         shutil.rmtree(cdm)
         (work / "omop.duckdb").unlink(missing_ok=True)
-    (work / "result.json").write_text(json.dumps(result, indent=2) + "\n")
+    write_text(work / "result.json", json.dumps(result, indent=2) + "\n")
     return result
 
 
