@@ -13,7 +13,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from click.testing import CliRunner
-from tiny import KILLER, last_visits_unknown
+from tiny import (
+    BEAM_ALONE,
+    BEAM_WITH_SET_OPTIONS,
+    KILLER,
+    last_visits_unknown,
+    with_set_decoding,
+)
 
 from cognet.runtime.cli import main
 from cognet.runtime.outputs import OUTPUT_SCHEMA, REJECTS_SCHEMA
@@ -266,24 +272,10 @@ def test_runs_without_torch(tiny, visits, tmp_path):
     assert pq.read_table(tmp_path / "o.parquet").num_rows > 0
 
 
-def _set_decoding_model(tiny: Path, where: Path) -> Path:
-    """A copy of the tiny model whose own decoding is set decoding (as a trained model's)."""
-    import shutil
-
-    model = where / "model"
-    shutil.copytree(tiny / "model", model)
-    manifest = json.loads((model / "manifest.json").read_text())
-    manifest["decoding"] = {"name": "set", "samples": 4, "threshold": 0.3}
-    (model / "manifest.json").write_text(json.dumps(manifest))
-    return model
-
-
-@pytest.mark.parametrize(
-    "args,name,beam",
-    [([], "set", 4), (["--beam", "2"], "beam", 2), (["--decoding", "beam"], "beam", 4)],
-)
+@pytest.mark.parametrize("args,name,beam", BEAM_ALONE)
 def test_beam_alone_asks_for_beam_search(tiny, visits, tmp_path, args, name, beam):
-    model, inp = _set_decoding_model(tiny, tmp_path), tmp_path / "in.parquet"
+    model = with_set_decoding(tiny / "model", tmp_path, "manifest.json")
+    inp = tmp_path / "in.parquet"
     pq.write_table(last_visits_unknown(visits), inp)
     out, summary = tmp_path / "out.parquet", tmp_path / "s.json"
     argv = ["score", str(inp), "--model", str(model), "--out", str(out), "--quiet"]
@@ -296,15 +288,7 @@ def test_beam_alone_asks_for_beam_search(tiny, visits, tmp_path, args, name, bea
     assert all(s <= 0 for s in scores) if name == "beam" else all(0 <= s <= 1 for s in scores)
 
 
-@pytest.mark.parametrize(
-    "args,named",
-    [
-        (["--beam", "2", "--samples", "4"], "--samples"),
-        (["--beam", "2", "--threshold", "0.3"], "--threshold"),
-        (["--decoding", "beam", "--beam", "1", "--samples", "4"], "--samples"),
-        (["--decoding", "set", "--beam", "2", "--threshold", "0.3"], "--threshold"),
-    ],
-)
+@pytest.mark.parametrize("args,named", BEAM_WITH_SET_OPTIONS)
 def test_beam_with_set_options_is_a_usage_error(tiny, visits, tmp_path, args, named):
     inp, out = tmp_path / "in.parquet", tmp_path / "out.parquet"
     pq.write_table(last_visits_unknown(visits), inp)

@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from click.testing import CliRunner
+from tiny import BEAM_ALONE, BEAM_WITH_SET_OPTIONS, with_set_decoding
 
 from cognet import checkpoint
 from cognet.cli import main
@@ -186,44 +187,22 @@ def test_by_history_splits_first_and_later_visits():
     assert by_history(results[2:], ddi)["later"] is None
 
 
-def _set_decoding_checkpoint(tiny: Path, where: Path) -> Path:
-    """A copy of the tiny checkpoint whose own decoding is set decoding (as a trained one's)."""
-    import shutil
-
-    ckpt = where / "ckpt"
-    shutil.copytree(tiny / "ckpt", ckpt)
-    config = json.loads((ckpt / "config.json").read_text())
-    config["decoding"] = {"name": "set", "samples": 4, "threshold": 0.3}
-    (ckpt / "config.json").write_text(json.dumps(config))
-    return ckpt
-
-
 def _evaluate(ckpt: Path, data: Path, report: Path, *args: str):
     argv = ["evaluate", "--checkpoint", str(ckpt), "--data", str(data), "--rounds", "1"]
     return CliRunner().invoke(main, [*argv, "--quiet", "--json", str(report), *args])
 
 
-@pytest.mark.parametrize(
-    "args,name,beam",
-    [([], "set", 4), (["--beam", "2"], "beam", 2), (["--decoding", "beam"], "beam", 4)],
-)
+@pytest.mark.parametrize("args,name,beam", BEAM_ALONE)
 def test_evaluate_beam_alone_asks_for_beam_search(tiny, tmp_path, args, name, beam):
-    ckpt, report = _set_decoding_checkpoint(tiny, tmp_path), tmp_path / "r.json"
+    ckpt = with_set_decoding(tiny / "ckpt", tmp_path, "config.json")
+    report = tmp_path / "r.json"
     res = _evaluate(ckpt, tiny / "data", report, *args)
     assert res.exit_code == 0, res.output
     decoding = json.loads(report.read_text())["decoding"]
     assert (decoding["name"], decoding["beam"]) == (name, beam)
 
 
-@pytest.mark.parametrize(
-    "args,named",
-    [
-        (["--beam", "2", "--samples", "4"], "--samples"),
-        (["--beam", "2", "--threshold", "0.3"], "--threshold"),
-        (["--decoding", "beam", "--beam", "1", "--samples", "4"], "--samples"),
-        (["--decoding", "set", "--beam", "2", "--threshold", "0.3"], "--threshold"),
-    ],
-)
+@pytest.mark.parametrize("args,named", BEAM_WITH_SET_OPTIONS)
 def test_evaluate_refuses_beam_with_set_options(tiny, tmp_path, args, named):
     report = tmp_path / "r.json"
     res = _evaluate(tiny / "ckpt", tiny / "data", report, *args)

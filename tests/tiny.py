@@ -320,3 +320,28 @@ def run_pipeline(data: Path, tmp: Path) -> dict:
     assert summary["rows_read"] == stats["visits"] == summary["rows_scored"]
     assert pq.read_table(tmp / "recs.parquet").num_rows == stats["visits"]
     return summary
+
+
+# -- the --beam rule (cognet evaluate and cognet-batch score) ------------------------------
+# (arguments, the decoding name and beam width they ask of a model whose own is set decoding)
+BEAM_ALONE = [([], "set", 4), (["--beam", "2"], "beam", 2), (["--decoding", "beam"], "beam", 4)]
+# (arguments that are a usage error, the option the message names besides --beam)
+BEAM_WITH_SET_OPTIONS = [
+    (["--beam", "2", "--samples", "4"], "--samples"),
+    (["--beam", "2", "--threshold", "0.3"], "--threshold"),
+    (["--decoding", "beam", "--beam", "1", "--samples", "4"], "--samples"),
+    (["--decoding", "set", "--beam", "2", "--threshold", "0.3"], "--threshold"),
+]
+
+
+def with_set_decoding(source: Path, where: Path, config: str) -> Path:
+    """A copy of the checkpoint or model directory `source` under `where` whose own decoding
+    (`config`: config.json or manifest.json) is set decoding, as a trained one's."""
+    import shutil
+
+    out = where / source.name
+    shutil.copytree(source, out)
+    data = json.loads((out / config).read_text())
+    data["decoding"] = {"name": "set", "samples": 4, "threshold": 0.3}
+    (out / config).write_text(json.dumps(data))
+    return out
