@@ -10,12 +10,12 @@ from pathlib import Path
 import click
 
 from cognet.core.clitools import count_option, handle_errors, setup_logging
-from cognet.core.files import Reads, guarded
+from cognet.core.files import DATASET_FILES, Reads, guarded
 from cognet.data.mimic3 import DDI_TYPES, build_mimic3
 
 # every converter writes one folder, checked and locked before the work and removed again
 # (what the run added to it) when the run fails (`cognet.core.files.guarded`)
-FOLDER = ("--out",)
+FOLDER = {"--out": DATASET_FILES}
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})

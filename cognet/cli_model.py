@@ -148,7 +148,10 @@ def train(data_dir, out, threads, quiet, recipe, **config):
 
     bar = None if quiet else progress
     # one run per --out, never onto the dataset it reads (cognet.core.files.guarded)
-    with guarded("cognet train", {"--out": out}, Reads(datasets=[data_dir]), ["--out"]):
+    from cognet.checkpoint import FILES
+
+    written = {"--out": (*FILES, "train_log.jsonl")}
+    with guarded("cognet train", {"--out": out}, Reads(datasets=[data_dir]), written):
         best = run_train(
             data_dir,
             out,

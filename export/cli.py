@@ -46,12 +46,14 @@ def main(
       cognet-export --checkpoint ckpt --out model --fp16
     """
     from cognet.export import export
+    from cognet.export.pipeline import MODEL_FILES, REPORT_FILE
 
     setup_logging(verbose)
     # never onto the checkpoint, one run per MODEL, checked before the work; a failed export
     # removes its own files (the parity report stays)
     reads = Reads(checkpoints=[checkpoint])
-    guard_outputs("cognet-export", {"--out": out}, reads, ["--out"], clean=False)
+    written = {"--out": ("manifest.json", REPORT_FILE, *MODEL_FILES)}
+    guard_outputs("cognet-export", {"--out": out}, reads, written, clean=False)
     try:
         manifest = export(checkpoint, out, validate=validate, fp16=fp16, tensorrt=tensorrt)
     except ParityError as exc:

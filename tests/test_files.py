@@ -79,6 +79,13 @@ def test_outputs_are_checked_against_what_the_run_reads(tmp_path):
     with pytest.raises(InputError, match="does not exist"):
         check_outputs({"--json": tmp_path / "no" / "r.json"}, reads)
     check_outputs({"--json": data / "report.json"}, reads)  # beside a dataset: allowed
+    # a folder output: each file the run writes there counts as an output too
+    ddi = tmp_path / "out" / "ddi.parquet"
+    ddi.parent.mkdir()
+    ddi.write_bytes(b"d")
+    folders = {"--out": ("visits.parquet", "ddi.parquet")}
+    with pytest.raises(InputError, match=f"{ddi}: --out would overwrite the input file"):
+        check_outputs({"--out": tmp_path / "out"}, Reads(files=[ddi]), folders)
 
 
 def test_a_failed_run_leaves_its_folder_as_it_found_it(tmp_path):

@@ -138,13 +138,16 @@ def test_parquet_errors_name_the_row(cdm, tmp_path):
 def test_refuses_to_overwrite_its_input(cdm, tmp_path):
     result = invoke("--cdm", cdm, "--out", cdm)
     assert result.exit_code == 2
-    assert result.stderr == f"Error: {cdm}: the output would overwrite the input {cdm}\n"
+    assert (
+        result.stderr == f"Error: {cdm}: --out is inside the input folder {cdm}; choose another\n"
+    )
     ddi = tmp_path / "ddi.parquet"
     pq.write_table(pa.table({"drug_a": ["C08C"], "drug_b": ["C09A"]}), ddi)
     before = ddi.read_bytes()
     result = invoke("--cdm", cdm, "--out", tmp_path, "--ddi", ddi)
     assert result.exit_code == 2
-    assert result.stderr == f"Error: {tmp_path}: the output would overwrite the input {ddi}\n"
+    message = f"Error: {ddi}: --out would overwrite the input file {ddi}; choose another\n"
+    assert result.stderr == message
     assert ddi.read_bytes() == before
 
 

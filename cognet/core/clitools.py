@@ -59,7 +59,7 @@ def guard_outputs(
     command: str,
     outputs: Mapping[str, str | Path | None],
     reads: Reads,
-    folders: Sequence[str] = (),
+    folders: Mapping[str, Iterable[str]] | Sequence[str] = (),
     clean: bool = True,
 ) -> None:
     """Check the command's outputs before any work and lock them until the command ends

@@ -179,13 +179,15 @@ class Reads:
 def check_outputs(
     outputs: Mapping[str, str | Path | None],
     reads: Reads,
-    folders: Iterable[str] = (),
+    folders: Mapping[str, Iterable[str]] | Iterable[str] = (),
 ) -> None:
     """InputError (exit 2) naming the output when it lands on what the run reads (see the
     module docstring) or cannot be written. outputs: {option: path}, None for an option
-    not given; folders: the options whose output is a folder."""
+    not given; folders: the options whose output is a folder, or {option: the names of the
+    files the run writes in that folder} (each checked as an output too)."""
+    folders = _contents(folders)
     given = {k: Path(v) for k, v in outputs.items() if v}
-    check_not_read(given, reads)
+    check_not_read(given, reads, folders)
     for option, path in given.items():
         if option in folders:
             writable_folder(path, f"{path}: {option}")
@@ -193,19 +195,29 @@ def check_outputs(
             writable_file(path, option)
 
 
-def check_not_read(outputs: Mapping[str, str | Path | None], reads: Reads) -> None:
-    """The first half of `check_outputs`: InputError when an output is something the run
-    reads, lies inside a folder it lists, or two outputs are one path."""
+def check_not_read(
+    outputs: Mapping[str, str | Path | None],
+    reads: Reads,
+    contents: Mapping[str, Iterable[str]] | None = None,
+) -> None:
+    """The first half of `check_outputs`: InputError when an output (or a file written in
+    a folder output: `contents`) is something the run reads, lies inside a folder it lists,
+    or two outputs are one path."""
     files, listed = reads.protected()
     given = {k: Path(v) for k, v in outputs.items() if v}
-    for option, path in given.items():
-        real = _real(path)
-        for file, what in files:
-            if real == file or _same_file(real, file):
-                raise InputError(f"{path}: {option} would overwrite {what} {file}; choose another")
-        for folder, what in listed:
-            if real == folder or folder in real.parents:
-                raise InputError(f"{path}: {option} is inside {what} {folder}; choose another")
+    for option, folder_or_file in given.items():
+        written = [folder_or_file, *(folder_or_file / n for n in (contents or {}).get(option, ()))]
+        for path in written:
+            real = _real(path)
+            for file, what in files:
+                if real == file or _same_file(real, file):
+                    raise InputError(
+                        f"{path}: {option} would overwrite {what} {file}; choose another"
+                    )
+            for folder, what in listed:
+                if real == folder or folder in real.parents:
+                    raise InputError(f"{path}: {option} is inside {what} {folder}; choose another")
+        path, real = folder_or_file, _real(folder_or_file)
         for other, other_path in given.items():
             if other < option and _real(other_path) == real:
                 raise InputError(f"{path}: {option} and {other} name the same path")
@@ -216,7 +228,7 @@ def guarded(
     command: str,
     outputs: Mapping[str, str | Path | None],
     reads: Reads,
-    folders: Iterable[str] = (),
+    folders: Mapping[str, Iterable[str]] | Iterable[str] = (),
     clean: bool = True,
 ) -> Iterator[None]:
     """`check_outputs`, then every output locked (`claim`) for the block: a second run on
@@ -226,7 +238,7 @@ def guarded(
     `clean` (the command cleans up itself); a folder made for a lock goes when left empty."""
     from cognet.core.lock import claim
 
-    folders = tuple(folders)
+    folders = _contents(folders)
     check_outputs(outputs, reads, folders)
     given = {k: Path(v) for k, v in outputs.items() if v}
     made = [p.parent for p in given.values() if not p.parent.exists()]
@@ -246,6 +258,13 @@ def guarded(
         for folder in made:
             with contextlib.suppress(OSError):
                 folder.rmdir()
+
+
+def _contents(folders: Mapping[str, Iterable[str]] | Iterable[str]) -> dict[str, tuple]:
+    """{option: names written in it} of the folder outputs (no names: only the folder)."""
+    if isinstance(folders, Mapping):
+        return {k: tuple(v) for k, v in folders.items()}
+    return dict.fromkeys(folders, ())
 
 
 def _failed(exc: BaseException) -> bool:
