@@ -360,11 +360,13 @@ def _convert(source, out, ddi, visit_concepts, column, allow_no_medications) -> 
     )
     lists = {}
     for kind, name in (("condition", "diagnoses"), ("procedure", "procedures")):
-        positions, concepts, step = events[kind]
+        positions, concepts, step = events.pop(kind)  # the rows go once reduced to keys
         lists[name] = resolve_codes(positions, concepts, vocab, step)
         steps.append(step)
+    del positions, concepts
     concepts, meds, medications = read_atc_map(tables["concept_ancestor"], vocab, steps)
     keys, step = read_drugs(tables["drug_exposure"], visits, concepts, meds, len(medications))
+    source.release()  # every table is read: a database's memory goes before the peak below
     steps.append(step)
     lists["medications"] = (keys, medications)
     table = visits_table(visits, lists)

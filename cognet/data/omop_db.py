@@ -20,7 +20,7 @@ password never appears in a message: errors show the URL with it masked and have
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -103,7 +103,10 @@ class Database:
         return [r[0] for r in rows]
 
     def close(self) -> None:
-        raise NotImplementedError
+        """Release the connection and what the engine holds (again: nothing happens)."""
+        if getattr(self, "con", None) is not None:
+            self.con.close()
+            self.con = None
 
 
 class DuckDatabase(Database):
@@ -130,9 +133,6 @@ class DuckDatabase(Database):
         except self._error as exc:
             raise self.error(f"reading {name} failed", exc) from None
 
-    def close(self) -> None:
-        self.con.close()
-
 
 class PostgresDatabase(Database):
     kind = "postgresql"
@@ -156,9 +156,6 @@ class PostgresDatabase(Database):
                 yield from cursor.fetch_record_batch()
         except self._error as exc:
             raise self.error(f"reading {name} failed", exc) from None
-
-    def close(self) -> None:
-        self.con.close()
 
 
 def masked(url: str) -> tuple[str, list[str]]:
@@ -309,6 +306,7 @@ class Cdm:
     tables: dict[str, SourceTable]
     shown: str
     inputs: list[Path]
+    release: Callable[[], None] = lambda: None  # once the tables are read: free the engine
 
 
 @contextmanager
@@ -331,6 +329,6 @@ def open_cdm(
         found = find_db_tables(db, names, schema_of)
         push_down_filters(found, atc_classes, event_columns)
         inputs = [db.path] if isinstance(db, DuckDatabase) else []
-        yield Cdm(dict(found), db.shown, inputs)
+        yield Cdm(dict(found), db.shown, inputs, db.close)
     finally:
         db.close()
