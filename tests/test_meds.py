@@ -17,6 +17,7 @@ from cohort import DRUGS, make_cohort, to_omop, token_pairs, write_mappings, wri
 from omop_tables import write_table
 
 from cognet.cli import main
+from cognet.core.errors import InputError
 from cognet.core.schema import read_dataset
 from cognet.data.meds import build_meds
 from cognet.data.omop import build_omop
@@ -215,3 +216,21 @@ def test_missing_folders_exit_2(tmp_path):
 def test_cli_help_has_an_example():
     result = CliRunner().invoke(main, ["data", "meds", "--help"])
     assert result.exit_code == 0 and "Example:" in result.output
+
+
+def test_subjects_missing_from_subject_splits_are_dropped_and_counted(meds_dir, maps, tmp_path):
+    path = meds_dir / "metadata" / "subject_splits.parquet"
+    pq.write_table(pq.read_table(path).slice(1), path)  # COHORT[0] has no split
+    build_meds(meds_dir, tmp_path / "out", **maps)
+    gone = COHORT[0]
+    used = sum(3 + len(a.diagnoses) + len(a.procedures) + len(a.drugs) for a in gone.admissions)
+    events = steps(tmp_path / "out")["events"]["dropped"]
+    assert events["of a subject not in subject_splits"] == used  # + after-discharge drug
+    assert str(gone.subject) not in {r["patient_id"] for r in rows(tmp_path / "out")}
+
+
+def test_output_onto_the_meds_folder_is_refused(meds_dir, maps):
+    before = {p: p.read_bytes() for p in meds_dir.rglob("*.parquet")}
+    with pytest.raises(InputError, match="the output would overwrite the input"):
+        build_meds(meds_dir, meds_dir, **maps)
+    assert {p: p.read_bytes() for p in meds_dir.rglob("*.parquet")} == before
