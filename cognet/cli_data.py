@@ -176,14 +176,37 @@ def _echo_report(report) -> None:
         click.echo(f"Warning: {warning}", err=True)
 
 
+def allow_no_medications_option(func):
+    """--allow-no-medications of the converters that refuse a dataset without medications."""
+    return click.option(
+        "--allow-no-medications",
+        is_flag=True,
+        help="Write the dataset even when no drug maps to ATC-3 (every visit's medications "
+        "null): for scoring only, it cannot train.",
+    )(func)
+
+
 @data.command()
 @click.option(
     "--cdm",
     required=True,
-    type=click.Path(path_type=Path),
-    help="Folder with the OMOP CDM v5.4 tables person, visit_occurrence, "
-    "condition_occurrence, procedure_occurrence, drug_exposure, concept and "
-    "concept_ancestor (.csv comma or tab, .csv.gz or .parquet, any case).",
+    metavar="FOLDER|URL",
+    help="The OMOP CDM v5.4 tables person, visit_occurrence, condition_occurrence, "
+    "procedure_occurrence, drug_exposure, concept and concept_ancestor: a folder of files "
+    "(.csv comma or tab, .csv.gz or .parquet, any case), a DuckDB file (cdm.duckdb, or "
+    "duckdb:///relative/cdm.duckdb, duckdb:////absolute/cdm.duckdb) or a PostgreSQL URL "
+    "(postgresql://USER@HOST:PORT/DB; the password from PGPASSWORD or ~/.pgpass).",
+)
+@click.option(
+    "--cdm-schema",
+    default="cdm",
+    show_default=True,
+    help="Database only: the schema of the clinical tables.",
+)
+@click.option(
+    "--vocab-schema",
+    default=None,
+    help="Database only: the schema of concept and concept_ancestor [default: --cdm-schema].",
 )
 @click.option(
     "--out",
@@ -210,26 +233,54 @@ def _echo_report(report) -> None:
     help="Code conditions and procedures by their source concept (ICD10CM/I10) "
     "instead of the standard one (SNOMED/38341003).",
 )
+@allow_no_medications_option
 @handle_errors
 def omop(
-    cdm: Path, out: Path, ddi: Path | None, visit_concepts: str | None, source_codes: bool
+    cdm: str,
+    cdm_schema: str,
+    vocab_schema: str | None,
+    out: Path,
+    ddi: Path | None,
+    visit_concepts: str | None,
+    source_codes: bool,
+    allow_no_medications: bool,
 ) -> None:
     """Build a dataset from an OMOP CDM extract.
 
     One visit per visit_occurrence, ordered by visit_start_date within a person; diagnoses
     and procedures as VOCABULARY/CODE of their concepts; medications as the ATC 3rd classes
-    among each drug's ancestors in concept_ancestor (null when no drug maps). Prints what
-    each step kept and dropped, and writes it to OUT/summary.json.
+    among each drug's ancestors in concept_ancestor (null for a visit with no drug that
+    maps; when no drug maps at all it exits 2, unless --allow-no-medications). From a
+    database, columns and the concept filters are chosen in the database and the rows
+    streamed. Prints what each step kept and dropped, and writes it to OUT/summary.json.
 
     \b
     Example:
       cognet data omop --cdm omop_extract --out data/omop --ddi ddi_atc3.csv \\
         --visit-concepts 9201,262
+      cognet data omop --cdm duckdb:///cdm.duckdb --cdm-schema main --out data/omop
+      PGPASSWORD=... cognet data omop --cdm postgresql://ohdsi@db.example.org/cdm \\
+        --cdm-schema cdm --vocab-schema vocab --out data/omop
     """
     from cognet.data.omop import build_omop, parse_concept_ids
 
     concepts = parse_concept_ids(visit_concepts)
-    _echo_report(build_omop(cdm, out, ddi, concepts, source_codes))
+    from cognet.data.omop_db import database_file
+
+    folder = Path(cdm) if Path(cdm).is_dir() else None  # else a database
+    reads = Reads(files=[ddi, database_file(cdm)], folders=[folder])
+    with guarded("cognet data omop", {"--out": out}, reads, FOLDER):
+        report = build_omop(
+            cdm,
+            out,
+            ddi,
+            concepts,
+            source_codes,
+            cdm_schema=cdm_schema,
+            vocab_schema=vocab_schema,
+            allow_no_medications=allow_no_medications,
+        )
+    _echo_report(report)
 
 
 @data.command()
@@ -266,4 +317,78 @@ def mimic4(
     """
     from cognet.data.mimic4 import build_mimic4
 
-    _echo_report(build_mimic4(mimic_dir, ndc_rxnorm, rxnorm_atc, drug_atc, ddi, out, ddi_types))
+    reads = Reads(files=[ndc_rxnorm, rxnorm_atc, drug_atc, ddi], folders=[mimic_dir])
+    with guarded("cognet data mimic4", {"--out": out}, reads, FOLDER):
+        report = build_mimic4(mimic_dir, ndc_rxnorm, rxnorm_atc, drug_atc, ddi, out, ddi_types)
+    _echo_report(report)
+
+
+# fmt: off
+@data.command()
+@click.option("--meds-dir", required=True, type=click.Path(path_type=Path),
+              help="MEDS 0.4 dataset: data/**/*.parquet, metadata/codes.parquet and, if "
+                   "there, metadata/subject_splits.parquet.")
+@click.option("--out", required=True, type=click.Path(file_okay=False, path_type=Path),
+              help="Dataset folder to write (visits.parquet, ddi.parquet, summary.json).")
+@click.option("--ddi", type=click.Path(path_type=Path), default=None,
+              help="Interacting ATC-3 pairs, CSV or Parquet with columns drug_a, drug_b. "
+                   "Without it ddi.parquet is empty.")
+@click.option("--visit-start", default="HOSPITAL_ADMISSION//", show_default=True,
+              help="Code prefix of the events that open a visit.")
+@click.option("--visit-end", default="HOSPITAL_DISCHARGE//", show_default=True,
+              help="Code prefix of the events that close it (the instant included).")
+@click.option("--diagnosis", default="DIAGNOSIS//ICD//", show_default=True,
+              help="Code prefix of diagnoses.")
+@click.option("--procedure", default="PROCEDURE//ICD//", show_default=True,
+              help="Code prefix of procedures.")
+@click.option("--medication", default="MEDICATION//START//", show_default=True,
+              help="Code prefix of the medication events (one kind: never their STOP events).")
+@click.option("--ndc-rxnorm", type=click.Path(path_type=Path), default=None,
+              help="ndc2rxnorm_mapping.txt, for medications with NDC/... parent codes.")
+@click.option("--rxnorm-atc", type=click.Path(path_type=Path), default=None,
+              help="RXCUI2atc4.csv / ndc2atc_level4.csv (columns RXCUI, ATC4), with --ndc-rxnorm.")
+@click.option("--medication-map", type=click.Path(path_type=Path), default=None,
+              help="CSV or Parquet with columns code, atc3: the ATC-3 classes of medication "
+                   "codes (it wins over parent codes).")
+@allow_no_medications_option
+@handle_errors
+# fmt: on
+def meds(
+    meds_dir: Path,
+    out: Path,
+    ddi: Path | None,
+    visit_start: str,
+    visit_end: str,
+    diagnosis: str,
+    procedure: str,
+    medication: str,
+    ndc_rxnorm: Path | None,
+    rxnorm_atc: Path | None,
+    medication_map: Path | None,
+    allow_no_medications: bool,
+) -> None:
+    """Build a dataset from a MEDS dataset (e.g. the MIMIC-IV MEDS ETL's output).
+
+    One visit per admission window: from an admission event to its discharge event,
+    inclusive. Events join a window by hadm_id when they have one, else by time. Diagnoses
+    and procedures are the codes with their prefix (kept in the token); medications are
+    the --medication events mapped to ATC-3 (NDC or ATC parent codes, or --medication-map).
+    The split comes from subject_splits.parquet (train/tuning/held_out -> train/val/test).
+    Prints what each step kept and dropped, and writes it to OUT/summary.json.
+
+    \b
+    Example:
+      cognet data meds --meds-dir MIMIC-IV_MEDS --out data/meds \\
+        --ndc-rxnorm ndc2rxnorm_mapping.txt --rxnorm-atc ndc2atc_level4.csv \\
+        --ddi ddi_atc3.csv
+    """
+    from cognet.data.meds import MedsCodes, build_meds
+
+    codes = MedsCodes(visit_start, visit_end, diagnosis, procedure, medication)
+    reads = Reads(files=[ddi, ndc_rxnorm, rxnorm_atc, medication_map], folders=[meds_dir])
+    with guarded("cognet data meds", {"--out": out}, reads, FOLDER):
+        report = build_meds(
+            meds_dir, out, ddi, codes, ndc_rxnorm, rxnorm_atc, medication_map,
+            allow_no_medications,
+        )  # fmt: skip
+    _echo_report(report)
