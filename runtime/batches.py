@@ -18,8 +18,11 @@ visit (MIMIC-III: at most 39 diagnoses) with the default batch sizes never reach
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
+
+from cognet.runtime.options import ScoreOptions
 
 # Decoder: visits x the longest code list of a kind (diagnoses, procedures). The per-visit
 # memories are [visits, dim, codes] floats: 2^16 codes of dim 64 are 16 MB per tensor.
@@ -30,6 +33,47 @@ CPU_BATCH_CODES, GPU_BATCH_CODES = 1 << 16, 1 << 18
 # (H100, 4,096 visits a batch: ~160 calls of the encoder per batch).
 ENCODE_CELLS, GPU_ENCODE_CELLS = 1 << 18, 1 << 24
 CPU_ENCODE_BATCH, GPU_ENCODE_BATCH = 64, 4096  # visits per encoder call
+
+
+# Visits decoded together. CPU: small batches keep a batch's memories and KV cache in the
+# core's cache (2 cores, beam 4: 64 -> 936 visits/s, 128 -> 985, 256 -> 648). GPU: many rows,
+# within the N <= 512 shape profile of the TensorRT engines built by cognet-export.
+CPU_BATCH, GPU_BATCH = 128, 512
+# Cap on a batch's padded history: visits x the largest number of past-medication slots among
+# them. Every visit of a batch carries copy memories as long as the longest history (the
+# one-hot scatter alone is [visits, slots, V1] floats): without a cap a batch of 4096 visits
+# with one 680-slot history took 9 GB and ran at 147 visits/s. Visits are batched in order of
+# history size, so the cap splits only the batches of long histories. On 2 CPU cores (beam 4,
+# batch 4096, BENCHMARKS.md) caps of 2^10 .. 2^18 gave 767, 828, 855, 842, 796, 718 and 602
+# visits/s: 2^12 it is. On a GPU, where wide batches pay, the cap only bounds memory.
+CPU_BATCH_SLOTS, GPU_BATCH_SLOTS = 1 << 12, 1 << 20
+
+
+@dataclass(frozen=True)
+class Budgets:
+    """How chunks and batches are cut (`ScoreOptions`, resolved for the CPU or a GPU)."""
+
+    batch_size: int  # visits per decoder batch
+    batch_slots: int  # visits x longest history of a batch, at most
+    batch_codes: int  # visits x longest code list of a kind of a batch, at most
+    encode_batch: int  # visits per encoder call
+    encode_cells: int  # visits x squared longest code list of an encoder call, at most
+    chunk_targets: int  # visits to score per chunk
+    chunk_rows: int  # rows per chunk
+
+    @classmethod
+    def of(cls, options: ScoreOptions, gpu: bool) -> Budgets:
+        batch_size = options.batch_size or (GPU_BATCH if gpu else CPU_BATCH)
+        encode_batch, encode_cells = encoder_budget(gpu)
+        return cls(
+            batch_size=batch_size,
+            batch_slots=options.batch_slots or (GPU_BATCH_SLOTS if gpu else CPU_BATCH_SLOTS),
+            batch_codes=GPU_BATCH_CODES if gpu else CPU_BATCH_CODES,
+            encode_batch=options.encode_batch or encode_batch,
+            encode_cells=encode_cells,
+            chunk_targets=options.chunk_targets or 16 * batch_size,
+            chunk_rows=options.chunk_rows,
+        )
 
 
 def encoder_budget(gpu: bool) -> tuple[int, int]:

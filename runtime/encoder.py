@@ -1,27 +1,70 @@
-"""The encoder session writing in place: each encoder call's outputs go straight into a
-chunk's buffers (`cognet.runtime.assemble.Layout`) by IO binding, host arrays on the CPU or,
-on a GPU whose model has the `init_gather` graphs, buffers in the device's memory, from which
-`DeviceDecoder.init_gathered` builds each batch's decoder-init inputs there: encodings never
-cross to the host and back (on an H100 their round trip and regathering took about a third
-of the host's time, docs/gpu/results-h100-search.md)."""
+"""Encoding, the second stage of scoring (plan -> encode -> decode -> emit).
+
+Every row of a chunk that is scored or serves as history is encoded once (`encode_plan`),
+in calls of similar lengths. The outputs stay as each call returned them, call after call,
+in two flat buffers (`Layout`), from which the padded decoder-init inputs of each batch are
+gathered (`init_index`: integer rows only; `init_inputs` gathers them on the host).
+
+`Encoder`, the ONNX Runtime encoder session, writes each call's outputs straight into their
+place by IO binding: host arrays on the CPU or, on a GPU whose model has the `init_gather`
+graphs, buffers in the device's memory, from which `DeviceDecoder.init_gathered` builds
+each batch's decoder-init inputs there: encodings never cross to the host and back (on an
+H100 their round trip and regathering took about a third of the host's time,
+docs/gpu/results-h100-search.md). `HostEncoder` adapts any encoder callable (host arrays
+in and out; the tests plug torch in) to the same `PlanEncoder` interface."""
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import numpy as np
 import onnxruntime as ort
 
-from cognet.core.graphspec import ENCODER_OUTPUTS
-from cognet.runtime.assemble import Encodings, Layout, new_encodings
+from cognet.core.graphspec import ENCODER_OUTPUTS, INIT_GATHERED
+from cognet.core.history import history_index
+from cognet.core.vocab import Vocab
+from cognet.runtime.batches import cut_padded
+from cognet.runtime.plan import Plan
 from cognet.runtime.search import INIT_GATHER, ORT_TYPES, SearchGraphs
+
+
+class PlanEncoder(Protocol):
+    """What the scorer needs of an encoder: buffers for a chunk's layout, each call's
+    outputs written into their place, and the buffers handed back once the chunk is
+    decoded."""
+
+    def new_encodings(self, lay: Layout) -> Encodings: ...
+
+    def encode_into(self, inputs: Mapping[str, np.ndarray], enc: Encodings, k: int) -> None: ...
+
+    def release(self, enc: Encodings) -> None: ...
+
+
+class HostEncoder:
+    """A `PlanEncoder` over an encoder callable (inputs -> `graphspec.ENCODER_OUTPUTS`, host
+    arrays), its outputs copied into host buffers."""
+
+    def __init__(
+        self, encode: Callable[[Mapping[str, np.ndarray]], Mapping[str, np.ndarray]], dim: int
+    ):
+        self.encode, self.dim = encode, dim
+
+    def new_encodings(self, lay: Layout) -> Encodings:
+        return new_encodings(lay, self.dim)
+
+    def encode_into(self, inputs: Mapping[str, np.ndarray], enc: Encodings, k: int) -> None:
+        store_encodings(enc, k, self.encode(inputs))
+
+    def release(self, enc: Encodings) -> None:
+        pass
 
 
 class Encoder:
     """The encoder session, writing each call's outputs in place into a chunk's buffers
-    (`assemble.Layout`) by IO binding: host arrays on the CPU, or, given the search graphs of
+    (`Layout`) by IO binding: host arrays on the CPU, or, given the search graphs of
     a device that has the `init_gather` graphs, buffers on that device (the encodings then
     never leave it: `DeviceDecoder.init_gathered`). Called with inputs: host arrays."""
 
@@ -88,6 +131,185 @@ class Encoder:
         for name, (buffer, first, shape) in enc.layout.outputs(k).items():
             bind_rows(io, name, getattr(enc, buffer), first, shape, device)
         self.session.run_with_iobinding(io)
+
+
+@dataclass
+class Layout:
+    """Where the encoder outputs of a chunk's rows go in two flat buffers, each encoder call's
+    outputs one after the other, as the call returned them (a plain copy, or the call writes
+    them in place):
+
+    - codes [code_rows, s]: per call of n visits, its diag_enc [n, Ld, s], proc_enc
+      [n, Lp, s] and med_enc [n, Lm, s], each flattened to rows; the last row is zero and
+      padding positions point at it;
+    - visits [visit_rows, s]: per call, its v_d [n, s] then v_p [n, s]; the last row zero.
+
+    Each output's region starts at a multiple of ALIGN_ROWS rows; the rows between regions
+    are never written nor read. at[kind][row]: the buffer row of a chunk row's first code of
+    that kind (its j-th code at + j), or of its v_d / v_p; only encoded rows have one."""
+
+    parts: list[np.ndarray]  # the chunk rows of each encoder call, in call order
+    widths: np.ndarray  # int64 [calls, 3]: padded code width of diagnoses, procedures, meds
+    code_at: np.ndarray  # int64 [calls, 3]: first buffer row of each output of each call
+    visit_at: np.ndarray  # int64 [calls]: buffer row of each call's first v_d
+    at: dict[str, np.ndarray]  # "diag", "proc", "meds", "v_d", "v_p" -> int64 [chunk rows]
+    code_rows: int
+    visit_rows: int
+
+    def outputs(self, k: int) -> dict[str, tuple[str, int, tuple[int, ...]]]:
+        """{encoder output: (its buffer, first row there, shape without the last axis)} of
+        call k."""
+        n = int(self.parts[k].size)
+        (ld, lp, lm), (d, p, m) = self.widths[k].tolist(), self.code_at[k].tolist()
+        v = int(self.visit_at[k])
+        return {
+            "diag_enc": ("codes", d, (n, ld)),
+            "proc_enc": ("codes", p, (n, lp)),
+            "med_enc": ("codes", m, (n, lm)),
+            "v_d": ("visits", v, (n,)),
+            "v_p": ("visits", v + _aligned(n), (n,)),
+        }
+
+
+# Every output's region starts at a multiple of this many rows: 16-byte aligned for any
+# width in float16 or float32 (a graph writes there; vectorised GPU kernels load 16 bytes).
+ALIGN_ROWS = 8
+
+
+def layout(plan: Plan, parts: list[np.ndarray]) -> Layout:
+    """The buffer layout of encoder calls over `parts` (chunk rows per call)."""
+    raggeds = (plan.diag, plan.proc, plan.meds)
+    sizes = np.array([p.size for p in parts], np.int64)
+    widths = np.array(
+        [[max(1, int(r.lengths[p].max(initial=0))) for r in raggeds] for p in parts], np.int64
+    ).reshape(-1, 3)
+    cells = _aligned(widths * sizes[:, None]).ravel()  # call by call, kind by kind
+    code_at = (np.cumsum(cells) - cells).reshape(-1, 3)
+    visits = 2 * _aligned(sizes)  # v_d, then v_p
+    visit_at = np.cumsum(visits) - visits
+    at = {kind: np.zeros(plan.rows, np.int64) for kind in ("diag", "proc", "meds", "v_d", "v_p")}
+    if parts:
+        rows = np.concatenate(parts)
+        call = np.repeat(np.arange(len(parts)), sizes)
+        i = np.arange(rows.size) - np.repeat(np.cumsum(sizes) - sizes, sizes)  # place in call
+        for j, kind in enumerate(("diag", "proc", "meds")):
+            at[kind][rows] = code_at[call, j] + i * widths[call, j]
+        at["v_d"][rows] = visit_at[call] + i
+        at["v_p"][rows] = visit_at[call] + _aligned(sizes)[call] + i
+    return Layout(
+        list(parts),
+        widths,
+        code_at,
+        visit_at,
+        at,
+        int(cells.sum()) + 1,
+        int(visits.sum()) + 1,
+    )
+
+
+def _aligned(rows):
+    """rows rounded up to a multiple of ALIGN_ROWS."""
+    return -(-rows // ALIGN_ROWS) * ALIGN_ROWS
+
+
+@dataclass
+class Encodings:
+    """A chunk's encoder outputs in their `Layout`: numpy arrays on the host, or handles where
+    the encoder wrote them (a GPU's memory)."""
+
+    layout: Layout
+    codes: Any  # [layout.code_rows, s]
+    visits: Any  # [layout.visit_rows, s]
+
+
+def new_encodings(lay: Layout, dim: int, dtype=np.float32) -> Encodings:
+    """Host buffers of a layout (zeros: the padding rows must be)."""
+    z = np.zeros
+    return Encodings(lay, z((lay.code_rows, dim), dtype), z((lay.visit_rows, dim), dtype))
+
+
+def encoder_inputs(plan: Plan, rows: np.ndarray, vocab: Vocab) -> dict[str, np.ndarray]:
+    """Padded id matrices [len(rows), L] of `graphspec.ENCODER_INPUTS`."""
+    return {
+        "diagnoses": plan.diag.pad(rows, vocab.diag_pad),
+        "procedures": plan.proc.pad(rows, vocab.proc_pad),
+        "medications": plan.meds.pad(rows, vocab.med_pad),
+    }
+
+
+def store_encodings(enc: Encodings, k: int, out: Mapping[str, np.ndarray]) -> None:
+    """Copy the outputs of encoder call k (host arrays) into their place."""
+    for name, (buffer, first, shape) in enc.layout.outputs(k).items():
+        rows = int(np.prod(shape))
+        getattr(enc, buffer)[first : first + rows] = np.asarray(out[name]).reshape(rows, -1)
+
+
+def init_index(
+    plan: Plan, lay: Layout, targets: np.ndarray, histories
+) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """The decoder-init inputs (`graphspec.INIT_INPUTS`) of the visits `targets` (chunk
+    rows; histories: theirs, as `history_index` takes them), as (buffer rows of the inputs
+    of `graphspec.INIT_GATHERED`, the other inputs); padding positions point at the
+    buffer's zero row."""
+    gather: dict[str, np.ndarray] = {}
+    rest: dict[str, np.ndarray] = {}
+    zero_code, zero_visit = lay.code_rows - 1, lay.visit_rows - 1
+    for kind, ragged in (("diag", plan.diag), ("proc", plan.proc)):
+        lengths = ragged.lengths[targets]
+        k = np.arange(max(1, int(lengths.max(initial=0))))
+        mask = k < lengths[:, None]
+        gather[f"{kind}_enc"] = np.where(mask, lay.at[kind][targets, None] + k, zero_code)
+        rest[f"{kind}_mask"] = mask.astype(np.float32)
+    gather["v_d"], gather["v_p"] = lay.at["v_d"][targets], lay.at["v_p"][targets]
+    index = history_index(histories, plan.meds)
+    real = index["hist_mask"] > 0
+    gather["hist_v_d"] = np.where(real, lay.at["v_d"][index["hist_index"]], zero_visit)
+    gather["hist_v_p"] = np.where(real, lay.at["v_p"][index["hist_index"]], zero_visit)
+    rest["hist_mask"] = index["hist_mask"]
+    slot = lay.at["meds"][index["slot_row"]] + index["slot_pos"]
+    gather["slot_enc"] = np.where(index["slot_mask"] > 0, slot, zero_code)
+    for name in ("slot_mask", "slot_visit", "slot_med"):
+        rest[name] = index[name]
+    return gather, rest
+
+
+def init_inputs(
+    plan: Plan, enc: Encodings, targets: np.ndarray, histories
+) -> dict[str, np.ndarray]:
+    """Decoder-init inputs (`graphspec.INIT_INPUTS`) of the visits `targets` (chunk rows),
+    gathered on the host."""
+    gather, out = init_index(plan, enc.layout, targets, histories)
+    for name, buffer, _ in INIT_GATHERED:
+        out[name] = getattr(enc, buffer)[gather[name]]
+    return out
+
+
+def encode_plan(
+    encoder: PlanEncoder,
+    plan: Plan,
+    vocab: Vocab,
+    cells: int,
+    batch: int,
+    run: Callable[[Callable, Iterable], Iterable] = map,
+) -> Encodings:
+    """Encode every row of a plan that is scored or serves as history (`plan.encode_rows`),
+    in calls of at most `batch` visits and `cells` padded codes of each kind (`cut_padded`),
+    on `run`'s streams; similar lengths pad little: rows are grouped by medication count,
+    then diagnoses + procedures."""
+    rows = plan.encode_rows
+    rows = rows[
+        np.lexsort(((plan.diag.lengths + plan.proc.lengths)[rows], plan.meds.lengths[rows] // 4))
+    ]
+    lengths = [ragged.lengths[rows] for ragged in (plan.diag, plan.proc, plan.meds)]
+    parts = cut_padded(rows, lengths, [cells] * 3, batch, squared=True)
+    enc = encoder.new_encodings(layout(plan, parts))
+
+    def encode(k: int) -> None:
+        encoder.encode_into(encoder_inputs(plan, parts[k], vocab), enc, k)
+
+    for _ in run(encode, range(len(parts))):
+        pass
+    return enc
 
 
 def _rows(buffer: ort.OrtValue) -> int:

@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import pyarrow as pa
 
-from cognet.runtime import assemble, reader
+from cognet.runtime import reader
+from cognet.runtime.plan import REASONS, REJECTED, Plan
 
 # Diagnoses a medication attended to most: top TOP_DIAGNOSES codes by the diagnosis
 # cross-attention (mean over heads) at the step that emitted it, heaviest first.
@@ -44,7 +45,7 @@ REJECTS_SCHEMA = pa.schema(
         ("row", pa.int64()),  # 0-based row in the input file
         ("patient_id", pa.string()),
         ("visit_id", pa.string()),
-        ("reason", pa.string()),  # one of assemble.REASONS
+        ("reason", pa.string()),  # one of plan.REASONS
     ]
 )
 
@@ -114,11 +115,11 @@ class ScoredChunk:
         return {**{k: getattr(self, k) for k in COUNTS}, "reject_reasons": self.reject_reasons}
 
 
-def rejects_table(plan: assemble.Plan) -> pa.Table:
+def rejects_table(plan: Plan) -> pa.Table:
     """The rejected rows of a planned chunk (REJECTS_SCHEMA), in input order."""
-    rows = np.flatnonzero(plan.status == assemble.REJECTED)
+    rows = np.flatnonzero(plan.status == REJECTED)
     table = plan.table.take(pa.array(rows))
-    reasons = np.asarray(assemble.REASONS, dtype=object)[plan.reason[rows]]
+    reasons = np.asarray(REASONS, dtype=object)[plan.reason[rows]]
     return pa.table(
         {
             "row": table[reader.ROW],
@@ -130,7 +131,7 @@ def rejects_table(plan: assemble.Plan) -> pa.Table:
     )
 
 
-def explanations(plan: assemble.Plan, slots: dict, diag_codes: np.ndarray) -> pa.Array:
+def explanations(plan: Plan, slots: dict, diag_codes: np.ndarray) -> pa.Array:
     """The `explanations` column of a chunk's targets (slots: target -> (its batch's
     BeamResult, its place there, its batch's decoder-init inputs); diag_codes: the
     vocabulary's diagnosis codes, an object array). Per medication: copy share 1 - w_g at
@@ -165,7 +166,7 @@ def explanations(plan: assemble.Plan, slots: dict, diag_codes: np.ndarray) -> pa
 
 
 def _top_diagnoses(
-    plan: assemble.Plan,
+    plan: Plan,
     row: int,
     attention: list | None,
     k: int,

@@ -40,8 +40,7 @@ from cognet.core.graphspec import (
     STEP_OUTPUTS,
 )
 from cognet.core.manifest import GRAPHS, GraphSpec, Manifest
-from cognet.runtime.assemble import Encodings
-from cognet.runtime.encoder import Encoder
+from cognet.runtime.encoder import Encoder, Encodings
 from cognet.runtime.options import DEVICES, SELECTIONS
 from cognet.runtime.search import INIT_GATHER, ORT_TYPES, SEARCH_GRAPHS, SearchGraphs, bind_input
 
@@ -221,10 +220,6 @@ class OrtModel:
             return "device" if self.on_device and not missing else "host"
         return selection
 
-    def encode(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """Encoder outputs (`graphspec.ENCODER_OUTPUTS`) as host arrays."""
-        return self.encoder(inputs)
-
 
 # What each graph must take and give (`cognet.core.graphspec`); `diag_attention` is optional
 # (models exported before it lack it).
@@ -368,7 +363,7 @@ class DeviceDecoder:
         self, enc: Encodings, rows: Mapping[str, np.ndarray], rest: Mapping[str, np.ndarray]
     ) -> dict[str, ort.OrtValue]:
         """Memories from encodings on the device (`Encoder`): the encoding inputs gathered
-        there by the `init_gather` graph (`rows`: `assemble.init_index`), the rest bound
+        there by the `init_gather` graph (`rows`: `encoder.init_index`), the rest bound
         from the host."""
         feeds = {"codes": enc.codes, "visits": enc.visits}
         feeds.update({f"{name}_rows": value for name, value in rows.items()})

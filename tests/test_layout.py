@@ -164,3 +164,19 @@ def test_hidden_and_build_folders_are_not_read(tmp_path):
         "docs/DESIGN.md": DESIGN,
     }
     assert check_layout.violations(write_tree(tmp_path, changes)) == []
+
+
+DRIVER = "def run(cfg, done, live):\n    if live.size < cfg.compact_at * done.size:\n        pass\n"
+
+
+def test_the_compaction_rule_lives_in_the_driver_only(tmp_path):
+    for name in ("once", "twice", "lost"):
+        (tmp_path / name).mkdir()
+    root = write_tree(tmp_path / "once", {"cognet/core/driver.py": DRIVER})
+    assert check_layout.violations(root) == []
+    copied = {"cognet/core/driver.py": DRIVER, "runtime/beam.py": DRIVER}
+    found = check_layout.violations(write_tree(tmp_path / "twice", copied))
+    assert len(found) == 1 and found[0].startswith("runtime/beam.py:2: compaction-once")
+    lost = {"cognet/core/driver.py": "def run():\n    pass\n"}
+    found = check_layout.violations(write_tree(tmp_path / "lost", lost))
+    assert len(found) == 1 and "lost its compaction rule" in found[0]

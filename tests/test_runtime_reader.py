@@ -14,7 +14,24 @@ from cognet.core.errors import InputError
 from cognet.core.graphspec import INIT_INPUTS
 from cognet.core.history import patients_from_table
 from cognet.model import history_inputs
-from cognet.runtime import assemble, reader
+from cognet.runtime import reader
+from cognet.runtime.encoder import (
+    encoder_inputs,
+    init_inputs,
+    layout,
+    new_encodings,
+    store_encodings,
+)
+from cognet.runtime.plan import (
+    REASONS,
+    REJECTED,
+    SCORED,
+    SKIPPED,
+    Assembler,
+    Spans,
+    encode_codes,
+    rare_first_rank,
+)
 
 torch.set_num_threads(1)
 
@@ -55,15 +72,13 @@ def test_encode_codes_matches_vocab_encode():
         for _ in range(60)
     ]
     arr = pa.array(lists, pa.list_(pa.string())).slice(5)  # a slice: offsets do not start at 0
-    ids, unknown, given = assemble.encode_codes(arr, vocab.diagnoses)
+    ids, unknown, given = encode_codes(arr, vocab.diagnoses)
     for i, row in enumerate(lists[5:]):
         want, unk = vocab.encode("diagnoses", [c for c in (row or ()) if c is not None])
         unk += sum(c is None for c in (row or ()))
         assert ids[i].tolist() == want and unknown[i] == unk and given[i] == len(row or ())
     meds = [list(rng.choice(vocab.medications, 5)) for _ in range(20)]
-    ids, _, _ = assemble.encode_codes(
-        pa.array(meds), vocab.medications, assemble.rare_first_rank(vocab)
-    )
+    ids, _, _ = encode_codes(pa.array(meds), vocab.medications, rare_first_rank(vocab))
     for i, row in enumerate(meds):
         assert ids[i].tolist() == vocab.rare_first(vocab.encode("medications", row)[0])
 
@@ -85,10 +100,10 @@ def test_statuses_reasons_and_histories():
         pa.table(dict(zip(names, map(list, zip(*rows, strict=True)), strict=True))), "t"
     )
     table = table.append_column(reader.ROW, pa.array(np.arange(len(rows), dtype=np.int64)))
-    plan = assemble.Assembler(vocab).plan(table)
-    S, R, K = assemble.SCORED, assemble.REJECTED, assemble.SKIPPED
+    plan = Assembler(vocab).plan(table)
+    S, R, K = SCORED, REJECTED, SKIPPED
     assert plan.status.tolist() == [K, R, K, S, R, R, K, S]
-    reasons = [assemble.REASONS[r] if r >= 0 else None for r in plan.reason]
+    reasons = [REASONS[r] if r >= 0 else None for r in plan.reason]
     assert reasons == [
         None,
         "no_codes",
@@ -103,7 +118,7 @@ def test_statuses_reasons_and_histories():
     assert [h.tolist() for h in plan.histories] == [[0, 2], [6]]
     assert plan.unknown_codes == 3  # a2's two (history row) and a3's one
     assert sorted(plan.encode_rows.tolist()) == [0, 2, 3, 6, 7]
-    every = assemble.Assembler(vocab, score_all=True, max_history=1).plan(table)
+    every = Assembler(vocab, score_all=True, max_history=1).plan(table)
     assert every.status.tolist() == [S, R, R, S, R, R, S, S]
     assert [h.tolist() for h in every.histories] == [[], [2], [], [6]]  # K = 1: the latest
     assert every.reject_reasons() == {
@@ -117,7 +132,7 @@ def test_statuses_reasons_and_histories():
 def test_duplicates_are_found_across_chunks():
     _, vocab, _ = make_case()
     table = visits_table(vocab, 4)
-    asm = assemble.Assembler(vocab)
+    asm = Assembler(vocab)
     assert not asm.keys(table)[1].any()
     assert asm.plan(table).reject_reasons() == {"duplicate_visit_id": table.num_rows}
 
@@ -127,14 +142,14 @@ def test_init_inputs_equal_the_torch_batching():
     call after call, gathered back: the torch batching's inputs, zeros at padding."""
     model, vocab, _ = make_case()
     table = visits_table(vocab, 12, seed=1)
-    plan = assemble.Assembler(vocab, score_all=True).plan(table)
+    plan = Assembler(vocab, score_all=True).plan(table)
     rows = np.random.default_rng(0).permutation(plan.encode_rows)
     parts = [rows[:1], rows[1:6], rows[6:]]
-    enc = assemble.new_encodings(assemble.layout(plan, parts), model.cfg.dim)
+    enc = new_encodings(layout(plan, parts), model.cfg.dim)
     for k, part in enumerate(parts):
-        out = torch_encoder(model)(assemble.encoder_inputs(plan, part, vocab))
-        assemble.store_encodings(enc, k, out)
-    ours = assemble.init_inputs(plan, enc, plan.targets, plan.histories)
+        out = torch_encoder(model)(encoder_inputs(plan, part, vocab))
+        store_encodings(enc, k, out)
+    ours = init_inputs(plan, enc, plan.targets, plan.histories)
     batch = make_batch(list(patients_from_table(table, vocab)), vocab, targets=False)
     with torch.no_grad():
         enc_t = model.encode_visits(batch["diagnoses"], batch["procedures"], batch["medications"])
@@ -232,7 +247,7 @@ def test_spans_take_sums_and_cover_as_their_definition():
     rows = np.sort(rng.choice(500, 120, replace=False))
     start = rng.integers(0, 120, 60)
     end = np.minimum(start + rng.integers(0, 6, 60), 120)
-    spans = assemble.Spans(rows, start, end)
+    spans = Spans(rows, start, end)
     lists = [rows[a:b] for a, b in zip(start, end, strict=True)]
     assert [s.tolist() for s in spans] == [x.tolist() for x in lists]
     items = rng.integers(0, 60, 45)

@@ -364,7 +364,7 @@ def test_the_gpu_bindings_run_on_the_cpu_equal_the_host_path(tiny_many, options)
     runs = {
         name: _lists(model.manifest, encode, decoder, table, **common)
         for name, encode, decoder in (
-            ("host", model.encode, model.decoder),
+            ("host", model.encoder, model.decoder),
             ("bound", encoder, bound),
         )
     }
@@ -399,26 +399,35 @@ def _lists(manifest, encode, decoder, table, **options) -> list[dict]:
 def test_init_gathered_on_the_device_equals_the_host_assembly(tiny_many, batch):
     """Encoder calls of several widths written into device buffers, then a batch's memories
     from init_gather: exactly the memories of the host assembly."""
-    from cognet.runtime import assemble
+    from cognet.runtime.encoder import (
+        ALIGN_ROWS,
+        encoder_inputs,
+        init_index,
+        init_inputs,
+        layout,
+        new_encodings,
+        store_encodings,
+    )
+    from cognet.runtime.plan import Assembler
     from cognet.runtime.batches import cut_padded
 
     model, bound, encoder = _bound(tiny_many / "model")
     vocab = model.manifest.vocabulary()
     table = pq.read_table(tiny_many / "data" / "visits.parquet")
-    plan = assemble.Assembler(vocab, score_all=True).plan(table)
+    plan = Assembler(vocab, score_all=True).plan(table)
     rows = np.random.default_rng(batch).permutation(plan.encode_rows)
     lengths = [r.lengths[rows] for r in (plan.diag, plan.proc, plan.meds)]
     parts = cut_padded(rows, lengths, [1 << 12] * 3, 50, squared=True)
-    lay = assemble.layout(plan, parts)
-    host, dev = assemble.new_encodings(lay, model.manifest.dims.dim), encoder.new_encodings(lay)
+    lay = layout(plan, parts)
+    host, dev = new_encodings(lay, model.manifest.dims.dim), encoder.new_encodings(lay)
     for k, part in enumerate(parts):
-        inputs = assemble.encoder_inputs(plan, part, vocab)
-        assemble.store_encodings(host, k, model.encode(inputs))
+        inputs = encoder_inputs(plan, part, vocab)
+        store_encodings(host, k, model.encoder(inputs))
         encoder.encode_into(inputs, dev, k)
     written = {"codes": [lay.code_rows - 1], "visits": [lay.visit_rows - 1]}  # + zero rows
     for k in range(len(parts)):
         for buffer, first, shape in lay.outputs(k).values():
-            assert first % assemble.ALIGN_ROWS == 0
+            assert first % ALIGN_ROWS == 0
             written[buffer] += list(range(first, first + int(np.prod(shape))))
     for name in ("codes", "visits"):
         rows = np.array(written[name])
@@ -427,8 +436,8 @@ def test_init_gathered_on_the_device_equals_the_host_assembly(tiny_many, batch):
         np.testing.assert_array_equal(got, want, err_msg=name)
     pick = np.random.default_rng(1).choice(plan.targets.size, batch, replace=False)
     targets, histories = plan.targets[pick], [plan.histories[i] for i in pick]
-    want = model.decoder.init(assemble.init_inputs(plan, host, targets, histories))
-    rows_, rest = assemble.init_index(plan, lay, targets, histories)
+    want = model.decoder.init(init_inputs(plan, host, targets, histories))
+    rows_, rest = init_index(plan, lay, targets, histories)
     got = bound.init_gathered(dev, rows_, rest)
     for name, value in want.items():
         np.testing.assert_array_equal(got[name].numpy(), value, err_msg=name)

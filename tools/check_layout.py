@@ -247,7 +247,32 @@ def _text_files(root: Path) -> Iterator[Path]:
             yield path
 
 
-TREE_RULES: list[Callable[[Path], list[str]]] = [test_imports, design_citations]
+# The rule by which finished visits leave a decoding batch: written once, in the driver.
+COMPACTION = re.compile(r"\bcompact_at\s*\*")
+COMPACTION_HOME = Path("cognet") / "core" / "driver.py"
+
+
+def compaction_once(root: Path) -> list[str]:
+    """compaction-once: the compaction rule (`compact_at * ...`) anywhere in the installed
+    packages but once, in cognet/core/driver.py."""
+    hits = []
+    for path in modules(root).values():
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            if COMPACTION.search(line.split("#")[0]):
+                hits.append((path.relative_to(root), number))
+    home = [h for h in hits if h[0] == COMPACTION_HOME]
+    out = [
+        f"{where}:{number}: compaction-once: the compaction rule is written in "
+        f"{COMPACTION_HOME} only (a selector's `keep` compacts its own state)"
+        for where, number in hits
+        if where != COMPACTION_HOME or len(home) > 1
+    ]
+    if not home and (root / COMPACTION_HOME).is_file():
+        out.append(f"{COMPACTION_HOME}:1: compaction-once: the driver lost its compaction rule")
+    return out
+
+
+TREE_RULES: list[Callable[[Path], list[str]]] = [test_imports, design_citations, compaction_once]
 
 
 def main(argv: list[str] | None = None) -> int:
