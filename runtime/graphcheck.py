@@ -68,6 +68,30 @@ def check_io(
                 check_axes(path, f"{kind} {t.name}", t.shape, shapes[t.name], dims)
 
 
+def check_search(path: object, session: ort.InferenceSession, spec: GraphSpec, dims: Dims) -> None:
+    """A search graph (`cognet.export.search_graphs`): its inputs are the manifest's, and its
+    fixed axes (the vocabulary: out_size or n_med) those of the manifest and of its dims."""
+    got_in = sorted(i.name for i in session.get_inputs())
+    if got_in != sorted(spec.input_names):
+        raise InputError(
+            f"{path}: not the graph the manifest names (its inputs are {_names(got_in)}); "
+            "re-export the model"
+        )
+    sizes = {dims.out_size, dims.n_med}
+    shapes = {t.name: t.shape for t in (*spec.inputs, *spec.outputs)}
+    for kind, tensors in (("input", session.get_inputs()), ("output", session.get_outputs())):
+        for t in tensors:
+            want = shapes.get(t.name)
+            if want is None:
+                continue
+            if any(isinstance(w, int) and w not in sizes for w in want):
+                raise InputError(
+                    f"{path}: the manifest's {kind} {t.name} has shape {list(want)}, not one "
+                    f"of this model's sizes (out_size {dims.out_size}, n_med {dims.n_med})"
+                )
+            check_axes(path, f"{kind} {t.name}", t.shape, want, dims)
+
+
 def check_axes(path: object, what: str, got, want, dims: Dims | None) -> None:
     """InputError naming the graph, the tensor and the axis when a fixed axis of `got`
     differs from the manifest's `want` (dims: the manifest's, to name the axis)."""

@@ -14,6 +14,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import pyarrow as pa
 
+from cognet.core.graphspec import PROB_FLOOR
+from cognet.core.sampling import SetResult
+from cognet.core.schema import PREDICTIONS_SCHEMA
 from cognet.runtime import reader
 from cognet.runtime.plan import REASONS, REJECTED, Plan
 
@@ -28,17 +31,7 @@ EXPLANATION = pa.struct(
         ("top_diagnoses", pa.list_(ATTENDED)),  # null when the model has no attention output
     ]
 )
-OUTPUT_SCHEMA = pa.schema(
-    [
-        ("patient_id", pa.string()),
-        ("visit_id", pa.string()),
-        # beam: generation order; set: decreasing P(in set) (docs/INTERNALS.md)
-        ("medications", pa.list_(pa.string())),
-        # beam: sum of log-probabilities of the hypothesis, END included; set: mean P(in set)
-        ("score", pa.float32()),
-        ("probabilities", pa.list_(pa.float32())),  # beam: at its step; set: P(in set)
-    ]
-)
+OUTPUT_SCHEMA = PREDICTIONS_SCHEMA  # also `cognet evaluate --predictions`
 EXPLAIN_FIELD = pa.field("explanations", pa.list_(EXPLANATION))
 REJECTS_SCHEMA = pa.schema(
     [
@@ -133,22 +126,25 @@ def rejects_table(plan: Plan) -> pa.Table:
 
 def explanations(plan: Plan, slots: dict, diag_codes: np.ndarray) -> pa.Array:
     """The `explanations` column of a chunk's targets (slots: target -> (its batch's
-    BeamResult, its place there, its batch's decoder-init inputs); diag_codes: the
-    vocabulary's diagnosis codes, an object array). Per medication: copy share 1 - w_g at
-    its step, the past visit whose slots of that medication carry the most copy weight (null
-    when none holds it), and the diagnoses of the visit it attended to most at its step."""
+    result, its place there, its batch's decoder-init inputs); diag_codes: the vocabulary's
+    diagnosis codes, an object array). Per medication k: its copy share, the part of its
+    probability that came from the history, (1 - w_g) Pr_c[k] / Pr[k] with Pr before any DDI
+    penalty (`copy_by_slot`; 0 for a medication in no past visit), the past visit whose slots
+    of k carry most of it (null when none holds it), and the diagnoses of the visit it
+    attended to most at its step."""
     visit_ids = plan.table["visit_id"]
     out = []
     for i in range(plan.targets.size):
         res, k, inputs = slots[i]
         meds = res.meds[k]
-        share = 1.0 - res.gates[k]
+        share = np.zeros(meds.size)
         hist = plan.histories[i]
         src: list[str | None] = [None] * meds.size
         if hist.size and meds.size:
             slot_med, slot_visit = inputs["slot_med"][k], inputs["slot_visit"][k]
             real = inputs["slot_mask"][k] > 0
-            weight = res.copies[k] * ((slot_med[None, :] == meds[:, None]) & real)
+            weight = copy_by_slot(res, k) * ((slot_med[None, :] == meds[:, None]) & real)
+            share = np.clip(weight.sum(1), 0.0, 1.0)
             per_visit = np.zeros((meds.size, hist.size))
             for j in range(meds.size):
                 per_visit[j] = np.bincount(slot_visit, weight[j], minlength=hist.size)[: hist.size]
@@ -163,6 +159,19 @@ def explanations(plan: Plan, slots: dict, diag_codes: np.ndarray) -> pa.Array:
             ]
         )
     return pa.array(out, pa.list_(EXPLANATION))
+
+
+def copy_by_slot(res, k: int) -> np.ndarray:
+    """[meds, S] of visit k of a decoding result: what each medication's probability took
+    from each history slot, (1 - w_g) copy[s] / Pr[k], with w_g, the copy distribution and
+    the mixture's Pr[k] (before any DDI penalty) of the step that emitted it. Beam search:
+    its one step (Pr[k] is the `probabilities` entry); set decoding: the mean over the steps
+    at which samples emitted it (`cognet.core.sampling`). Summed over k's own slots it is k's
+    copy share."""
+    if isinstance(res, SetResult):
+        return res.shares[k]
+    prob = np.maximum(res.med_probs[k].astype(np.float64), PROB_FLOOR)
+    return (1.0 - res.gates[k])[:, None] * res.copies[k] / prob[:, None]
 
 
 def _top_diagnoses(

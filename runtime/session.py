@@ -32,15 +32,12 @@ import onnxruntime as ort
 from cognet.core import tensorrt
 from cognet.core.errors import InputError, one_line
 from cognet.core.graphspec import (
-    ENCODER_INPUTS,
-    ENCODER_OUTPUTS,
     INIT_INPUTS,
     MEMORIES,
-    STEP_INPUTS,
-    STEP_OUTPUTS,
 )
-from cognet.core.manifest import GRAPHS, GraphSpec, Manifest
+from cognet.core.manifest import GRAPHS, Manifest
 from cognet.runtime.encoder import Encoder, Encodings
+from cognet.runtime.graphcheck import check_io, check_search, probe
 from cognet.runtime.options import DEVICES, SELECTIONS
 from cognet.runtime.search import INIT_GATHER, ORT_TYPES, SEARCH_GRAPHS, SearchGraphs, bind_input
 
@@ -157,7 +154,9 @@ class OrtModel:
                 )
             except Exception as exc:  # noqa: BLE001 - any load failure is a bad model file
                 raise InputError(f"{path}: cannot load the ONNX graph ({one_line(exc)})") from None
-            check_io(name, path, self.sessions[name], manifest.graph_spec(name, variant))
+            spec = manifest.graph_spec(name, variant)
+            check_io(name, path, self.sessions[name], spec, manifest.dims)
+            probe(name, path, self.sessions[name], manifest)
             got = self.sessions[name].get_providers()
             first = wanted[0] if isinstance(wanted[0], str) else wanted[0][0]
             if first not in got:
@@ -187,6 +186,7 @@ class OrtModel:
                     raise InputError(
                         f"{path}: cannot load the ONNX graph ({one_line(exc)})"
                     ) from None
+                check_search(path, search[name], spec, manifest.dims)
             self.decoder.search = SearchGraphs(search, bound if self.on_device else None)
         # select on the device: always for the take graphs on a GPU, per step when chosen
         self.decoder.select_on_device = self.selection == "device"
@@ -219,43 +219,6 @@ class OrtModel:
         if selection == "auto":
             return "device" if self.on_device and not missing else "host"
         return selection
-
-
-# What each graph must take and give (`cognet.core.graphspec`); `diag_attention` is optional
-# (models exported before it lack it).
-GRAPH_IO = {
-    "encoder": (ENCODER_INPUTS, ENCODER_OUTPUTS),
-    "decoder_init": (INIT_INPUTS, MEMORIES),
-    "decoder_step": (STEP_INPUTS, tuple(n for n in STEP_OUTPUTS if n != "diag_attention")),
-}
-
-
-def check_io(name: str, path: object, session: ort.InferenceSession, spec: GraphSpec) -> None:
-    """InputError unless the graph loaded as `name` takes exactly that graph's inputs, with
-    the element types the manifest declares (float16 in the fp16 variant), and gives its
-    outputs: a graph file swapped for another (its sha256 re-entered in the manifest) fails
-    here, by name, rather than at its first run."""
-    inputs, outputs = GRAPH_IO[name]
-    got_in = [i.name for i in session.get_inputs()]
-    got_out = {o.name for o in session.get_outputs()}
-    if sorted(got_in) != sorted(inputs) or not got_out.issuperset(outputs):
-        raise InputError(
-            f"{path}: not the {name} graph (its inputs are {_names(got_in)}; {name} takes "
-            f"{_names(inputs)}); re-export the model"
-        )
-    declared = {t.name: t.dtype for t in spec.inputs}
-    for i in session.get_inputs():
-        dtype = ORT_TYPES.get(i.type, i.type)
-        if i.name in declared and declared[i.name] != dtype:
-            raise InputError(
-                f"{path}: input {i.name} is {dtype}, the manifest declares "
-                f"{declared[i.name]} (a graph of another variant?); re-export the model"
-            )
-
-
-def _names(names) -> str:
-    names = list(names)
-    return ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")
 
 
 def input_dtypes(session: ort.InferenceSession) -> dict[str, np.dtype]:
