@@ -47,7 +47,8 @@ class PgServer:
             shutil.chown(folder, "postgres")
             run_as = ["runuser", "-u", "postgres", "--"]
         (folder / "pw").write_text(PASSWORD + "\n")
-        shutil.chown(folder / "pw", "postgres") if run_as else None
+        if run_as:
+            shutil.chown(folder / "pw", "postgres")
         server = cls(folder, bin_dir, run_as)
         server._run(
             "initdb", "-D", str(folder / "data"), "-U", USER, "-A", "scram-sha-256",
@@ -61,7 +62,10 @@ class PgServer:
         return server
 
     def _run(self, tool: str, *args: str) -> None:
-        subprocess.run([*self.run_as, str(self.bin / tool), *args], check=True, capture_output=True)
+        command = [*self.run_as, str(self.bin / tool), *args]
+        done = subprocess.run(command, capture_output=True, text=True)
+        if done.returncode:
+            raise RuntimeError(f"{tool} failed ({done.returncode}): {done.stderr.strip()}")
 
     def url(self, database: str = "postgres", password: bool = True) -> str:
         secret = f":{PASSWORD}" if password else ""
