@@ -3,7 +3,8 @@
 Input: a folder with one file per table, found by table name in any case (``CONCEPT.csv``,
 ``visit_occurrence.csv.gz``, ``drug_exposure.parquet``; a table missing at the top level is
 looked for one folder down), OHDSI column names in any case; the formats `tables.SourceTable`
-reads. Only the columns used are required; visit_start_datetime is optional.
+reads. Only the columns used are required; visit_start_datetime is optional. Or a database
+(a DuckDB file, PostgreSQL): `omop_db` reads its tables through the same steps below.
 
 - Visits: patient_id = person_id, visit_id = visit_occurrence_id. visit_seq ranks a person's
   visits by visit_start_date, then visit_start_datetime, then the numeric visit_occurrence_id,
