@@ -77,6 +77,7 @@ def test_unavailable_engines_are_skipped_with_a_reason(quick_run):
         "ort-cuda-host",
         "ort-cuda-fp16",
         "ort-cuda-streams",
+        "ort-cuda-fp16-streams",
         "ort-tensorrt",
         "torch-cuda",
     }
