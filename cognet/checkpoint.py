@@ -16,6 +16,7 @@ import numpy as np
 from safetensors.torch import save_file
 
 from cognet import checkpoint_checks as checks
+from cognet.core.ddi import DDITarget
 from cognet.core.errors import InputError, one_line, writing
 from cognet.core.files import atomic_path
 from cognet.core.vocab import Vocab
@@ -34,6 +35,7 @@ def save(
     ddi_pairs: list[tuple[str, str]],
     train_config: dict,
     decoding: dict | None = None,
+    ddi_target: dict | None = None,
 ) -> Path:
     """Write the checkpoint: every file atomically (`cognet.core.files.atomic_path`), the
     weights first, config.json (holding the sha256 of the others: `checkpoint_checks`) last,
@@ -64,6 +66,8 @@ def save(
             }
             if decoding is not None:  # the model's default decoding (`cognet.core.decoding`)
                 config["decoding"] = decoding
+            if ddi_target is not None:  # the model's default DDI policy (`DDITarget`)
+                config["ddi_target"] = ddi_target
             with writing(out / "config.json"):
                 write_json(tmp["config.json"], config)
         done = True
@@ -92,6 +96,11 @@ def load(path: str | Path, device: str = "cpu") -> tuple[COGNet, Vocab, dict]:
     checks.check_hashes(path, config)
     fields = {f.name: str(f.type) for f in dataclasses.fields(ModelConfig)}
     checks.check_config(path, config, fields)
+    try:  # the stored DDI target, read again where it is used (`cognet.evaluate`)
+        DDITarget.from_json(config.get("ddi_target"))
+    except (KeyError, TypeError, ValueError) as exc:
+        detail = one_line(exc)
+        raise InputError(f"{path / 'config.json'}: malformed ddi_target ({detail})") from None
     vocab = checks.read_vocab(path)
     try:
         cfg = ModelConfig.from_json(config["model"])

@@ -17,6 +17,7 @@ from cognet.core.clitools import (
 )
 from cognet.core.decoding import DECODINGS, Decoding, asked_decoding
 from cognet.core.files import Reads, guarded, write_text
+from cognet.ddi_tradeoff import DEFAULT_PENALTIES
 
 RECIPE_CHOICES = ("default", "reference")
 
@@ -102,6 +103,12 @@ threads_option = count_option(
 )
 @click.option("--device", default="cpu", show_default=True, help="cpu, cuda, cuda:1, ...")
 @click.option(
+    "--ddi-target",
+    type=click.FloatRange(0, 1),
+    help="After training, choose the soft DDI penalty and the set threshold together on "
+    "validation for the best Jaccard at a DDI rate <= this; scoring uses them by default.",
+)
+@click.option(
     "--ablation",
     default="none",
     show_default=True,
@@ -169,6 +176,11 @@ def train(data_dir, out, threads, quiet, recipe, **config):
         f"weights: {kept} (val nll {best['weights']['val_nll']:.4f}); decoding: "
         f"{Decoding.from_json(best['decoding']).label}; checkpoint written to {out}"
     )
+    if best.get("ddi_target"):
+        from cognet.core.ddi import DDITarget
+        from cognet.ddi_target import describe
+
+        click.echo(describe(DDITarget.from_json(best["ddi_target"])))
 
 
 @click.command()
@@ -214,6 +226,12 @@ def train(data_dir, out, threads, quiet, recipe, **config):
 )
 @ddi_options
 @click.option(
+    "--ddi-target",
+    type=click.FloatRange(0, 1),
+    help="Choose the soft DDI penalty and the set threshold on the validation split for the "
+    "best Jaccard at a DDI rate <= this, then evaluate --split with them.",
+)
+@click.option(
     "--ddi-tradeoff",
     is_flag=True,
     help="Report every DDI policy (off, hard, soft at each of --penalties) as a "
@@ -221,7 +239,7 @@ def train(data_dir, out, threads, quiet, recipe, **config):
 )
 @click.option(
     "--penalties",
-    default="0.25,0.5,1,2,4",
+    default=",".join(f"{p:g}" for p in DEFAULT_PENALTIES),
     show_default=True,
     help="--ddi-tradeoff: the soft penalties, comma-separated.",
 )
@@ -235,6 +253,13 @@ def train(data_dir, out, threads, quiet, recipe, **config):
     "plot_out",
     type=click.Path(dir_okay=False),
     help="--ddi-tradeoff: write Jaccard vs DDI rate as a PNG.",
+)
+@click.option(
+    "--mark",
+    "marks",
+    multiple=True,
+    metavar="NAME=JACCARD@DDI",
+    help="--plot: also mark this point, e.g. SafeDrug=0.5213@0.0589 (repeatable).",
 )
 @threads_option
 @click.option("--quiet", is_flag=True)
@@ -255,10 +280,12 @@ def evaluate(
     ddi_mode,
     ddi_penalty,
     ddi_max_rate,
+    ddi_target,
     ddi_tradeoff,
     penalties,
     max_rates,
     plot_out,
+    marks,
     threads,
     quiet,
 ):
@@ -280,9 +307,17 @@ def evaluate(
     if not ckpt:
         if not baseline:
             raise click.UsageError("give --checkpoint, or --baseline for a baseline")
-        if ddi_tradeoff or ddi_mode != "off" or ddi_max_rate is not None:
+        if ddi_tradeoff or ddi_mode or ddi_max_rate is not None or ddi_target is not None:
             raise click.UsageError("the DDI options decode a --checkpoint, not a --baseline")
     policy = ddi_policy(ddi_mode, ddi_penalty, ddi_max_rate)
+    if ddi_target is not None and (policy is not None or ddi_tradeoff or decoding == "beam"):
+        raise click.UsageError(
+            "--ddi-target chooses the policy of set decoding: drop --ddi-mode, --ddi-penalty, "
+            "--ddi-max-rate, --ddi-tradeoff and --decoding beam"
+        )
+    points = _marks(marks)
+    if marks and not plot_out:
+        raise click.UsageError("--mark goes with --plot")
     outputs = {"--json": json_out, "--predictions": predictions, "--plot": plot_out}
     guard_outputs("cognet evaluate", outputs, Reads(datasets=[data_dir], checkpoints=[ckpt]))
     try:  # --beam alone asks for beam search; with --samples or --threshold it is refused
@@ -292,18 +327,18 @@ def evaluate(
     changes = {"name": decoding, "beam": beam, "samples": samples, "threshold": threshold}
     options = EvalOptions(
         split=split, decoding=changes, ddi=policy, rounds=rounds, seed=seed,
-        baseline=baseline, predictions=predictions, quiet=quiet,
+        baseline=baseline, predictions=predictions, quiet=quiet, ddi_target=ddi_target,
     )  # fmt: skip
     if ddi_tradeoff:
-        if policy.active or predictions:
+        if policy is not None or predictions:
             raise click.UsageError(
                 "--ddi-tradeoff runs every policy: drop --ddi-mode, "
                 "--ddi-penalty, --ddi-max-rate and --predictions"
             )
-        _tradeoff(ckpt, data_dir, options, penalties, max_rates, plot_out, json_out)
+        _tradeoff(ckpt, data_dir, options, penalties, max_rates, (plot_out, points), json_out)
         return
-    if plot_out:
-        raise click.UsageError("--plot goes with --ddi-tradeoff")
+    if plot_out or marks:
+        raise click.UsageError("--plot and --mark go with --ddi-tradeoff")
     result = run_evaluation(ckpt, data_dir, options)
     click.echo(result["table"])
     if json_out:
@@ -319,7 +354,7 @@ def _floats(text: str, option: str) -> tuple[float, ...]:
         ) from None
 
 
-def _tradeoff(ckpt, data_dir, options, penalties, max_rates, plot_out, json_out) -> None:
+def _marks(marks: tuple[str, ...]) -> list[tuple[str, float, float]]:
     """--ddi-tradeoff; options: `cognet.evaluate.EvalOptions` (its policy is off)."""
     from cognet import ddi_tradeoff
 
@@ -339,7 +374,7 @@ def _tradeoff(ckpt, data_dir, options, penalties, max_rates, plot_out, json_out)
     result = ddi_tradeoff.run_tradeoff(ckpt, data_dir, options, policy_list, on_policy=done)
     click.echo(result.table)
     if plot_out:
-        ddi_tradeoff.plot(result.rows, plot_out, result.recommended)
+        ddi_tradeoff.plot(result.rows, plot_out, result.recommended, marks=points)
         click.echo(f"plot written to {plot_out}", err=True)
     if json_out:
         write_text(json_out, json.dumps(result.to_json(), indent=1) + "\n")

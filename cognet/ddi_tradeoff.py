@@ -37,7 +37,8 @@ from cognet.core.files import atomic_path
 if TYPE_CHECKING:  # cognet.evaluate imports torch: only where a policy is decoded
     from cognet.evaluate import EvalOptions
 
-DEFAULT_PENALTIES = (0.25, 0.5, 1.0, 2.0, 4.0)
+# fine between 0.25 and 1, where the frontier bends on real data (issue 22)
+DEFAULT_PENALTIES = (0.1, 0.25, 0.35, 0.5, 0.6, 0.7, 0.8, 1.0, 2.0)
 MAX_JACCARD_DROP = 0.01  # accuracy a recommended penalty may cost against `off`
 # Columns of the table: (report key, header, format).
 COLUMNS = (
@@ -203,16 +204,25 @@ def markdown_table(rows: Sequence[TradeoffRow], recommended: TradeoffRow | None 
     return "\n".join(lines)
 
 
+# One marker per point: off a hollow square, hard a diamond; the soft penalties (coloured
+# dark to light as the penalty grows), then the max-rate caps (orange), then the --mark
+# points (black) take these in turn.
+MARKERS = ("o", "v", "^", "<", ">", "p", "h", "8", "d", "P", "X", "*", "H", "1", "2", "3", "4")
+
+
 def plot(
     rows: Sequence[TradeoffRow],
     path: str | Path,
     recommended: TradeoffRow | None = None,
     title: str = "",
+    marks: Sequence[tuple[str, float, float]] = (),
 ) -> Path:
-    """Jaccard against DDI rate, one point per policy (bootstrap std as error bars), off and
-    the soft penalties joined in order, a dotted line at `off` - MAX_JACCARD_DROP and a
-    dashed one at 70% of off's DDI rate, each named in the legend (right of the axes, off
-    hollow so that a point it covers shows); a PNG at `path`. Needs matplotlib."""
+    """Jaccard against DDI rate, one point per policy, each with its own marker and legend
+    entry (bootstrap std as error bars); off and the soft penalties joined in order, a
+    dotted line at `off` - MAX_JACCARD_DROP and a dashed one at 70% of off's DDI rate, and
+    `marks` ((name, jaccard, ddi): published models, say) as black points named on the plot;
+    every line and marker named in the legend (right of the axes, off hollow so that a
+    point it covers shows); a PNG at `path`. Needs matplotlib."""
     try:
         import matplotlib
     except ImportError:
@@ -222,7 +232,7 @@ def plot(
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8.4, 4.4), dpi=120)  # the legend right of the axes
+    fig, ax = plt.subplots(figsize=(10.0, 4.8), dpi=120)  # the legend right of the axes
     off = next((r for r in rows if not r.policy.active), None)
     soft = sorted(
         (r for r in rows if r.policy.mode == "soft" and r.policy.max_rate is None),
@@ -237,20 +247,24 @@ def plot(
             color="tab:blue",
             alpha=0.5,
             zorder=1,
+            label="soft penalties in order (off = 0)",
         )
     if off is not None:  # the region a recommended penalty must reach
-        floor = f"Jaccard of off - {MAX_JACCARD_DROP:g}"
+        floor = f"Jaccard of off - {MAX_JACCARD_DROP:g} (floor of a recommended penalty)"
         ax.axhline(off.mean("jaccard") - MAX_JACCARD_DROP, color="gray", ls=":", lw=1, label=floor)
-        cut = "70% of off's DDI rate"
+        cut = "70% of off's DDI rate (a 30% cut)"
         ax.axvline(0.7 * off.mean("ddi"), color="gray", ls="--", lw=1, label=cut)
     shades = plt.get_cmap("viridis")(np.linspace(0.15, 0.85, max(1, len(soft))))
-    colors = {id(r): c for r, c in zip(soft, shades, strict=False)}
-    style = {"off": ("s", "tab:gray"), "hard": ("D", "tab:red"), "soft": ("o", None)}
+    caps = [r for r in rows if r.policy.max_rate is not None]
+    oranges = plt.get_cmap("Oranges")(np.linspace(0.5, 0.9, max(1, len(caps))))
+    colors = [*shades[: len(soft)], *oranges[: len(caps)]]
+    style = {
+        id(r): (MARKERS[i % len(MARKERS)], c)
+        for i, (r, c) in enumerate(zip(soft + caps, colors, strict=True))
+    }
+    fixed = {"off": ("s", "tab:gray"), "hard": ("D", "tab:red")}
     for r in rows:  # one legend entry per policy: labels never overlap the points
-        marker, color = style[r.policy.mode]
-        color = colors.get(id(r), color)
-        if r.policy.max_rate is not None:
-            marker, color = "^", "tab:green"
+        marker, color = style.get(id(r)) or fixed.get(r.policy.mode, ("o", "tab:blue"))
         label = r.policy.label + (" (recommended)" if r is recommended else "")
         ax.errorbar(
             r.mean("ddi"),
@@ -261,16 +275,36 @@ def plot(
             color=color,
             ms=9 if r is recommended else 7,
             mec="black" if r is recommended else color,
-            mfc="none" if r.policy.mode == "off" else color,  # hollow: see what it covers
+            mfc="none" if not r.policy.active else color,  # hollow: see what it covers
             alpha=0.85,
             capsize=2,
             zorder=2,
             label=label,
         )
-    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0)
+    for i, (name, jaccard, ddi) in enumerate(marks, len(soft) + len(caps)):  # user's points
+        marker = MARKERS[i % len(MARKERS)]
+        ax.plot(ddi, jaccard, marker, color="black", ms=10, zorder=3, label=f"{name} (given)")
+        ax.annotate(name, (ddi, jaccard), xytext=(5, 5), textcoords="offset points", fontsize=8)
+    handles, labels = ax.get_legend_handles_labels()  # the given points last
+    order = sorted(range(len(labels)), key=lambda i: labels[i].endswith("(given)"))
+    ax.legend(
+        [handles[i] for i in order],
+        [labels[i] for i in order],
+        fontsize=8,
+        loc="upper left",
+        bbox_to_anchor=(1.02, 1.0),
+        borderaxespad=0,
+    )
     ax.set_xlabel("DDI rate (lower is safer)")
     ax.set_ylabel("Jaccard")
-    ax.set_title(title or "COGNet: accuracy vs drug-drug interactions by decoding policy")
+    ax.set_title(
+        title or "COGNet: accuracy vs drug-drug interactions by decoding policy",
+        fontsize=10,
+    )
+    ax.text(  # what the error bars are
+        0.99, 0.01, "error bars: bootstrap std", transform=ax.transAxes,
+        ha="right", va="bottom", fontsize=7, color="gray",
+    )  # fmt: skip
     ax.grid(alpha=0.3)
     fig.tight_layout()
     path = Path(path)

@@ -13,7 +13,7 @@ import pyarrow as pa
 import torch
 
 from cognet.batching import make_batch
-from cognet.core.ddi import DDIPolicy, ddi_matrix
+from cognet.core.ddi import DDIPolicy, DDITarget, ddi_matrix, with_target
 from cognet.core.decoding import Decoding
 from cognet.core.files import atomic_path
 from cognet.core.history import Visit, patients_from_table
@@ -36,7 +36,11 @@ class EvalOptions:
     # None: the checkpoint's own decoding (config.json "decoding"; beam 4 for a model from
     # before set decoding); a dict changes fields of it; a Decoding is used as it is
     decoding: Decoding | dict | None = None
-    ddi: DDIPolicy = DDIPolicy()  # DDI-aware decoding (off)
+    # DDI-aware decoding; None: the checkpoint's (its DDI target's policy, else off)
+    ddi: DDIPolicy | None = None
+    # choose a DDI target's pair on the validation split for this rate (`cognet.ddi_target`)
+    # and evaluate with it, instead of the checkpoint's own
+    ddi_target: float | None = None
     rounds: int = 10  # bootstrap rounds of 80% of the patients (1: every patient, once)
     seed: int = 0
     baseline: str | None = None  # evaluate this baseline instead of the checkpoint
@@ -158,11 +162,20 @@ def run_evaluation(ckpt, data_dir, options: EvalOptions = EvalOptions()) -> dict
     from cognet.core.metrics import format_table
     from cognet.core.schema import read_dataset
 
-    split, baseline, ddi, seed = options.split, options.baseline, options.ddi, options.seed
+    split, baseline, seed = options.split, options.baseline, options.seed
     dataset = read_dataset(data_dir)
+    ddi, target, trials = options.ddi or DDIPolicy(), None, None
     if ckpt:
         model, vocab, config = checkpoint.load(ckpt)
-        decoding = resolve_decoding(config, options.decoding)
+        target = DDITarget.from_json(config.get("ddi_target"))  # checked by checkpoint.load
+        if options.ddi_target is not None:
+            target, trials = _search_target(model, vocab, dataset, config, options)
+        decoding, ddi = with_target(
+            options.ddi,
+            target,
+            resolve_decoding(config, None),
+            lambda base: resolve_decoding({"decoding": base.to_json()}, options.decoding),
+        )
     else:
         train_rows = split_table(dataset.visits, "train")
         vocab = Vocab.build(
@@ -201,6 +214,10 @@ def run_evaluation(ckpt, data_dir, options: EvalOptions = EvalOptions()) -> dict
     if not baseline:
         rep["ddi_policy"] = ddi.to_json()
         rep["decoding"] = decoding.to_json()
+        if target is not None and options.ddi is None and decoding.name == "set":  # its pair
+            rep["ddi_target"] = target.to_json()
+        if trials is not None:  # every (policy, threshold) the search scored on validation
+            rep["ddi_target_search"] = [t.to_json() for t in trials]
     rep.update(
         model=name,
         split=split,
@@ -219,7 +236,31 @@ def run_evaluation(ckpt, data_dir, options: EvalOptions = EvalOptions()) -> dict
             if parts[key]
         )
     )
+    if "ddi_target" in rep:  # validation holding the target does not prove test does
+        test_ddi = rep["ddi"]["mean"]
+        table += (
+            f"\nDDI target {target.target:g}, chosen on validation: {target.policy.label}, "
+            f"threshold {target.threshold:g} (validation Jaccard {target.val_jaccard:.4f}, DDI "
+            f"{target.val_ddi:.4f}); {split} DDI {test_ddi:.4f} "
+            + ("<=" if test_ddi <= target.target else "> (not held)")
+            + f" target {target.target:g}"
+        )
     return {"report": rep, "table": table}
+
+
+def _search_target(model, vocab, dataset, config: dict, options: EvalOptions) -> tuple:
+    """The DDI target's pair for `options.ddi_target`, chosen on the validation split
+    (`cognet.ddi_target`), with the decoding that `options` asks on the checkpoint's, and
+    the search's trials."""
+    from cognet.core.errors import InputError
+    from cognet.ddi_target import choose_target
+
+    decoding = resolve_decoding(config, options.decoding)
+    val = load_split(dataset.visits, vocab, "val").patients
+    if decoding.name != "set" or not val:
+        raise InputError("--ddi-target needs set decoding and a labelled validation split")
+    adj = ddi_matrix(vocab, dataset.ddi_pairs)
+    return choose_target(model, vocab, val, adj, decoding, options.ddi_target)
 
 
 def resolve_decoding(config: dict, decoding: Decoding | dict | None) -> Decoding:

@@ -95,6 +95,8 @@ class TrainConfig:
     decoding: str = "set"  # the checkpoint's default decoding: "set" (tuned) or "beam"
     set_samples: int = SAMPLES
     recipe: str = "default"
+    # choose a DDI policy and threshold on validation for this DDI rate (`cognet.ddi_target`)
+    ddi_target: float | None = None
 
     def __post_init__(self) -> None:
         if self.epochs < 1 or self.batch_size < 1 or self.lr <= 0:
@@ -107,6 +109,9 @@ class TrainConfig:
             raise ValueError("average: window sizes >= 1")
         if not 0 < self.lr_decay <= 1 or self.aux_loss < 0:
             raise ValueError("lr_decay must be in (0, 1] and aux_loss >= 0")
+        target = self.ddi_target
+        if target is not None and (self.decoding != "set" or not 0 <= target <= 1):
+            raise ValueError("--ddi-target needs set decoding and a DDI rate in [0, 1]")
         if self.dim % self.heads:
             raise ValueError(f"dim ({self.dim}) must be divisible by heads ({self.heads})")
 
@@ -354,6 +359,12 @@ def train(
     decoding, tuning = Decoding(name="beam"), {}
     if cfg.decoding == "set":
         decoding, tuning = set_decoding_for(model, vocab, val_patients, ddi_bool, cfg.set_samples)
+    target = None
+    if cfg.ddi_target is not None:  # the model's default DDI policy and threshold
+        from cognet.ddi_target import choose_target
+
+        target, _ = choose_target(model, vocab, val_patients, ddi_bool, decoding, cfg.ddi_target)
+        target = target.to_json()
     train_info = {
         **asdict(cfg),
         "best_epoch": best["epoch"],
@@ -364,7 +375,7 @@ def train(
         **tuning,
     }
     checkpoint.save(
-        out, model.cpu(), vocab, ehr, ddi, dataset.ddi_pairs, train_info, decoding.to_json()
+        out, model.cpu(), vocab, ehr, ddi, dataset.ddi_pairs, train_info, decoding.to_json(), target
     )
     write_text(out / "train_log.jsonl", "".join(json.dumps(rec) + "\n" for rec in history))
-    return {**best, "weights": chosen, "decoding": decoding.to_json()}
+    return {**best, "weights": chosen, "decoding": decoding.to_json(), "ddi_target": target}

@@ -59,6 +59,12 @@ def main(
     except ParityError as exc:
         click.echo(f"Error: {exc}", err=True)
         sys.exit(1)
+    target = manifest.default_target()
+    if target is not None:  # the policy scoring uses when none is asked
+        click.echo(
+            f"default DDI policy: {target.policy.label}, threshold {target.threshold:g} "
+            f"(DDI target {target.target:g})"
+        )
     parity = manifest.parity
     if parity is None:
         click.echo(f"exported {out} (not validated)")

@@ -134,6 +134,7 @@ def _export(model, vocab, config, checkpoint, out: Path, validate, fp16, tensorr
         parity=parity,
         decoding=config.get("decoding"),  # the checkpoint's tuned default, when it has one
         search=search,
+        ddi_target=config.get("ddi_target"),  # its DDI target's policy and threshold, if any
         model_dir=out,
     )
     if tensorrt:

@@ -399,7 +399,7 @@ def explain(
     model_dir: str,
     visit_id: str,
     beam: int | None,
-    ddi_mode: str,
+    ddi_mode: str | None,
     ddi_penalty: float | None,
     ddi_max_rate: float | None,
     as_json: bool,

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from cognet.core.ddi import DDIPolicy
+from cognet.core.ddi import DDIPolicy, DDITarget, with_target
 from cognet.core.decoding import DECODINGS, Decoding, asked_decoding
 from cognet.core.errors import InputError
 
@@ -40,7 +40,9 @@ class ScoreOptions:
     beam: int | None = None  # beam width (1 = greedy); None: the model's
     samples: int | None = None  # set decoding: samples per visit; None: the model's
     threshold: float | None = None  # set decoding: on P(k in set); None: the model's
-    ddi: DDIPolicy = DDIPolicy()  # DDI-aware decoding over the model's DDI pairs; off
+    # DDI-aware decoding over the model's DDI pairs; None: the model's (its DDI target, if it
+    # has one, else off: `cognet.core.ddi.with_target`)
+    ddi: DDIPolicy | None = None
     max_history_visits: int | None = None  # keep only the last K past visits; None: all
     # -- where
     device: str = "auto"  # one of DEVICES; auto = CUDA when available, else CPU
@@ -61,8 +63,6 @@ class ScoreOptions:
     selection: str = "auto"  # one of SELECTIONS: where candidates are selected
 
     def __post_init__(self) -> None:
-        if self.ddi is None:  # accepted for "off"
-            object.__setattr__(self, "ddi", DDIPolicy())
         if self.decoding is not None and self.decoding not in DECODINGS:
             raise InputError(f"unknown decoding {self.decoding!r}; choose from {_names(DECODINGS)}")
         if self.device not in DEVICES:
@@ -71,7 +71,7 @@ class ScoreOptions:
             raise InputError(
                 f"unknown selection {self.selection!r}; choose from {_names(SELECTIONS)}"
             )
-        if not isinstance(self.ddi, DDIPolicy):
+        if self.ddi is not None and not isinstance(self.ddi, DDIPolicy):
             raise InputError(f"ddi must be a cognet.core.ddi.DDIPolicy, not {self.ddi!r}")
         if self.threshold is not None and not 0.0 < self.threshold <= 1.0:
             raise InputError(f"threshold must be in (0, 1], not {self.threshold}")
@@ -112,8 +112,15 @@ class ScoreOptions:
         except ValueError as exc:
             raise InputError(str(exc)) from None
 
+    def resolve(
+        self, default: Decoding, target: DDITarget | None = None
+    ) -> tuple[Decoding, DDIPolicy]:
+        """The decoding and the DDI policy to run on a model whose own are `default` and
+        `target` (its DDI target: used when these options ask for no policy)."""
+        return with_target(self.ddi, target, default, self.resolve_decoding)
+
     def to_json(self) -> dict:
-        return {**asdict(self), "ddi": self.ddi.to_json()}
+        return {**asdict(self), "ddi": None if self.ddi is None else self.ddi.to_json()}
 
 
 def _names(choices: tuple[str, ...]) -> str:

@@ -172,9 +172,14 @@ def score(
     totals = total_counts(stats)
     check_rows(totals, files.num_rows)
     last = stats[-1] if stats else {"providers": None, "threads": 0, "batch_size": None}
-    decoding = score_options.resolve_decoding(manifest.default_decoding())
+    decoding, ddi = score_options.resolve(manifest.default_decoding(), manifest.default_target())
     setup = Setup(
-        score_options, decoding, last["providers"], last["threads"] * workers, last["batch_size"]
+        score_options,
+        decoding,
+        last["providers"],
+        last["threads"] * workers,
+        last["batch_size"],
+        ddi,
     )
     result = run_summary(
         Files(files.source, out, rejects),

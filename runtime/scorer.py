@@ -80,16 +80,19 @@ class Scorer:
         self.threads = None if model.threads is None else model.threads * model.streams
         self.budgets = Budgets.of(options, model.on_device)
         self._ddi_adj = ddi_matrix(self.vocab, [tuple(p) for p in model.ddi_pairs])  # [M, M]
-        if options.ddi.active and not self._ddi_adj.any():
-            log.warning("DDI policy %r: the model knows no interacting pair", options.ddi.label)
+        manifest = model.manifest
         default = (
-            model.manifest.default_decoding()
-            if model.manifest is not None
+            manifest.default_decoding()
+            if manifest is not None
             else Decoding(beam=model.beam, max_len=model.max_len)
         )
-        self.decoding = options.resolve_decoding(default)
+        # the asked policy, else the model's DDI target (when it has one), else off
+        target = manifest.default_target() if manifest is not None else None
+        self.decoding, self.ddi = options.resolve(default, target)
+        if self.ddi.active and not self._ddi_adj.any():
+            log.warning("DDI policy %r: the model knows no interacting pair", self.ddi.label)
         self.beam_config, self.set_config = decoding_configs(
-            self.decoding, self.vocab.end, options.ddi, options.compact_at
+            self.decoding, self.vocab.end, self.ddi, options.compact_at
         )
         self._attention = model.attention and "diag_attention" in model.decoder.step_outputs
         self._pool = ThreadPoolExecutor(self.streams, "cognet-batch") if self.streams > 1 else None

@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from cognet.core import metrics
+from cognet.core.ddi import DDIPolicy
 from cognet.core.decoding import Decoding
 from cognet.runtime.options import ScoreOptions
 from cognet.runtime.outputs import COUNTS
@@ -61,12 +62,18 @@ class Setup:
     providers: Sequence[str] | None = None  # ONNX Runtime's execution providers
     threads: int | None = None  # CPU threads in all
     batch_size: int | None = None  # visits decoded together at most
+    ddi: DDIPolicy | None = None  # the policy run (None: the options'; off when they ask none)
 
     @classmethod
     def of(cls, scorer) -> Setup:
         """The setup of a `cognet.runtime.Scorer`."""
         return cls(
-            scorer.options, scorer.decoding, scorer.providers, scorer.threads, scorer.batch_size
+            scorer.options,
+            scorer.decoding,
+            scorer.providers,
+            scorer.threads,
+            scorer.batch_size,
+            scorer.ddi,
         )
 
 
@@ -104,7 +111,7 @@ def run_summary(
         "decoding": decoding.to_json(),
         "beam": decoding.beam,
         "batch_size": setup.batch_size,
-        "ddi": options.ddi.to_json(),
+        "ddi": (setup.ddi or options.ddi or DDIPolicy()).to_json(),
         "options": options.to_json(),
     }
     if metric_rows is not None:

@@ -119,10 +119,10 @@ def ddi_options(func: Callable) -> Callable:
         click.option(
             "--ddi-mode",
             type=click.Choice(DDI_MODES),
-            default="off",
-            show_default=True,
+            default=None,
             help="DDI-aware decoding: hard = never emit a medication interacting "
-            "with one already recommended; soft = penalise it per pair.",
+            "with one already recommended; soft = penalise it per pair. Default: the "
+            "model's own (the policy of its --ddi-target, if trained with one), else off.",
         ),
         click.option(
             "--ddi-penalty",
@@ -145,11 +145,14 @@ def ddi_options(func: Callable) -> Callable:
     return func
 
 
-def ddi_policy(mode: str, penalty: float | None, max_rate: float | None):
-    """The `cognet.core.ddi.DDIPolicy` of the ddi_options; click.UsageError on a bad mix."""
+def ddi_policy(mode: str | None, penalty: float | None, max_rate: float | None):
+    """The `cognet.core.ddi.DDIPolicy` of the ddi_options, or None when none was given (the
+    model's own policy applies); click.UsageError on a bad mix."""
     from cognet.core.ddi import policy_from_options
 
+    if mode is None and penalty is None and max_rate is None:
+        return None
     try:
-        return policy_from_options(mode, penalty, max_rate)
+        return policy_from_options(mode or "off", penalty, max_rate)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None

@@ -24,11 +24,12 @@ before the candidates are ranked. The default policy (`off`) adds no work to a s
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
+from cognet.core.decoding import Decoding
 from cognet.core.vocab import Vocab
 
 DDI_MODES = ("off", "soft", "hard")
@@ -65,6 +66,65 @@ class DDIPolicy:
 
     def to_json(self) -> dict:
         return {"mode": self.mode, "penalty": self.penalty, "max_rate": self.max_rate}
+
+
+@dataclass(frozen=True)
+class DDITarget:
+    """A DDI policy and set-decoding threshold chosen together on the validation split for
+    the best validation Jaccard at a validation DDI rate <= `target` (`cognet.ddi_target`).
+    Stored with a model (config.json and manifest.json "ddi_target"), it is the model's
+    default policy: `with_target` says when it applies."""
+
+    target: float  # R, the DDI rate asked for
+    policy: DDIPolicy  # soft with the penalty found (off when off holds R; hard as a last resort)
+    threshold: float  # on P(k in S), with that policy
+    val_jaccard: float
+    val_ddi: float
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.target <= 1 or not 0 < self.threshold <= 1:
+            raise ValueError("the DDI target must be in [0, 1] and the threshold in (0, 1]")
+
+    def to_json(self) -> dict:
+        return {
+            "target": self.target,
+            "policy": self.policy.to_json(),
+            "threshold": self.threshold,
+            "val_jaccard": self.val_jaccard,
+            "val_ddi": self.val_ddi,
+        }
+
+    @classmethod
+    def from_json(cls, obj: dict | None) -> DDITarget | None:
+        """None for None; ValueError/TypeError/KeyError on a malformed entry."""
+        if obj is None:
+            return None
+        policy = obj["policy"]
+        return cls(
+            target=float(obj["target"]),
+            policy=DDIPolicy(str(policy["mode"]), float(policy["penalty"]), policy["max_rate"]),
+            threshold=float(obj["threshold"]),
+            val_jaccard=float(obj["val_jaccard"]),
+            val_ddi=float(obj["val_ddi"]),
+        )
+
+
+def with_target(
+    asked: DDIPolicy | None,
+    target: DDITarget | None,
+    default: Decoding,
+    resolve: Callable[[Decoding], Decoding],
+) -> tuple[Decoding, DDIPolicy]:
+    """The decoding and the policy to run: `resolve` (the caller's changes) on top of the
+    model's `default` decoding, and the policy `asked` (None: none asked). A model's DDI
+    target applies when no policy is asked and the decoding stays a set (it was chosen for
+    one): its policy, and its threshold unless the changes set one. Otherwise the asked
+    policy, or off; a model without a target decodes as it always did."""
+    if asked is None and target is not None and default.name == "set":
+        decoding = resolve(default.with_changes(threshold=target.threshold))
+        if decoding.name == "set":
+            return decoding, target.policy
+    return resolve(default), asked or DDIPolicy()
 
 
 def ddi_matrix(vocab: Vocab, pairs: Iterable[Sequence[str]]) -> np.ndarray:

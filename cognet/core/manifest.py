@@ -31,7 +31,9 @@ exporter's validation report, or null when validation was skipped), `tensorrt` (
 the engine cache folder and min/opt/max shape profiles of `cognet-export --tensorrt`) and
 `decoding` (the model's default decoding, `cognet.core.decoding.Decoding`; null: beam) and
 `search` ({name: graph} of the search graphs, `cognet.export.search_graphs`; absent in
-models exported before them).
+models exported before them) and `ddi_target` (null, or the DDI policy and set threshold
+chosen on validation for a DDI-rate target, `cognet.core.ddi.DDITarget`: the model's
+default policy, `Manifest.default_target`).
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from cognet.core.ddi import DDITarget
 from cognet.core.decoding import Decoding
 from cognet.core.errors import InputError, one_line
 from cognet.core.files import confined, write_text
@@ -147,6 +150,8 @@ class Manifest:
     # the search graphs (`cognet.export.search_graphs`: candidate selection on the device and
     # row gathers); empty for a model exported before them (the runtime selects on the host)
     search: dict[str, GraphSpec] = field(default_factory=dict)
+    # the DDI target's policy and threshold (`cognet.core.ddi.DDITarget.to_json`); None: none
+    ddi_target: dict | None = None
     format_version: int = FORMAT_VERSION
     # Where the manifest was loaded from (not serialised); graph paths are relative to it.
     model_dir: Path | None = field(default=None, compare=False)
@@ -179,6 +184,13 @@ class Manifest:
         except (TypeError, ValueError) as exc:
             raise InputError(f"{self._file()}: malformed decoding ({one_line(exc)})") from None
 
+    def default_target(self) -> DDITarget | None:
+        """The DDI target stored with the model (`cognet train --ddi-target`), or None."""
+        try:
+            return DDITarget.from_json(self.ddi_target)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise InputError(f"{self._file()}: malformed ddi_target ({one_line(exc)})") from None
+
     def vocabulary(self) -> Vocab:
         return Vocab.from_json(self.vocab)
 
@@ -206,6 +218,7 @@ class Manifest:
             "tensorrt": self.tensorrt,
             "decoding": self.decoding,
             "search": {k: g.to_json() for k, g in self.search.items()},
+            "ddi_target": self.ddi_target,
         }
 
     @classmethod
@@ -232,6 +245,7 @@ class Manifest:
             tensorrt=obj.get("tensorrt"),
             decoding=obj.get("decoding"),
             search={k: GraphSpec.from_json(g) for k, g in obj.get("search", {}).items()},
+            ddi_target=obj.get("ddi_target"),
             model_dir=None if model_dir is None else Path(model_dir),
         )
 
@@ -312,6 +326,7 @@ def check_manifest(manifest: Manifest) -> None:
     if manifest.max_len > MAX_STEPS:
         raise bad("max_len", f"{manifest.max_len} is above {MAX_STEPS}")
     manifest.default_decoding()  # an InputError naming the decoding field
+    manifest.default_target()  # and the ddi_target field
     groups = [("graphs", manifest.graphs), ("search", manifest.search)]
     groups += [(f"variants.{v}", gs) for v, gs in manifest.variants.items()]
     for group, specs in groups:

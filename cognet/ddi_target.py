@@ -1,0 +1,180 @@
+"""A DDI target: the soft DDI penalty and the set threshold, chosen together on the validation
+split, of best validation Jaccard with a validation DDI rate <= R.
+
+`cognet train --ddi-target R` runs `choose_target` after the threshold is tuned and stores
+the pair with the checkpoint (`cognet.core.ddi.DDITarget`, config.json and the manifest's
+"ddi_target"): `cognet evaluate` and `cognet-batch score` then decode with it unless a
+policy is asked. `cognet evaluate --ddi-target R` runs the same search for a checkpoint.
+
+The marginals P(k in S) of the set decoding depend on the penalty (it acts on every sampling
+step) but not on the threshold, so each penalty costs one decoding of the split and every
+threshold of `cognet.tuning.THRESHOLDS` is then a cheap selection (`select_sets`). The
+penalties tried: off, then the `LADDER` upwards while the best pair holding R improves
+(a high threshold may hold R at a small penalty, a larger penalty at a lower threshold:
+more medications), then `REFINE` rounds of geometric midpoints on both sides of the best
+penalty so far. If no soft penalty holds R, `hard` (DDI rate 0 on every set) does. The
+best (penalty, threshold) over every one tried wins; ties: the smaller penalty, then the
+lower threshold.
+
+Validation holding R does not prove that test does: `cognet evaluate` prints the test DDI
+rate next to the target.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from cognet.core.ddi import DDIPolicy, DDITarget
+from cognet.core.decoding import Decoding
+from cognet.core.history import Visit
+from cognet.core.metrics import VisitResult, bootstrap_report
+from cognet.core.sampling import select_sets
+
+log = logging.getLogger(__name__)
+
+# Soft penalties tried after off, in order, until one holds the target.
+LADDER = (0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0)
+REFINE = 3  # bisections between the last failing and the first holding penalty
+TOLERANCE = 1e-9  # on the DDI rate (float rounding of an exact ratio)
+
+
+@dataclass(frozen=True)
+class Trial:
+    """One (policy, threshold) scored on the validation split."""
+
+    policy: DDIPolicy
+    threshold: float
+    jaccard: float
+    ddi: float
+
+    def to_json(self) -> dict:
+        return {
+            "policy": self.policy.label,
+            "threshold": self.threshold,
+            "jaccard": self.jaccard,
+            "ddi": self.ddi,
+        }
+
+
+def score_thresholds(
+    patients: Sequence[Sequence[Visit]],
+    marginals: np.ndarray,
+    ddi_adj: np.ndarray,
+    policy: DDIPolicy,
+    thresholds: Sequence[float],
+) -> list[Trial]:
+    """Validation Jaccard and DDI rate (every patient once) of the sets that `policy`'s
+    marginals [visits, M] give at each threshold."""
+    visits = [v for p in patients for v in p]
+    trials = []
+    for tau in thresholds:
+        sets = select_sets(marginals, tau, policy, ddi_adj)
+        results = [
+            VisitResult(v.patient_id, tuple(s.tolist()), tuple(v.meds or ()), m)
+            for v, s, m in zip(visits, sets, marginals, strict=True)
+        ]
+        rep = bootstrap_report(results, ddi_adj, rounds=1, fraction=1.0)
+        trials.append(Trial(policy, float(tau), rep["jaccard"]["mean"], rep["ddi"]["mean"]))
+    return trials
+
+
+def search(
+    marginals_of: Callable[[DDIPolicy], np.ndarray],
+    patients: Sequence[Sequence[Visit]],
+    ddi_adj: np.ndarray,
+    target: float,
+    thresholds: Sequence[float],
+    ladder: Sequence[float] = LADDER,
+    refine: int = REFINE,
+) -> tuple[DDITarget, list[Trial]]:
+    """The pair of best validation Jaccard whose DDI rate is <= target (the module's
+    docstring says which penalties are tried), and every trial. marginals_of(policy): the
+    marginals P(k in S) [visits, M] of `patients`' visits decoded under that policy."""
+    if not 0 <= target <= 1:
+        raise ValueError(f"the DDI target must be in [0, 1], not {target}")
+    trials: list[Trial] = []
+    best: dict[float, Trial | None] = {}  # soft penalty (0: off) -> its best trial holding R
+
+    def run(policy: DDIPolicy) -> Trial | None:
+        got = score_thresholds(patients, marginals_of(policy), ddi_adj, policy, thresholds)
+        trials.extend(got)
+        fits = [t for t in got if t.ddi <= target + TOLERANCE]
+        top = max(fits, key=lambda t: (t.jaccard, -t.threshold), default=None)
+        log.info("DDI target %g: %s -> %s", target, policy.label, top)
+        return top
+
+    def score(penalty: float) -> float:  # -1: no threshold holds the target
+        if penalty not in best:
+            best[penalty] = run(DDIPolicy("soft", penalty) if penalty else DDIPolicy())
+        got = best[penalty]
+        return -1.0 if got is None else got.jaccard
+
+    def leader() -> float:  # the penalty of the best pair so far (ties: the smaller)
+        return max(sorted(best), key=score)
+
+    score(0.0)
+    for penalty in ladder:  # upwards while the best pair holding the target improves
+        lead = score(leader())
+        if score(penalty) <= lead and lead >= 0:
+            break
+    if score(leader()) >= 0:
+        for _ in range(refine):  # geometric midpoints on both sides of the leader
+            lead = leader()
+            below = [p for p in best if p < lead]
+            above = [p for p in best if p > lead]
+            if below:
+                low = max(below)
+                score(_round(np.sqrt(low * lead) if low else lead / 2))
+            if above:
+                score(_round(np.sqrt(lead * min(above))))
+        top = best[leader()]
+    else:  # no soft penalty holds it: hard (no interacting pair in any set)
+        top = run(DDIPolicy("hard"))
+        if top is None:
+            raise ValueError(f"no policy holds DDI rate {target} on the validation split")
+    chosen = DDITarget(target, top.policy, top.threshold, top.jaccard, top.ddi)
+    return chosen, trials
+
+
+def _round(penalty: float) -> float:
+    return float(f"{penalty:.3g}")  # 3 significant digits: readable, and enough
+
+
+def choose_target(
+    model,
+    vocab,
+    patients: Sequence[Sequence[Visit]],
+    ddi_adj: np.ndarray,
+    decoding: Decoding,
+    target: float,
+    thresholds: Sequence[float] | None = None,
+    on_batch: Callable[[int], None] | None = None,
+) -> tuple[DDITarget, list[Trial]]:
+    """`search` for a torch model: `decoding` (a set decoding: its samples and estimator)
+    decodes the validation `patients` under each policy; ddi_adj: bool [M, M]."""
+    from cognet.evaluate import decode_patients
+    from cognet.tuning import THRESHOLDS
+
+    if decoding.name != "set":
+        raise ValueError("a DDI target is chosen for set decoding (its threshold)")
+    probe = decoding.with_changes(threshold=1.0)  # the marginals do not depend on it
+
+    def marginals_of(policy: DDIPolicy) -> np.ndarray:
+        decoded = decode_patients(model, vocab, patients, probe, policy, on_batch)
+        return np.stack([d.scores for d in decoded])
+
+    grid = THRESHOLDS if thresholds is None else thresholds
+    return search(marginals_of, patients, ddi_adj, target, grid)
+
+
+def describe(target: DDITarget) -> str:
+    """One line: the pair found and its validation scores."""
+    return (
+        f"DDI target {target.target:g}: {target.policy.label}, threshold "
+        f"{target.threshold:g} (validation Jaccard {target.val_jaccard:.4f}, DDI rate "
+        f"{target.val_ddi:.4f})"
+    )

@@ -1,0 +1,223 @@
+"""The DDI target (`cognet train/evaluate --ddi-target`, `cognet.ddi_target`): the search
+holds the target on validation, the pair found travels checkpoint -> manifest -> scorer
+as the model's default policy, an asked policy overrides it, and a model without one decodes
+as before. Also the trade-off plot's --mark points."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+from click.testing import CliRunner
+
+from cognet.cli import main as cognet_main
+from cognet.core.ddi import DDIPolicy, DDITarget
+from cognet.core.errors import InputError
+from cognet.core.manifest import load_manifest
+from cognet.ddi_target import search
+from cognet.evaluate import EvalOptions, run_evaluation
+from cognet.runtime import Scorer
+from cognet.runtime.cli import main as batch_main
+
+TARGET = 0.05  # below the validation DDI rate of the model decoded without a policy
+
+
+def _json(path: Path) -> dict:
+    return json.loads(path.read_text())
+
+
+@pytest.fixture(scope="module")
+def targeted(tiny_dataset, tmp_path_factory) -> Path:
+    """A model trained 2 epochs with --ddi-target TARGET on the 60-patient synthetic set."""
+    out = tmp_path_factory.mktemp("targeted") / "ckpt"
+    res = CliRunner().invoke(
+        cognet_main,
+        ["train", "--data", str(tiny_dataset), "--out", str(out), "--epochs", "2",
+         "--ddi-target", str(TARGET), "--quiet"],
+    )  # fmt: skip
+    assert res.exit_code == 0, res.output
+    assert f"DDI target {TARGET:g}: " in res.output
+    return out
+
+
+def _evaluate(ckpt, data, tmp_path, *args) -> dict:
+    out = tmp_path / f"r{len(list(tmp_path.iterdir()))}.json"
+    res = CliRunner().invoke(
+        cognet_main,
+        ["evaluate", "--checkpoint", str(ckpt), "--data", str(data), "--split", "val",
+         "--rounds", "1", "--quiet", "--json", str(out), *args],
+    )  # fmt: skip
+    assert res.exit_code == 0, res.output
+    return _json(out) | {"output": res.output}
+
+
+def test_trained_target_holds_on_validation_and_is_the_default(targeted, tiny_dataset, tmp_path):
+    config = _json(targeted / "config.json")
+    stored = DDITarget.from_json(config["ddi_target"])
+    assert stored.target == TARGET and stored.val_ddi <= TARGET
+    # evaluate without a DDI option decodes with the stored pair: the validation rate holds
+    rep = _evaluate(targeted, tiny_dataset, tmp_path)
+    assert rep["ddi_policy"] == stored.policy.to_json()
+    assert rep["decoding"]["threshold"] == stored.threshold
+    assert rep["ddi"]["mean"] <= TARGET
+    assert rep["ddi"]["mean"] == pytest.approx(stored.val_ddi, abs=1e-6)
+    assert rep["jaccard"]["mean"] == pytest.approx(stored.val_jaccard, abs=1e-6)
+    assert rep["ddi_target"] == stored.to_json()
+    assert f"DDI target {TARGET:g}, chosen on validation" in rep["output"]
+    # --ddi-mode off overrides it: the threshold tuned without a policy, above the target
+    off = _evaluate(targeted, tiny_dataset, tmp_path, "--ddi-mode", "off")
+    assert off["ddi_policy"] == DDIPolicy().to_json() and "ddi_target" not in off
+    assert off["decoding"]["threshold"] == config["decoding"]["threshold"]
+    assert off["ddi"]["mean"] > TARGET  # so the target was not met by doing nothing
+    # beam search asked: the pair (chosen for a set) does not apply
+    beam = _evaluate(targeted, tiny_dataset, tmp_path, "--decoding", "beam")
+    assert beam["ddi_policy"] == DDIPolicy().to_json()
+
+
+def test_stored_pair_reaches_the_manifest_and_the_scorer(targeted, tiny_dataset, tmp_path):
+    from cognet.export import export
+
+    stored = DDITarget.from_json(_json(targeted / "config.json")["ddi_target"])
+    model = tmp_path / "model"
+    export(targeted, model, validate=False)
+    manifest = load_manifest(model)
+    assert manifest.default_target() == stored
+    assert _json(model / "manifest.json")["ddi_target"] == stored.to_json()
+    scorer = Scorer(model, device="cpu", threads=1)
+    assert scorer.ddi == stored.policy and scorer.decoding.threshold == stored.threshold
+    assert scorer.settings()["ddi"] == stored.policy.to_json()
+    off = Scorer(model, device="cpu", threads=1, ddi=DDIPolicy())
+    assert off.ddi == DDIPolicy()
+    assert off.decoding == manifest.default_decoding()
+    # cognet-batch score: the stored pair by default, --ddi-mode off overrides it; its lists
+    # are the ones `cognet evaluate` (torch) gives with the same pair
+    visits = tmp_path / "test.parquet"
+    table = pq.read_table(tiny_dataset / "visits.parquet")
+    pq.write_table(table, visits)
+    preds = tmp_path / "torch.parquet"
+    run_evaluation(targeted, tiny_dataset, EvalOptions(rounds=1, predictions=preds))
+    for args, policy in (([], stored.policy), (["--ddi-mode", "off"], DDIPolicy())):
+        out, summary = tmp_path / f"s{len(args)}.parquet", tmp_path / f"s{len(args)}.json"
+        res = CliRunner().invoke(
+            batch_main,
+            ["score", str(visits), "--model", str(model), "--out", str(out), "--device", "cpu",
+             "--threads", "1", "--all", "--summary-json", str(summary), *args],
+        )  # fmt: skip
+        assert res.exit_code == 0, res.output
+        assert _json(summary)["ddi"] == policy.to_json()
+    scored = pq.read_table(tmp_path / "s0.parquet").to_pydict()
+    runtime = dict(zip(scored["visit_id"], scored["medications"], strict=True))
+    want = pq.read_table(preds).to_pydict()
+    same = [runtime[v] == m for v, m in zip(want["visit_id"], want["medications"], strict=True)]
+    assert np.mean(same) >= 0.95
+
+
+def test_model_without_a_target_is_unchanged(tiny, tmp_path):
+    assert "ddi_target" not in _json(tiny / "ckpt" / "config.json")
+    manifest = load_manifest(tiny / "model")
+    assert manifest.default_target() is None
+    scorer = Scorer(tiny / "model", device="cpu", threads=1)
+    assert scorer.ddi == DDIPolicy() and scorer.decoding == manifest.default_decoding()
+    default = run_evaluation(tiny / "ckpt", tiny / "data", EvalOptions(rounds=2))["report"]
+    off = run_evaluation(tiny / "ckpt", tiny / "data", EvalOptions(rounds=2, ddi=DDIPolicy()))
+    assert default == off["report"] and "ddi_target" not in default
+
+
+def test_evaluate_ddi_target_searches_validation_then_reports_the_split(
+    tiny_dataset, targeted, tmp_path
+):
+    out = tmp_path / "r.json"
+    res = CliRunner().invoke(
+        cognet_main,
+        ["evaluate", "--checkpoint", str(targeted), "--data", str(tiny_dataset), "--rounds",
+         "1", "--quiet", "--ddi-target", "0.07", "--json", str(out)],
+    )  # fmt: skip
+    assert res.exit_code == 0, res.output
+    rep = _json(out)
+    found = DDITarget.from_json(rep["ddi_target"])
+    assert found.target == 0.07 and found.val_ddi <= 0.07
+    assert rep["ddi_policy"] == found.policy.to_json() and rep["split"] == "test"
+    line = res.output.strip().splitlines()[-1]
+    assert line.startswith("DDI target 0.07, chosen on validation") and "test DDI" in line
+    assert f"{rep['ddi']['mean']:.4f}" in line
+    for bad in (["--ddi-mode", "hard"], ["--decoding", "beam"], ["--ddi-tradeoff"]):
+        res = CliRunner().invoke(
+            cognet_main,
+            ["evaluate", "--checkpoint", str(targeted), "--data", str(tiny_dataset),
+             "--ddi-target", "0.07", *bad],
+        )  # fmt: skip
+        assert res.exit_code == 2, (bad, res.output)
+
+
+def test_search_keeps_the_best_pair_holding_the_target():
+    """A model whose DDI rate falls as the penalty grows and whose Jaccard falls too: the
+    search keeps the smallest penalty that holds the target, at the best threshold."""
+    from cognet.core.history import Visit
+
+    rng = np.random.default_rng(0)
+    n, m = 60, 6
+    adj = np.zeros((m, m), bool)
+    adj[0, 1] = adj[1, 0] = True  # 0 and 1 interact; the truth holds 0, 2, 3
+    visits = [[Visit(f"P{i}", f"V{i}", (), (), (0, 2, 3))] for i in range(n)]
+    base = np.tile([0.9, 0.5, 0.8, 0.7, 0.1, 0.05], (n, 1)) + rng.uniform(-0.02, 0.02, (n, m))
+    asked = []
+
+    def marginals_of(policy: DDIPolicy) -> np.ndarray:
+        asked.append(policy.label)
+        out = base.copy()
+        out[:, 1] *= np.exp(-policy.penalty)  # the penalty removes the interacting one
+        return out
+
+    found, trials = search(marginals_of, visits, adj, 0.0, thresholds=(0.2, 0.45))
+    assert found.val_ddi == 0.0 and found.val_jaccard == 1.0
+    assert found.policy.mode == "soft" and 0 < found.policy.penalty
+    assert found.threshold == 0.45
+    smaller = [t for t in trials if t.policy.penalty < found.policy.penalty]
+    assert smaller and all(t.ddi > 0 for t in smaller)  # the smallest penalty that holds it
+    assert asked[0] == "off" and len(asked) == len(set(asked))  # each policy decoded once
+    # a penalty that changes nothing: no soft pair holds it, hard does (drops 1 after 0)
+    found, _ = search(lambda policy: base, visits, adj, 0.0, thresholds=(0.2,), refine=1)
+    assert found.policy == DDIPolicy("hard") and found.val_ddi == 0.0
+
+
+def test_malformed_stored_targets_are_one_line_errors(targeted, tiny, tmp_path):
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny / "model", model)
+    manifest = _json(model / "manifest.json")
+    manifest["ddi_target"] = {"target": 2, "policy": {"mode": "soft"}}
+    (model / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(InputError, match="manifest.json: malformed ddi_target"):
+        load_manifest(model)
+
+
+@pytest.mark.parametrize(
+    "mark", ["SafeDrug", "SafeDrug=0.52", "=0.52@0.05", "SafeDrug=a@0.05", "X=0.5@1.5"]
+)
+def test_bad_mark_is_a_one_line_usage_error(tiny_dataset, targeted, tmp_path, mark):
+    res = CliRunner().invoke(
+        cognet_main,
+        ["evaluate", "--checkpoint", str(targeted), "--data", str(tiny_dataset),
+         "--ddi-tradeoff", "--plot", str(tmp_path / "t.png"), "--mark", mark],
+    )  # fmt: skip
+    assert res.exit_code == 2
+    errors = [line for line in res.output.splitlines() if line.startswith("Error")]
+    assert errors == [errors[0]] and "--mark" in errors[0] and "NAME=JACCARD@DDI" in errors[0]
+    assert not (tmp_path / "t.png").exists()
+
+
+def test_tradeoff_plot_with_marks(tiny_dataset, targeted, tmp_path):
+    png = tmp_path / "t.png"
+    res = CliRunner().invoke(
+        cognet_main,
+        ["evaluate", "--checkpoint", str(targeted), "--data", str(tiny_dataset), "--rounds",
+         "1", "--quiet", "--ddi-tradeoff", "--penalties", "0.5,2", "--plot", str(png),
+         "--mark", "SafeDrug=0.5213@0.0589", "--mark", "RASNet=0.5401@0.0599"],
+    )  # fmt: skip
+    assert res.exit_code == 0, res.output
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert f"plot written to {png}" in res.output
