@@ -15,7 +15,7 @@ from cognet.core.clitools import (
     progress,
     setup_logging,
 )
-from cognet.core.decoding import DECODINGS, Decoding, asked_decoding
+from cognet.core.decoding import DECODINGS, ESTIMATORS, Decoding, asked_decoding
 from cognet.core.files import Reads, guarded, write_text
 from cognet.ddi_tradeoff import DEFAULT_PENALTIES
 
@@ -211,6 +211,12 @@ def train(data_dir, out, threads, quiet, recipe, **config):
     type=click.FloatRange(0, 1, min_open=True),
     help="Threshold on P(medication in set) of --decoding set (default: the model's).",
 )
+@click.option(
+    "--estimator",
+    type=click.Choice(ESTIMATORS),
+    help="How --decoding set draws its samples (default: the model's; plain for models "
+    "from before the estimators).",
+)
 @count_option("--rounds", default=10, help="Bootstrap rounds of 80%% of the patients.")
 @click.option("--seed", default=0, show_default=True, type=int)
 @click.option("--json", "json_out", type=click.Path(dir_okay=False), help="Write the report.")
@@ -272,6 +278,7 @@ def evaluate(
     beam,
     samples,
     threshold,
+    estimator,
     rounds,
     seed,
     json_out,
@@ -324,7 +331,8 @@ def evaluate(
         decoding = asked_decoding(decoding, beam, samples, threshold, flag="--")
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
-    changes = {"name": decoding, "beam": beam, "samples": samples, "threshold": threshold}
+    changes = {"name": decoding, "beam": beam, "samples": samples, "threshold": threshold,
+               "estimator": estimator}  # fmt: skip
     options = EvalOptions(
         split=split, decoding=changes, ddi=policy, rounds=rounds, seed=seed,
         baseline=baseline, predictions=predictions, quiet=quiet, ddi_target=ddi_target,

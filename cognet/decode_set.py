@@ -18,7 +18,7 @@ from cognet.model import COGNet, history_inputs
 
 
 class TorchSession:
-    """`runtime.beam.DecoderSession` over the torch model: memories and the KV cache stay
+    """`cognet.core.driver.DecoderSession` over the torch model: memories and the KV cache stay
     torch tensors on the model's device; step outputs come back as numpy arrays."""
 
     def __init__(self, model: COGNet):

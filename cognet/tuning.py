@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from cognet.batching import IGNORE, make_batch
 from cognet.core.ddi import DDIPolicy
-from cognet.core.decoding import Decoding
+from cognet.core.decoding import ESTIMATOR, Decoding
 from cognet.core.history import Visit
 from cognet.core.metrics import VisitResult, bootstrap_report
 from cognet.core.sampling import select_sets
@@ -109,10 +109,11 @@ def set_decoding_for(
     ddi_adj: np.ndarray,
     samples: int,
 ) -> tuple[Decoding, dict]:
-    """The set decoding of `samples` samples with its threshold tuned on `patients`."""
+    """The set decoding of `samples` samples (drawn by this version's estimator) with its
+    threshold tuned on `patients`."""
     from cognet.evaluate import decode_patients
 
-    probe = Decoding(name="set", samples=samples, threshold=1.0)
+    probe = Decoding(name="set", samples=samples, threshold=1.0, estimator=ESTIMATOR)
     decoded = decode_patients(model, vocab, patients, decoding=probe, ddi=DDIPolicy())
     marginals = np.stack([d.scores for d in decoded])
     tau, scores = tune_threshold(patients, marginals, ddi_adj)

@@ -26,7 +26,7 @@ also follow; tests hold the two equal, visit by visit.
   axis 0) of a matrix, or of a rank-r tensor (r = 1, 3, 4, 5): finished visits leave the
   batch on the device.
 - `init_gather_<dtype>` (float32, float16): the decoder-init inputs gathered from the
-  encoder outputs where the encoder wrote them (`cognet.runtime.assemble.Layout`): from the
+  encoder outputs where the encoder wrote them (`cognet.runtime.encoder.Layout`): from the
   flat `codes` and `visits` buffers and one index tensor per input (`<input>_rows`), the
   seven encoding inputs of `decoder_init`, so that encodings never cross to the host.
 
@@ -44,7 +44,21 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from cognet.core.graphspec import INIT_GATHERED, TAKE_DTYPES, TAKE_RANKS, take_graph_name
+from cognet.core.graphspec import (
+    BEAM_SELECT_HOST,
+    BEAM_SELECT_INPUTS,
+    BEAM_SELECT_STATE,
+    DDI_INPUTS,
+    INIT_GATHERED,
+    SET_SELECT_HOST,
+    SET_SELECT_INPUTS,
+    SET_SELECT_STATE,
+    TAKE_DTYPES,
+    TAKE_INPUTS,
+    TAKE_OUTPUT,
+    TAKE_RANKS,
+    take_graph_name,
+)
 from cognet.core.manifest import GraphSpec, TensorSpec, file_sha256
 
 F32, F64, I64, BOOL = TensorProto.FLOAT, TensorProto.DOUBLE, TensorProto.INT64, TensorProto.BOOL
@@ -122,8 +136,7 @@ def _adjacency(ddi_adj: np.ndarray, v1: int) -> np.ndarray:
 def _ddi_penalty(g: _Graph, logp: str, used: str, adj: np.ndarray, cast_to: int | None) -> str:
     """logp lowered by penalty x interacting pairs with the hypothesis, or -inf where `hard`
     and it interacts (the rules of `cognet.core.ddi`; the penalty product is float32)."""
-    penalty = g.input("penalty", F32, [])
-    hard = g.input("hard", BOOL, [])
+    penalty, hard = (g.input(name, t, []) for name, t in zip(DDI_INPUTS, (F32, BOOL), strict=True))
     clashes = g.op("MatMul", g.op("Cast", used, to=F32), g.const(adj, np.float32))
     lowered = g.op("Mul", penalty, clashes)
     if cast_to is not None:
@@ -149,10 +162,13 @@ def beam_select_graph(
     module docstring); `split`: in two TopK stages."""
     end = v1 - 1
     g = _Graph(_beam_name(ddi_adj is not None, split))
-    logp = g.input("log_probs", F32, ["N", "B", v1])
-    scores = g.input("scores", F32, ["N", "B"])
-    used = g.input("used", BOOL, ["N", "B", v1])
-    finished = g.input("finished", BOOL, ["N", "B"])
+    nb, nbv = ["N", "B"], ["N", "B", v1]
+    logp, scores, used, finished = (
+        g.input(name, elem, dims)
+        for name, elem, dims in zip(
+            BEAM_SELECT_INPUTS, (F32, F32, BOOL, BOOL), (nbv, nb, nbv, nb), strict=True
+        )
+    )
     neg_inf = g.const(-np.inf, np.float32)
     ax2 = g.const([2], np.int64)
     raw = logp
@@ -189,14 +205,19 @@ def beam_select_graph(
     onehot = g.op("Equal", g.op("Unsqueeze", token, ax2), g.const(np.arange(v1), np.int64))
     used_next = g.op("Or", g.op("GatherElements", used, rows, axis=1), onehot)
     fin_next = g.op("Or", g.op("Not", live), g.op("Equal", token, g.const(end, np.int64)))
-    nb = ["N", "B"]
-    g.output(best, "scores_out", F32, nb)
-    g.output(parent, "parent_out", I64, nb)
-    g.output(token, "token_out", I64, nb)
-    g.output(chosen, "chosen_out", F32, nb)
-    g.output(live, "live_out", BOOL, nb)
-    g.output(fin_next, "finished_out", BOOL, nb)
-    g.output(used_next, "used_out", BOOL, ["N", "B", v1])
+    outputs = (
+        (best, F32, nb),
+        (parent, I64, nb),
+        (token, I64, nb),
+        (chosen, F32, nb),
+        (live, BOOL, nb),
+        (fin_next, BOOL, nb),
+        (used_next, BOOL, nbv),
+    )
+    for (value, elem, dims), name in zip(
+        outputs, (*BEAM_SELECT_HOST, *BEAM_SELECT_STATE), strict=True
+    ):
+        g.output(value, name, elem, dims)
     return g.model(opset)
 
 
@@ -208,11 +229,16 @@ def set_select_graph(v1: int, ddi_adj: np.ndarray | None, opset: int) -> onnx.Mo
     """One sampling step of set decoding, float64 (see the module docstring)."""
     end = v1 - 1
     g = _Graph("set_select_ddi" if ddi_adj is not None else "set_select")
-    logp32 = g.input("log_probs", F32, ["N", "S", v1])
-    used = g.input("used", BOOL, ["N", "S", v1])
-    finished = g.input("finished", BOOL, ["N", "S"])
-    u = g.input("uniforms", F64, ["N", "S"])
-    hazard = g.input("hazard", F64, ["N", end])
+    ns, nsv = ["N", "S"], ["N", "S", v1]
+    logp32, used, finished, u, hazard = (
+        g.input(name, elem, dims)
+        for name, elem, dims in zip(
+            SET_SELECT_INPUTS,
+            (F32, BOOL, BOOL, F64, F64),
+            (nsv, nsv, ns, ns, ["N", end]),
+            strict=True,
+        )
+    )
     ax1, ax2 = g.const([1], np.int64), g.const([2], np.int64)
     fin3 = g.op("Unsqueeze", finished, ax2)
     # a finished sample: all its mass on END (log 0 there, -inf elsewhere through the mask)
@@ -232,15 +258,17 @@ def set_select_graph(v1: int, ddi_adj: np.ndarray | None, opset: int) -> onnx.Mo
     count = g.op("ReduceSum", g.op("Cast", below, to=F64), ax2, keepdims=0)  # exact
     token = g.op("Min", g.op("Cast", count, to=I64), g.const(end, np.int64))
     onehot = g.op("Equal", g.op("Unsqueeze", token, ax2), g.const(np.arange(v1), np.int64))
-    g.output(token, "token_out", I64, ["N", "S"])
-    g.output(
-        g.op("Or", finished, g.op("Equal", token, g.const(end, np.int64))),
-        "finished_out",
-        BOOL,
-        ["N", "S"],
+    fin_next = g.op("Or", finished, g.op("Equal", token, g.const(end, np.int64)))
+    outputs = (
+        (token, I64, ns),
+        (fin_next, BOOL, ns),
+        (g.op("Or", used, onehot), BOOL, nsv),
+        (hazard_next, F64, ["N", end]),
     )
-    g.output(g.op("Or", used, onehot), "used_out", BOOL, ["N", "S", v1])
-    g.output(hazard_next, "hazard_out", F64, ["N", end])
+    for (value, elem, dims), name in zip(
+        outputs, (*SET_SELECT_HOST, *SET_SELECT_STATE), strict=True
+    ):
+        g.output(value, name, elem, dims)
     return g.model(opset)
 
 
@@ -249,10 +277,10 @@ def take_graph(dtype: str, opset: int, rank: int = 2) -> onnx.ModelProto:
     elem = TAKE_TYPES[dtype]
     g = _Graph(take_graph_name(dtype, rank))
     rest = [f"A{i}" for i in range(1, rank)]
-    x = g.input("x", elem, ["N", *rest])
-    rows = g.input("rows", I64, ["K"])
-    g.op("Gather", x, rows, axis=0, name="y")
-    g.outputs.append(helper.make_tensor_value_info("y", elem, ["K", *rest]))
+    x = g.input(TAKE_INPUTS[0], elem, ["N", *rest])
+    rows = g.input(TAKE_INPUTS[1], I64, ["K"])
+    g.op("Gather", x, rows, axis=0, name=TAKE_OUTPUT)
+    g.outputs.append(helper.make_tensor_value_info(TAKE_OUTPUT, elem, ["K", *rest]))
     return g.model(opset)
 
 

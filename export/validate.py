@@ -185,7 +185,7 @@ def synthetic_patients(vocab: Vocab, n_patients: int, seed: int = 0) -> list[lis
 
 
 class _StepSession:
-    """`cognet.runtime.beam.DecoderSession` over `Graphs` (any variant), host arrays only."""
+    """`cognet.core.driver.DecoderSession` over `Graphs` (any variant), host arrays only."""
 
     def __init__(self, graphs: Graphs, heads: int, head_dim: int):
         self.graphs, self.heads, self.head_dim = graphs, heads, head_dim

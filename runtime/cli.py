@@ -22,7 +22,7 @@ from cognet.core.clitools import (
     progress,
     setup_logging,
 )
-from cognet.core.decoding import BEAM, DECODINGS, asked_decoding
+from cognet.core.decoding import BEAM, DECODINGS, ESTIMATORS, asked_decoding
 from cognet.core.errors import InputError
 from cognet.core.files import Reads, check_not_read
 from cognet.core.lock import OutputLock
@@ -56,7 +56,7 @@ def main() -> None:
 
 
 def score_options(func):
-    """--decoding, --beam, --samples, --threshold, --device, --selection, --variant,
+    """--decoding, --beam, --samples, --threshold, --estimator, --device, --selection, --variant,
     --batch-size, --threads, --streams, --max-history-visits, the DDI options,
     --max-codes-per-visit and --keep-columns, given to `func` as one `options: ScoreOptions`."""
 
@@ -67,6 +67,7 @@ def score_options(func):
         beam,
         samples,
         threshold,
+        estimator,
         device,
         selection,
         variant,
@@ -91,6 +92,7 @@ def score_options(func):
             beam=beam,
             samples=samples,
             threshold=threshold,
+            estimator=estimator,
             ddi=ddi_policy(ddi_mode, ddi_penalty, ddi_max_rate),
             max_history_visits=max_history_visits,
             device=device,
@@ -119,6 +121,9 @@ def score_options(func):
         click.option("--threshold", type=click.FloatRange(0, 1, min_open=True), default=None,
                      help="--decoding set: threshold on P(medication in set) (default: the "
                           "model's, tuned on validation)."),
+        click.option("--estimator", type=click.Choice(ESTIMATORS), default=None,
+                     help="--decoding set: how the samples are drawn (default: the model's; "
+                          "plain for models from before the estimators)."),
         click.option("--device", type=click.Choice(DEVICES), default="auto", show_default=True,
                      help="Execution provider; auto = CUDA when available, else CPU."),
         click.option("--selection", type=click.Choice(SELECTIONS), default="auto",

@@ -23,7 +23,7 @@ from typing import Any, Protocol
 import numpy as np
 import onnxruntime as ort
 
-from cognet.core.graphspec import ENCODER_OUTPUTS, INIT_GATHERED
+from cognet.core.graphspec import ENCODER_OUTPUTS, INIT_GATHERED, TAKE_INPUTS, TAKE_OUTPUT
 from cognet.core.history import history_index
 from cognet.core.vocab import Vocab
 from cognet.runtime.batches import cut_padded
@@ -117,9 +117,10 @@ class Encoder:
         """Zero one row of a device buffer: the take graph writes it there."""
         take = self.search.sessions[f"take_{self.dtype.name}"]
         io = take.io_binding()
-        io.bind_cpu_input("x", np.zeros((1, self.dim), self.dtype))
-        io.bind_cpu_input("rows", np.zeros(1, np.int64))
-        bind_rows(io, "y", buffer, row, (1,), self.search.device)
+        x, rows = TAKE_INPUTS
+        io.bind_cpu_input(x, np.zeros((1, self.dim), self.dtype))
+        io.bind_cpu_input(rows, np.zeros(1, np.int64))
+        bind_rows(io, TAKE_OUTPUT, buffer, row, (1,), self.search.device)
         take.run_with_iobinding(io)
 
     def encode_into(self, inputs: Mapping[str, np.ndarray], enc: Encodings, k: int) -> None:

@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from cognet.core.ddi import DDIPolicy, DDITarget, with_target
-from cognet.core.decoding import DECODINGS, Decoding, asked_decoding
+from cognet.core.decoding import DECODINGS, ESTIMATORS, Decoding, asked_decoding
 from cognet.core.errors import InputError
 
 DEVICES = ("auto", "cpu", "cuda", "tensorrt")
@@ -61,6 +61,7 @@ class ScoreOptions:
     max_codes_per_visit: int = MAX_CODES  # more known codes of one kind: too_many_codes
     keep_columns: tuple[str, ...] = ()  # input columns carried into the output
     selection: str = "auto"  # one of SELECTIONS: where candidates are selected
+    estimator: str | None = None  # set decoding: "plain" or "stratified"; None: the model's
 
     def __post_init__(self) -> None:
         if self.decoding is not None and self.decoding not in DECODINGS:
@@ -75,6 +76,10 @@ class ScoreOptions:
             raise InputError(f"ddi must be a cognet.core.ddi.DDIPolicy, not {self.ddi!r}")
         if self.threshold is not None and not 0.0 < self.threshold <= 1.0:
             raise InputError(f"threshold must be in (0, 1], not {self.threshold}")
+        if self.estimator is not None and self.estimator not in ESTIMATORS:
+            raise InputError(
+                f"unknown estimator {self.estimator!r}; choose from {_names(ESTIMATORS)}"
+            )
         at_least_one = (
             "beam",
             "samples",
@@ -107,7 +112,11 @@ class ScoreOptions:
         name = asked_decoding(self.decoding, self.beam, self.samples, self.threshold)
         try:
             return default.with_changes(
-                name=name, beam=self.beam, samples=self.samples, threshold=self.threshold
+                name=name,
+                beam=self.beam,
+                samples=self.samples,
+                threshold=self.threshold,
+                estimator=self.estimator,
             )
         except ValueError as exc:
             raise InputError(str(exc)) from None

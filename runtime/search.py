@@ -26,8 +26,19 @@ import onnxruntime as ort
 
 from cognet.core import driver
 from cognet.core.ddi import DDIPolicy, check_adjacency
-from cognet.core.graphspec import take_graph_name
-from cognet.core.sampling import SetConfig, uniforms
+from cognet.core.graphspec import (
+    BEAM_SELECT_HOST,
+    BEAM_SELECT_INPUTS,
+    BEAM_SELECT_STATE,
+    DDI_INPUTS,
+    SET_SELECT_HOST,
+    SET_SELECT_INPUTS,
+    SET_SELECT_STATE,
+    TAKE_INPUTS,
+    TAKE_OUTPUT,
+    take_graph_name,
+)
+from cognet.core.sampling import Draws, SetConfig
 from cognet.runtime.beam import BeamConfig, BeamResult, BeamRule, Step
 
 _TAKE = {
@@ -96,8 +107,9 @@ class SearchGraphs:
         name = take_graph_name(_TAKE[value.data_type()][5:], len(value.shape()))
         if name not in self.sessions:  # a model exported before: one take graph of any rank
             name = _TAKE[value.data_type()]
-        _, out = self.run(name, {"x": value, "rows": np.asarray(rows, np.int64)}, (), ("y",))
-        return out["y"]
+        feeds = dict(zip(TAKE_INPUTS, (value, np.asarray(rows, np.int64)), strict=True))
+        _, out = self.run(name, feeds, (), (TAKE_OUTPUT,))
+        return out[TAKE_OUTPUT]
 
     def host(self, value: Any, rows: np.ndarray) -> np.ndarray:
         """Rows of a handle as a numpy array."""
@@ -118,8 +130,8 @@ def _ddi_feeds(policy: DDIPolicy) -> tuple[str, dict[str, np.ndarray]]:
     if policy.mode == "off":
         return "", {}
     return "_ddi", {
-        "penalty": np.array(policy.penalty if policy.mode == "soft" else 0.0, np.float32),
-        "hard": np.array(policy.mode == "hard"),
+        DDI_INPUTS[0]: np.array(policy.penalty if policy.mode == "soft" else 0.0, np.float32),
+        DDI_INPUTS[1]: np.array(policy.mode == "hard"),
     }
 
 
@@ -129,7 +141,6 @@ class BeamGraphSelector(BeamRule):
     log-probability, liveness, finished flag and score of each beam come to the host."""
 
     on_device = True
-    HOST_OUT = ("scores_out", "parent_out", "token_out", "chosen_out", "live_out", "finished_out")
 
     def __init__(self, search: SearchGraphs, cfg: BeamConfig, ddi_adj: np.ndarray | None = None):
         if cfg.ddi.max_rate is not None:
@@ -144,18 +155,15 @@ class BeamGraphSelector(BeamRule):
         self.used = self.search.zeros((n, self.width, self.cfg.end + 1), bool)
 
     def select(self, t, out, rows, parent):
-        feeds = {
-            "log_probs": out["log_probs"],
-            "scores": self.scores,
-            "used": self.used,
-            "finished": self.finished,
-        }
+        inputs = (out["log_probs"], self.scores, self.used, self.finished)
+        feeds = dict(zip(BEAM_SELECT_INPUTS, inputs, strict=True))
         got, state = self.search.run(
-            self.graph, {**feeds, **self.extra}, self.HOST_OUT, ("used_out",)
+            self.graph, {**feeds, **self.extra}, BEAM_SELECT_HOST, BEAM_SELECT_STATE
         )
-        self.scores, parent, tokens = got["scores_out"], got["parent_out"], got["token_out"]
-        self.finished, self.used = got["finished_out"], state["used_out"]
-        live, chosen = got["live_out"], got["chosen_out"]
+        self.scores, parent, tokens, chosen, live, self.finished = (
+            got[k] for k in BEAM_SELECT_HOST
+        )
+        (self.used,) = (state[k] for k in BEAM_SELECT_STATE)
         self.trace.append(Step(rows, parent, tokens, live, chosen, None, None, None, None))
         return tokens, parent, self.over()
 
@@ -186,21 +194,15 @@ class SetGraphSampler:
         self.used = self.search.zeros((n, s, end + 1), bool)
         self.hazard = self.search.zeros((n, end), np.float64)
         self.out = np.zeros((n, end), np.float64)
+        self.draws = Draws(self.cfg, self.keys, n)
 
     def select(self, t, out, rows, parent):
-        feeds = {
-            "log_probs": out["log_probs"],
-            "used": self.used,
-            "finished": self.finished,
-            "uniforms": uniforms(self.cfg.seed, self.keys[rows], self.cfg.samples, t),
-            "hazard": self.hazard,
-            **self.extra,
-        }
-        got, state = self.search.run(
-            self.graph, feeds, ("token_out", "finished_out"), ("used_out", "hazard_out")
-        )
-        tokens, self.finished = got["token_out"], got["finished_out"]
-        self.used, self.hazard = state["used_out"], state["hazard_out"]
+        inputs = (out["log_probs"], self.used, self.finished, self.draws.at(t, rows), self.hazard)
+        feeds = {**dict(zip(SET_SELECT_INPUTS, inputs, strict=True)), **self.extra}
+        got, state = self.search.run(self.graph, feeds, SET_SELECT_HOST, SET_SELECT_STATE)
+        tokens, self.finished = (got[k] for k in SET_SELECT_HOST)
+        self.used, self.hazard = (state[k] for k in SET_SELECT_STATE)
+        self.draws.drawn(tokens)
         return tokens, parent, self.finished.all(1)  # samples never change rows
 
     def finish(self, t: int, newly: np.ndarray, rows: np.ndarray) -> None:
@@ -210,6 +212,7 @@ class SetGraphSampler:
 
     def keep(self, live: np.ndarray) -> None:
         self.finished = self.finished[live]
+        self.draws.keep(live)
         self.used, self.hazard = (
             self.search.take(self.used, live),
             self.search.take(self.hazard, live),

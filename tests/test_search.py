@@ -399,6 +399,7 @@ def _lists(manifest, encode, decoder, table, **options) -> list[dict]:
 def test_init_gathered_on_the_device_equals_the_host_assembly(tiny_many, batch):
     """Encoder calls of several widths written into device buffers, then a batch's memories
     from init_gather: exactly the memories of the host assembly."""
+    from cognet.runtime.batches import cut_padded
     from cognet.runtime.encoder import (
         ALIGN_ROWS,
         encoder_inputs,
@@ -409,7 +410,6 @@ def test_init_gathered_on_the_device_equals_the_host_assembly(tiny_many, batch):
         store_encodings,
     )
     from cognet.runtime.plan import Assembler
-    from cognet.runtime.batches import cut_padded
 
     model, bound, encoder = _bound(tiny_many / "model")
     vocab = model.manifest.vocabulary()

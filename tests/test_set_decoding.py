@@ -59,6 +59,20 @@ def test_runtime_sets_equal_torch_on_the_tiny_model(tiny, batch_size):
     assert len({len(v) for v in ref.values()}) > 3  # sets of varied sizes
 
 
+@pytest.mark.parametrize("estimator", ["stratified", "tree"])
+@pytest.mark.parametrize("selection", ["host", "device"])
+def test_every_estimator_draws_alike_in_torch_and_the_runtime(tiny, estimator, selection):
+    """The estimators' draws are the same numbers in the torch reference, the numpy
+    selection and the search graphs (fed from the host), visit by visit."""
+    decoding = Decoding(name="set", samples=8, threshold=0.3, estimator=estimator)
+    ref = _torch_sets(tiny, decoding)
+    got = _runtime_sets(tiny, decoding="set", samples=8, threshold=0.3, batch_size=64,
+                        estimator=estimator, selection=selection)  # fmt: skip
+    assert _agreement(got, ref) >= 0.995
+    plain = _torch_sets(tiny, Decoding(name="set", samples=8, threshold=0.3, estimator="plain"))
+    assert _agreement(plain, ref) < 1.0  # another estimator, other draws
+
+
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     """A real-size synthetic dataset (131 medications), a checkpoint trained 3 epochs with

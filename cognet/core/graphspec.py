@@ -31,7 +31,7 @@ INIT_INPUTS = (
 )
 
 # The encoding inputs of the decoder init, gathered from the encoder outputs laid out in two
-# flat buffers (`cognet.runtime.assemble.Layout`): (input, buffer, rank of its row index).
+# flat buffers (`cognet.runtime.encoder.Layout`): (input, buffer, rank of its row index).
 INIT_GATHERED = (
     ("diag_enc", "codes", 2),
     ("proc_enc", "codes", 2),
@@ -69,6 +69,37 @@ STEP_OUTPUTS = (
     "present_key",  # [N, B, H, dh, T + 1]
     "present_value",  # [N, B, H, T + 1, dh]
 )
+
+# The search graphs of `cognet-export` (export/search_graphs.py), run by the runtime
+# (`cognet.runtime.search`): their inputs, the outputs that come to the host each step and
+# those that stay where the graphs run (the next step's state). N visits, B beams, S samples.
+BEAM_SELECT_INPUTS = (
+    "log_probs",  # float32 [N, B, V1]
+    "scores",  # float32 [N, B]
+    "used",  # bool [N, B, V1]
+    "finished",  # bool [N, B]
+)
+BEAM_SELECT_HOST = (
+    "scores_out",  # float32 [N, B]
+    "parent_out",  # int64 [N, B]
+    "token_out",  # int64 [N, B]
+    "chosen_out",  # float32 [N, B] raw log-probability of the chosen token
+    "live_out",  # bool [N, B] the beam was not finished before this step
+    "finished_out",  # bool [N, B]
+)
+BEAM_SELECT_STATE = ("used_out",)  # bool [N, B, V1]
+SET_SELECT_INPUTS = (
+    "log_probs",  # float32 [N, S, V1]
+    "used",  # bool [N, S, V1]
+    "finished",  # bool [N, S]
+    "uniforms",  # float64 [N, S] the step's draws (`cognet.core.sampling.uniforms`)
+    "hazard",  # float64 [N, M] running sums of the step probabilities
+)
+SET_SELECT_HOST = ("token_out", "finished_out")  # int64 / bool [N, S]
+SET_SELECT_STATE = ("used_out", "hazard_out")  # bool [N, S, V1], float64 [N, M]
+DDI_INPUTS = ("penalty", "hard")  # float32 [] and bool [] of the `_ddi` variants
+TAKE_INPUTS = ("x", "rows")  # [N, ...] and int64 [K]
+TAKE_OUTPUT = "y"  # [K, ...]
 
 # The take graphs of `cognet-export` (export/search_graphs.py): rows (axis 0) of a tensor of
 # each element type and rank that the runtime gathers on a device (the KV cache has rank 5).

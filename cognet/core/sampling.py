@@ -41,13 +41,15 @@ import numpy as np
 
 from cognet.core import driver
 from cognet.core.ddi import RATE_TOLERANCE, DDIPolicy, check_adjacency
-from cognet.core.decoding import SAMPLES, Decoding
+from cognet.core.decoding import ESTIMATORS, SAMPLES, Decoding
 from cognet.core.driver import COMPACT_AT, LoopConfig, step_outputs
 from cognet.core.graphspec import PROB_FLOOR
 
 _SEED = np.uint64(0x9E3779B97F4A7C15)
 _SAMPLE = np.uint64(0xD1B54A32D192ED03)
 _STEP = np.uint64(0x8CB92BA72F3D8DD7)
+_STRATUM = np.uint64(0xA0761D6478BD642F)
+_TOKEN = np.uint64(0xE7037ED1A0B428DB)
 
 
 def visit_key(visit_id: str) -> int:
@@ -66,14 +68,82 @@ def _mix(x: np.ndarray) -> np.ndarray:
     return x ^ (x >> np.uint64(31))
 
 
-def uniforms(seed: int, keys: np.ndarray, samples: int, step: int) -> np.ndarray:
+def uniforms(
+    seed: int,
+    keys: np.ndarray,
+    samples: int,
+    step: int,
+    estimator: str = "plain",
+    prefix: np.ndarray | None = None,
+) -> np.ndarray:
     """float64 [n, samples], strictly inside (0, 1): the draws of step `step` of every
-    sample of the visits with these keys."""
+    sample of the visits with these keys.
+
+    - "plain": each draw a hash of (seed, visit, sample, step).
+    - "stratified": the samples of a visit take the strata [j/S, (j+1)/S) of (0, 1),
+      j = 0..S-1, in a random order at each step (the ranks of a second hash), each draw
+      uniform inside its stratum.
+    - "tree": the same within each group of samples that share their prefix (`prefix`
+      [n, samples]: a hash of each sample's tokens so far, `Draws`): g samples that reached
+      the same node of the prefix tree, and so draw from the same distribution, take the g
+      strata of (0, 1) in a random order. Their children then get g x their probability of
+      the samples, give or take one, instead of a binomial count.
+    Marginally every draw is uniform whatever the estimator: each sample is an exact sample
+    of the model and P(k in S) stays unbiased; stratified draws cover (0, 1) evenly, so
+    samples that share a distribution spread over it instead of clumping (less variance at
+    the same cost)."""
     with np.errstate(over="ignore"):
         base = _mix(np.asarray(keys, np.uint64) ^ _mix(np.uint64(seed % 2**64) * _SEED))
         sample = np.arange(1, samples + 1, dtype=np.uint64) * _SAMPLE
         x = _mix(_mix(base[:, None] ^ sample[None, :]) ^ (np.uint64(step + 1) * _STEP))
-    return ((x >> np.uint64(11)).astype(np.float64) + 0.5) * 2.0**-53
+        u = ((x >> np.uint64(11)).astype(np.float64) + 0.5) * 2.0**-53
+        if estimator == "plain":
+            return u
+        if estimator not in ESTIMATORS:
+            raise ValueError(f"unknown estimator {estimator!r}")
+        order_key = _mix(x ^ _STRATUM)
+    n = u.shape[0]
+    if estimator == "stratified" or prefix is None:
+        prefix = np.zeros((n, samples), np.uint64)
+    row = np.repeat(np.arange(n), samples)
+    group = prefix.ravel()
+    order = np.lexsort((order_key.ravel(), group, row))  # by visit, prefix, random key
+    first = np.ones(order.size, bool)
+    first[1:] = (group[order][1:] != group[order][:-1]) | (row[order][1:] != row[order][:-1])
+    starts = np.flatnonzero(first)
+    which = np.cumsum(first) - 1
+    rank = np.empty(order.size, np.float64)
+    size = np.empty(order.size, np.float64)
+    rank[order] = np.arange(order.size) - starts[which]
+    size[order] = np.diff(np.append(starts, order.size))[which]
+    return (rank.reshape(n, samples) + u) / size.reshape(n, samples)
+
+
+class Draws:
+    """The draws of a set decoding's samples, step by step (`uniforms`), and the prefix
+    hash of every sample that the "tree" estimator groups them by (kept per row; `keep`
+    compacts it with the batch)."""
+
+    def __init__(self, cfg: SetConfig, keys: np.ndarray, n: int):
+        self.cfg, self.keys = cfg, keys
+        tree = cfg.estimator == "tree"
+        self.prefix = np.zeros((n, cfg.samples), np.uint64) if tree else None
+
+    def at(self, t: int, rows: np.ndarray) -> np.ndarray:
+        """float64 [R, S]: the draws of step t of the visits `rows`."""
+        cfg = self.cfg
+        return uniforms(cfg.seed, self.keys[rows], cfg.samples, t, cfg.estimator, self.prefix)
+
+    def drawn(self, tokens: np.ndarray) -> None:
+        """Step the prefixes by the tokens [R, S] just drawn."""
+        if self.prefix is not None:
+            with np.errstate(over="ignore"):
+                step = (np.asarray(tokens, np.uint64) + np.uint64(1)) * _TOKEN
+                self.prefix = _mix(self.prefix ^ step)
+
+    def keep(self, live: np.ndarray) -> None:
+        if self.prefix is not None:
+            self.prefix = self.prefix[live]
 
 
 @dataclass(frozen=True)
@@ -83,6 +153,7 @@ class SetConfig(LoopConfig):
     samples: int = SAMPLES
     threshold: float = 0.5
     seed: int = 0
+    estimator: str = "plain"  # how the samples are drawn (`uniforms`)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -106,6 +177,7 @@ class SetConfig(LoopConfig):
             threshold=decoding.threshold,
             max_len=decoding.max_len,
             seed=decoding.seed,
+            estimator=decoding.estimator,
             ddi=ddi,
             compact_at=compact_at,
         )
@@ -158,6 +230,7 @@ class SetSampler:
         self.hazard = np.zeros((n, end), np.float64)  # sum over samples and steps of p_t(k)
         self.out = np.zeros((n, end), np.float64)
         self.sums: dict | None = None
+        self.draws = Draws(self.cfg, self.keys, n)
 
     def select(self, t, got, rows, parent):
         cfg, end = self.cfg, self.cfg.end
@@ -165,7 +238,7 @@ class SetSampler:
             got["log_probs"], self.used, self.finished, end, cfg.ddi, self.ddi_adj
         )
         self.hazard[rows] += p[..., :end].sum(1)  # finished samples have p = 0 below END
-        u = uniforms(cfg.seed, self.keys[rows], cfg.samples, t)
+        u = self.draws.at(t, rows)
         cum = np.cumsum(p, -1)
         tokens = np.minimum((cum < (u * cum[..., -1])[..., None]).sum(-1), end)
         r_ix, s_ix = np.indices(tokens.shape)
@@ -174,6 +247,7 @@ class SetSampler:
             self.sums = _add_explanation(self.sums, self.n, end, got, rows, tokens, emitted)
         self.used[r_ix, s_ix, tokens] = True
         self.finished = self.finished | (tokens == end)
+        self.draws.drawn(tokens)
         return tokens, parent, self.finished.all(1)  # samples never change rows
 
     def finish(self, t, newly, rows) -> None:
@@ -182,6 +256,7 @@ class SetSampler:
 
     def keep(self, live) -> None:
         self.finished, self.used = self.finished[live], self.used[live]
+        self.draws.keep(live)
 
     def result(self, steps: int) -> tuple[np.ndarray, dict | None, int]:
         return self.out, self.sums, steps
