@@ -90,7 +90,7 @@ threads_option = count_option(
     type=click.FloatRange(0, 1, min_open=True),
     help="Multiply the learning rate by this after every epoch (default: 1, constant).",
 )
-@count_option("--dim", help="Embedding size (default: 64).")
+@count_option("--dim", help="Embedding size (default: 128; reference: 64).")
 @click.option(
     "--emb-dropout",
     type=click.FloatRange(0, 1, max_open=True),

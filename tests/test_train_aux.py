@@ -77,12 +77,13 @@ def test_batch_loss_adds_the_weighted_aux_loss(tiny):
     model, vocab, batch = _batch(tiny)
     model.eval()  # no dropout: the same forward pass each call
     head = torch.nn.Linear(model.cfg.dim, vocab.n_med)
-    plain = batch_loss(model, batch, vocab, TrainConfig())
-    off = batch_loss(model, batch, vocab, TrainConfig(aux_loss=0.0), aux_head=head)
-    on = batch_loss(model, batch, vocab, TrainConfig(aux_loss=0.7), aux_head=head)
-    log_probs, hidden = model(batch, hidden=True)
-    assert torch.equal(log_probs, model(batch))  # `hidden` changes nothing else
-    aux = aux_loss(head, hidden, batch["dec_target"])
+    with torch.no_grad():
+        plain = batch_loss(model, batch, vocab, TrainConfig())
+        off = batch_loss(model, batch, vocab, TrainConfig(aux_loss=0.0), aux_head=head)
+        on = batch_loss(model, batch, vocab, TrainConfig(aux_loss=0.7), aux_head=head)
+        log_probs, hidden = model(batch, hidden=True)
+        assert torch.equal(log_probs, model(batch))  # `hidden` changes nothing else
+        aux = aux_loss(head, hidden, batch["dec_target"])
     assert float(off) == pytest.approx(float(plain), rel=1e-6)
     assert float(on) == pytest.approx(float(plain) + 0.7 * float(aux), rel=1e-5)
     assert float(aux) > 0
