@@ -105,8 +105,9 @@ threads_option = count_option(
 @click.option(
     "--ddi-target",
     type=click.FloatRange(0, 1),
-    help="After training, choose the soft DDI penalty and the set threshold together on "
-    "validation for the best Jaccard at a DDI rate <= this; scoring uses them by default.",
+    help="After training, choose the soft DDI penalty, a per-set DDI cap and the set "
+    "threshold together on validation for the best Jaccard at a DDI rate <= this; "
+    "evaluation and scoring use them unless a --ddi-mode is given.",
 )
 @click.option(
     "--ablation",
@@ -126,6 +127,7 @@ def train(data_dir, out, threads, quiet, recipe, **config):
     Example:
       cognet train --data data --out ckpt --seed 0 --threads 1
       cognet train --data data --out ckpt-ref --recipe reference --epochs 30
+      cognet train --data data --out ckpt-safe --ddi-target 0.06
     """
     import torch
 
@@ -234,8 +236,9 @@ def train(data_dir, out, threads, quiet, recipe, **config):
 @click.option(
     "--ddi-target",
     type=click.FloatRange(0, 1),
-    help="Choose the soft DDI penalty and the set threshold on the validation split for the "
-    "best Jaccard at a DDI rate <= this, then evaluate --split with them.",
+    help="Choose the soft DDI penalty, a per-set DDI cap and the set threshold on the "
+    "validation split for the best Jaccard at a DDI rate <= this, then evaluate --split "
+    "with them.",
 )
 @click.option(
     "--ddi-tradeoff",
@@ -304,6 +307,7 @@ def evaluate(
       cognet evaluate --data data --baseline copy-last
       cognet evaluate --checkpoint ckpt --data data --ddi-mode soft --ddi-penalty 1
       cognet evaluate --checkpoint ckpt --data data --ddi-tradeoff --plot tradeoff.png
+      cognet evaluate --checkpoint ckpt --data data --ddi-target 0.06
     """
     import torch
 

@@ -1,5 +1,5 @@
-"""A DDI target: the soft DDI penalty and the set threshold, chosen together on the validation
-split, of best validation Jaccard with a validation DDI rate <= R.
+"""A DDI target: the soft DDI penalty, a per-set DDI cap and the set threshold, chosen together
+on the validation split, of best validation Jaccard with a validation DDI rate <= R.
 
 `cognet train --ddi-target R` runs `choose_target` after the threshold is tuned and stores
 the pair with the checkpoint (`cognet.core.ddi.DDITarget`, config.json and the manifest's
@@ -12,33 +12,39 @@ threshold of `cognet.tuning.THRESHOLDS` is then a cheap selection (`select_sets`
 penalties tried: off, then the `LADDER` upwards while the best pair holding R improves
 (a high threshold may hold R at a small penalty, a larger penalty at a lower threshold:
 more medications), then `REFINE` rounds of geometric midpoints on both sides of the best
-penalty so far. If no soft penalty holds R, `hard` (DDI rate 0 on every set) does. The
-best (penalty, threshold) over every one tried wins; ties: the smaller penalty, then the
+penalty so far. With every penalty, per-set caps (`max_rate`, `CAP_FACTORS` x R, and
+none) are tried too: a cap acts on the selection only (no decoding), and one of at most R
+holds R on any split. If nothing holds R, `hard` (DDI rate 0 on every set) does. The best
+(penalty, cap, threshold) over every one tried wins; ties: the smaller penalty, then the
 lower threshold.
 
-Validation holding R does not prove that test does: `cognet evaluate` prints the test DDI
-rate next to the target.
+Validation holding R does not prove that test does (unless the cap is <= R): `cognet
+evaluate` prints the test DDI rate next to the target.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
 from cognet.core.ddi import DDIPolicy, DDITarget
 from cognet.core.decoding import Decoding
 from cognet.core.history import Visit
-from cognet.core.metrics import VisitResult, bootstrap_report
+from cognet.core.metrics import ddi_rate_of_sets, jaccard
 from cognet.core.sampling import select_sets
 
 log = logging.getLogger(__name__)
 
 # Soft penalties tried after off, in order, until one holds the target.
 LADDER = (0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0)
-REFINE = 3  # bisections between the last failing and the first holding penalty
+REFINE = 3  # rounds of midpoints around the best penalty so far
+# Per-set DDI caps (`max_rate`) tried with every penalty and threshold, as multiples of the
+# target (with none): a cap acts on the selection only, so it costs no decoding, and a cap
+# <= R holds R on any split (the pooled rate of sets that each hold it holds it).
+CAP_FACTORS = (1.0, 1.1, 1.2, 1.35, 1.5, 1.75, 2.0)
 TOLERANCE = 1e-9  # on the DDI rate (float rounding of an exact ratio)
 
 
@@ -66,19 +72,27 @@ def score_thresholds(
     ddi_adj: np.ndarray,
     policy: DDIPolicy,
     thresholds: Sequence[float],
+    caps: Sequence[float | None] = (None,),
 ) -> list[Trial]:
-    """Validation Jaccard and DDI rate (every patient once) of the sets that `policy`'s
-    marginals [visits, M] give at each threshold."""
+    """Validation Jaccard and DDI rate (`cognet.core.metrics`: Jaccard averaged per patient
+    then over patients, the DDI rate pooled over every visit; every patient once) of the
+    sets that `policy`'s marginals [visits, M] give at each threshold, under each per-set
+    cap (`max_rate`; None: none)."""
     visits = [v for p in patients for v in p]
+    owner = np.array([i for i, p in enumerate(patients) for _ in p])
+    counts = np.bincount(owner, minlength=len(patients))
+    adj = np.asarray(ddi_adj, bool)
     trials = []
-    for tau in thresholds:
-        sets = select_sets(marginals, tau, policy, ddi_adj)
-        results = [
-            VisitResult(v.patient_id, tuple(s.tolist()), tuple(v.meds or ()), m)
-            for v, s, m in zip(visits, sets, marginals, strict=True)
-        ]
-        rep = bootstrap_report(results, ddi_adj, rounds=1, fraction=1.0)
-        trials.append(Trial(policy, float(tau), rep["jaccard"]["mean"], rep["ddi"]["mean"]))
+    for cap in caps:
+        capped = replace(policy, max_rate=cap)
+        for tau in thresholds:
+            sets = select_sets(marginals, tau, capped, adj)
+            per_visit = [
+                jaccard(s.tolist(), v.meds or ()) for v, s in zip(visits, sets, strict=True)
+            ]
+            by_patient = np.bincount(owner, per_visit, len(patients)) / counts
+            rate = ddi_rate_of_sets(sets, adj)
+            trials.append(Trial(capped, float(tau), float(by_patient.mean()), rate))
     return trials
 
 
@@ -90,17 +104,22 @@ def search(
     thresholds: Sequence[float],
     ladder: Sequence[float] = LADDER,
     refine: int = REFINE,
+    caps: Sequence[float | None] | None = None,
 ) -> tuple[DDITarget, list[Trial]]:
     """The pair of best validation Jaccard whose DDI rate is <= target (the module's
     docstring says which penalties are tried), and every trial. marginals_of(policy): the
-    marginals P(k in S) [visits, M] of `patients`' visits decoded under that policy."""
+    marginals P(k in S) [visits, M] of `patients`' visits decoded under that policy. caps:
+    the per-set caps tried (None: none, then `CAP_FACTORS` x target)."""
     if not 0 <= target <= 1:
         raise ValueError(f"the DDI target must be in [0, 1], not {target}")
+    if caps is None:
+        caps = (None, *sorted({round(min(1.0, target * f), 6) for f in CAP_FACTORS}))
     trials: list[Trial] = []
     best: dict[float, Trial | None] = {}  # soft penalty (0: off) -> its best trial holding R
 
     def run(policy: DDIPolicy) -> Trial | None:
-        got = score_thresholds(patients, marginals_of(policy), ddi_adj, policy, thresholds)
+        margins = marginals_of(policy)
+        got = score_thresholds(patients, margins, ddi_adj, policy, thresholds, caps)
         trials.extend(got)
         fits = [t for t in got if t.ddi <= target + TOLERANCE]
         top = max(fits, key=lambda t: (t.jaccard, -t.threshold), default=None)
@@ -129,8 +148,8 @@ def search(
             if below:
                 low = max(below)
                 score(_round(np.sqrt(low * lead) if low else lead / 2))
-            if above:
-                score(_round(np.sqrt(lead * min(above))))
+            if above:  # off (0) and the next penalty: halve that one
+                score(_round(np.sqrt(lead * min(above)) if lead else min(above) / 2))
         top = best[leader()]
     else:  # no soft penalty holds it: hard (no interacting pair in any set)
         top = run(DDIPolicy("hard"))

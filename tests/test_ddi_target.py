@@ -171,7 +171,7 @@ def test_search_keeps_the_best_pair_holding_the_target():
         out[:, 1] *= np.exp(-policy.penalty)  # the penalty removes the interacting one
         return out
 
-    found, trials = search(marginals_of, visits, adj, 0.0, thresholds=(0.2, 0.45))
+    found, trials = search(marginals_of, visits, adj, 0.0, thresholds=(0.2, 0.45), caps=(None,))
     assert found.val_ddi == 0.0 and found.val_jaccard == 1.0
     assert found.policy.mode == "soft" and 0 < found.policy.penalty
     assert found.threshold == 0.45
@@ -179,8 +179,15 @@ def test_search_keeps_the_best_pair_holding_the_target():
     assert smaller and all(t.ddi > 0 for t in smaller)  # the smallest penalty that holds it
     assert asked[0] == "off" and len(asked) == len(set(asked))  # each policy decoded once
     # a penalty that changes nothing: no soft pair holds it, hard does (drops 1 after 0)
-    found, _ = search(lambda policy: base, visits, adj, 0.0, thresholds=(0.2,), refine=1)
+    fixed = lambda policy: base  # noqa: E731
+    found, _ = search(fixed, visits, adj, 0.0, thresholds=(0.2,), refine=1, caps=(None,))
     assert found.policy == DDIPolicy("hard") and found.val_ddi == 0.0
+    # a per-set cap needs no penalty: off with max-rate 0 drops 1 (it follows 0) at once
+    asked.clear()
+    found, trials = search(marginals_of, visits, adj, 0.0, thresholds=(0.2, 0.45))
+    assert found.policy == DDIPolicy("off", max_rate=0.0) and found.val_jaccard == 1.0
+    assert {t.policy.max_rate for t in trials} == {None, 0.0}
+    assert found.threshold == 0.2 and asked[:2] == ["off", "soft 0.25"]
 
 
 def test_malformed_stored_targets_are_one_line_errors(targeted, tiny, tmp_path):
