@@ -76,7 +76,7 @@ class DDITarget:
     default policy: `with_target` says when it applies."""
 
     target: float  # R, the DDI rate asked for
-    policy: DDIPolicy  # soft with the penalty found (off when off holds R; hard as a last resort)
+    policy: DDIPolicy  # the soft penalty (or off) and per-set cap found; hard as a last resort
     threshold: float  # on P(k in S), with that policy
     val_jaccard: float
     val_ddi: float
