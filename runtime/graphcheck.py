@@ -68,6 +68,9 @@ def check_io(
                 check_axes(path, f"{kind} {t.name}", t.shape, shapes[t.name], dims)
 
 
+ANY_RANK = "..."  # the manifest's shape of a tensor of any rank
+
+
 def check_search(path: object, session: ort.InferenceSession, spec: GraphSpec, dims: Dims) -> None:
     """A search graph (`cognet.export.search_graphs`): its inputs are the manifest's, and its
     fixed axes (the vocabulary: out_size or n_med) those of the manifest and of its dims."""
@@ -82,8 +85,8 @@ def check_search(path: object, session: ort.InferenceSession, spec: GraphSpec, d
     for kind, tensors in (("input", session.get_inputs()), ("output", session.get_outputs())):
         for t in tensors:
             want = shapes.get(t.name)
-            if want is None:
-                continue
+            if want is None or ANY_RANK in want:
+                continue  # an any-rank tensor (the take graphs of models exported before ranks)
             if any(isinstance(w, int) and w not in sizes for w in want):
                 raise InputError(
                     f"{path}: the manifest's {kind} {t.name} has shape {list(want)}, not one "
