@@ -367,7 +367,27 @@ def _floats(text: str, option: str) -> tuple[float, ...]:
 
 
 def _marks(marks: tuple[str, ...]) -> list[tuple[str, float, float]]:
-    """--ddi-tradeoff; options: `cognet.evaluate.EvalOptions` (its policy is off)."""
+    """--mark NAME=JACCARD@DDI values as (name, jaccard, ddi); a UsageError naming the bad one."""
+    points = []
+    for text in marks:
+        name, _, point = text.partition("=")
+        jaccard, _, ddi = point.partition("@")
+        try:
+            values = float(jaccard), float(ddi)
+        except ValueError:
+            values = None
+        if not name.strip() or values is None or not all(0 <= v <= 1 for v in values):
+            raise click.UsageError(
+                f"--mark {text!r}: expected NAME=JACCARD@DDI with both in [0, 1], "
+                "e.g. SafeDrug=0.5213@0.0589"
+            )
+        points.append((name.strip(), *values))
+    return points
+
+
+def _tradeoff(ckpt, data_dir, options, penalties, max_rates, plot, json_out) -> None:
+    """--ddi-tradeoff; options: `cognet.evaluate.EvalOptions` (no policy asked); plot: the
+    --plot path (or None) and the --mark points."""
     from cognet import ddi_tradeoff
 
     pens, caps = _floats(penalties, "--penalties"), _floats(max_rates, "--max-rates")
@@ -385,6 +405,7 @@ def _marks(marks: tuple[str, ...]) -> list[tuple[str, float, float]]:
     policy_list = ddi_tradeoff.policies(pens, caps)
     result = ddi_tradeoff.run_tradeoff(ckpt, data_dir, options, policy_list, on_policy=done)
     click.echo(result.table)
+    plot_out, points = plot
     if plot_out:
         ddi_tradeoff.plot(result.rows, plot_out, result.recommended, marks=points)
         click.echo(f"plot written to {plot_out}", err=True)
