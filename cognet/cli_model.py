@@ -63,7 +63,7 @@ threads_option = count_option(
     "authors' architecture and regularisation, 200 epochs (cap with --epochs), beam search. "
     "The options below change the recipe's values.",
 )
-@count_option("--epochs", help="At most (default: 40; reference: 200).")
+@count_option("--epochs", help="At most (default: 22; reference: 200).")
 @click.option("--seed", default=0, show_default=True, type=int)
 @click.option("--lr", type=float, help="Adam learning rate (default: 1e-3).")
 @count_option("--batch-size", help="Patients per optimisation step (default: 16).")
@@ -94,12 +94,12 @@ threads_option = count_option(
 @click.option(
     "--emb-dropout",
     type=click.FloatRange(0, 1, max_open=True),
-    help="Dropout on the code and medication embeddings (default: 0; reference: 0.3).",
+    help="Dropout on the code and medication embeddings (default and reference: 0.3).",
 )
 @click.option(
     "--attn-dropout",
     type=click.FloatRange(0, 1, max_open=True),
-    help="Dropout on attention weights (default: 0; reference: 0.2).",
+    help="Dropout on attention weights (default and reference: 0.2).",
 )
 @click.option("--device", default="cpu", show_default=True, help="cpu, cuda, cuda:1, ...")
 @click.option(
