@@ -32,6 +32,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from cognet.core.ddi import pair_counts
+
 # Metrics averaged per patient then over patients, in the order reports list them.
 AVERAGED = ("jaccard", "precision", "recall", "f1", "prauc", "avg_drugs")
 METRICS = (*AVERAGED, "ddi")
@@ -121,7 +123,9 @@ def ddi_pairs_count(meds: Iterable[int], ddi_adj: np.ndarray) -> tuple[int, int]
         return 0, 0
     sub = np.asarray(ddi_adj, dtype=bool)[np.ix_(ids, ids)]
     sub = sub | sub.T
-    return int(np.triu(sub, k=1).sum()), n * (n - 1) // 2
+    np.fill_diagonal(sub, False)
+    pairs, total = pair_counts(np.ones(n, bool), sub.astype(np.float32))  # the decoders' count
+    return int(pairs), int(total)
 
 
 def ddi_rate_of_sets(med_sets: Iterable[Iterable[int]], ddi_adj: np.ndarray) -> float:
