@@ -29,7 +29,8 @@ from cognet.core.manifest import load_manifest
 from cognet.core.metrics import summary_of
 from cognet.core.sampling import SetConfig, set_marginals, visit_keys
 from cognet.runtime import Scorer, reader
-from cognet.runtime.encoder import HostEncoder, encode_plan, init_inputs
+from cognet.runtime.batches import encoder_budget
+from cognet.runtime.encoder import encode_plan, init_inputs
 from cognet.runtime.plan import Assembler
 from cognet.runtime.session import OrtModel
 
@@ -49,7 +50,8 @@ def marginals(model_dir: Path, table: pa.Table, visits: int, configs, batch: int
     cast = reader.cast_input(table, "<table>")
     cast = cast.append_column(reader.ROW, pa.array(np.arange(len(cast), dtype=np.int64)))
     plan = Assembler(vocab, score_all=True).plan(cast)
-    enc = encode_plan(HostEncoder(model.encoder, manifest.dims.dim), plan, vocab, 1 << 18, 64)
+    batch, cells = encoder_budget(gpu=False)
+    enc = encode_plan(model.encoder, plan, vocab, cells, batch)
     pick = np.arange(min(visits, plan.targets.size))
     ids = plan.table.column("visit_id").take(plan.targets[pick]).to_pylist()
     out = []
