@@ -350,3 +350,30 @@ def test_guard_decodes_a_differing_visit_alone_with_the_torch_reference(tiny):
     assert got["batch_dependent_examples"][0]["visit_id"] == flipped
     bad = guard.compare(4, {**right, flipped: wrong})
     assert bad["mismatches"] == 1 and bad["batch_dependent"] == 0
+
+
+def test_agreement_counts_identical_lists_and_missing_visits(tmp_path, capsys):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from cognet.benchmarks import agreement
+
+    def write(name, rows):
+        ids, meds = zip(*rows, strict=True)
+        table = pa.table({"visit_id": list(ids), "medications": list(meds)})
+        pq.write_table(table, tmp_path / name)
+        return tmp_path / name
+
+    ref = write("ref.parquet", [("a", ["m1", "m2"]), ("b", ["m3"]), ("c", [])])
+    same = write("same.parquet", [("c", None), ("b", ["m3"]), ("a", ["m1", "m2"])])
+    order = write("order.parquet", [("a", ["m2", "m1"]), ("b", ["m3"]), ("c", [])])
+    short = write("short.parquet", [("a", ["m1", "m2"]), ("b", ["m3"])])
+    lists = agreement.medication_lists
+    assert agreement.agreement(lists(ref), lists(same))["share"] == 1.0
+    assert agreement.agreement(lists(ref), lists(order))["identical"] == 2
+    assert agreement.agreement(lists(ref), lists(short))["missing"] == 1
+    assert agreement.main([str(ref), str(same)]) == 0
+    assert agreement.main([str(ref), str(same), str(order)]) == 1
+    assert agreement.main([str(ref), str(order), "--min", "0.6"]) == 0
+    assert agreement.main([str(ref), str(short), "--min", "0.5"]) == 1
+    assert "| order.parquet | 3 | 2 | 0.6667 | 0 |" in capsys.readouterr().out
