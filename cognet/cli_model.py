@@ -15,7 +15,14 @@ from cognet.core.clitools import (
     progress,
     setup_logging,
 )
-from cognet.core.decoding import DECODINGS, ESTIMATORS, Decoding, asked_decoding
+from cognet.core.decoding import (
+    DECODINGS,
+    ESTIMATORS,
+    SET_RULES,
+    Decoding,
+    asked_decoding,
+    asked_rule,
+)
 from cognet.core.files import Reads, guarded, write_text
 from cognet.ddi_tradeoff import DEFAULT_PENALTIES
 
@@ -63,7 +70,7 @@ threads_option = count_option(
     "authors' architecture and regularisation, 200 epochs (cap with --epochs), beam search. "
     "The options below change the recipe's values.",
 )
-@count_option("--epochs", help="At most (default: 22; reference: 200).")
+@count_option("--epochs", help="At most (default: 36; reference: 200).")
 @click.option("--seed", default=0, show_default=True, type=int)
 @click.option("--lr", type=float, help="Adam learning rate (default: 1e-3).")
 @count_option("--batch-size", help="Patients per optimisation step (default: 16).")
@@ -219,6 +226,13 @@ def train(data_dir, out, threads, quiet, recipe, **config):
     help="How --decoding set draws its samples (default: the model's; plain for models "
     "from before the estimators).",
 )
+@click.option(
+    "--set-rule",
+    type=click.Choice(SET_RULES),
+    help="How --decoding set reads the set from P(medication in set): threshold, or the "
+    "set of highest expected Jaccard (default: the model's; threshold when --threshold is "
+    "given, and for models from before the rules).",
+)
 @count_option("--rounds", default=10, help="Bootstrap rounds of 80%% of the patients.")
 @click.option("--seed", default=0, show_default=True, type=int)
 @click.option("--json", "json_out", type=click.Path(dir_okay=False), help="Write the report.")
@@ -282,6 +296,7 @@ def evaluate(
     samples,
     threshold,
     estimator,
+    set_rule,
     rounds,
     seed,
     json_out,
@@ -336,7 +351,7 @@ def evaluate(
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
     changes = {"name": decoding, "beam": beam, "samples": samples, "threshold": threshold,
-               "estimator": estimator}  # fmt: skip
+               "estimator": estimator, "rule": asked_rule(set_rule, threshold)}  # fmt: skip
     options = EvalOptions(
         split=split, decoding=changes, ddi=policy, rounds=rounds, seed=seed,
         baseline=baseline, predictions=predictions, quiet=quiet, ddi_target=ddi_target,

@@ -1,6 +1,6 @@
 """What `cognet train` chooses on the validation split after the epochs: which weights to
-keep (one epoch, or the average of the last epochs' weights) and the set decoding's
-threshold. Every choice here is made on validation data only."""
+keep (one epoch, or the average of the last epochs' weights), the set decoding's threshold
+and its set rule. Every choice here is made on validation data only."""
 
 from __future__ import annotations
 
@@ -81,6 +81,19 @@ def choose_average(
     return best_state, best_info
 
 
+def validation_jaccard(
+    patients: Sequence[Sequence[Visit]], marginals: np.ndarray, ddi_adj: np.ndarray, **rule
+) -> float:
+    """Patient-averaged Jaccard of the sets `select_sets(marginals, **rule)` reads."""
+    visits = [v for p in patients for v in p]
+    sets = select_sets(marginals, **rule)
+    results = [
+        VisitResult(v.patient_id, tuple(s.tolist()), tuple(v.meds or ()), m)
+        for v, s, m in zip(visits, sets, marginals, strict=True)
+    ]
+    return bootstrap_report(results, ddi_adj, rounds=1, fraction=1.0)["jaccard"]["mean"]
+
+
 def tune_threshold(
     patients: Sequence[Sequence[Visit]],
     marginals: np.ndarray,
@@ -89,17 +102,23 @@ def tune_threshold(
 ) -> tuple[float, dict[float, float]]:
     """The threshold on P(k in S) of highest patient-averaged validation Jaccard (ties: the
     lower), and the Jaccard of each one tried."""
-    visits = [v for p in patients for v in p]
-    scores = {}
-    for tau in thresholds:
-        sets = select_sets(marginals, tau)
-        results = [
-            VisitResult(v.patient_id, tuple(s.tolist()), tuple(v.meds or ()), m)
-            for v, s, m in zip(visits, sets, marginals, strict=True)
-        ]
-        scores[tau] = bootstrap_report(results, ddi_adj, rounds=1, fraction=1.0)["jaccard"]["mean"]
+    scores = {
+        tau: validation_jaccard(patients, marginals, ddi_adj, threshold=tau) for tau in thresholds
+    }
     best = max(scores, key=lambda t: (scores[t], -t))
     return best, scores
+
+
+def choose_set_rule(
+    patients: Sequence[Sequence[Visit]], marginals: np.ndarray, ddi_adj: np.ndarray
+) -> tuple[float, str, dict]:
+    """The tuned threshold (`tune_threshold`) and the set rule of higher validation Jaccard
+    (`cognet.core.decoding.SET_RULES`: that threshold, or expected-Jaccard sets; ties: the
+    threshold), with the Jaccard of each."""
+    tau, scores = tune_threshold(patients, marginals, ddi_adj)
+    expected = validation_jaccard(patients, marginals, ddi_adj, threshold=tau, rule="jaccard")
+    rule = "jaccard" if expected > scores[tau] else "threshold"
+    return tau, rule, {"val_jaccard_by_threshold": scores, "val_jaccard_jaccard_rule": expected}
 
 
 def set_decoding_for(
@@ -109,12 +128,12 @@ def set_decoding_for(
     ddi_adj: np.ndarray,
     samples: int,
 ) -> tuple[Decoding, dict]:
-    """The set decoding of `samples` samples (drawn by this version's estimator) with its
-    threshold tuned on `patients`."""
+    """The set decoding of `samples` samples (drawn by this version's estimator) with the
+    threshold and the set rule chosen on `patients` (`choose_set_rule`)."""
     from cognet.evaluate import decode_patients
 
     probe = Decoding(name="set", samples=samples, threshold=1.0, estimator=ESTIMATOR)
     decoded = decode_patients(model, vocab, patients, decoding=probe, ddi=DDIPolicy())
     marginals = np.stack([d.scores for d in decoded])
-    tau, scores = tune_threshold(patients, marginals, ddi_adj)
-    return probe.with_changes(threshold=tau), {"val_jaccard_by_threshold": scores}
+    tau, rule, info = choose_set_rule(patients, marginals, ddi_adj)
+    return probe.with_changes(threshold=tau, rule=rule), info

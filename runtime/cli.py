@@ -22,7 +22,7 @@ from cognet.core.clitools import (
     progress,
     setup_logging,
 )
-from cognet.core.decoding import BEAM, DECODINGS, ESTIMATORS, asked_decoding
+from cognet.core.decoding import BEAM, DECODINGS, ESTIMATORS, SET_RULES, asked_decoding
 from cognet.core.errors import InputError
 from cognet.core.files import Reads, check_not_read
 from cognet.core.lock import OutputLock
@@ -56,9 +56,10 @@ def main() -> None:
 
 
 def score_options(func):
-    """--decoding, --beam, --samples, --threshold, --estimator, --device, --selection, --variant,
-    --batch-size, --threads, --streams, --max-history-visits, the DDI options,
-    --max-codes-per-visit and --keep-columns, given to `func` as one `options: ScoreOptions`."""
+    """--decoding, --beam, --samples, --threshold, --estimator, --set-rule, --device,
+    --selection, --variant, --batch-size, --threads, --streams, --max-history-visits, the DDI
+    options, --max-codes-per-visit and --keep-columns, given to `func` as one `options:
+    ScoreOptions`."""
 
     @functools.wraps(func)
     def wrapper(
@@ -68,6 +69,7 @@ def score_options(func):
         samples,
         threshold,
         estimator,
+        set_rule,
         device,
         selection,
         variant,
@@ -93,6 +95,7 @@ def score_options(func):
             samples=samples,
             threshold=threshold,
             estimator=estimator,
+            set_rule=set_rule,
             ddi=ddi_policy(ddi_mode, ddi_penalty, ddi_max_rate),
             max_history_visits=max_history_visits,
             device=device,
@@ -124,6 +127,10 @@ def score_options(func):
         click.option("--estimator", type=click.Choice(ESTIMATORS), default=None,
                      help="--decoding set: how the samples are drawn (default: the model's; "
                           "plain for models from before the estimators)."),
+        click.option("--set-rule", type=click.Choice(SET_RULES), default=None,
+                     help="--decoding set: how the set is read from P(medication in set): "
+                          "threshold, or the set of highest expected Jaccard (default: the "
+                          "model's; threshold with --threshold)."),
         click.option("--device", type=click.Choice(DEVICES), default="auto", show_default=True,
                      help="Execution provider; auto = CUDA when available, else CPU."),
         click.option("--selection", type=click.Choice(SELECTIONS), default="auto",

@@ -18,7 +18,14 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from cognet.core.ddi import DDIPolicy, DDITarget, with_target
-from cognet.core.decoding import DECODINGS, ESTIMATORS, Decoding, asked_decoding
+from cognet.core.decoding import (
+    DECODINGS,
+    ESTIMATORS,
+    SET_RULES,
+    Decoding,
+    asked_decoding,
+    asked_rule,
+)
 from cognet.core.errors import InputError
 
 DEVICES = ("auto", "cpu", "cuda", "tensorrt")
@@ -62,6 +69,7 @@ class ScoreOptions:
     keep_columns: tuple[str, ...] = ()  # input columns carried into the output
     selection: str = "auto"  # one of SELECTIONS: where candidates are selected
     estimator: str | None = None  # set decoding: "plain" or "stratified"; None: the model's
+    set_rule: str | None = None  # set decoding: one of SET_RULES; None: the model's
 
     def __post_init__(self) -> None:
         if self.decoding is not None and self.decoding not in DECODINGS:
@@ -80,6 +88,8 @@ class ScoreOptions:
             raise InputError(
                 f"unknown estimator {self.estimator!r}; choose from {_names(ESTIMATORS)}"
             )
+        if self.set_rule is not None and self.set_rule not in SET_RULES:
+            raise InputError(f"unknown set rule {self.set_rule!r}; choose from {_names(SET_RULES)}")
         at_least_one = (
             "beam",
             "samples",
@@ -117,6 +127,7 @@ class ScoreOptions:
                 samples=self.samples,
                 threshold=self.threshold,
                 estimator=self.estimator,
+                rule=asked_rule(self.set_rule, self.threshold),
             )
         except ValueError as exc:
             raise InputError(str(exc)) from None

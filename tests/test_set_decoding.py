@@ -73,6 +73,19 @@ def test_every_estimator_draws_alike_in_torch_and_the_runtime(tiny, estimator, s
     assert _agreement(plain, ref) < 1.0  # another estimator, other draws
 
 
+@pytest.mark.parametrize("selection", ["host", "device"])
+def test_expected_jaccard_sets_alike_in_torch_and_the_runtime(tiny, selection):
+    """`--set-rule jaccard` reads the same sets from the same P(k in S) in both; a
+    threshold given alone still asks for the threshold rule."""
+    decoding = Decoding(name="set", samples=8, threshold=0.3, rule="jaccard")
+    ref = _torch_sets(tiny, decoding)
+    got = _runtime_sets(tiny, decoding="set", samples=8, set_rule="jaccard", batch_size=64,
+                        selection=selection)  # fmt: skip
+    assert _agreement(got, ref) >= 0.995
+    by_threshold = _runtime_sets(tiny, decoding="set", samples=8, threshold=0.3, batch_size=64)
+    assert _agreement(by_threshold, ref) < 0.9  # another rule, other sets
+
+
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     """A real-size synthetic dataset (131 medications), a checkpoint trained 3 epochs with

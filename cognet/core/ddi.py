@@ -118,10 +118,11 @@ def with_target(
     """The decoding and the policy to run: `resolve` (the caller's changes) on top of the
     model's `default` decoding, and the policy `asked` (None: none asked). A model's DDI
     target applies when no policy is asked and the decoding stays a set (it was chosen for
-    one): its policy, and its threshold unless the changes set one. Otherwise the asked
-    policy, or off; a model without a target decodes as it always did."""
+    one): its policy, and its threshold (read by the threshold rule, which the search
+    used) unless the changes set them. Otherwise the asked policy, or off; a model without
+    a target decodes as it always did."""
     if asked is None and target is not None and default.name == "set":
-        decoding = resolve(default.with_changes(threshold=target.threshold))
+        decoding = resolve(default.with_changes(threshold=target.threshold, rule="threshold"))
         if decoding.name == "set":
             return decoding, target.policy
     return resolve(default), asked or DDIPolicy()

@@ -3,9 +3,11 @@
 
 - `beam`: the paper's decoding: beam search, beam 4, at most 45 steps (DESIGN.md §3; the
   rules: docs/INTERNALS.md "Beam search"). It stays available exactly as it is.
-- `set`: cognet's set decoding (`cognet.core.sampling`): the medications whose probability
-  of being in the model's own decoded set, estimated from seeded samples, reaches a
-  threshold tuned on the validation split at the end of `cognet train`.
+- `set`: cognet's set decoding (`cognet.core.sampling`): from each medication's probability
+  of being in the model's own decoded set, P(k in S), estimated from seeded samples, the
+  set returned by a set rule (SET_RULES): those reaching a threshold tuned on the
+  validation split, or the set of highest expected Jaccard. `cognet train` tunes the
+  threshold, then keeps the rule that scores better on validation.
 
 A checkpoint records its default `Decoding` in config.json ("decoding") and an exported
 model in its manifest; `cognet evaluate`, `cognet-batch score` and the benchmarks use it
@@ -32,6 +34,12 @@ LIMITS = {"beam": 64, "samples": 1024, "max_len": 1000}
 # `cognet train` tunes and stores its models with ESTIMATOR.
 ESTIMATORS = ("plain", "stratified", "tree")
 ESTIMATOR = "stratified"  # of models trained by this version
+# How the set is read from P(k in S) (`cognet.core.sampling.select_sets`): "threshold", the
+# medications with P(k in S) >= the tuned threshold; "jaccard", the medications of highest
+# P(k in S) up to the count that maximises the set's expected Jaccard, sum of P inside /
+# (size + sum of P outside), a size chosen per visit with no parameter. A stored decoding
+# that names none (a model from before the rules) uses "threshold".
+SET_RULES = ("threshold", "jaccard")
 
 
 @dataclass(frozen=True)
@@ -45,6 +53,7 @@ class Decoding:
     seed: int = 0  # set decoding: the draws are keyed by (seed, visit_id, sample, step)
     max_len: int = MAX_LEN
     estimator: str = "plain"  # set decoding: how the samples are drawn (ESTIMATORS)
+    rule: str = "threshold"  # set decoding: how the set is read from P(k in S) (SET_RULES)
 
     def __post_init__(self) -> None:
         if self.name not in DECODINGS:
@@ -65,17 +74,23 @@ class Decoding:
             raise ValueError(
                 f"unknown estimator {self.estimator!r}; choose from {', '.join(ESTIMATORS)}"
             )
-        if self.name == "set" and self.threshold is None:
+        if self.rule not in SET_RULES:
+            raise ValueError(f"unknown set rule {self.rule!r}; choose from {', '.join(SET_RULES)}")
+        if self.name == "set" and self.threshold is None and self.rule == "threshold":
             raise ValueError(
                 "set decoding needs a threshold: models trained by this version store one; "
-                "give --threshold for an older model, or use --decoding beam"
+                "give --threshold or --set-rule jaccard for an older model, or use --decoding beam"
             )
 
     @property
     def label(self) -> str:
         if self.name == "set":
             drawn = "" if self.estimator == "plain" else f", {self.estimator} draws"
-            return f"set, {self.samples} samples, threshold {self.threshold:g}{drawn}"
+            if self.rule == "jaccard":
+                rule = "expected-Jaccard sets"
+            else:
+                rule = f"threshold {self.threshold:g}"
+            return f"set, {self.samples} samples, {rule}{drawn}"
         return f"beam {self.beam}" if self.beam > 1 else "greedy"
 
     def to_json(self) -> dict:
@@ -93,6 +108,12 @@ class Decoding:
     def with_changes(self, **changes) -> Decoding:
         """This decoding with the given fields changed (None values are ignored)."""
         return replace(self, **{k: v for k, v in changes.items() if v is not None})
+
+
+def asked_rule(rule: str | None, threshold: float | None) -> str | None:
+    """The set rule a caller asks for (`--set-rule`, `--threshold`): `rule` when given; a
+    threshold alone asks for the threshold rule; None leaves the model's own."""
+    return rule if rule is not None or threshold is None else "threshold"
 
 
 def asked_decoding(

@@ -4,8 +4,9 @@ distribution (torch-free, numpy; the rules of docs/INTERNALS.md "Set decoding").
 The paper's beam search returns the single most probable sequence, and the decoder orders
 medications rare-first, so that sequence must open with a guess among rare alternatives.
 Set decoding asks instead, for each medication k, how likely the model's own decoding is to
-emit it at all, P(k in S), and returns the medications whose probability reaches a
-threshold tuned on the validation split (`cognet train` stores it with the checkpoint).
+emit it at all, P(k in S), and returns the set a rule reads from them (`select_sets`): the
+medications reaching a threshold tuned on validation, or the set of highest expected
+Jaccard (`jaccard_sizes`); `cognet train` stores the rule that scores better there.
 
 How P(k in S) is estimated: N seeded samples are decoded from Pr (the copy-or-predict
 mixture, already-emitted medications masked and the rest renormalised, END finishing a
@@ -41,7 +42,7 @@ import numpy as np
 
 from cognet.core import driver
 from cognet.core.ddi import RATE_TOLERANCE, DDIPolicy, check_adjacency
-from cognet.core.decoding import ESTIMATORS, SAMPLES, Decoding
+from cognet.core.decoding import ESTIMATORS, SAMPLES, SET_RULES, Decoding
 from cognet.core.driver import COMPACT_AT, LoopConfig, step_outputs
 from cognet.core.graphspec import PROB_FLOOR
 
@@ -151,15 +152,20 @@ class SetConfig(LoopConfig):
     """The set decoding's driver configuration (`LoopConfig`: end, max_len, compact_at, ddi)."""
 
     samples: int = SAMPLES
-    threshold: float = 0.5
+    threshold: float | None = 0.5  # the threshold rule's; None with the jaccard rule
     seed: int = 0
     estimator: str = "plain"  # how the samples are drawn (`uniforms`)
+    rule: str = "threshold"  # how the set is read from P(k in S) (`select_sets`)
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.samples < 1:
             raise ValueError("samples and max_len must be >= 1")
-        if not 0.0 < self.threshold <= 1.0:
+        if self.rule not in SET_RULES:
+            raise ValueError(f"unknown set rule {self.rule!r}")
+        if self.threshold is None and self.rule == "threshold":
+            raise ValueError("the threshold rule needs a threshold")
+        if self.threshold is not None and not 0.0 < self.threshold <= 1.0:
             raise ValueError("the set threshold must be in (0, 1]")
 
     @classmethod
@@ -178,6 +184,7 @@ class SetConfig(LoopConfig):
             max_len=decoding.max_len,
             seed=decoding.seed,
             estimator=decoding.estimator,
+            rule=decoding.rule,
             ddi=ddi,
             compact_at=compact_at,
         )
@@ -332,18 +339,41 @@ def select_sets(
     threshold: float,
     policy: DDIPolicy = DDIPolicy(),
     ddi_adj: np.ndarray | None = None,
+    rule: str = "threshold",
 ) -> list[np.ndarray]:
-    """Per visit, the medications with P(k in S) >= threshold in decreasing probability
-    (ties: smaller id), under the policy's set rules (`hard`: no interacting pair;
-    `max_rate`: DDI rate <= R)."""
+    """Per visit, the set read from P(k in S) [n, M] by `rule` (`cognet.core.decoding`
+    SET_RULES: the medications with P(k in S) >= threshold, or `jaccard_sizes` of them in
+    decreasing probability), in decreasing probability (ties: smaller id), under the
+    policy's set rules (`hard`: no interacting pair; `max_rate`: DDI rate <= R)."""
     out = []
     order = np.argsort(-marginals, axis=1, kind="stable")
-    for m, idx in zip(marginals, order, strict=True):
-        idx = idx[m[idx] >= threshold]
+    if rule == "jaccard":
+        sizes = jaccard_sizes(np.take_along_axis(marginals, order, 1))
+    elif rule == "threshold":
+        sizes = (marginals >= threshold).sum(1)
+    else:
+        raise ValueError(f"unknown set rule {rule!r}")
+    for idx, size in zip(order, sizes, strict=True):
+        idx = idx[:size]
         if policy.mode == "hard" or policy.max_rate is not None:
             idx = _ddi_filter(idx, policy, np.asarray(ddi_adj, bool))
         out.append(idx.astype(np.int64))
     return out
+
+
+def jaccard_sizes(ranked: np.ndarray) -> np.ndarray:
+    """int [n]: per visit, the k whose k most probable medications (P(k in S) [n, M], sorted
+    decreasing) have the highest expected Jaccard, (sum of P inside) / (k + sum of P
+    outside): expected intersection over expected union. No parameter; the smallest such k;
+    0 when every P is 0."""
+    p = np.clip(ranked.astype(np.float64), 0.0, 1.0)
+    if p.shape[1] == 0:
+        return np.zeros(p.shape[0], np.int64)
+    inside = np.cumsum(p, 1)
+    outside = inside[:, -1:] - inside
+    expected = inside / (np.arange(1, p.shape[1] + 1) + outside)
+    best = expected.argmax(1)
+    return np.where(expected[np.arange(len(p)), best] > 0, best + 1, 0).astype(np.int64)
 
 
 def _ddi_filter(candidates: np.ndarray, policy: DDIPolicy, adj: np.ndarray) -> np.ndarray:
@@ -388,7 +418,7 @@ def set_result(
 ) -> SetResult:
     """The sets of the marginals P(k in S) [n, M] (`set_marginals`, or the runtime's search
     graphs), with their explanations when given the sums of `_add_explanation`."""
-    meds = select_sets(marginals, cfg.threshold, cfg.ddi, ddi_adj)
+    meds = select_sets(marginals, cfg.threshold, cfg.ddi, ddi_adj, cfg.rule)
     probs = [marginals[i, m].astype(np.float32) for i, m in enumerate(meds)]
     score = np.array([p.mean() if p.size else 0.0 for p in probs], np.float32)
     result = SetResult(meds, score, probs, marginals.astype(np.float32), steps=steps)

@@ -1,0 +1,106 @@
+"""Set rules (`cognet.core.sampling.select_sets`, `cognet.core.decoding.SET_RULES`): the
+expected-Jaccard sizes against brute force, the rule stored and asked for, and the choice
+`cognet train` makes on validation."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from cognet.core.ddi import DDIPolicy, DDITarget, with_target
+from cognet.core.decoding import Decoding, asked_rule
+from cognet.core.history import Visit
+from cognet.core.sampling import SetConfig, jaccard_sizes, select_sets, set_result
+from cognet.tuning import choose_set_rule
+
+
+def _expected_jaccard(p: np.ndarray, chosen: np.ndarray) -> float:
+    inside = p[chosen].sum()
+    return inside / (chosen.sum() + p[~chosen].sum())
+
+
+def test_jaccard_sizes_maximise_the_expected_jaccard_over_every_size():
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        p = np.sort(rng.beta(0.4, 0.6, size=rng.integers(1, 12)))[::-1]
+        size = jaccard_sizes(p[None])[0]
+        values = [_expected_jaccard(p, np.arange(p.size) < k) for k in range(1, p.size + 1)]
+        assert size == int(np.argmax(values)) + 1  # the first (smallest) of equal sizes
+
+
+def test_jaccard_sizes_by_hand_and_edge_cases():
+    # k=1: 0.9/1.8 = 0.5; k=2: 1.5/2.2 = 0.68; k=3: 1.7/3 = 0.57; k=4: 1.7/4
+    assert jaccard_sizes(np.array([[0.9, 0.6, 0.2, 0.0]])).tolist() == [2]
+    assert jaccard_sizes(np.zeros((2, 5))).tolist() == [0, 0]  # nothing likely: empty set
+    assert jaccard_sizes(np.zeros((3, 0))).tolist() == [0, 0, 0]
+    assert jaccard_sizes(np.array([[1.0, 1.0, 1.0]])).tolist() == [3]
+
+
+def test_select_sets_reads_the_rule_in_probability_order_under_ddi():
+    marg = np.array([[0.2, 0.6, 0.9, 0.6, 0.0], [0.3, 0.3, 0.3, 0.3, 0.3]])
+    # row 0: sizes 1 (0.9/2.4), 2 (1.5/2.8), 3 (2.1/3.2), 4 (2.3/4): 3
+    # row 1: 0.3 k / (k + 0.3 (5 - k)) grows with k: all 5
+    assert [s.tolist() for s in select_sets(marg, 0.99, rule="jaccard")] == [
+        [2, 1, 3],
+        [0, 1, 2, 3, 4],
+    ]
+    assert [s.tolist() for s in select_sets(marg, 0.5)] == [[2, 1, 3], []]
+    adj = np.zeros((5, 5), bool)
+    adj[2, 1] = adj[1, 2] = True
+    hard = select_sets(marg, 0.99, DDIPolicy(mode="hard"), adj, rule="jaccard")
+    assert hard[0].tolist() == [2, 3]  # the rule's set, then the policy's filter
+    with pytest.raises(ValueError, match="unknown set rule"):
+        select_sets(marg, 0.5, rule="median")
+
+
+def test_set_result_follows_the_configs_rule():
+    marg = np.array([[0.3, 0.3, 0.3, 0.3, 0.3]])
+    for rule, size in (("threshold", 0), ("jaccard", 5)):
+        cfg = SetConfig.of(Decoding(name="set", threshold=0.5, rule=rule), end=5)
+        assert cfg.rule == rule
+        assert set_result(marg, 3, cfg).meds[0].size == size
+
+
+def test_stored_rule_round_trips_and_older_models_read_threshold():
+    new = Decoding(name="set", threshold=0.35, rule="jaccard", estimator="stratified")
+    assert Decoding.from_json(new.to_json()) == new
+    old = new.to_json()
+    del old["rule"]
+    assert Decoding.from_json(old).rule == "threshold"
+    assert new.label == "set, 16 samples, expected-Jaccard sets, stratified draws"
+    assert new.with_changes(rule="threshold").label.startswith("set, 16 samples, threshold 0.35")
+    with pytest.raises(ValueError, match="unknown set rule"):
+        Decoding(name="set", threshold=0.3, rule="median")
+
+
+def test_asked_rule_and_a_ddi_target_read_the_threshold():
+    assert asked_rule(None, None) is None  # the model's own
+    assert asked_rule(None, 0.3) == "threshold"  # a threshold alone asks for it
+    assert asked_rule("jaccard", 0.3) == "jaccard"
+    model = Decoding(name="set", threshold=0.35, rule="jaccard")
+    soft = DDIPolicy(mode="soft", penalty=0.5)
+    target = DDITarget(target=0.06, policy=soft, threshold=0.25, val_jaccard=0.5, val_ddi=0.05)
+    decoding, policy = with_target(None, target, model, lambda d: d)
+    assert (decoding.rule, decoding.threshold, policy.mode) == ("threshold", 0.25, "soft")
+    decoding, policy = with_target(DDIPolicy(), target, model, lambda d: d)
+    assert (decoding.rule, policy.mode) == ("jaccard", "off")
+
+
+def _patients(truths: list[set[int]]) -> list[list[Visit]]:
+    return [[Visit(f"p{i}", f"v{i}", (), (), tuple(sorted(t)))] for i, t in enumerate(truths)]
+
+
+def test_train_keeps_the_rule_that_scores_better_on_validation():
+    rng = np.random.default_rng(1)
+    n, m = 600, 20
+    # visits of very different certainty, their true sets drawn from the probabilities
+    marg = rng.beta(0.3, 0.3, size=(n, m)) * rng.uniform(0.3, 1.0, size=(n, 1))
+    drawn = [set(np.flatnonzero(rng.random(m) < row).tolist()) for row in marg]
+    tau, rule, info = choose_set_rule(_patients(drawn), marg, np.zeros((m, m), bool))
+    assert rule == "jaccard"
+    assert info["val_jaccard_jaccard_rule"] > max(info["val_jaccard_by_threshold"].values())
+    # true sets that are exactly a threshold's: the threshold rule wins
+    cut = [set(np.flatnonzero(row >= 0.4).tolist()) for row in marg]
+    tau, rule, info = choose_set_rule(_patients(cut), marg, np.zeros((m, m), bool))
+    assert (tau, rule) == (0.4, "threshold")
+    assert info["val_jaccard_by_threshold"][0.4] == 1.0
