@@ -7,7 +7,8 @@
 For each run, the share of the reference's visits whose medication list the run returns
 identically (same medications in the same order), and the visits missing from the run. Both
 files have the `cognet-batch score` output schema; visits match by visit_id. Exit status 1
-when a run falls under `--min` (default 0.995) or misses a visit.
+when a run falls under `--min` (default 0.995) or misses a visit; 2 (one line) when a file
+cannot be read as a scoring output.
 """
 
 from __future__ import annotations
@@ -20,6 +21,12 @@ import pyarrow.parquet as pq
 
 
 def medication_lists(path: Path) -> dict[str, tuple[str, ...]]:
+    """visit_id -> its medication list; ValueError naming the file when it has no such
+    columns (a rejects file, say)."""
+    names = pq.read_schema(path).names
+    missing = [c for c in ("visit_id", "medications") if c not in names]
+    if missing:
+        raise ValueError(f"{path}: no column {', '.join(missing)} (not a scoring output)")
     table = pq.read_table(path, columns=["visit_id", "medications"])
     ids, meds = table.column("visit_id").to_pylist(), table.column("medications").to_pylist()
     return {v: tuple(m or ()) for v, m in zip(ids, meds, strict=True)}
@@ -43,11 +50,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("runs", type=Path, nargs="+", help="cognet-batch score outputs")
     parser.add_argument("--min", type=float, default=0.995, help="least share identical")
     args = parser.parse_args(argv)
-    reference = medication_lists(args.reference)
+    try:
+        reference = medication_lists(args.reference)
+        runs = [(path, medication_lists(path)) for path in args.runs]
+    except (OSError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     ok = True
     print("| run | visits | identical | share | missing |\n|---|---|---|---|---|")
-    for path in args.runs:
-        a = agreement(reference, medication_lists(path))
+    for path, run in runs:
+        a = agreement(reference, run)
         ok &= a["share"] >= args.min and a["missing"] == 0
         cells = (path.name, a["visits"], a["identical"], f"{a['share']:.4f}", a["missing"])
         print("| " + " | ".join(map(str, cells)) + " |")

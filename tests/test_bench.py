@@ -377,3 +377,6 @@ def test_agreement_counts_identical_lists_and_missing_visits(tmp_path, capsys):
     assert agreement.main([str(ref), str(order), "--min", "0.6"]) == 0
     assert agreement.main([str(ref), str(short), "--min", "0.5"]) == 1
     assert "| order.parquet | 3 | 2 | 0.6667 | 0 |" in capsys.readouterr().out
+    pq.write_table(pa.table({"row": [1]}), tmp_path / "x.rejects.parquet")
+    assert agreement.main([str(ref), str(tmp_path / "x.rejects.parquet")]) == 2
+    assert "no column visit_id, medications" in capsys.readouterr().err
