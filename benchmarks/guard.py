@@ -18,7 +18,13 @@ reference alone (a batch of one patient): the reference's own answer can depend 
 (on the CPU, torch at batch 4,096 flipped a near-tie between partial hypotheses of one visit
 of 4,096 that it decodes alone as every ONNX engine did). When the engine's answer is the
 reference's answer alone, the visit is reported apart, as `batch_dependent` (the reference
-depends on its batch, not the engine), and is no mismatch."""
+depends on its batch, not the engine), and is no mismatch.
+
+A set decoding lists its set in decreasing P(k in S). When the engine returns exactly the
+medications of one of the reference's answers in another order, two of them had P(k in S)
+equal within float32 rounding, ordered the other way: a `ties` entry (`same_set`), no
+mismatch, as a beam-search float tie. A set with other medications is a difference, and a
+run matches when at most SET_TOLERANCE of its visits differ."""
 
 from __future__ import annotations
 
@@ -100,6 +106,11 @@ class Guard:
             solo.append({"visit_id": vid, "reference": list(self.recs[(beam, vid)][0]),
                          "got": list(recs[vid])})  # fmt: skip
             differ.remove(vid)
+        if beam == eng.SET:  # the reference's medications in another order: a float tie
+            for vid in [v for v in differ if _same_set(recs[v], self.recs[(beam, v)])]:
+                ties.append({"visit_id": vid, "reference": list(self.recs[(beam, vid)][0]),
+                             "got": list(recs[vid]), "same_set": True})  # fmt: skip
+                differ.remove(vid)
         gaps = self._gaps(differ, recs, beam) if exact and beam != eng.SET else {}
         for vid in differ:
             ref, meds = self.recs[(beam, vid)], recs[vid]
@@ -168,3 +179,8 @@ class Guard:
             )
             for vid in vids
         }
+
+
+def _same_set(meds: tuple[str, ...], answers: list[tuple[str, ...]]) -> bool:
+    """`meds` holds exactly the medications of one of `answers`, in another order."""
+    return any(sorted(meds) == sorted(a) for a in answers)

@@ -288,8 +288,14 @@ def _guard(run: dict) -> str:
         return "n/a (no reference)"
     notes = []
     if run.get("ties"):
-        gaps = ", ".join(f"{t['score_gap']:.1e}" for t in run.get("tie_examples", []))
-        notes.append(f"{run['ties']} float tie(s) broken the other way (score gap {gaps})")
+        shown = run.get("tie_examples", [])
+        if any("score_gap" in t for t in shown):
+            gaps = ", ".join(f"{t['score_gap']:.1e}" for t in shown if "score_gap" in t)
+            notes.append(f"{run['ties']} float tie(s) broken the other way (score gap {gaps})")
+        else:
+            notes.append(
+                f"{run['ties']} set(s) equal in another order (P(k in S) tied within float32)"
+            )
     if run.get("reference_ambiguous"):
         notes.append(f"the reference answered {run['reference_ambiguous']} visit(s) two ways")
     if run.get("batch_dependent"):

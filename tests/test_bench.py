@@ -131,6 +131,26 @@ def test_guard_flags_a_wrong_engine():
     assert Guard(None).compare(4, {"v1": ()})["matches_reference"] is None
 
 
+def test_guard_counts_a_set_in_another_order_as_a_tie_not_a_difference():
+    """Set decoding orders its set by P(k in S): two probabilities equal within float32 can
+    come out in either order (same medications); other medications are a difference."""
+    from cognet.benchmarks.engines import SET
+
+    guard = Guard(reference=_Reference())
+    ref = {f"v{i}": ("A", "B", "C") for i in range(300)}
+    guard.add(SET, ref)
+    swapped = {**ref, "v1": ("A", "C", "B"), "v2": ("B", "A", "C")}
+    got = guard.compare(SET, swapped)
+    assert got["matches_reference"] is True and got["mismatches"] == 0 and got["ties"] == 2
+    assert got["tie_examples"][0] == {"visit_id": "v1", "reference": ["A", "B", "C"],
+                                      "got": ["A", "C", "B"], "same_set": True}  # fmt: skip
+    other = guard.compare(SET, {**swapped, "v3": ("A", "B"), "v4": ("A", "B", "D")})
+    assert other["mismatches"] == 2 and other["ties"] == 2
+    assert other["matches_reference"] is False  # 2 of 300 differ: over 0.5% (1 allowed)
+    guard.add(4, ref)
+    assert guard.compare(4, {**ref, "v1": ("A", "C", "B")})["mismatches"] == 1  # beam: order
+
+
 def test_guard_accepts_any_answer_the_reference_gave():
     """A near-tie the reference itself answers two ways (two batch sizes on a GPU)."""
     guard = Guard(reference=_Reference())
@@ -172,6 +192,9 @@ def test_markdown_reports_a_mismatch(quick_run):
     assert "yes (15 of 16 equal; 1 float tie(s) broken the other way (score gap 1.0e-06))" in (
         markdown(results)
     )
+    tie = {"visit_id": "v", "reference": ["A", "B"], "got": ["B", "A"], "same_set": True}
+    results["runs"][0].update(tie_examples=[tie])
+    assert "yes (15 of 16 equal; 1 set(s) equal in another order" in markdown(results)
 
 
 def test_help_and_usage_errors():
