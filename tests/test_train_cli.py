@@ -12,6 +12,7 @@ from tiny import BEAM_ALONE, BEAM_WITH_SET_OPTIONS, with_set_decoding
 
 from cognet import checkpoint
 from cognet.cli import main
+from cognet.core.decoding import Decoding
 from cognet.core.errors import InputError
 
 
@@ -36,9 +37,11 @@ def test_train_then_evaluate(tiny, tmp_path):
     )
     assert res.exit_code == 0, res.output
     assert "val nll" in res.output and "weights: " in res.output
-    assert "decoding: set, 16 samples, threshold" in res.output
     for name in ("config.json", "vocab.json", "model.safetensors", "graphs.npz", "train_log.jsonl"):
         assert (out / name).is_file()
+    stored = Decoding.from_json(json.loads((out / "config.json").read_text())["decoding"])
+    assert stored.name == "set" and stored.samples == 16 and stored.threshold is not None
+    assert f"decoding: {stored.label};" in res.output  # the set rule chosen on validation
     log = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
     assert [r["epoch"] for r in log] == [1, 2]
     report = tmp_path / "r.json"
