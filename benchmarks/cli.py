@@ -228,7 +228,7 @@ def main(
     # never onto the model, checkpoint or data it reads; one run per --out (a failed run
     # keeps what it measured)
     reads = Reads(models=[model_dir], checkpoints=[checkpoint], datasets=[data_dir])
-    guard_outputs("cognet-bench", {"--out": out}, reads, ["--out"], clean=False)
+    guard_outputs("cognet-bench", {"--out": out}, reads, ["--out"])
 
     import torch
 

@@ -13,8 +13,8 @@ from cognet.core.clitools import count_option, handle_errors, setup_logging
 from cognet.core.files import DATASET_FILES, Reads, guarded
 from cognet.data.mimic3 import DDI_TYPES, build_mimic3
 
-# every converter writes one folder, checked and locked before the work and removed again
-# (what the run added to it) when the run fails (`cognet.core.files.guarded`)
+# every converter writes one folder, checked and locked before the work, built aside and moved
+# into place whole when the run succeeds (`cognet.core.files.guarded`)
 FOLDER = {"--out": DATASET_FILES}
 
 
@@ -62,8 +62,8 @@ def synth(out_dir: Path, patients: int, seed: int) -> None:
     from cognet.data.synth import generate
 
     start = time.perf_counter()
-    with guarded("cognet data synth", {"--out": out_dir}, Reads(), FOLDER):  # whole or none
-        generate(out_dir, patients=patients, seed=seed)
+    with guarded("cognet data synth", {"--out": out_dir}, Reads(), FOLDER) as stage:
+        generate(stage["--out"], patients=patients, seed=seed)
     click.echo(
         f"wrote {out_dir} ({patients:,} patients, seed {seed}) "
         f"in {time.perf_counter() - start:.1f}s"
@@ -126,8 +126,9 @@ def benchmark(records: Path, voc: Path, ddi: Path, out: Path, split_order: str) 
     """
     from cognet.data.benchmark import build_benchmark
 
-    with guarded("cognet data benchmark", {"--out": out}, Reads(files=[records, voc, ddi]), FOLDER):
-        summary = build_benchmark(records, voc, ddi, out, split_order)
+    reads = Reads(files=[records, voc, ddi])
+    with guarded("cognet data benchmark", {"--out": out}, reads, FOLDER) as stage:
+        summary = build_benchmark(records, voc, ddi, stage["--out"], split_order)
     click.echo(f"wrote {out}: " + "; ".join(summary.lines()))
     for warning in summary.warnings:
         click.echo(f"Warning: {warning}", err=True)
@@ -202,8 +203,10 @@ def mimic3_command(
     """
     setup_logging(verbose)
     reads = Reads(files=[ndc_rxnorm, rxnorm_atc, drug_atc, ddi], folders=[mimic_dir])
-    with guarded("cognet data mimic3", {"--out": out}, reads, FOLDER):
-        summary = build_mimic3(mimic_dir, ndc_rxnorm, rxnorm_atc, drug_atc, ddi, out, ddi_types)
+    with guarded("cognet data mimic3", {"--out": out}, reads, FOLDER) as stage:
+        summary = build_mimic3(
+            mimic_dir, ndc_rxnorm, rxnorm_atc, drug_atc, ddi, stage["--out"], ddi_types
+        )
     click.echo(f"wrote {out}: " + ", ".join(f"{k} {v}" for k, v in asdict(summary).items()))
 
 
@@ -308,10 +311,10 @@ def omop(
 
     folder = Path(cdm) if Path(cdm).is_dir() else None  # else a database
     reads = Reads(files=[ddi, database_file(cdm)], folders=[folder])
-    with guarded("cognet data omop", {"--out": out}, reads, FOLDER):
+    with guarded("cognet data omop", {"--out": out}, reads, FOLDER) as stage:
         report = build_omop(
             cdm,
-            out,
+            stage["--out"],
             ddi,
             concepts,
             source_codes,
@@ -357,8 +360,10 @@ def mimic4(
     from cognet.data.mimic4 import build_mimic4
 
     reads = Reads(files=[ndc_rxnorm, rxnorm_atc, drug_atc, ddi], folders=[mimic_dir])
-    with guarded("cognet data mimic4", {"--out": out}, reads, FOLDER):
-        report = build_mimic4(mimic_dir, ndc_rxnorm, rxnorm_atc, drug_atc, ddi, out, ddi_types)
+    with guarded("cognet data mimic4", {"--out": out}, reads, FOLDER) as stage:
+        report = build_mimic4(
+            mimic_dir, ndc_rxnorm, rxnorm_atc, drug_atc, ddi, stage["--out"], ddi_types
+        )
     _echo_report(report)
 
 
@@ -425,9 +430,9 @@ def meds(
 
     codes = MedsCodes(visit_start, visit_end, diagnosis, procedure, medication)
     reads = Reads(files=[ddi, ndc_rxnorm, rxnorm_atc, medication_map], folders=[meds_dir])
-    with guarded("cognet data meds", {"--out": out}, reads, FOLDER):
+    with guarded("cognet data meds", {"--out": out}, reads, FOLDER) as stage:
         report = build_meds(
-            meds_dir, out, ddi, codes, ndc_rxnorm, rxnorm_atc, medication_map,
+            meds_dir, stage["--out"], ddi, codes, ndc_rxnorm, rxnorm_atc, medication_map,
             allow_no_medications,
         )  # fmt: skip
     _echo_report(report)

@@ -167,10 +167,10 @@ def train(data_dir, out, threads, quiet, recipe, **config):
     from cognet.checkpoint import FILES
 
     written = {"--out": (*FILES, "train_log.jsonl")}
-    with guarded("cognet train", {"--out": out}, Reads(datasets=[data_dir]), written):
+    with guarded("cognet train", {"--out": out}, Reads(datasets=[data_dir]), written) as stage:
         best = run_train(
             data_dir,
-            out,
+            stage["--out"],
             cfg,
             on_epoch=on_epoch,
             progress=(lambda **kw: bar(**kw)) if bar else None,

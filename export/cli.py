@@ -6,9 +6,10 @@ import sys
 
 import click
 
-from cognet.core.clitools import guard_outputs, handle_errors, setup_logging
+from cognet.core.clitools import handle_errors, setup_logging
 from cognet.core.errors import ParityError
-from cognet.core.files import Reads
+from cognet.core.files import Reads, guarded
+from cognet.core.tensorrt import CACHE_DIR
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
@@ -49,16 +50,19 @@ def main(
     from cognet.export.pipeline import MODEL_FILES, REPORT_FILE
 
     setup_logging(verbose)
-    # never onto the checkpoint, one run per MODEL, checked before the work; a failed export
-    # removes its own files (the parity report stays)
+    # never onto the checkpoint, one run per MODEL, checked before the work; the model is
+    # built aside and moved into place whole (cognet.core.files.guarded); a parity failure
+    # moves in its graphs and report, without a manifest
     reads = Reads(checkpoints=[checkpoint])
-    written = {"--out": ("manifest.json", REPORT_FILE, *MODEL_FILES)}
-    guard_outputs("cognet-export", {"--out": out}, reads, written, clean=False)
-    try:
-        manifest = export(checkpoint, out, validate=validate, fp16=fp16, tensorrt=tensorrt)
-    except ParityError as exc:
-        click.echo(f"Error: {exc}", err=True)
-        sys.exit(1)
+    written = {"--out": ("manifest.json", REPORT_FILE, CACHE_DIR, *MODEL_FILES)}
+    with guarded("cognet-export", {"--out": out}, reads, written) as stage:
+        built = stage["--out"]
+        try:
+            manifest = export(checkpoint, built, validate=validate, fp16=fp16, tensorrt=tensorrt)
+        except ParityError as exc:
+            stage.commit()
+            click.echo(f"Error: {str(exc).replace(str(built), out)}", err=True)
+            sys.exit(1)
     target = manifest.default_target()
     if target is not None:  # the policy scoring uses when none is asked
         click.echo(

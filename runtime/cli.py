@@ -25,7 +25,7 @@ from cognet.core.clitools import (
 from cognet.core.decoding import BEAM, DECODINGS, ESTIMATORS, SET_RULES, asked_decoding
 from cognet.core.errors import InputError
 from cognet.core.files import Reads, check_not_read
-from cognet.core.lock import OutputLock
+from cognet.core.lock import claimed
 from cognet.core.metrics import PATIENT_COLUMNS
 from cognet.runtime import preflight, reader, summary, writer
 from cognet.runtime.options import DEVICES, MAX_CODES, SELECTIONS, ScoreOptions
@@ -281,7 +281,8 @@ def score(
         _report(result, summary_json, quiet, f"{result['workers']} Ray worker(s)")
         return
     preflight.check_local(input_path, out, summary_json)  # before reading or writing anything
-    with OutputLock(writer.lock_path(out), what=out):  # one writer per OUT (core/lock.py)
+    # one writer per output, whatever the command (cognet/core/lock.py)
+    with claimed([*writer.outputs(out), summary_json], "cognet-batch score"):
         _score_local(
             input_path, model_dir, out, options, score_all, explain, resume, summary_json,
             sort_rows, quiet,

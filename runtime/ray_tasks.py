@@ -24,7 +24,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from cognet.core.errors import InputError, one_line, where
-from cognet.core.lock import OutputLock
+from cognet.core.lock import claim
 from cognet.core.metrics import PATIENT_COLUMNS
 from cognet.runtime import reader, writer
 from cognet.runtime.options import ScoreOptions
@@ -265,17 +265,20 @@ class RayScorer(BucketScorer):
 
 
 class LockHolder:
-    """Ray actor holding OUT's lock (`cognet.core.lock`) where OUT is, for the run: the
-    lock goes when the actor does, also when the driver dies (Ray ends its actors)."""
+    """Ray actor holding the locks of OUT, its rejects file and work directory
+    (`cognet.core.lock.claim`, as every command takes them) where OUT is, for the run: the
+    locks go when the actor does, also when the driver dies (Ray ends its actors)."""
 
     def __init__(self, out: str):
-        self.lock = OutputLock(writer.lock_path(out), what=out)
+        self.locks = [claim(path, "cognet-batch score") for path in writer.outputs(out)]
 
     def acquire(self) -> None:
-        marked(self.lock.acquire)()
+        for lock in self.locks:
+            marked(lock.acquire)()
 
     def release(self) -> None:
-        self.lock.release()
+        for lock in reversed(self.locks):
+            lock.release()
 
 
 @contextlib.contextmanager

@@ -12,8 +12,9 @@ For `--out OUT` (e.g. `recs.parquet`):
   a crash (even kill -9) the marker lists exactly the chunks that are done; `--resume`
   skips them and the final files equal those of an uninterrupted run. The work directory
   is removed once `OUT` and the rejects file are in place;
-- `OUT.parts/lock`: the lock that makes a run the only writer of these files
-  (`cognet.core.lock`), taken before anything is written or removed.
+- the locks that make a run the only writer of these files (`outputs`, each locked by
+  `cognet.core.lock.claim`, as every command locks its outputs), taken before anything is
+  written or removed.
 
 A run that fails leaves the parts it committed (for `--resume`) and nothing else: with no
 committed part, its work directory goes (`discard`). `--resume` checks the marker, the
@@ -33,11 +34,11 @@ import pyarrow.parquet as pq
 
 from cognet.core.errors import InputError, one_line, writing
 from cognet.core.files import atomic_path, write_text
+from cognet.core.interrupt import kill_point
 from cognet.runtime.outputs import REJECTS_SCHEMA, ScoredChunk, output_schema
 from cognet.runtime.summary import total_counts
 
 MARKER = "progress.json"
-LOCK = "lock"
 FORMAT_VERSION = 2  # 2: parts list their files and sizes; the signature of `signature.py`
 RESUME_HINT = "delete {dir}/ or run without --resume"
 
@@ -54,9 +55,10 @@ def work_dir(out: str | Path) -> Path:
     return out.with_name(out.name + ".parts")
 
 
-def lock_path(out: str | Path) -> Path:
-    """The lock file of OUT's work area (both engines take it)."""
-    return work_dir(out) / LOCK
+def outputs(out: str | Path) -> tuple[Path, Path, Path]:
+    """What a run on OUT writes: OUT, its rejects file, its work directory (both engines
+    lock each of them)."""
+    return Path(out), rejects_path(out), work_dir(out)
 
 
 def write_parquet(path: Path, table: pa.Table) -> None:
@@ -126,20 +128,13 @@ class PartWriter:
         return parts
 
     def clear(self) -> None:
-        """Remove the work directory's files but the lock (an earlier run's parts)."""
-        if not self.dir.is_dir():
-            return
-        for path in self.dir.iterdir():
-            if path.name == LOCK:
-                continue
-            if path.is_dir() and not path.is_symlink():
-                shutil.rmtree(path)
-            else:
-                path.unlink()
+        """Remove the work directory (an earlier run's parts, or this one's once merged)."""
+        if self.dir.is_dir() and not self.dir.is_symlink():
+            shutil.rmtree(self.dir)
 
     def discard(self) -> None:
         """After a failed run: keep the committed parts (--resume needs them), or, with none,
-        remove what this run wrote (the lock's release then removes the empty folder)."""
+        remove what this run wrote."""
         if not self.parts:
             self.clear()
 
@@ -198,7 +193,9 @@ class PartWriter:
             (self.out, ".parquet", self.schema),
             (rejects_path(self.out), ".rejects.parquet", REJECTS_SCHEMA),
         )
-        for path, suffix, schema in outputs:
+        for i, (path, suffix, schema) in enumerate(outputs):
+            if i:
+                kill_point("merged")
             with writing(path):
                 path.parent.mkdir(parents=True, exist_ok=True)
             with atomic_path(path) as tmp, pq.ParquetWriter(tmp, schema) as w:

@@ -27,7 +27,7 @@ import pytest
 from click.testing import CliRunner
 from tiny import KILLER, last_visits_unknown
 
-from cognet.core.lock import OutputLock
+from cognet.core.lock import claim, lock_file
 from cognet.core.manifest import file_sha256
 from cognet.runtime import signature, writer
 from cognet.runtime.cli import main
@@ -103,9 +103,7 @@ def test_a_second_run_on_the_same_out_is_refused(tiny, inp, tmp_path):
             second = cli(*args, str(out), *extra)
             assert second.returncode == 2, second.stderr
             assert "Traceback" not in second.stderr
-            assert f"OUT is being written by another cognet-batch run (pid {first.pid})" in (
-                second.stderr
-            )
+            assert f"is being written by cognet-batch score (pid {first.pid})" in second.stderr
             assert (writer.work_dir(out) / writer.MARKER).read_bytes() == progress  # untouched
         go.touch()
         assert first.wait(timeout=120) == 0, first.stderr.read()
@@ -129,7 +127,7 @@ def test_the_lock_is_released_by_a_crash(tiny, inp, tmp_path):
         capture_output=True, cwd=REPO,
     )  # fmt: skip
     assert killed.returncode == -9  # kill -9 while holding the lock
-    assert (writer.work_dir(out) / writer.LOCK).exists()  # the file stays, the lock does not
+    assert lock_file(out).exists()  # the file stays, the lock does not
     result = score(tiny, inp, out, "--batch-size", "2", "--all", "--resume")
     assert result.exit_code == 0, result.output
     assert not writer.work_dir(out).exists()
@@ -448,9 +446,9 @@ def test_ray_engine_keeps_the_same_promises(local_ray, tiny, visits, tmp_path):
         "a.parquet", "b.parquet"]  # fmt: skip
     # 1: a run holding OUT's lock (here: this process) keeps the Ray engine out
     out = tmp_path / "recs"
-    with OutputLock(writer.lock_path(out), what=str(out)):
+    with claim(out, "cognet train"):
         line = error(score(tiny, parts, out, *ray))
-        assert f"OUT is being written by another cognet-batch run (pid {os.getpid()})" in line
+        assert f"{out}: is being written by cognet train (pid {os.getpid()})" in line
     assert nothing_written(out)
     # 11: the kept columns, as the local engine keeps them
     keep = ("--keep-columns", "admit_date,ward")

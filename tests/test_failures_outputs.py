@@ -312,7 +312,7 @@ def test_a_second_export_on_the_same_out_is_refused(made, tmp_path):
     with claim(out, "cognet-export"):  # a first export, still running
         argv = ["--checkpoint", str(made / "ckpt"), "--out", str(out)]
         line = error(CliRunner().invoke(export_main, argv))
-    assert f"OUT is being written by another cognet-export run (pid {os.getpid()})" in line
+    assert f"{out}: is being written by cognet-export (pid {os.getpid()})" in line
     assert str(out) in line and snapshot(out) == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]  # the lock went with it
 
@@ -324,7 +324,7 @@ def test_a_second_train_on_the_same_out_is_refused(made, tmp_path):
     with claim(out, "cognet train"):
         argv = ["train", "--data", str(made / "data"), "--out", str(out), "--epochs", "1"]
         line = error(CliRunner().invoke(cognet_main, [*argv, "--quiet"]))
-    assert f"OUT is being written by another cognet train run (pid {os.getpid()})" in line
+    assert f"{out}: is being written by cognet train (pid {os.getpid()})" in line
     assert snapshot(out) == before
 
 

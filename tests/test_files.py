@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import pytest
@@ -88,19 +89,36 @@ def test_outputs_are_checked_against_what_the_run_reads(tmp_path):
         check_outputs({"--out": tmp_path / "out"}, Reads(files=[ddi]), folders)
 
 
-def test_a_failed_run_leaves_its_folder_as_it_found_it(tmp_path):
-    out = tmp_path / "out"
+def test_a_folder_output_is_built_aside_and_moved_in_whole(tmp_path):
+    out, names = tmp_path / "out", {"--out": ("a.parquet", "b.parquet")}
     out.mkdir()
-    (out / "kept.txt").write_text("kept")
-    with pytest.raises(RuntimeError), guarded("t", {"--out": out}, Reads(), ["--out"]):
-        (out / "half.parquet").write_text("half")
+    (out / "a.parquet").write_text("old")
+    with pytest.raises(RuntimeError), guarded("t", {"--out": out}, Reads(), names) as stage:
+        assert stage["--out"] != out and stage["--out"].parent == tmp_path
+        stage["--out"].mkdir()
+        (stage["--out"] / "a.parquet").write_text("half")
         raise RuntimeError("disk full")
-    assert os.listdir(out) == ["kept.txt"] and sorted(os.listdir(tmp_path)) == ["out"]
-    with pytest.raises(SystemExit), guarded("t", {"--out": tmp_path / "new"}, Reads(), ["--out"]):
-        (tmp_path / "new").mkdir()
+    assert os.listdir(out) == ["a.parquet"] and (out / "a.parquet").read_text() == "old"
+    assert sorted(os.listdir(tmp_path)) == ["out"]  # nothing staged, no lock file left
+    for end in (None, 0):  # success: the block ends, or exits with code 0
+        with contextlib.suppress(SystemExit), guarded("t", {"--out": out}, Reads(), names) as stage:
+            stage["--out"].mkdir()
+            (stage["--out"] / "b.parquet").write_text("new")
+            if end is not None:
+                raise SystemExit(end)
+        assert os.listdir(out) == ["b.parquet"] and sorted(os.listdir(tmp_path)) == ["out"]
+    with pytest.raises(SystemExit), guarded("t", {"--out": tmp_path / "new"}, Reads(), names) as s:
+        s["--out"].mkdir()
         raise SystemExit(2)
     assert sorted(os.listdir(tmp_path)) == ["out"]
-    with pytest.raises(SystemExit), guarded("t", {"--out": out}, Reads(), ["--out"]):
-        (out / "done.txt").write_text("done")
-        raise SystemExit(0)  # success: what it wrote stays
-    assert sorted(os.listdir(out)) == ["done.txt", "kept.txt"]
+    # a folder holding anything else is never replaced: refused before the block runs
+    (out / "kept.txt").write_text("kept")
+    with pytest.raises(InputError, match=r"does not write \(kept.txt\)"):
+        with guarded("t", {"--out": out}, Reads(), names):
+            raise AssertionError("ran")
+    assert sorted(os.listdir(out)) == ["b.parquet", "kept.txt"]
+    # a folder output of unknown contents (the benchmark's) is locked, never cleaned
+    with pytest.raises(RuntimeError), guarded("t", {"--out": out}, Reads(), ["--out"]):
+        (out / "half.txt").write_text("half")
+        raise RuntimeError("disk full")
+    assert sorted(os.listdir(out)) == ["b.parquet", "half.txt", "kept.txt"]

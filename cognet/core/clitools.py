@@ -13,7 +13,8 @@ from typing import TypeVar
 import click
 
 from cognet.core.errors import InputError, OutputError
-from cognet.core.files import Reads, guarded
+from cognet.core.files import Reads, Stage, guarded
+from cognet.core.interrupt import EXIT_CODE, Terminated
 
 T = TypeVar("T")
 
@@ -44,6 +45,9 @@ def handle_errors(func: Callable) -> Callable:
         except KeyboardInterrupt:
             click.echo("Interrupted", err=True)
             sys.exit(130)
+        except Terminated:
+            click.echo("Terminated", err=True)
+            sys.exit(EXIT_CODE)
         except Exception as exc:  # noqa: BLE001 - the CLI boundary
             import os
 
@@ -60,13 +64,14 @@ def guard_outputs(
     outputs: Mapping[str, str | Path | None],
     reads: Reads,
     folders: Mapping[str, Iterable[str]] | Sequence[str] = (),
-    clean: bool = True,
-) -> None:
+) -> Stage:
     """Check the command's outputs before any work and lock them until the command ends
     (`cognet.core.files.guarded`): an output on an input, or one that cannot be written,
-    exits 2 naming it; so does a second run on an output that a run is writing."""
-    guard = guarded(command, outputs, reads, folders, clean)
-    click.get_current_context().with_resource(guard)
+    exits 2 naming it; so does a second run on an output that a run is writing. Returns
+    where to write each output (`Stage`: a folder of known files is built aside and moved
+    into place when the command succeeds)."""
+    guard = guarded(command, outputs, reads, folders)
+    return click.get_current_context().with_resource(guard)
 
 
 def setup_logging(verbose: bool = False) -> None:

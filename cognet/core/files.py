@@ -8,6 +8,13 @@ removed, so a target is complete or untouched. A failure to write (a full disk, 
 denied) is an OutputError naming the target. `commit_dir` moves a folder written whole in
 place of an older one.
 
+Folders. A folder output whose files are known (a dataset, a checkpoint, a model: `guarded`'s
+`folders` with names) is written whole in a temporary sibling (`Stage`) and moved into place
+by `commit_dir` when the run succeeds: a reader sees the old folder or the new one, never a
+mix, and a failed, interrupted or killed run leaves the old folder (or none) as it was. An
+existing folder is replaced only when it holds nothing but such files (the output of an
+earlier run); one holding anything else is refused before any work, never removed.
+
 Guarding. `check_outputs` refuses (InputError, exit 2) before any work an output that lands
 on what the run reads: a file it reads, a dataset, checkpoint or model directory it reads or
 one of their files (`Reads`), or a path inside a folder it reads by listing (a CDM folder, a
@@ -21,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import secrets
 import shutil
 from collections.abc import Iterable, Iterator, Mapping
@@ -28,6 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from cognet.core.errors import InputError, writing
+from cognet.core.interrupt import kill_point
 
 DATASET_FILES = ("visits.parquet", "ddi.parquet", "summary.json")
 
@@ -43,6 +52,14 @@ def is_temp(name: str) -> bool:
     return name.startswith(".") and name.endswith(".tmp")
 
 
+def target_of(path: str | Path) -> Path:
+    """The output a temporary name stands for (`.NAME.PID-RANDOM.tmp` -> NAME), else `path`:
+    what a file written inside a staged folder records as its folder."""
+    path = Path(path)
+    match = re.fullmatch(r"\.(.+)\.\d+-[0-9a-f]{8}\.tmp", path.name)
+    return path.with_name(match.group(1)) if match else path
+
+
 @contextlib.contextmanager
 def atomic_path(path: str | Path) -> Iterator[Path]:
     """Yield the temporary path for `path`; when the block ends without error, the file (or
@@ -55,6 +72,7 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
         with writing(path):
             yield tmp
             fsync(tmp)
+            kill_point("replace")
             os.replace(tmp, path)
             _fsync_folder(path.parent)
     finally:
@@ -76,20 +94,52 @@ def write_bytes(path: str | Path, data: bytes) -> Path:
 
 
 def commit_dir(tmp: str | Path, path: str | Path) -> None:
-    """Move the folder `tmp`, written whole, to `path`; an older `path` is moved aside first
-    and removed after, so `path` is at every moment the old folder or the new one (or, for
-    an instant, absent)."""
+    """Move the folder `tmp`, written whole, to `path`. An older `path` is swapped with it in
+    one step (`renameat2(RENAME_EXCHANGE)`) and removed after, so `path` is at every moment
+    the old folder or the new one; where the file system cannot swap, the old folder is
+    moved aside first (put back when the move in fails), so `path` may be absent for an
+    instant. What is moved aside carries a temporary name, removed by the next run that
+    holds the output's lock if this one is killed before removing it."""
     tmp, path = Path(tmp), Path(path)
     fsync(tmp)
-    old = None
     with writing(path):
-        if path.is_dir() and not path.is_symlink():
+        if not path.is_dir() or path.is_symlink():
+            os.replace(tmp, path)
+            _fsync_folder(path.parent)
+            return
+        if _exchange(tmp, path):
+            old = tmp
+        else:
             old = temp_path(path)
             os.replace(path, old)
-        os.replace(tmp, path)
+            try:
+                os.replace(tmp, path)
+            except BaseException:
+                os.replace(old, path)  # the old folder back where it was
+                raise
         _fsync_folder(path.parent)
-    if old is not None:
-        remove(old)
+    kill_point("aside")
+    remove(old)
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two paths in one step (Linux renameat2 RENAME_EXCHANGE); False where the C
+    library or the file system cannot."""
+    import ctypes
+    import errno
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    at_fdcwd, exchange = -100, 2
+    if renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), exchange) == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP):
+        return False
+    raise OSError(code, os.strerror(code), str(b))
 
 
 def fsync(path: Path) -> None:
@@ -223,41 +273,89 @@ def check_not_read(
                 raise InputError(f"{path}: {option} and {other} name the same path")
 
 
+class Stage:
+    """Where a `guarded` run writes each output: `stage[option]` is the path itself for a
+    file, or a temporary sibling (`temp_path`) for a folder built whole, moved into place by
+    `commit` (the guard commits at the end of a successful block; a caller may commit
+    earlier, e.g. to keep a failed export's report)."""
+
+    def __init__(self, outputs: Mapping[str, Path], staged: Iterable[str]):
+        self.outputs = dict(outputs)
+        self.temps = {k: temp_path(self.outputs[k]) for k in staged}
+
+    def __getitem__(self, option: str) -> Path:
+        return self.temps.get(option, self.outputs[option])
+
+    def commit(self) -> None:
+        """Move every staged folder that was written into place (`commit_dir`)."""
+        for option, tmp in list(self.temps.items()):
+            if tmp.is_dir():
+                kill_point("staged")
+                commit_dir(tmp, self.outputs[option])
+            del self.temps[option]
+
+    def discard(self) -> None:
+        """Remove what was staged and not committed."""
+        for tmp in self.temps.values():
+            remove(tmp)
+        self.temps.clear()
+
+
 @contextlib.contextmanager
 def guarded(
     command: str,
     outputs: Mapping[str, str | Path | None],
     reads: Reads,
     folders: Mapping[str, Iterable[str]] | Iterable[str] = (),
-    clean: bool = True,
-) -> Iterator[None]:
+) -> Iterator[Stage]:
     """`check_outputs`, then every output locked (`claim`) for the block: a second run on
-    one of them is refused (exit 2) naming the run that holds it. When the block fails (an
-    exit with a code other than 0 included), what it added to a folder output goes (the
-    folder too when the block made it), so a failed run leaves no half dataset, unless not
-    `clean` (the command cleans up itself); a folder made for a lock goes when left empty."""
-    from cognet.core.lock import claim
+    one of them is refused (exit 2) naming the run that holds it. Yields the `Stage`: a
+    folder output whose file names are given is written in a temporary sibling and moved
+    into place when the block succeeds; when it fails (an exit with a code other than 0, an
+    interrupt and SIGTERM included) the staged folder goes and nothing else: a run never
+    removes what it did not create. A folder made for a lock goes when left empty."""
+    from cognet.core.lock import claimed
 
     folders = _contents(folders)
     check_outputs(outputs, reads, folders)
     given = {k: Path(v) for k, v in outputs.items() if v}
+    staged = [k for k in given if folders.get(k)]
+    for option in staged:
+        replaceable(given[option], folders[option], option)
     made = [p.parent for p in given.values() if not p.parent.exists()]
-    before = {k: _entries(p) for k, p in given.items() if k in folders}
+    stage = Stage(given, staged)
     try:
-        with contextlib.ExitStack() as stack:
-            for path in given.values():
-                stack.enter_context(claim(path, command))
+        with claimed(given.values(), command):
             try:
-                yield
+                yield stage
             except BaseException as exc:
-                if clean and _failed(exc):
-                    for option, entries in before.items():
-                        _remove_new(given[option], entries)
+                if _failed(exc):
+                    stage.discard()
+                    raise
+                stage.commit()
                 raise
+            stage.commit()
     finally:
+        stage.discard()
         for folder in made:
             with contextlib.suppress(OSError):
                 folder.rmdir()
+
+
+def replaceable(folder: Path, names: Iterable[str], option: str) -> None:
+    """InputError unless `folder` is absent, or a folder holding only `names` (what an
+    earlier run of the command wrote, which the new output replaces whole) and temporary
+    names: a folder holding anything else is never replaced."""
+    if not folder.is_dir():
+        return
+    names = set(names)
+    other = sorted(n for n in os.listdir(folder) if n not in names and not is_temp(n))
+    if other:
+        shown = ", ".join(other[:3]) + (f" and {len(other) - 3} more" if len(other) > 3 else "")
+        raise InputError(
+            f"{folder}: {option} holds files this command does not write ({shown}); it "
+            "would replace the folder whole: choose a new or empty folder"
+        )
 
 
 def _contents(folders: Mapping[str, Iterable[str]] | Iterable[str]) -> dict[str, tuple]:
@@ -272,21 +370,6 @@ def _failed(exc: BaseException) -> bool:
     click's Exit(0) that ends every successful command)."""
     code = exc.code if isinstance(exc, SystemExit) else getattr(exc, "exit_code", 1)
     return code not in (0, None)
-
-
-def _entries(folder: Path) -> set[str] | None:
-    """The names in `folder`, None when it does not exist yet."""
-    return set(os.listdir(folder)) if folder.is_dir() else None
-
-
-def _remove_new(folder: Path, before: set[str] | None) -> None:
-    """Remove what was added to `folder` since `before` (the folder itself when it was not
-    there)."""
-    if before is None:
-        remove(folder)
-    elif folder.is_dir():
-        for name in set(os.listdir(folder)) - before:
-            remove(folder / name)
 
 
 def writable_file(path: str | Path, what: object) -> None:

@@ -1,24 +1,27 @@
 """One writer per output: an exclusive lock on an output, held for a whole run (torch-free,
-so that every command takes it: training, export, the data converters, scoring).
-
-    with OutputLock(writer.lock_path(out), what=out):
-        ...  # the only cognet-batch run writing OUT, its rejects file and OUT.parts/
+so that every command takes it: training, export, the data converters, scoring,
+evaluation's files, the benchmark).
 
     with claim(out, "cognet train"):
-        ...  # the only run writing the checkpoint directory OUT (lock file `.OUT.lock`)
+        ...  # the only run writing OUT (a file, a folder or a parts folder: lock `.OUT.lock`)
 
-`OutputLock.acquire` takes `flock(LOCK_EX | LOCK_NB)` on the lock file (created with its
-folder when missing) and writes `PID HOST` in it; a second run gets `OutputBusy`, an
-InputError naming the holder's pid, at once (it never waits). Both scoring engines lock the same
-file, `OUT.parts/lock`, so a local and a Ray run on one OUT exclude each other too, and
-`--resume` takes it like any run.
+Every command locks an output the same way, whatever it writes there: `claim` takes the
+lock file `.NAME.lock` beside the output, so `cognet train --out R` and `cognet-batch score
+--out R` (or `cognet evaluate --predictions P` and `cognet-batch score --out P`) exclude each
+other. `OutputLock.acquire` takes `flock(LOCK_EX | LOCK_NB)` on the lock file (created with
+its folder when missing) and writes `PID HOST COMMAND` in it; a second run gets
+`OutputBusy`, an InputError naming the holder's command and pid, at once (it never waits).
+Both scoring engines take the same locks, so a local and a Ray run on one OUT exclude each
+other too, and `--resume` takes them like any run.
 
 The kernel drops the lock when its holder's process ends, however it ends (kill -9 and a
 crash included): there is no stale lock to clean up, at most a lock file that the next run
-reuses. `release` removes the file (and, for OUT.parts/, its folder when nothing else is
-left in it) before it unlocks. A run that finds the file gone or replaced right after
-locking it (its holder was removing it) locks the new one instead, so two runs never hold
-different files.
+reuses, and no pid is trusted to decide anything (pids are reused; Ray workers live on other
+hosts). What a killed run may leave are temporary names (`cognet.core.files.temp_path`:
+`.NAME.PID-RANDOM.tmp`); `claim` removes those of its output once it holds the lock, when
+no other run can be writing them. `release` removes the lock file before it unlocks. A run
+that finds the file gone or replaced right after locking it (its holder was removing it)
+locks the new one instead, so two runs never hold different files.
 
 What a network file system promises: Linux runs flock over NFS as an NFS byte-range lock
 (NFSv4, or NLM for v3), which other clients see while the server keeps the lock. It does not
@@ -30,13 +33,18 @@ and a second run may then start. On such storage, give each run its own OUT.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import os
+import re
 import socket
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from cognet.core.errors import InputError, one_line, os_reason
+from cognet.core.files import remove
+from cognet.core.interrupt import terminating
 
 ATTEMPTS = 20  # retries when the file is removed or replaced while we lock it
 
@@ -49,19 +57,23 @@ class OutputLock:
     """An exclusive, non-blocking lock on `path`; a context manager (`acquire`/`release`).
 
     what: how the error names the locked output (default: the lock file's folder);
-    command: the command named as the holder; keep_folder: never remove the lock's folder."""
+    command: this run's command, written in the lock file for a refused run to name;
+    keep_folder: never remove the lock's folder; sweep: the output whose leftover temporary
+    names to remove once locked."""
 
     def __init__(
         self,
         path: str | Path,
         what: str | None = None,
-        command: str = "cognet-batch",
+        command: str = "cognet-batch score",
         keep_folder: bool = False,
+        sweep: str | Path | None = None,
     ):
         self.path = Path(path)
         self.what = what or str(self.path.parent)
         self.command = command
         self.keep_folder = keep_folder
+        self.sweep = sweep
         self._fd: int | None = None
 
     def __enter__(self) -> OutputLock:
@@ -88,13 +100,15 @@ class OutputLock:
                 if exc.errno not in (errno.EAGAIN, errno.EWOULDBLOCK, errno.EACCES):
                     raise InputError(f"{self.path}: cannot lock ({one_line(exc)})") from None
                 raise OutputBusy(
-                    f"{self.what}: OUT is being written by another {self.command} run "
-                    f"({holder(self.path)}); wait for it to end or choose another --out"
+                    f"{self.what}: is being written by {holder(self.path)}; wait for it to "
+                    "end or choose another output"
                 ) from None
             if _same_file(fd, self.path):
                 os.ftruncate(fd, 0)
-                os.write(fd, f"{os.getpid()} {socket.gethostname()}\n".encode())
+                os.write(fd, f"{os.getpid()} {socket.gethostname()} {self.command}\n".encode())
                 self._fd = fd
+                if self.sweep is not None:
+                    sweep_temps(self.sweep)
                 return
             os.close(fd)  # removed or replaced by its last holder: lock the new one
         raise InputError(f"{self.path}: the lock file keeps changing; is another run looping?")
@@ -134,19 +148,58 @@ def lock_file(out: str | Path) -> Path:
 
 
 def claim(out: str | Path, command: str) -> OutputLock:
-    """The lock that makes `command` the only run writing `out` (a file or a folder); use it
-    as a context manager around the whole run. A second run gets OutputBusy (exit 2) naming
-    the holder."""
-    return OutputLock(lock_file(out), what=str(out), command=command, keep_folder=True)
+    """The lock that makes `command` the only run writing `out` (a file, a folder or a parts
+    folder); use it as a context manager around the whole run. A second run gets OutputBusy
+    (exit 2) naming the holder. Once locked, the temporary names a killed run left for `out`
+    are removed (`sweep_temps`)."""
+    return OutputLock(lock_file(out), what=str(out), command=command, keep_folder=True, sweep=out)
+
+
+@contextlib.contextmanager
+def claimed(outputs: Iterable[str | Path | None], command: str) -> Iterator[None]:
+    """Every output (None: not given) claimed for the block, SIGTERM and SIGINT raised as
+    exceptions inside it (`cognet.core.interrupt.terminating`) so that a stopped run cleans
+    up like a failed one."""
+    with contextlib.ExitStack() as stack:
+        for out in outputs:
+            if out:
+                stack.enter_context(claim(out, command))
+        stack.enter_context(terminating())
+        yield
+
+
+def sweep_temps(out: str | Path) -> list[Path]:
+    """Remove the temporary names that a killed run left for `out`: `.NAME.PID-RANDOM.tmp`
+    beside it (files or folders), and, when `out` is a folder written file by file (a parts
+    folder, the benchmark's), such names inside it. Call it only holding `out`'s lock: no
+    other run writes there then. Returns what went."""
+    out = Path(out)
+    found = _temps(out.parent, re.escape(out.name))
+    if out.is_dir() and not out.is_symlink():
+        found += _temps(out, ".+")
+    for path in found:
+        remove(path)
+    return found
+
+
+def _temps(folder: Path, name: str) -> list[Path]:
+    pattern = re.compile(rf"\.{name}\.\d+-[0-9a-f]{{8}}\.tmp")
+    try:
+        return [folder / n for n in os.listdir(folder) if pattern.fullmatch(n)]
+    except OSError:
+        return []
 
 
 def holder(path: str | Path) -> str:
-    """`pid N` (`pid N on HOST` from another machine) of the lock file's last holder."""
+    """`COMMAND (pid N)` (`... (pid N on HOST)` from another machine) of the lock file's last
+    holder."""
     try:
-        pid, host = (Path(path).read_text().split() + ["?", "?"])[:2]
+        pid, host, *command = Path(path).read_text().split() + ["?", "?"]
     except OSError:
-        return "pid unknown"
-    return f"pid {pid}" if host in ("?", socket.gethostname()) else f"pid {pid} on {host}"
+        return "another run (pid unknown)"
+    name = " ".join(c for c in command if c != "?") or "another cognet run"
+    where = f"pid {pid}" if host in ("?", socket.gethostname()) else f"pid {pid} on {host}"
+    return f"{name} ({where})"
 
 
 def _same_file(fd: int, path: Path) -> bool:

@@ -28,7 +28,7 @@ import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 
 from cognet.core.errors import InputError, one_line, where
-from cognet.core.files import write_text
+from cognet.core.files import target_of, write_text
 from cognet.core.schema import DDI_FILE, VISITS_FILE
 
 SUFFIXES = (".csv.gz", ".tsv.gz", ".csv", ".tsv", ".parquet")  # longest first
@@ -79,13 +79,14 @@ class Report:
 
     def lines(self) -> list[str]:
         counts = ", ".join(f"{k.replace('_', ' ')} {v:,}" for k, v in self.dataset.items())
-        written = f"wrote {self.out}: {counts}; summary {self.out / SUMMARY_FILE}"
+        out = target_of(self.out)  # the folder, not the temporary sibling it is built in
+        written = f"wrote {out}: {counts}; summary {out / SUMMARY_FILE}"
         return [s.line() for s in self.steps] + [written]
 
     def to_json(self) -> dict:
         return {
             "source": self.source,
-            "out": str(self.out),
+            "out": str(target_of(self.out)),
             "dataset": self.dataset,
             "steps": [asdict(s) for s in self.steps],
             "warnings": self.warnings,
