@@ -35,7 +35,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from cognet.core.errors import InputError, writing
+from cognet.core.errors import InputError, OutputError, writing
 from cognet.core.interrupt import kill_point
 
 DATASET_FILES = ("visits.parquet", "ddi.parquet", "summary.json")
@@ -294,6 +294,17 @@ class Stage:
                 commit_dir(tmp, self.outputs[option])
             del self.temps[option]
 
+    def named(self, exc: BaseException) -> BaseException:
+        """An InputError or OutputError that names a staged path, naming the output instead
+        (`PATH: no space left on device` names the checkpoint, not its temporary sibling);
+        any other exception as it is."""
+        if not isinstance(exc, (InputError, OutputError)):
+            return exc
+        text = str(exc)
+        for option, tmp in self.temps.items():
+            text = text.replace(str(tmp), str(self.outputs[option]))
+        return exc if text == str(exc) else type(exc)(text)
+
     def discard(self) -> None:
         """Remove what was staged and not committed."""
         for tmp in self.temps.values():
@@ -329,10 +340,13 @@ def guarded(
             try:
                 yield stage
             except BaseException as exc:
-                if _failed(exc):
-                    stage.discard()
+                if not _failed(exc):
+                    stage.commit()
                     raise
-                stage.commit()
+                named = stage.named(exc)
+                stage.discard()
+                if named is not exc:
+                    raise named from None
                 raise
             stage.commit()
     finally:
