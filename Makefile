@@ -40,7 +40,8 @@ test: install
 # the cases of issues 14, 23 and 30 (docs/guide/failure-behaviour.md), one test or more each
 failures: install
 	$(PY) -m pytest -q tests/test_failures_batch.py tests/test_failures_train.py \
-		tests/test_failures_outputs.py tests/test_failures_writers.py
+		tests/test_failures_outputs.py tests/test_failures_writers.py tests/test_failures_numbers.py \
+		tests/test_failures_db.py
 
 bench: install
 	$(VENV)/bin/cognet-bench --out bench

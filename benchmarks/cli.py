@@ -10,7 +10,13 @@ from pathlib import Path
 
 import click
 
-from cognet.core.clitools import count_option, guard_outputs, handle_errors, setup_logging
+from cognet.core.clitools import (
+    FiniteFloat,
+    count_option,
+    guard_outputs,
+    handle_errors,
+    setup_logging,
+)
 from cognet.core.errors import InputError
 from cognet.core.files import Reads
 
@@ -120,7 +126,7 @@ def _ints(text: str, name: str) -> tuple[int, ...]:
 )
 @click.option(
     "--max-run-seconds",
-    type=click.FloatRange(min=0),
+    type=FiniteFloat(min=0),
     default=45.0,
     show_default=True,
     help="Time budget of one run: no repeat starts that would end past it (the "

@@ -16,7 +16,6 @@ Runs the runtime on the CPU provider, one thread; prints a Markdown table, write
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
 
@@ -25,6 +24,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from cognet.core import numbers as strict_json
 from cognet.core.manifest import load_manifest
 from cognet.core.metrics import summary_of
 from cognet.core.sampling import SetConfig, set_marginals, visit_keys
@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> None:
     for r in results:
         print(f"| {r['samples']} | {r['estimator']} | {r['mae']:.5f} | {r['val_jaccard']:.4f} |")
     if args.json:
-        args.json.write_text(json.dumps(results, indent=1))
+        args.json.write_text(strict_json.dumps(results, indent=1))
 
 
 if __name__ == "__main__":

@@ -35,6 +35,7 @@ import pyarrow as pa
 import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 
+from cognet.core import numbers as strict_json
 from cognet.core.files import write_text
 
 N_CONDITIONS, N_PROCEDURES, N_DRUGS, N_ATC3 = 2000, 500, 3000, 150
@@ -325,7 +326,7 @@ def run(work: Path, visits: int, drug_rows: int, fmt: str, keep: bool) -> dict:
     if not keep:
         shutil.rmtree(cdm)
         (work / "omop.duckdb").unlink(missing_ok=True)
-    write_text(work / "result.json", json.dumps(result, indent=2) + "\n")
+    write_text(work / "result.json", strict_json.dumps(result, indent=2) + "\n")
     return result
 
 
@@ -338,7 +339,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--keep", action="store_true", help="keep the generated extract")
     args = parser.parse_args(argv)
     args.work.mkdir(parents=True, exist_ok=True)
-    print(json.dumps(run(args.work, args.visits, args.drug_rows, args.format, args.keep), indent=2))
+    print(
+        strict_json.dumps(
+            run(args.work, args.visits, args.drug_rows, args.format, args.keep), indent=2
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from pathlib import Path
 
 from cognet.benchmarks.engines import decoding_label
+from cognet.core import numbers as strict_json
 from cognet.core.decoding import BEAM
 from cognet.core.files import atomic_path, write_text
 
@@ -17,7 +17,7 @@ MAIN = "ort-cpu"
 def write_all(results: dict, out: Path) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
     paths = [out / "results.json", out / "results.md", out / "throughput.png"]
-    write_text(paths[0], json.dumps(results, indent=1) + "\n")
+    write_text(paths[0], strict_json.dumps(results, indent=1) + "\n")
     write_text(paths[1], markdown(results))
     plot(results, paths[2])
     if results.get("ddi_tradeoff") and (out / "ddi_tradeoff.png").is_file():

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import json
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -16,6 +15,7 @@ import numpy as np
 from safetensors.torch import save_file
 
 from cognet import checkpoint_checks as checks
+from cognet.core import numbers as strict_json
 from cognet.core.ddi import DDITarget
 from cognet.core.errors import InputError, one_line, writing
 from cognet.core.files import atomic_path
@@ -127,4 +127,4 @@ def checkpoint_hash(path: str | Path) -> str:
 
 
 def write_json(path: Path, obj: dict) -> None:
-    path.write_text(json.dumps(obj, indent=1) + "\n")
+    path.write_text(strict_json.dumps(obj, indent=1) + "\n")

@@ -19,13 +19,13 @@ instead of a raw exception or, worse, a model that silently answers differently.
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
 
+from cognet.core import numbers as strict_json
 from cognet.core.decoding import Decoding
 from cognet.core.errors import InputError, one_line
 from cognet.core.files import confined
@@ -43,7 +43,7 @@ def file_hashes(files: Mapping[str, Path]) -> dict[str, str]:
 
 def read_json(path: Path) -> dict:
     try:
-        obj = json.loads(path.read_text())
+        obj = strict_json.loads(path.read_text())  # NaN and Infinity are refused
     except (OSError, UnicodeDecodeError, ValueError) as exc:
         raise InputError(f"{path}: unreadable ({_short(exc)})") from None
     if not isinstance(obj, dict):
@@ -191,7 +191,7 @@ def read_weights(path: Path) -> dict:
 
 def check_weights(path: Path, expected: Mapping, weights: Mapping) -> None:
     """InputError unless `weights` holds exactly the tensors of `expected` (a model's
-    state_dict), shape for shape."""
+    state_dict), shape for shape, every value finite."""
     file = path / "model.safetensors"
     missing = sorted(set(expected) - set(weights))
     extra = sorted(set(weights) - set(expected))
@@ -203,6 +203,11 @@ def check_weights(path: Path, expected: Mapping, weights: Mapping) -> None:
             raise InputError(
                 f"{file}: {name} has shape {tuple(weights[name].shape)}, config.json and "
                 f"vocab.json need {tuple(tensor.shape)}"
+            )
+        if weights[name].is_floating_point() and not weights[name].isfinite().all():
+            raise InputError(
+                f"{file}: {name} holds values that are not finite numbers (NaN or infinity): "
+                "a diverged training; train again"
             )
 
 

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import asdict
 from pathlib import Path
 
 import click
 
-from cognet.core.clitools import count_option, handle_errors, setup_logging
+from cognet.core import numbers as strict_json
+from cognet.core.clitools import count_option, db_timeout_options, handle_errors, setup_logging
 from cognet.core.files import DATASET_FILES, Reads, guarded
 from cognet.data.mimic3 import DDI_TYPES, build_mimic3
 
@@ -91,7 +91,7 @@ def stats(dataset: Path, as_json: bool) -> None:
     from cognet.data.stats import compute_stats, format_stats
 
     figures = compute_stats(read_dataset(dataset))
-    click.echo(json.dumps(figures, indent=2) if as_json else format_stats(figures))
+    click.echo(strict_json.dumps(figures, indent=2) if as_json else format_stats(figures))
 
 
 # fmt: off
@@ -276,6 +276,7 @@ def allow_no_medications_option(func):
     "instead of the standard one (SNOMED/38341003).",
 )
 @allow_no_medications_option
+@db_timeout_options
 @handle_errors
 def omop(
     cdm: str,
@@ -286,6 +287,8 @@ def omop(
     visit_concepts: str | None,
     source_codes: bool,
     allow_no_medications: bool,
+    connect_timeout: float,
+    statement_timeout: float,
 ) -> None:
     """Build a dataset from an OMOP CDM extract.
 
@@ -307,7 +310,7 @@ def omop(
     from cognet.data.omop import build_omop, parse_concept_ids
 
     concepts = parse_concept_ids(visit_concepts)
-    from cognet.data.omop_db import database_file
+    from cognet.data.omop_db import Timeouts, database_file
 
     folder = Path(cdm) if Path(cdm).is_dir() else None  # else a database
     reads = Reads(files=[ddi, database_file(cdm)], folders=[folder])
@@ -321,6 +324,7 @@ def omop(
             cdm_schema=cdm_schema,
             vocab_schema=vocab_schema,
             allow_no_medications=allow_no_medications,
+            timeouts=Timeouts(connect_timeout, statement_timeout),
         )
     _echo_report(report)
 

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import json
-
 import click
 
+from cognet.core import numbers as strict_json
 from cognet.core.clitools import (
+    FiniteFloat,
     count_option,
     ddi_options,
     ddi_policy,
@@ -24,6 +24,7 @@ from cognet.core.decoding import (
     asked_rule,
 )
 from cognet.core.files import Reads, guarded, write_text
+from cognet.core.numbers import finite
 from cognet.ddi_tradeoff import DEFAULT_PENALTIES
 
 RECIPE_CHOICES = ("default", "reference")
@@ -72,7 +73,9 @@ threads_option = count_option(
 )
 @count_option("--epochs", help="At most (default: 36; reference: 200).")
 @click.option("--seed", default=0, show_default=True, type=int)
-@click.option("--lr", type=float, help="Adam learning rate (default: 1e-3).")
+@click.option(
+    "--lr", type=FiniteFloat(0, min_open=True), help="Adam learning rate (default: 1e-3)."
+)
 @count_option("--batch-size", help="Patients per optimisation step (default: 16).")
 @count_option(
     "--patience",
@@ -82,36 +85,36 @@ threads_option = count_option(
     "--scheduled-sampling",
     default=0.0,
     show_default=True,
-    type=click.FloatRange(0, 1),
+    type=FiniteFloat(0, 1),
     help="Share of the decoder's input medications replaced by the model's own "
     "prediction during training (exposure to its mistakes).",
 )
 @click.option(
     "--aux-loss",
-    type=click.FloatRange(0),
+    type=FiniteFloat(0),
     help="Weight of an auxiliary multi-label loss (a training signal only: at each decoder "
     "position, the medications still to come; 0: off).",
 )
 @click.option(
     "--lr-decay",
-    type=click.FloatRange(0, 1, min_open=True),
+    type=FiniteFloat(0, 1, min_open=True),
     help="Multiply the learning rate by this after every epoch (default: 1, constant).",
 )
 @count_option("--dim", help="Embedding size (default: 128; reference: 64).")
 @click.option(
     "--emb-dropout",
-    type=click.FloatRange(0, 1, max_open=True),
+    type=FiniteFloat(0, 1, max_open=True),
     help="Dropout on the code and medication embeddings (default and reference: 0.3).",
 )
 @click.option(
     "--attn-dropout",
-    type=click.FloatRange(0, 1, max_open=True),
+    type=FiniteFloat(0, 1, max_open=True),
     help="Dropout on attention weights (default and reference: 0.2).",
 )
 @click.option("--device", default="cpu", show_default=True, help="cpu, cuda, cuda:1, ...")
 @click.option(
     "--ddi-target",
-    type=click.FloatRange(0, 1),
+    type=FiniteFloat(0, 1),
     help="After training, choose the soft DDI penalty, a per-set DDI cap and the set "
     "threshold together on validation for the best Jaccard at a DDI rate <= this; "
     "evaluation and scoring use them unless a --ddi-mode is given.",
@@ -217,7 +220,7 @@ def train(data_dir, out, threads, quiet, recipe, **config):
 @count_option("--samples", help="Samples per visit of --decoding set (default: the model's).")
 @click.option(
     "--threshold",
-    type=click.FloatRange(0, 1, min_open=True),
+    type=FiniteFloat(0, 1, min_open=True),
     help="Threshold on P(medication in set) of --decoding set (default: the model's).",
 )
 @click.option(
@@ -249,7 +252,7 @@ def train(data_dir, out, threads, quiet, recipe, **config):
 @ddi_options
 @click.option(
     "--ddi-target",
-    type=click.FloatRange(0, 1),
+    type=FiniteFloat(0, 1),
     help="Choose the soft DDI penalty, a per-set DDI cap and the set threshold on the "
     "validation split for the best Jaccard at a DDI rate <= this, then evaluate --split "
     "with them.",
@@ -369,15 +372,15 @@ def evaluate(
     result = run_evaluation(ckpt, data_dir, options)
     click.echo(result["table"])
     if json_out:
-        write_text(json_out, json.dumps(result["report"], indent=1) + "\n")
+        write_text(json_out, strict_json.dumps(result["report"], indent=1) + "\n")
 
 
 def _floats(text: str, option: str) -> tuple[float, ...]:
     try:
-        return tuple(float(t) for t in text.split(",") if t.strip())
+        return tuple(finite(float(t), "each value") for t in text.split(",") if t.strip())
     except ValueError:
         raise click.BadParameter(
-            f"expected comma-separated numbers, got {text!r}", param_hint=option
+            f"expected comma-separated finite numbers, got {text!r}", param_hint=option
         ) from None
 
 
@@ -425,4 +428,4 @@ def _tradeoff(ckpt, data_dir, options, penalties, max_rates, plot, json_out) -> 
         ddi_tradeoff.plot(result.rows, plot_out, result.recommended, marks=points)
         click.echo(f"plot written to {plot_out}", err=True)
     if json_out:
-        write_text(json_out, json.dumps(result.to_json(), indent=1) + "\n")
+        write_text(json_out, strict_json.dumps(result.to_json(), indent=1) + "\n")

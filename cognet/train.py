@@ -6,8 +6,8 @@ the set decoding's threshold tuned on validation; a safetensors checkpoint."""
 from __future__ import annotations
 
 import copy
-import json
 import logging
+import math
 import random
 import time
 from collections.abc import Callable
@@ -20,9 +20,11 @@ import torch.nn.functional as F
 
 from cognet import checkpoint
 from cognet.batching import IGNORE, ddi_adjacency, ehr_adjacency, make_batch
+from cognet.core import numbers as strict_json
 from cognet.core.decoding import DECODINGS, SAMPLES, Decoding
 from cognet.core.errors import InputError
 from cognet.core.files import writable_folder, write_text
+from cognet.core.numbers import finite
 from cognet.core.schema import read_dataset
 from cognet.core.vocab import Vocab
 from cognet.evaluate import decode_patients, load_split, report, split_table, visit_results
@@ -104,6 +106,10 @@ class TrainConfig:
     ddi_target: float | None = None
 
     def __post_init__(self) -> None:
+        for name, kind in self.__annotations__.items():  # NaN passes every range check below
+            value = getattr(self, name)
+            if kind.startswith("float") and value is not None:
+                finite(value, name)
         if self.epochs < 1 or self.batch_size < 1 or self.lr <= 0:
             raise ValueError("epochs and batch_size must be >= 1 and lr > 0")
         if self.select not in ("nll", "jaccard") or self.decoding not in DECODINGS:
@@ -245,6 +251,19 @@ def _forward(
     return out[0], out[3]
 
 
+def check_finite(model: COGNet, epoch: int, loss: float, val_nll: float, lr: float) -> None:
+    """InputError (exit 2, before anything is saved) when the loss, the validation NLL or a
+    weight is no longer a finite number: a model of NaNs would pass every later check."""
+    bad = [name for name, p in model.named_parameters() if not torch.isfinite(p).all()]
+    if math.isfinite(loss) and math.isfinite(val_nll) and not bad:
+        return
+    what = f"weight {bad[0]}" if bad else f"loss {loss:g}, val nll {val_nll:g}"
+    raise InputError(
+        f"epoch {epoch}: training diverged ({what} not finite); no checkpoint was written. "
+        f"Try a smaller --lr (this run: {lr:g}) or another --seed"
+    )
+
+
 def mix_inputs(
     inputs: torch.Tensor,
     predicted: torch.Tensor,
@@ -325,6 +344,7 @@ def train(
         train_s = time.perf_counter() - start
         record = {"epoch": epoch, "loss": loss, "train_s": train_s, "lr": lr}
         record["val_nll"] = validation_nll(model, vocab, val_patients)
+        check_finite(model, epoch, loss, record["val_nll"], cfg.lr)
         if cfg.select == "jaccard":
             decoded = decode_patients(model, vocab, val_patients, decoding=Decoding(beam=1))
             val = report(visit_results(val_patients, decoded), ddi_bool, rounds=1)
@@ -382,5 +402,5 @@ def train(
     checkpoint.save(
         out, model.cpu(), vocab, ehr, ddi, dataset.ddi_pairs, train_info, decoding.to_json(), target
     )
-    write_text(out / "train_log.jsonl", "".join(json.dumps(rec) + "\n" for rec in history))
+    write_text(out / "train_log.jsonl", "".join(strict_json.dumps(rec) + "\n" for rec in history))
     return {**best, "weights": chosen, "decoding": decoding.to_json(), "ddi_target": target}

@@ -8,10 +8,10 @@ writes `manifest.json` last (`cognet.core.manifest`): a directory whose parity f
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 
+from cognet.core import numbers as strict_json
 from cognet.core.ddi import ddi_matrix
 from cognet.core.decoding import BEAM, MAX_LEN
 from cognet.core.errors import InputError, ParityError, one_line, writing
@@ -109,7 +109,7 @@ def _export(model, vocab, config, checkpoint, out: Path, validate, fp16, tensorr
         parity["ops"] = sorted(_ops(paths.values()) | _ops((fp16_paths or {}).values()))
         if not parity["passed"]:
             report = out / REPORT_FILE
-            write_text(report, json.dumps(parity, indent=1) + "\n")
+            write_text(report, strict_json.dumps(parity, indent=1) + "\n")
             check(parity, report)
 
     cfg = model.cfg

@@ -21,6 +21,7 @@ probability error is what decides the beam.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, replace
@@ -136,7 +137,7 @@ def compare_outputs(model: COGNet, graphs: Graphs, fp16: bool = False) -> dict:
                     if out == "copy_probs":  # defined only for visits with a history
                         used = inputs["has_history"].numpy()[:, None, None] > 0
                         r, g = r * used, g * used
-                    diff = float(np.abs(r.astype(np.float64) - g).max()) if r.size else 0.0
+                    diff = max_abs_diff(r, g)
                     key = f"{graph}.{out}"
                     case[key] = max(case.get(key, 0.0), diff)
                 if graph == "decoder_step":
@@ -155,6 +156,19 @@ def compare_outputs(model: COGNet, graphs: Graphs, fp16: bool = False) -> dict:
         "max_abs_diff": worst,
         "top1_agreement": top1_same / top1_rows,
     }
+
+
+def max_abs_diff(ref: np.ndarray, got: np.ndarray) -> float:
+    """The largest |ref - got|, infinite where a NaN or a lone infinity is on either side:
+    `max(0.0, nan)` is 0.0, so a model of NaNs would otherwise match its graphs exactly.
+    Infinities of one sign on both sides (a masked log-probability) agree."""
+    ref, got = ref.astype(np.float64), got.astype(np.float64)
+    odd = ~(np.isfinite(ref) & np.isfinite(got))
+    if odd.any():
+        if np.isnan(ref[odd]).any() or np.isnan(got[odd]).any() or (ref[odd] != got[odd]).any():
+            return math.inf
+        ref, got = ref[~odd], got[~odd]
+    return float(np.abs(ref - got).max()) if ref.size else 0.0
 
 
 # -- 2. decoding ------------------------------------------------------------------------------
@@ -290,7 +304,7 @@ def compare_decoding(
             )
             for i, (r, (meds, score)) in enumerate(zip(ref, got, strict=True)):
                 total += 1
-                if r.meds == meds:
+                if r.meds == meds and math.isfinite(r.score) and math.isfinite(score):
                     same += 1
                     worst_score = max(worst_score, abs(r.score - score))
                 elif len(mismatches) < 5:

@@ -14,7 +14,9 @@ from pathlib import Path
 import click
 import numpy as np
 
+from cognet.core import numbers as strict_json
 from cognet.core.clitools import (
+    FiniteFloat,
     count_option,
     ddi_options,
     ddi_policy,
@@ -121,7 +123,7 @@ def score_options(func):
         count_option("--beam", help=BEAM_HELP),
         count_option("--samples", help="--decoding set: samples per visit (default: the "
                                        "model's, 16)."),
-        click.option("--threshold", type=click.FloatRange(0, 1, min_open=True), default=None,
+        click.option("--threshold", type=FiniteFloat(0, 1, min_open=True), default=None,
                      help="--decoding set: threshold on P(medication in set) (default: the "
                           "model's, tuned on validation)."),
         click.option("--estimator", type=click.Choice(ESTIMATORS), default=None,
@@ -200,7 +202,7 @@ def ray_options(func):
         count_option("--num-workers",
                      help="--engine ray: scoring workers (default: as many as the cluster "
                           "holds)."),
-        click.option("--gpus-per-worker", type=click.FloatRange(min=0), default=0.0,
+        click.option("--gpus-per-worker", type=FiniteFloat(min=0), default=0.0,
                      help="--engine ray: GPUs of each worker (default 0: CPU workers)."),
         count_option("--block-rows", default=16384,
                      help="--engine ray: rows of whole patients a worker scores at a time."),
@@ -426,7 +428,6 @@ def explain(
     Example:
       cognet-batch explain visits.parquet --model model --visit-id V0012-3
     """
-    import json
 
     from cognet.runtime.explain import explain_visit, format_explanation
 
@@ -434,7 +435,8 @@ def explain(
     ddi = ddi_policy(ddi_mode, ddi_penalty, ddi_max_rate)
     scorer = Scorer(model_dir, ScoreOptions(beam=beam, ddi=ddi, device="cpu", threads=1))
     result = explain_visit(scorer, input_path, visit_id)
-    click.echo(json.dumps(result.to_json(), indent=1) if as_json else format_explanation(result))
+    text = strict_json.dumps(result.to_json(), indent=1) if as_json else None
+    click.echo(text or format_explanation(result))
 
 
 if __name__ == "__main__":

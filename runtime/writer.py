@@ -32,6 +32,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from cognet.core import numbers as strict_json
 from cognet.core.errors import InputError, one_line, writing
 from cognet.core.files import atomic_path, write_text
 from cognet.core.interrupt import kill_point
@@ -68,7 +69,7 @@ def write_parquet(path: Path, table: pa.Table) -> None:
 
 
 def write_json(path: Path, obj: dict) -> None:
-    write_text(path, json.dumps(obj, indent=1) + "\n")
+    write_text(path, strict_json.dumps(obj, indent=1) + "\n")
 
 
 class PartWriter:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
@@ -106,6 +107,19 @@ def progress(
     )
 
 
+class FiniteFloat(click.FloatRange):
+    """A float option that must be a finite number in its range: click's FloatRange lets
+    `nan` through every bound and `inf` through a missing one."""
+
+    name = "finite float"
+
+    def convert(self, value, param, ctx):
+        number = super().convert(value, param, ctx)
+        if not math.isfinite(number):
+            self.fail(f"{value!r} is not a finite number.", param, ctx)
+        return number
+
+
 def count_option(
     *decls: str, help: str | None = None, default: int | None = None, **kwargs
 ) -> Callable:
@@ -113,6 +127,25 @@ def count_option(
     batch, ...); its default, when it has one, shows in --help."""
     kwargs.setdefault("show_default", default is not None)
     return click.option(*decls, type=click.IntRange(min=1), default=default, help=help, **kwargs)
+
+
+def db_timeout_options(func: Callable) -> Callable:
+    """--connect-timeout / --statement-timeout: the longest waits on a database server, in
+    seconds (`cognet.data.omop_db.Timeouts`)."""
+    func = click.option(
+        "--statement-timeout",
+        type=FiniteFloat(0, min_open=True),
+        default=3600,
+        show_default=True,
+        help="Database only: seconds one statement may run before the run stops (exit 2).",
+    )(func)
+    return click.option(
+        "--connect-timeout",
+        type=FiniteFloat(0, min_open=True),
+        default=30,
+        show_default=True,
+        help="Database only: seconds to wait for the server to connect (at least 2).",
+    )(func)
 
 
 def ddi_options(func: Callable) -> Callable:
@@ -131,14 +164,14 @@ def ddi_options(func: Callable) -> Callable:
         ),
         click.option(
             "--ddi-penalty",
-            type=click.FloatRange(min=0),
+            type=FiniteFloat(min=0),
             default=None,
             help="soft: log-probability removed per interacting pair "
             f"(default {RECOMMENDED_PENALTY:g}).",
         ),
         click.option(
             "--ddi-max-rate",
-            type=click.FloatRange(0, 1),
+            type=FiniteFloat(0, 1),
             default=None,
             help="Keep the DDI rate of each recommendation <= this: set decoding drops "
             "a medication that would lift its set's rate above it; beam search returns the "

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from cognet.core.decoding import Decoding
+from cognet.core.numbers import finite
 from cognet.core.vocab import Vocab
 
 DDI_MODES = ("off", "soft", "hard")
@@ -51,6 +52,9 @@ class DDIPolicy:
     def __post_init__(self) -> None:
         if self.mode not in DDI_MODES:
             raise ValueError(f"unknown DDI mode {self.mode!r}; choose from {DDI_MODES}")
+        finite(self.penalty, "the DDI penalty")  # NaN passes every comparison below
+        if self.max_rate is not None:
+            finite(self.max_rate, "the DDI max rate")
         if self.penalty < 0 or (self.max_rate is not None and not 0 <= self.max_rate <= 1):
             raise ValueError("the DDI penalty must be >= 0 and the max rate in [0, 1]")
 
@@ -82,6 +86,8 @@ class DDITarget:
     val_ddi: float
 
     def __post_init__(self) -> None:
+        for name in ("target", "threshold", "val_jaccard", "val_ddi"):
+            finite(getattr(self, name), f"the DDI target's {name}")
         if not 0 <= self.target <= 1 or not 0 < self.threshold <= 1:
             raise ValueError("the DDI target must be in [0, 1] and the threshold in (0, 1]")
 
@@ -100,13 +106,16 @@ class DDITarget:
         if obj is None:
             return None
         policy = obj["policy"]
-        return cls(
-            target=float(obj["target"]),
-            policy=DDIPolicy(str(policy["mode"]), float(policy["penalty"]), policy["max_rate"]),
-            threshold=float(obj["threshold"]),
-            val_jaccard=float(obj["val_jaccard"]),
-            val_ddi=float(obj["val_ddi"]),
-        )
+        if not isinstance(policy["mode"], str):
+            raise TypeError(f"policy.mode must be a string, not {policy['mode']!r}")
+        return cls(  # a boolean or a string is no number (`finite`), not even true = 1.0
+            target=finite(obj["target"], "target"),
+            policy=DDIPolicy(policy["mode"], finite(policy["penalty"], "policy.penalty"),
+                             policy["max_rate"]),
+            threshold=finite(obj["threshold"], "threshold"),
+            val_jaccard=finite(obj["val_jaccard"], "val_jaccard"),
+            val_ddi=finite(obj["val_ddi"], "val_ddi"),
+        )  # fmt: skip
 
 
 def with_target(

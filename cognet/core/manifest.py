@@ -39,11 +39,11 @@ default policy, `Manifest.default_target`).
 from __future__ import annotations
 
 import hashlib
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from cognet.core import numbers as strict_json
 from cognet.core.ddi import DDITarget
 from cognet.core.decoding import Decoding
 from cognet.core.errors import InputError, one_line
@@ -265,8 +265,8 @@ def load_manifest(model_dir: str | Path, verify: bool = True) -> Manifest:
     if not path.is_file():
         raise InputError(f"{path}: not a cognet model directory (missing {MANIFEST_FILE})")
     try:
-        obj = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        obj = strict_json.loads(path.read_text())  # NaN and Infinity are refused
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
         raise InputError(f"{path}: unreadable manifest ({one_line(exc)})") from None
     if not isinstance(obj, dict) or obj.get("format_version") != FORMAT_VERSION:
         found = obj.get("format_version") if isinstance(obj, dict) else None
@@ -371,5 +371,5 @@ def verify_graphs(manifest: Manifest) -> None:
 
 def write_manifest(model_dir: str | Path, manifest: Manifest) -> Path:
     """Write `model_dir/manifest.json` atomically; returns its path."""
-    text = json.dumps(manifest.to_json(), indent=1) + "\n"
+    text = strict_json.dumps(manifest.to_json(), indent=1) + "\n"
     return write_text(Path(model_dir) / MANIFEST_FILE, text)

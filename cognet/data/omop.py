@@ -41,7 +41,7 @@ import pyarrow.compute as pc
 
 from cognet.core.errors import InputError
 from cognet.core.schema import DDI_FILE, VISITS_FILE, write_ddi, write_visits
-from cognet.data.omop_db import open_cdm
+from cognet.data.omop_db import Timeouts, open_cdm
 from cognet.data.tables import (
     Report,
     SourceTable,
@@ -327,18 +327,22 @@ def build_omop(
     cdm_schema: str = "cdm",
     vocab_schema: str | None = None,
     allow_no_medications: bool = False,
+    timeouts: Timeouts | None = None,
 ) -> Report:
     """Convert the OMOP CDM in ``cdm`` into ``out`` (visits.parquet, ddi.parquet,
     summary.json). ``cdm`` is a folder of table files or a database (`omop_db`: a DuckDB file
     or URL, a PostgreSQL URL, its tables in ``cdm_schema`` and the vocabulary in
     ``vocab_schema``, by default the same). Raises InputError, naming the file or table, column
     and row, for a missing table or column or an unreadable value, when OUT would overwrite an
-    input, and when no drug maps to ATC-3 (unless ``allow_no_medications``)."""
+    input, and when no drug maps to ATC-3 (unless ``allow_no_medications``). ``timeouts``:
+    the longest waits on a database server (`omop_db.Timeouts`; default 30 s to connect, an
+    hour per statement)."""
     column = "_source_concept_id" if source_codes else "_concept_id"
     vocab_schema = vocab_schema or cdm_schema
     schemas = dict.fromkeys(CLINICAL, cdm_schema) | dict.fromkeys(VOCABULARY, vocab_schema)
     events = {f"{k}_occurrence": k + column for k in ("condition", "procedure")}
-    with open_cdm(cdm, CLINICAL + VOCABULARY, schemas, events, ATC_CLASSES) as source:
+    timeouts = timeouts or Timeouts()
+    with open_cdm(cdm, CLINICAL + VOCABULARY, schemas, events, ATC_CLASSES, timeouts) as source:
         return _convert(source, Path(out), ddi, visit_concepts, column, allow_no_medications)
 
 

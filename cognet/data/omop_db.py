@@ -15,11 +15,23 @@ batches: DuckDB's own reader (in process, with ``memory_limit`` set: it counts t
 memory), PostgreSQL's through ADBC's libpq driver (binary COPY). Both are opened read-only.
 
 Credentials come from the URL or libpq's environment (PGPASSWORD, ~/.pgpass, PGSERVICE); the
-password never appears in a message: errors show the URL with it masked and have it cut out.
+password never appears in a message: errors show the URL with it masked and have it (and
+PGPASSWORD's value) cut out; a libpq key/value string (``host=... password=...``), which is
+not taken, is refused with its password masked too (`mask_secrets`).
+
+Every wait on the server is bounded (`Timeouts`): the connection by libpq's
+``connect_timeout`` (a server that accepts and never answers included), every statement by
+the session's ``statement_timeout``; either ends the run with exit 2 naming the server.
+
+Schema and table names are matched exactly; when none matches exactly, a match in another
+case is taken only if it is the one there is (``--cdm-schema CDM`` finds ``cdm``), and two
+(``VOCAB`` and ``vocab``, asked ``Vocab``) are refused, naming both.
 """
 
 from __future__ import annotations
 
+import os
+import re
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -36,6 +48,38 @@ DUCKDB_THREADS = 2
 DUCKDB_BATCH = 1 << 18  # rows per record batch
 DUCKDB_SUFFIXES = (".duckdb", ".ddb")
 MASK = "***"
+# a libpq key/value connection string: at least one `key=value` with a key libpq knows
+KEY_VALUE = re.compile(r"(?:^|\s)(?:host|hostaddr|port|dbname|user|password|service)\s*=", re.I)
+SECRET_VALUE = re.compile(r"(\bpassword\s*=\s*)('(?:[^'\\]|\\.)*'|\S*)", re.I)
+
+
+@dataclass(frozen=True)
+class Timeouts:
+    """The longest waits on a database server, in seconds: the connection (libpq's
+    connect_timeout, whose least is 2 s) and each statement (statement_timeout)."""
+
+    connect: float = 30.0
+    statement: float = 3600.0
+
+    def __post_init__(self) -> None:
+        for name in ("connect", "statement"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ValueError(f"the {name} timeout must be a number of seconds > 0")
+
+
+def mask_secrets(text: str) -> str:
+    """`text` with every password it may hold masked: a URL's (user part or ``password=``
+    parameter), a key/value string's (``password=...``, quoted or not), and the value of
+    PGPASSWORD wherever it appears."""
+    if "://" in text:
+        try:
+            text = masked(text)[0]
+        except ValueError:  # a URL that does not parse: the user part's password still goes
+            text = re.sub(r"(://[^/@:]*:)[^/@]*@", rf"\1{MASK}@", text)
+    text = SECRET_VALUE.sub(lambda m: m.group(1) + MASK, text)
+    env = os.environ.get("PGPASSWORD")
+    return text.replace(env, MASK) if env else text
 
 
 def is_database(cdm: str | Path) -> bool:
@@ -58,7 +102,9 @@ class Database:
     kind = ""
 
     def __init__(self, shown: str, secrets: Sequence[str] = ()):
-        self.shown, self.secrets = shown, [s for s in secrets if s]
+        env = os.environ.get("PGPASSWORD", "")
+        self.shown = shown
+        self.secrets = sorted({s for s in (*secrets, env) if s}, key=len, reverse=True)
 
     def error(self, what: str, exc: BaseException) -> InputError:
         """``DATABASE: WHAT (reason)`` with the password cut out of the reason."""
@@ -78,18 +124,28 @@ class Database:
         return rows
 
     def find_table(self, schema: str, table: str) -> tuple[str, str, str, list[str]] | None:
-        """(catalog, schema, table, columns) as the database spells them, the names matched in
-        any case, in the database opened."""
+        """(catalog, schema, table, columns) as the database spells them, in the database
+        opened: the names as given, else the one match in another case; InputError when
+        there are several such matches (`VOCAB` and `vocab`), None when there is none."""
         rows = self.rows(
             "SELECT table_catalog, table_schema, table_name, column_name "
             "FROM information_schema.columns WHERE table_catalog = current_database() "
             f"AND lower(table_schema) = {_literal(schema.lower())} "
-            f"AND lower(table_name) = {_literal(table.lower())} ORDER BY ordinal_position",
+            f"AND lower(table_name) = {_literal(table.lower())} "
+            "ORDER BY table_schema, table_name, ordinal_position",
             "information_schema.columns",
         )
-        if not rows:
+        found = list(dict.fromkeys(r[:3] for r in rows))
+        exact = [f for f in found if f[1:] == (schema, table)]
+        if len(found) > 1 and not exact:
+            names = " and ".join(f"{f[1]}.{f[2]}" for f in found)
+            raise InputError(
+                f"{self.shown}: table {schema}.{table} matches {names} in case only; name "
+                "one exactly (--cdm-schema, --vocab-schema)"
+            )
+        if not found:
             return None
-        first = rows[0][:3]
+        first = (exact or found)[0]
         return (*first, [r[3] for r in rows if r[:3] == first])
 
     def schemas(self) -> list[str]:
@@ -137,24 +193,34 @@ class DuckDatabase(Database):
 class PostgresDatabase(Database):
     kind = "postgresql"
 
-    def __init__(self, url: str, secrets: Sequence[str], shown: str):
+    def __init__(self, url: str, secrets: Sequence[str], shown: str, timeouts: Timeouts):
         from adbc_driver_postgresql import dbapi
 
         super().__init__(shown, secrets)
         self._error = dbapi.Error
+        self.timeouts = timeouts
         try:
-            self.con = dbapi.connect(url)
+            self.con = dbapi.connect(with_connect_timeout(url, timeouts.connect))
             with self.con.cursor() as cursor:  # nothing this run does may write there
                 cursor.execute("SET SESSION CHARACTERISTICS AS TRANSACTION READ ONLY")
+                cursor.execute(f"SET statement_timeout = {int(timeouts.statement * 1000)}")
         except dbapi.Error as exc:
-            raise self.error("cannot connect", exc) from None
+            raise self.error(
+                f"cannot connect within the {timeouts.connect:g} s connect timeout", exc
+            ) from None
+
+    def error(self, what: str, exc: BaseException) -> InputError:
+        """As Database.error, saying which timeout ended a statement."""
+        if "statement timeout" in str(exc):
+            what += f" (statement timeout {self.timeouts.statement:g} s: --statement-timeout)"
+        return super().error(what, exc)
 
     def stream(self, sql: str, name: str) -> Iterator[pa.RecordBatch]:
         try:
             with self.con.cursor() as cursor:
                 cursor.execute(sql)
                 yield from cursor.fetch_record_batch()
-        except self._error as exc:
+        except (self._error, OSError) as exc:  # the reader raises OSError (a timeout too)
             raise self.error(f"reading {name} failed", exc) from None
 
 
@@ -181,6 +247,16 @@ def masked(url: str) -> tuple[str, list[str]]:
     return shown, sorted({*secrets, *(unquote(s) for s in secrets)}, key=len, reverse=True)
 
 
+def with_connect_timeout(url: str, seconds: float) -> str:
+    """`url` with libpq's connect_timeout (whole seconds, at least 2, libpq's least), unless
+    it sets one itself."""
+    parts = urlsplit(url)
+    if "connect_timeout=" in parts.query:
+        return url
+    query = "&".join(q for q in (parts.query, f"connect_timeout={max(2, round(seconds))}") if q)
+    return urlunsplit(parts._replace(query=query))
+
+
 def database_file(cdm: str | Path) -> Path | None:
     """The DuckDB file that ``--cdm`` names (a path or duckdb:/// URL), else None."""
     text = str(cdm)
@@ -189,14 +265,18 @@ def database_file(cdm: str | Path) -> Path | None:
     return Path(text) if is_database(text) and "://" not in text else None
 
 
-def open_database(cdm: str | Path) -> Database:
+def open_database(cdm: str | Path, timeouts: Timeouts = Timeouts()) -> Database:
     """The database that ``--cdm`` names; InputError for an unknown kind or a failed
     connection (the message shows the URL with its password masked)."""
     text = str(cdm)
     scheme = text.split("://", 1)[0].lower() if "://" in text else ""
     if not scheme:
         return DuckDatabase(Path(text))
-    shown, secrets = masked(text)
+    try:
+        shown, secrets = masked(text)
+        urlsplit(text).port  # noqa: B018 - a bad port or IPv6 address raises here
+    except ValueError as exc:
+        raise InputError(f"{mask_secrets(text)}: not a valid URL ({one_line(exc)})") from None
     if scheme == "duckdb":
         path = database_file(text)
         if path is None:
@@ -206,7 +286,7 @@ def open_database(cdm: str | Path) -> Database:
         return DuckDatabase(path)
     base = scheme.split("+", 1)[0]
     if base in ("postgresql", "postgres"):
-        return PostgresDatabase("postgresql://" + text.split("://", 1)[1], secrets, shown)
+        return PostgresDatabase("postgresql://" + text.split("://", 1)[1], secrets, shown, timeouts)
     raise InputError(
         f"{shown}: unsupported database {scheme!r} (supported: duckdb:///PATH, a .duckdb "
         "file, postgresql://USER@HOST/DB)"
@@ -316,15 +396,21 @@ def open_cdm(
     schema_of: dict[str, str],
     event_columns: dict[str, str],
     atc_classes: Sequence[str],
+    timeouts: Timeouts = Timeouts(),
 ) -> Iterator[Cdm]:
     """The tables of a CDM folder (`tables.find_tables`) or database, closed on exit; in a
     database the concept filters are pushed down (`push_down_filters`)."""
+    if KEY_VALUE.search(str(cdm)) and not is_database(cdm):
+        raise InputError(
+            f"{mask_secrets(str(cdm))}: a key/value connection string is not taken; give "
+            "postgresql://USER@HOST:PORT/DB (the password from PGPASSWORD or ~/.pgpass)"
+        )
     if not is_database(cdm):
         folder = Path(cdm)
         tables = find_tables(folder, names)
         yield Cdm(tables, str(folder), [folder, *(t.path for t in tables.values())])
         return
-    db = open_database(cdm)
+    db = open_database(cdm, timeouts)
     try:
         found = find_db_tables(db, names, schema_of)
         push_down_filters(found, atc_classes, event_columns)

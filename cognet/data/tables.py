@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import csv
 import gzip
-import json
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -27,6 +26,7 @@ import pyarrow.compute as pc
 import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 
+from cognet.core import numbers as strict_json
 from cognet.core.errors import InputError, one_line, where
 from cognet.core.files import target_of, write_text
 from cognet.core.schema import DDI_FILE, VISITS_FILE
@@ -95,7 +95,9 @@ class Report:
 
 def write_summary(report: Report) -> Path:
     """``OUT/summary.json``, written atomically."""
-    return write_text(report.out / SUMMARY_FILE, json.dumps(report.to_json(), indent=2) + "\n")
+    return write_text(
+        report.out / SUMMARY_FILE, strict_json.dumps(report.to_json(), indent=2) + "\n"
+    )
 
 
 def check_output(out: Path, inputs: Iterable[Path]) -> None:
