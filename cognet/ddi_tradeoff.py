@@ -31,8 +31,9 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from cognet.core.ddi import DDIPolicy, ddi_matrix
+from cognet.core.ddi import DDIPolicy, ddi_matrix, require_pairs
 from cognet.core.files import atomic_path
+from cognet.core.schema import DDI_FILE
 
 if TYPE_CHECKING:  # cognet.evaluate imports torch: only where a policy is decoded
     from cognet.evaluate import EvalOptions
@@ -334,6 +335,7 @@ def run_tradeoff(
     options = options or EvalOptions()
     split = options.split
     dataset = read_dataset(data_dir)
+    require_pairs(dataset.ddi_pairs, Path(data_dir) / DDI_FILE, "--ddi-tradeoff")
     model, vocab, config = checkpoint.load(ckpt)
     decoding = resolve_decoding(config, options.decoding)
     patients = load_split(dataset.visits, vocab, split).patients[:max_patients]

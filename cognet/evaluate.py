@@ -13,12 +13,12 @@ import pyarrow as pa
 import torch
 
 from cognet.batching import make_batch
-from cognet.core.ddi import DDIPolicy, DDITarget, ddi_matrix, with_target
+from cognet.core.ddi import DDIPolicy, DDITarget, ddi_matrix, require_pairs, with_target
 from cognet.core.decoding import Decoding
 from cognet.core.files import atomic_path
 from cognet.core.history import Visit, patients_from_table
 from cognet.core.metrics import VisitResult, bootstrap_report, ddi_rate_of_sets, summarize
-from cognet.core.schema import PREDICTIONS_SCHEMA
+from cognet.core.schema import DDI_FILE, PREDICTIONS_SCHEMA
 from cognet.core.vocab import Vocab
 from cognet.decode import Decoded, beam_search
 from cognet.decode_set import set_decode
@@ -164,6 +164,9 @@ def run_evaluation(ckpt, data_dir, options: EvalOptions = EvalOptions()) -> dict
 
     split, baseline, seed = options.split, options.baseline, options.seed
     dataset = read_dataset(data_dir)
+    asked = "--ddi-target" if options.ddi_target is not None else "the DDI policy"
+    if options.ddi_target is not None or (options.ddi and options.ddi.active):
+        require_pairs(dataset.ddi_pairs, Path(data_dir) / DDI_FILE, asked)
     ddi, target, trials = options.ddi or DDIPolicy(), None, None
     if ckpt:
         model, vocab, config = checkpoint.load(ckpt)

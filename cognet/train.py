@@ -21,11 +21,12 @@ import torch.nn.functional as F
 from cognet import checkpoint
 from cognet.batching import IGNORE, ddi_adjacency, ehr_adjacency, make_batch
 from cognet.core import numbers as strict_json
+from cognet.core.ddi import require_pairs
 from cognet.core.decoding import DECODINGS, SAMPLES, Decoding
 from cognet.core.errors import InputError
 from cognet.core.files import writable_folder, write_text
 from cognet.core.numbers import finite
-from cognet.core.schema import read_dataset
+from cognet.core.schema import DDI_FILE, read_dataset
 from cognet.core.vocab import Vocab
 from cognet.evaluate import decode_patients, load_split, report, split_table, visit_results
 from cognet.model import COGNet, ModelConfig, history_inputs
@@ -296,6 +297,8 @@ def train(
     """
     seed_everything(cfg.seed)
     dataset = read_dataset(data_dir)
+    if cfg.ddi_target is not None:
+        require_pairs(dataset.ddi_pairs, Path(data_dir) / DDI_FILE, "--ddi-target")
     train_table = split_table(dataset.visits, "train")
     vocab = Vocab.build(
         train_table.column("diagnoses").to_pylist(),

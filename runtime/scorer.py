@@ -38,7 +38,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-from cognet.core.ddi import ddi_matrix
+from cognet.core.ddi import ddi_matrix, require_pairs
 from cognet.core.decoding import Decoding
 from cognet.core.vocab import Vocab
 from cognet.runtime import emit, reader
@@ -89,8 +89,9 @@ class Scorer:
         # the asked policy, else the model's DDI target (when it has one), else off
         target = manifest.default_target() if manifest is not None else None
         self.decoding, self.ddi = options.resolve(default, target)
-        if self.ddi.active and not self._ddi_adj.any():
-            log.warning("DDI policy %r: the model knows no interacting pair", self.ddi.label)
+        if options.ddi is not None and options.ddi.active:  # asked: refused without pairs
+            where = manifest._file() if manifest is not None else "the model"
+            require_pairs(model.ddi_pairs, where, f"the DDI policy {options.ddi.label!r}")
         self.beam_config, self.set_config = decoding_configs(
             self.decoding, self.vocab.end, self.ddi, options.compact_at
         )

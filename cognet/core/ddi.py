@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from cognet.core.decoding import Decoding
+from cognet.core.errors import InputError
 from cognet.core.numbers import finite
 from cognet.core.vocab import Vocab
 
@@ -116,6 +117,17 @@ class DDITarget:
             val_jaccard=finite(obj["val_jaccard"], "val_jaccard"),
             val_ddi=finite(obj["val_ddi"], "val_ddi"),
         )  # fmt: skip
+
+
+def require_pairs(pairs: Sequence | np.ndarray, where: object, asked: str) -> None:
+    """InputError naming `where` (the DDI file or the model's manifest) when `asked` (a DDI
+    policy or target) meets no interacting pair: a target "held" at DDI 0 and a policy that
+    never acts say nothing, so they are refused rather than reported as met."""
+    if not len(pairs):
+        raise InputError(
+            f"{where}: no DDI pair (drug_a, drug_b) to act on, so {asked} would hold "
+            f"trivially; give the dataset a ddi.parquet with pairs, or drop {asked}"
+        )
 
 
 def with_target(

@@ -180,7 +180,7 @@ def confined(folder: str | Path, name: object, where: str) -> Path:
     naming `where`, the file and field that hold it) before anything opens it unless `name`
     is a plain name (no folder part, not absolute) that stays inside `folder` once symlinks
     are resolved."""
-    if not isinstance(name, str) or not name or name in (".", ".."):
+    if not isinstance(name, str) or not name or name in (".", "..") or "\x00" in name:
         raise InputError(f"{where}: {name!r} is not a file name")
     if Path(name).is_absolute() or Path(name).name != name or "\\" in name:
         raise InputError(f"{where}: {name!r} is not a plain file name inside {folder}")

@@ -100,8 +100,10 @@ class GraphSpec:
 
     @classmethod
     def from_json(cls, obj: dict) -> GraphSpec:
+        if not isinstance(obj["file"], str):  # 5 is no file name, though str(5) is
+            raise TypeError(f"a graph file is a name, not {obj['file']!r}")
         return cls(
-            str(obj["file"]),
+            obj["file"],
             str(obj["sha256"]),
             tuple(TensorSpec.from_json(t) for t in obj["inputs"]),
             tuple(TensorSpec.from_json(t) for t in obj["outputs"]),
@@ -332,6 +334,8 @@ def check_manifest(manifest: Manifest) -> None:
     for group, specs in groups:
         for name, spec in specs.items():
             where = f"{file}: field '{group}.{name}.file'"
+            if not spec.file.endswith(".onnx"):
+                raise InputError(f"{where}: {spec.file!r} is not an ONNX graph (NAME.onnx)")
             confined(folder, spec.file, where)
             if not isinstance(spec.sha256, str) or len(spec.sha256) != 64:
                 raise bad(f"{group}.{name}.sha256", "not a sha256")

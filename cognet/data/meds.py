@@ -40,6 +40,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from cognet.core.atc import atc3
 from cognet.core.errors import InputError, one_line, where
 from cognet.core.schema import DDI_FILE, VISITS_FILE, write_ddi, write_visits
 from cognet.data.tables import (
@@ -161,8 +162,8 @@ def read_medication_map(
                 atc = value if vocabulary == "ATC" else None
                 if vocabulary == "NDC":
                     atc = rxcui_atc4.get(ndc_rxcui.get(value.strip(), ""))
-                if atc and len(atc) >= 4:
-                    found.setdefault(code, set()).add(atc[:4])
+                if atc3(atc):  # an ATC code by its form, not its length
+                    found.setdefault(code, set()).add(atc3(atc))
     if medication_map is not None:
         for code, classes in _read_map(Path(medication_map)).items():
             found[code] = classes
@@ -177,8 +178,11 @@ def _read_map(path: Path) -> dict[str, set[str]]:
         for column, values in (("code", codes), ("atc3", atc)):
             table.require(values, column, start)
         for row, (code, klass) in enumerate(zip(codes.to_pylist(), atc.to_pylist(), strict=True)):
-            if len(klass) < 4:
-                raise InputError(f"{table.where('atc3', start + row)}: {klass!r} is not ATC-3")
+            if atc3(klass) is None:
+                raise InputError(
+                    f"{table.where('atc3', start + row)}: {klass!r} is not an ATC code of "
+                    "level 3 or below (a letter, two digits, a letter: A10B, A10BA02)"
+                )
             mapping.setdefault(code, set()).add(klass[:4])
     return mapping
 
@@ -391,6 +395,13 @@ def build_meds(
     written = Step("visits", windows, table.num_rows, "written",
                    {"without a diagnosis or procedure": windows - table.num_rows})  # fmt: skip
     report_steps = [scan, *steps.values(), written]
+    for kind, option, prefix in ((DIAGNOSIS, "--diagnosis", codes.diagnosis),
+                                 (PROCEDURE, "--procedure", codes.procedure)):  # fmt: skip
+        if steps[kind].rows == 0:  # a prefix that matches nothing: a typo, not "no codes"
+            raise InputError(
+                f"{meds_dir}: no event code starts with {option} {prefix!r}; "
+                + "; ".join(s.line() for s in report_steps)
+            )
     if table.num_rows == 0:
         raise InputError(
             f"{meds_dir}: no admission window has a diagnosis or procedure; "
