@@ -277,10 +277,11 @@ def score(
         if resume:
             raise InputError("--resume is for --engine local; rerun the --engine ray command")
         preflight.check_summary(summary_json, input_path, preflight.outputs_of(out))
-        result = ray_engine.score(
-            input_path, model_dir, out, ray, options, score_all, explain, verbose=verbose
-        )
-        _report(result, summary_json, quiet, f"{result['workers']} Ray worker(s)")
+        with claimed([summary_json], "cognet-batch score"):  # OUT's locks: ray_tasks.locked
+            result = ray_engine.score(
+                input_path, model_dir, out, ray, options, score_all, explain, verbose=verbose
+            )
+            _report(result, summary_json, quiet, f"{result['workers']} Ray worker(s)")
         return
     preflight.check_local(input_path, out, summary_json)  # before reading or writing anything
     # one writer per output, whatever the command (cognet/core/lock.py)

@@ -246,6 +246,20 @@ def test_sigterm_at_each_point_leaves_the_output_as_it_was_or_whole(made, tmp_pa
     assert temps(tmp_path) == [] and not list(tmp_path.glob(".*.lock"))
 
 
+@pytest.mark.parametrize(("command", "point"), [("data synth", "staged"), ("train", "staged"),
+                                                 ("score", "replace")])  # fmt: skip
+def test_sigint_cleans_up_as_sigterm_does(made, tmp_path, command, point):
+    _, argv, out = writers(made, tmp_path)[command]
+    old_output(made, command, out)
+    before = snapshot(out)
+    run = start(PROGRAMS.get(command, "cognet"), argv, f"{point}:INT")
+    _, err = run.communicate(timeout=300)
+    assert run.returncode == 130, err
+    assert err.strip().splitlines()[-1] == "Interrupted" and "Traceback" not in err, err
+    assert snapshot(out) == before
+    assert temps(tmp_path) == [] and not list(tmp_path.glob(".*.lock"))
+
+
 @pytest.mark.parametrize(("command", "point"), [("data synth", "staged"), ("score", "replace"),
                                                  ("data synth", "aside")])  # fmt: skip
 def test_kill_9_leaves_only_temporary_names_that_the_next_run_removes(

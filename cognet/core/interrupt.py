@@ -16,8 +16,8 @@ signals itself when it reaches that point. The points: `staged` (a folder output
 complete in its temporary sibling), `aside` (the new folder is in place, the older one it
 replaced not yet removed from its temporary name), `replace` (a file is complete under its
 temporary name), `merged` (cognet-batch score: OUT is in place, its rejects file not yet).
-NAME:STOP stops the process (SIGSTOP) there instead, for a test to act while the run holds
-its locks, then continue it (SIGCONT).
+NAME:INT sends SIGINT (Ctrl-C) instead; NAME:STOP stops the process (SIGSTOP) there, for a
+test to act while the run holds its locks, then continue it (SIGCONT).
 """
 
 from __future__ import annotations
@@ -58,12 +58,13 @@ def terminating() -> Iterator[None]:
 
 
 def kill_point(name: str) -> None:
-    """Signal this process (SIGTERM; SIGKILL for NAME:KILL, SIGSTOP for NAME:STOP) the first
-    time it reaches the point COGNET_KILL_AT names; a no-op otherwise."""
+    """Signal this process (SIGTERM; NAME:KILL, NAME:STOP, NAME:INT for SIGKILL, SIGSTOP,
+    SIGINT) the first time it reaches the point COGNET_KILL_AT names; a no-op otherwise."""
     point, _, how = os.environ.get(KILL_AT, "").partition(":")
     if point == name and name not in _reached:
         _reached.add(name)
-        signum = {"KILL": signal.SIGKILL, "STOP": signal.SIGSTOP}.get(how, signal.SIGTERM)
+        signals = {"KILL": signal.SIGKILL, "STOP": signal.SIGSTOP, "INT": signal.SIGINT}
+        signum = signals.get(how, signal.SIGTERM)
         os.kill(os.getpid(), signum)
 
 
