@@ -37,7 +37,7 @@ demo: install
 test: install
 	$(PY) -m pytest -q
 
-# every case of docs/guide/failures.md (issues 14, 23 and 30), one test or more each
+# every case of docs/guide/failures.md, one test or more each
 failures: install
 	$(PY) -m pytest -q tests/test_failures_batch.py tests/test_failures_train.py \
 		tests/test_failures_outputs.py tests/test_failures_writers.py tests/test_failures_numbers.py \

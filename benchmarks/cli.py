@@ -12,6 +12,7 @@ import click
 
 from cognet.core.clitools import (
     FiniteFloat,
+    OneLineCommand,
     count_option,
     guard_outputs,
     handle_errors,
@@ -52,7 +53,7 @@ def _ints(text: str, name: str) -> tuple[int, ...]:
     return out
 
 
-@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.command(cls=OneLineCommand, context_settings={"help_option_names": ["-h", "--help"]})
 @click.option(
     "--model",
     "model_dir",

@@ -10,9 +10,10 @@ import click
 
 from cognet.cli_data import data
 from cognet.cli_model import evaluate, train
+from cognet.core.clitools import OneLineGroup
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(cls=OneLineGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="cognet")
 def main() -> None:
     """cognet: train and evaluate COGNet medication recommenders.

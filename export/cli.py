@@ -6,13 +6,13 @@ import sys
 
 import click
 
-from cognet.core.clitools import handle_errors, setup_logging
+from cognet.core.clitools import OneLineCommand, handle_errors, setup_logging
 from cognet.core.errors import ParityError
 from cognet.core.files import Reads, guarded
 from cognet.core.tensorrt import CACHE_DIR
 
 
-@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.command(cls=OneLineCommand, context_settings={"help_option_names": ["-h", "--help"]})
 @click.option(
     "--checkpoint",
     "checkpoint",

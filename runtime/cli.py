@@ -17,6 +17,7 @@ import numpy as np
 from cognet.core import numbers as strict_json
 from cognet.core.clitools import (
     FiniteFloat,
+    OneLineGroup,
     count_option,
     ddi_options,
     ddi_policy,
@@ -47,7 +48,7 @@ model_option = click.option(
 )
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(cls=OneLineGroup, context_settings={"help_option_names": ["-h", "--help"]})
 def main() -> None:
     """cognet-batch: medication recommendations for Parquet files of visits (no torch).
 

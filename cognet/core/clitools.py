@@ -3,6 +3,7 @@ progress bars and the options several commands take (`count_option`, `ddi_option
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import math
@@ -58,6 +59,40 @@ def handle_errors(func: Callable) -> Callable:
             sys.exit(1)
 
     return wrapper
+
+
+class OneLineUsage:
+    """A mixin for the top click command or group of a program: a usage error (a bad
+    option value, a missing argument, a mix refused) prints one line, `Error: ...`, and
+    exits 2, like every other input error, instead of click's usage block."""
+
+    def make_context(self, *args, **kwargs):
+        with _one_line():
+            return super().make_context(*args, **kwargs)
+
+    def invoke(self, ctx):
+        with _one_line():
+            return super().invoke(ctx)
+
+
+class OneLineGroup(OneLineUsage, click.Group):
+    """A click group whose usage errors are one line (`OneLineUsage`)."""
+
+
+class OneLineCommand(OneLineUsage, click.Command):
+    """A click command whose usage errors are one line (`OneLineUsage`)."""
+
+
+@contextlib.contextmanager
+def _one_line():
+    try:
+        yield
+    except click.exceptions.NoArgsIsHelpError:
+        raise  # the help text, not an error
+    except click.UsageError as exc:
+        error = click.ClickException(exc.format_message())
+        error.exit_code = exc.exit_code
+        raise error from None
 
 
 def guard_outputs(
