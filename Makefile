@@ -37,10 +37,10 @@ demo: install
 test: install
 	$(PY) -m pytest -q
 
-# the cases of issues 14 and 23 (README "Failure behaviour"), one test or more each
+# the failure cases of README "Failure behaviour", one test or more each
 failures: install
-	$(PY) -m pytest -q tests/test_failures_batch.py tests/test_failures_train.py \
-		tests/test_failures_outputs.py
+	$(PY) -m pytest -q tests/test_failures_batch.py tests/test_failures_memory.py \
+		tests/test_failures_train.py tests/test_failures_outputs.py
 
 bench: install
 	$(VENV)/bin/cognet-bench --out bench

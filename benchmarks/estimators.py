@@ -3,7 +3,7 @@
     python -m cognet.benchmarks.estimators --model MODEL --data DATA [--visits 200]
         [--reference 4096] [--samples 8,16,32,64] [--estimators plain,stratified]
 
-For each number of samples and estimator (`cognet.core.sampling.uniforms`):
+For each number of samples and estimator (`cognet.core.decoding.sampling.uniforms`):
 - the mean absolute error of P(k in S), over every medication of a fixed subset of
   validation visits (the first `--visits` scored visits of the split, in file order),
   against a reference of `--reference` plain samples drawn with another seed;
@@ -25,9 +25,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from cognet.core.decoding.sampling import SetConfig, set_marginals, visit_keys
 from cognet.core.manifest import load_manifest
 from cognet.core.metrics import summary_of
-from cognet.core.sampling import SetConfig, set_marginals, visit_keys
 from cognet.runtime import Scorer, reader
 from cognet.runtime.batches import encoder_budget
 from cognet.runtime.encoder import encode_plan, init_inputs

@@ -14,18 +14,21 @@ import torch
 from click.testing import CliRunner
 from tiny import TorchDecoder, make_case, random_checkpoint
 
-from cognet import checkpoint, ddi_tradeoff
-from cognet.batching import make_batch
 from cognet.cli import main as cognet_main
 from cognet.core.ddi import RECOMMENDED_PENALTY, DDIPolicy, ddi_matrix, policy_from_options
 from cognet.core.decoding import Decoding
+from cognet.core.decoding.beam import BeamConfig, beam_search, ddi_rates
+from cognet.core.decoding.request import DecodingRequest
 from cognet.core.graphspec import INIT_INPUTS
 from cognet.core.history import patients_from_table
-from cognet.decode import beam_search as torch_beam_search
-from cognet.evaluate import EvalOptions, decode_patients, run_evaluation
-from cognet.model import history_inputs
+from cognet.evaluation import ddi_tradeoff
+from cognet.evaluation.evaluate import EvalOptions, run_evaluation
+from cognet.model import checkpoint
+from cognet.model.batching import make_batch
+from cognet.model.decoding import beam_search as torch_beam_search
+from cognet.model.decoding import decode_patients
+from cognet.model.network import history_inputs
 from cognet.runtime import Scorer
-from cognet.runtime.beam import BeamConfig, beam_search, ddi_rates
 from cognet.runtime.cli import main as batch_main
 
 torch.set_num_threads(1)
@@ -143,7 +146,11 @@ def synth_ckpt(tiny_dataset, tmp_path_factory) -> Path:
 
 def test_hard_gives_ddi_rate_zero_on_the_synthetic_test_split(tiny_dataset, synth_ckpt):
     off = run_evaluation(synth_ckpt, tiny_dataset, EvalOptions(rounds=2))["report"]
-    hard = run_evaluation(synth_ckpt, tiny_dataset, EvalOptions(ddi=DDIPolicy("hard"), rounds=2))
+    hard = run_evaluation(
+        synth_ckpt,
+        tiny_dataset,
+        EvalOptions(request=DecodingRequest(ddi=DDIPolicy("hard")), rounds=2),
+    )
     assert off["ddi"]["mean"] > 0
     assert hard["report"]["ddi"] == {"mean": 0.0, "std": 0.0}
     assert hard["report"]["ddi_policy"]["mode"] == "hard"

@@ -9,13 +9,13 @@ import numpy as np
 import pytest
 import torch
 
-from cognet.batching import ehr_adjacency, make_batch
 from cognet.core.history import Visit
 from cognet.core.metrics import jaccard
 from cognet.core.vocab import Vocab
-from cognet.decode import beam_search, greedy
-from cognet.model import ABLATIONS, COGNet, ModelConfig, history_inputs
-from cognet.train import TrainConfig, mix_inputs, train_epoch
+from cognet.model.batching import ehr_adjacency, make_batch
+from cognet.model.decoding import beam_search, greedy
+from cognet.model.network import ABLATIONS, COGNet, ModelConfig, history_inputs
+from cognet.training.train import TrainConfig, mix_inputs, train_epoch
 
 D, P, M = 30, 20, 12
 
@@ -216,7 +216,7 @@ def test_scheduled_sampling_replaces_only_medications_after_start():
 
 def test_hard_ddi_mode_never_emits_an_interacting_pair():
     from cognet.core.ddi import DDIPolicy
-    from cognet.decode import ddi_rate_of_beams
+    from cognet.model.decoding import ddi_rate_of_beams
 
     vocab = make_vocab()
     patients = random_patients(vocab, 10, 9)

@@ -1,4 +1,4 @@
-"""The numpy beam driver equals the torch reference beam search (cognet.decode) when it runs
+"""The numpy beam driver equals the torch reference beam search (cognet.model.decoding) when it runs
 the torch model's graphs through the session interface; top-k keeps stable-sort order."""
 
 from __future__ import annotations
@@ -8,11 +8,11 @@ import pytest
 import torch
 from tiny import TorchDecoder, make_case
 
-from cognet.batching import make_batch
+from cognet.core.decoding.beam import BeamConfig, beam_search, top_k_stable
 from cognet.core.graphspec import INIT_INPUTS
-from cognet.decode import beam_search as torch_beam_search
-from cognet.model import history_inputs
-from cognet.runtime.beam import BeamConfig, beam_search, top_k_stable
+from cognet.model.batching import make_batch
+from cognet.model.decoding import beam_search as torch_beam_search
+from cognet.model.network import history_inputs
 
 torch.set_num_threads(1)  # tiny tensors: threads only add contention
 

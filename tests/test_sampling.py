@@ -1,4 +1,4 @@
-"""Set decoding's driver (`cognet.core.sampling`): counter-based draws, unbiased marginals
+"""Set decoding's driver (`cognet.core.decoding.sampling`): counter-based draws, unbiased marginals
 against exact enumeration, independence from batch-mates, set rules under DDI policies."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from cognet.core.ddi import DDIPolicy
-from cognet.core.sampling import (
+from cognet.core.decoding.sampling import (
     SetConfig,
     decode_sets,
     select_sets,

@@ -1,6 +1,7 @@
 """DDI-aware decoding: the policy and its rules, the one place they are written (torch-free).
 
-The torch reference (`cognet.decode`) and the runtime (`cognet.runtime.beam`) both follow
+The torch reference (`cognet.model.decoding`) and the runtime (`cognet.core.decoding.beam`) both
+follow
 these rules and are tested equal; docs/INTERNALS.md and their docstrings point here.
 
 The paper's decoding (`off`) recommends what doctors prescribe, interacting pairs included.
@@ -71,7 +72,7 @@ class DDIPolicy:
 @dataclass(frozen=True)
 class DDITarget:
     """A DDI policy and set-decoding threshold chosen together on the validation split for
-    the best validation Jaccard at a validation DDI rate <= `target` (`cognet.ddi_target`).
+    the best validation Jaccard at a validation DDI rate <= `target` (`cognet.training.ddi_target`).
     Stored with a model (config.json and manifest.json "ddi_target"), it is the model's
     default policy: `with_target` says when it applies."""
 
@@ -133,7 +134,7 @@ def ddi_matrix(vocab: Vocab, pairs: Iterable[Sequence[str]]) -> np.ndarray:
     zero diagonal; pairs naming a code the vocabulary does not know are ignored.
 
     The one place that turns DDI pairs (codes) into the matrix that decoding, the DDI rate
-    and the model's DDI graph (`cognet.batching.ddi_adjacency`, float32) use."""
+    and the model's DDI graph (`cognet.model.batching.ddi_adjacency`, float32) use."""
     index = {code: i for i, code in enumerate(vocab.medications)}
     adj = np.zeros((vocab.n_med, vocab.n_med), bool)
     for a, b in pairs:

@@ -1,7 +1,8 @@
 """The one decoding loop (torch-free): start, step, select, finish, compact, result.
 
 Every decoding of cognet runs `run`: beam search and set decoding, with the selection in
-numpy on the host (`cognet.runtime.beam.BeamSelector`, `cognet.core.sampling.SetSampler`)
+numpy on the host (`cognet.core.decoding.beam.BeamSelector`,
+`cognet.core.decoding.sampling.SetSampler`)
 or in the exported search graphs on the execution provider (`cognet.runtime.search`), over
 any `DecoderSession` (ONNX Runtime on the CPU or a GPU, or the torch model). What differs
 between decodings is the `Selector`: how one step's output becomes each row's next token,
@@ -14,7 +15,7 @@ latest); the selector then records its answer (`finish`). Finished visits stay i
 until the live share of visits falls below `compact_at`: a compaction copies every memory
 and cache row, so doing it at each finish costs more than carrying a few dead rows for a few
 steps (2 cores, beam 4, batch 64, visits/s: compact_at 1.0 -> 773, 0.9 -> 861,
-0.75 -> 936, 0.5 -> 796). The torch reference (`cognet.decode`) keeps its own plain loop,
+0.75 -> 936, 0.5 -> 796). The torch reference (`cognet.model.decoding`) keeps its own plain loop,
 which compacts at every finish (compact_at 1.0), and the tests hold the two equal.
 """
 

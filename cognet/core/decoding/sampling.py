@@ -16,7 +16,7 @@ step's p_t(k), so the sum has the expectation P(k in S) (a Rao-Blackwellised est
 has far less variance than counting the samples that hold k, and is continuous, which
 PRAUC needs). The estimate is the mean over the N samples.
 
-The loop is `cognet.core.driver.run`; `SetSampler` is the rule it runs on the host (the
+The loop is `cognet.core.decoding.driver.run`; `SetSampler` is the rule it runs on the host (the
 runtime's `search.SetGraphSampler` runs the same rule in the exported `set_select` graphs).
 
 Random draws are counter-based: the uniform of (seed, visit, sample, step) is a hash of
@@ -40,10 +40,9 @@ from typing import Any
 
 import numpy as np
 
-from cognet.core import driver
 from cognet.core.ddi import RATE_TOLERANCE, DDIPolicy, check_adjacency
-from cognet.core.decoding import ESTIMATORS, SAMPLES, SET_RULES, Decoding
-from cognet.core.driver import COMPACT_AT, LoopConfig, step_outputs
+from cognet.core.decoding import ESTIMATORS, SAMPLES, SET_RULES, Decoding, driver
+from cognet.core.decoding.driver import COMPACT_AT, LoopConfig, step_outputs
 from cognet.core.graphspec import PROB_FLOOR
 
 _SEED = np.uint64(0x9E3779B97F4A7C15)
@@ -207,7 +206,7 @@ class SetResult:
 
 
 class SetSampler:
-    """The set decoding's rule on the host (a `cognet.core.driver.Selector`): each step,
+    """The set decoding's rule on the host (a `cognet.core.decoding.driver.Selector`): each step,
     every sample draws its next medication from Pr (masked, DDI policy applied); the sums
     of the step probabilities estimate P(k in S). Result: (P(k in S) float64 [n, M], the
     explanation sums or None, steps run)."""
@@ -283,7 +282,7 @@ def set_marginals(
     attention: bool = False,
 ) -> tuple[np.ndarray, dict | None, int]:
     """(P(k in S) float64 [n, M], the explanation sums or None, steps run) of the n visits
-    whose memories come from `session.init` (a `cognet.core.driver.DecoderSession`)."""
+    whose memories come from `session.init` (a `cognet.core.decoding.driver.DecoderSession`)."""
     sampler = SetSampler(cfg, keys, ddi_adj, explain, attention)
     return driver.run(session, memories, n, sampler, cfg)
 

@@ -5,15 +5,20 @@ policies and `cognet.core.decoding` for the defaults (beam 4, max length 45)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from cognet.batching import select_rows
 from cognet.core.ddi import RATE_TOLERANCE, DDIPolicy
-from cognet.core.decoding import BEAM, MAX_LEN
-from cognet.model import COGNet, history_inputs
+from cognet.core.decoding import BEAM, MAX_LEN, Decoding
+from cognet.core.decoding.sampling import SetConfig, decode_sets, visit_keys
+from cognet.core.history import Visit
+from cognet.core.vocab import Vocab
+from cognet.model.batching import make_batch, select_rows
+from cognet.model.network import COGNet, history_inputs
+from cognet.model.session import TorchSession
 
 
 @dataclass(frozen=True)
@@ -158,3 +163,65 @@ def greedy(
     rows: torch.Tensor | None = None,
 ) -> list[Decoded]:
     return beam_search(model, batch, beam=1, max_len=max_len, rows=rows)
+
+
+@torch.no_grad()
+def set_decode(
+    model: COGNet,
+    batch: dict[str, torch.Tensor],
+    visit_ids: Sequence[str],
+    decoding: Decoding,
+    rows: torch.Tensor | None = None,
+    ddi: DDIPolicy = DDIPolicy(),
+) -> list[Decoded]:
+    """The set of each visit `rows` (default: every `target`) of a `make_batch` batch;
+    `visit_ids` name those visits (their random streams)."""
+    model.eval()
+    if rows is not None:
+        batch = select_rows(batch, rows)
+    dev = next(model.parameters()).device
+    batch = {k: v.to(dev) for k, v in batch.items()}
+    enc = model.encode_visits(batch["diagnoses"], batch["procedures"], batch["medications"])
+    memories = tuple(model.decoder_init(*history_inputs(batch, *enc, model.cfg)))
+    n, end = len(batch["target"]), model.cfg.n_med
+    if n != len(visit_ids):
+        raise ValueError(f"{n} visits to decode but {len(visit_ids)} visit ids")
+    cfg = SetConfig.of(decoding, end, ddi)
+    adj = model.ddi_matrix().cpu().numpy() > 0
+    res = decode_sets(TorchSession(model), memories, n, cfg, visit_keys(visit_ids), adj)
+    return [
+        Decoded(
+            tuple(int(m) for m in res.meds[i]),
+            float(res.score[i]),
+            tuple(float(p) for p in res.med_probs[i]),
+            res.prauc_scores[i],
+        )
+        for i in range(n)
+    ]
+
+
+def decode_patients(
+    model: COGNet,
+    vocab: Vocab,
+    patients: Sequence[Sequence[Visit]],
+    decoding: Decoding = Decoding(),
+    ddi: DDIPolicy = DDIPolicy(),
+    on_batch: Callable[[int], None] | None = None,
+    batch_patients: int = 128,
+) -> list[Decoded]:
+    """Decode every visit of `patients` (history: the earlier visits' true medications) with
+    `decoding` (default: the paper's beam search, beam 4) under the DDI policy `ddi`."""
+    out: list[Decoded] = []
+    with torch.no_grad():
+        for i in range(0, len(patients), batch_patients):
+            chunk = patients[i : i + batch_patients]
+            batch = make_batch(chunk, vocab, targets=False)
+            if decoding.name == "beam":
+                beam, max_len = decoding.beam, decoding.max_len
+                out.extend(beam_search(model, batch, beam=beam, max_len=max_len, ddi=ddi))
+            else:
+                ids = [v.visit_id for p in chunk for v in p]
+                out.extend(set_decode(model, batch, ids, decoding, ddi=ddi))
+            if on_batch:
+                on_batch(sum(map(len, chunk)))
+    return out

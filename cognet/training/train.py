@@ -18,16 +18,18 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from cognet import checkpoint
-from cognet.batching import IGNORE, ddi_adjacency, ehr_adjacency, make_batch
 from cognet.core.decoding import DECODINGS, SAMPLES, Decoding
 from cognet.core.errors import InputError
 from cognet.core.files import writable_folder, write_text
-from cognet.core.schema import read_dataset
+from cognet.core.history import load_split
+from cognet.core.metrics import evaluation_report, visit_results
+from cognet.core.schema import read_dataset, split_rows
 from cognet.core.vocab import Vocab
-from cognet.evaluate import decode_patients, load_split, report, split_table, visit_results
-from cognet.model import COGNet, ModelConfig, history_inputs
-from cognet.tuning import choose_average, set_decoding_for, validation_nll
+from cognet.model import checkpoint
+from cognet.model.batching import IGNORE, ddi_adjacency, ehr_adjacency, make_batch
+from cognet.model.decoding import decode_patients
+from cognet.model.network import COGNet, ModelConfig, history_inputs
+from cognet.training.tuning import choose_average, set_decoding_for, validation_nll
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +102,8 @@ class TrainConfig:
     decoding: str = "set"  # the checkpoint's default decoding: "set" (tuned) or "beam"
     set_samples: int = SAMPLES
     recipe: str = "default"
-    # choose a DDI policy and threshold on validation for this DDI rate (`cognet.ddi_target`)
+    # choose a DDI policy and threshold on validation for this DDI rate
+    # (`cognet.training.ddi_target`)
     ddi_target: float | None = None
 
     def __post_init__(self) -> None:
@@ -277,7 +280,7 @@ def train(
     """
     seed_everything(cfg.seed)
     dataset = read_dataset(data_dir)
-    train_table = split_table(dataset.visits, "train")
+    train_table = split_rows(dataset.visits, "train")
     vocab = Vocab.build(
         train_table.column("diagnoses").to_pylist(),
         train_table.column("procedures").to_pylist(),
@@ -327,7 +330,7 @@ def train(
         record["val_nll"] = validation_nll(model, vocab, val_patients)
         if cfg.select == "jaccard":
             decoded = decode_patients(model, vocab, val_patients, decoding=Decoding(beam=1))
-            val = report(visit_results(val_patients, decoded), ddi_bool, rounds=1)
+            val = evaluation_report(visit_results(val_patients, decoded), ddi_bool, rounds=1)
             for k in ("jaccard", "f1", "prauc", "ddi", "avg_drugs"):
                 record[f"val_{k}"] = val[k]["mean"]
         record["epoch_s"] = time.perf_counter() - start
@@ -366,7 +369,7 @@ def train(
         decoding, tuning = set_decoding_for(model, vocab, val_patients, ddi_bool, cfg.set_samples)
     target = None
     if cfg.ddi_target is not None:  # the model's default DDI policy and threshold
-        from cognet.ddi_target import choose_target
+        from cognet.training.ddi_target import choose_target
 
         target, _ = choose_target(model, vocab, val_patients, ddi_bool, decoding, cfg.ddi_target)
         target = target.to_json()

@@ -8,7 +8,7 @@ policy is asked. `cognet evaluate --ddi-target R` runs the same search for a che
 
 The marginals P(k in S) of the set decoding depend on the penalty (it acts on every sampling
 step) but not on the threshold, so each penalty costs one decoding of the split and every
-threshold of `cognet.tuning.THRESHOLDS` is then a cheap selection (`select_sets`). The
+threshold of `cognet.training.tuning.THRESHOLDS` is then a cheap selection (`select_sets`). The
 penalties tried: off, then the `LADDER` upwards while the best pair holding R improves
 (a high threshold may hold R at a small penalty, a larger penalty at a lower threshold:
 more medications), then `REFINE` rounds of geometric midpoints on both sides of the best
@@ -32,9 +32,9 @@ import numpy as np
 
 from cognet.core.ddi import DDIPolicy, DDITarget
 from cognet.core.decoding import Decoding
+from cognet.core.decoding.sampling import select_sets
 from cognet.core.history import Visit
 from cognet.core.metrics import ddi_rate_of_sets, jaccard
-from cognet.core.sampling import select_sets
 
 log = logging.getLogger(__name__)
 
@@ -175,8 +175,8 @@ def choose_target(
 ) -> tuple[DDITarget, list[Trial]]:
     """`search` for a torch model: `decoding` (a set decoding: its samples and estimator)
     decodes the validation `patients` under each policy; ddi_adj: bool [M, M]."""
-    from cognet.evaluate import decode_patients
-    from cognet.tuning import THRESHOLDS
+    from cognet.model.decoding import decode_patients
+    from cognet.training.tuning import THRESHOLDS
 
     if decoding.name != "set":
         raise ValueError("a DDI target is chosen for set decoding (its threshold)")

@@ -1,7 +1,7 @@
 """Beam search on the host: the paper's decoding as a selector of the one decoding loop
-(`cognet.core.driver.run`), in numpy over any decoder session (torch-free).
+(`cognet.core.decoding.driver.run`), in numpy over any decoder session (torch-free).
 
-The rules are those of `cognet.decode.beam_search` (docs/INTERNALS.md "Beam search"):
+The rules are those of `cognet.model.decoding.beam_search` (docs/INTERNALS.md "Beam search"):
 scores start at 0 for beam 0 and -inf for the others; medications already in a hypothesis
 get -inf; a finished beam proposes only END with log-probability 0; the B best candidates
 of each visit are taken in a stable descending order (ties -> smaller flat index
@@ -11,7 +11,7 @@ How the work is kept small:
 - The session holds the per-visit memories (decoder init, once per visit) and the
   self-attention KV cache; the step reorders the cache itself through its `parent` input,
   so the driver never gathers the cache between steps. Finished visits leave the batch by
-  the driver's compaction rule (`cognet.core.driver`).
+  the driver's compaction rule (`cognet.core.decoding.driver`).
 - Top-k is B passes of `argmax` (the first maximum, i.e. the smallest flat index among
   ties: exactly a stable descending sort) with a stable argsort fallback for the rare rows
   where a chosen candidate is -inf (fewer than B finite candidates). For 256 visits x
@@ -31,10 +31,9 @@ from typing import Any
 
 import numpy as np
 
-from cognet.core import driver
 from cognet.core.ddi import RATE_TOLERANCE, DDIPolicy, check_adjacency, ddi_rates
-from cognet.core.decoding import BEAM
-from cognet.core.driver import DecoderSession, LoopConfig, step_outputs
+from cognet.core.decoding import BEAM, driver
+from cognet.core.decoding.driver import DecoderSession, LoopConfig, step_outputs
 
 NEG_INF = np.float32(-np.inf)
 
@@ -58,7 +57,7 @@ class BeamResult:
     meds: list[np.ndarray]  # per visit: medication ids in generation order (END excluded)
     score: np.ndarray  # float32 [N]: sum of log-probabilities, END included
     med_probs: list[np.ndarray]  # per visit: probability of each medication at its step
-    prauc_scores: np.ndarray | None = None  # float32 [N, M] (see `cognet.decode.Decoded`)
+    prauc_scores: np.ndarray | None = None  # float32 [N, M] (see `cognet.model.decoding.Decoded`)
     gates: list[np.ndarray] | None = None  # per visit: w_g at each medication's step
     copies: list[np.ndarray] | None = None  # per visit: [meds, S] copy distribution
     # per visit: [meds, Ld] diagnosis cross-attention (mean over heads), with `attention`
@@ -111,7 +110,7 @@ def top_k_stable(cand: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 class BeamRule:
-    """What the host and the device beam selectors share (`cognet.core.driver.Selector`
+    """What the host and the device beam selectors share (`cognet.core.decoding.driver.Selector`
     less `select` and `keep`): the scores and finished flags of every beam on the host, the
     trace of each step's decisions, and each visit's answer, chosen when it is over (by
     score, or under `max_rate` by DDI rate) and traced back at the end."""

@@ -1,0 +1,32 @@
+"""cognet.core.decoding: every decoding of cognet, torch-free.
+
+`defaults` (the decodings, their defaults and the stored `Decoding`), `driver` (the one
+decoding loop and the interfaces it drives), `beam` (beam search's host selector and trace
+back), `sampling` (the set decoding's sampler). The defaults are re-exported here.
+"""
+
+from cognet.core.decoding.defaults import (
+    BEAM,
+    DECODINGS,
+    DEFAULT_DECODING,
+    ESTIMATOR,
+    ESTIMATORS,
+    LIMITS,
+    MAX_LEN,
+    SAMPLES,
+    SET_RULES,
+    Decoding,
+)
+
+__all__ = [
+    "BEAM",
+    "DECODINGS",
+    "DEFAULT_DECODING",
+    "ESTIMATOR",
+    "ESTIMATORS",
+    "LIMITS",
+    "MAX_LEN",
+    "SAMPLES",
+    "SET_RULES",
+    "Decoding",
+]
