@@ -150,8 +150,8 @@ class BeamGraphSelector(BeamRule):
         suffix, self.extra = _ddi_feeds(cfg.ddi)
         self.graph = ("beam_select" if search.device is None else "beam_select_split") + suffix
 
-    def start(self, session: Any, n: int) -> None:
-        super().start(session, n)
+    def start(self, n: int) -> None:
+        super().start(n)
         self.used = self.search.zeros((n, self.width, self.cfg.end + 1), bool)
 
     def select(self, t, out, rows, parent):
@@ -188,7 +188,7 @@ class SetGraphSampler:
         suffix, self.extra = _ddi_feeds(cfg.ddi)
         self.graph = "set_select" + suffix
 
-    def start(self, session: Any, n: int) -> None:
+    def start(self, n: int) -> None:
         s, end = self.cfg.samples, self.cfg.end
         self.finished = np.zeros((n, s), bool)
         self.used = self.search.zeros((n, s, end + 1), bool)

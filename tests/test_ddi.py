@@ -11,8 +11,9 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 import torch
+from beam_oracle import beam_search as torch_beam_search
 from click.testing import CliRunner
-from tiny import TorchDecoder, make_case, random_checkpoint
+from tiny import make_case, random_checkpoint
 
 from cognet.cli import main as cognet_main
 from cognet.core.ddi import RECOMMENDED_PENALTY, DDIPolicy, ddi_matrix, policy_from_options
@@ -25,9 +26,9 @@ from cognet.evaluation import ddi_tradeoff
 from cognet.evaluation.evaluate import EvalOptions, run_evaluation
 from cognet.model import checkpoint
 from cognet.model.batching import make_batch
-from cognet.model.decoding import beam_search as torch_beam_search
 from cognet.model.decoding import decode_patients
 from cognet.model.network import history_inputs
+from cognet.model.session import TorchSession
 from cognet.runtime import Scorer
 from cognet.runtime.cli import main as batch_main
 
@@ -68,7 +69,7 @@ def test_driver_equals_torch_reference(policy, compact_at):
     with torch.no_grad():
         enc = model.encode_visits(batch["diagnoses"], batch["procedures"], batch["medications"])
         inputs = history_inputs(batch, *enc, model.cfg)
-    session = TorchDecoder(model)
+    session = TorchSession(model)
     memories = session.init({k: v.numpy() for k, v in zip(INIT_INPUTS, inputs, strict=True)})
     adj = (model.ddi_gcn.adj > 0).numpy() & ~np.eye(vocab.n_med, dtype=bool)
     cfg = BeamConfig(end=vocab.end, compact_at=compact_at, ddi=policy)
@@ -82,7 +83,7 @@ def test_driver_equals_torch_reference(policy, compact_at):
 
 def test_an_active_policy_needs_the_adjacency():
     model, vocab, patients = make_case(seed=1, n_patients=2)
-    session = TorchDecoder(model)
+    session = TorchSession(model)
     with pytest.raises(ValueError, match="adjacency"):
         beam_search(session, None, 2, BeamConfig(end=vocab.end, ddi=DDIPolicy("hard")))
 

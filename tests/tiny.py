@@ -19,7 +19,7 @@ import pyarrow.parquet as pq
 import torch
 
 from cognet.core.ddi import DDIPolicy
-from cognet.core.graphspec import ENCODER_INPUTS, ENCODER_OUTPUTS, INIT_INPUTS
+from cognet.core.graphspec import ENCODER_INPUTS, ENCODER_OUTPUTS
 from cognet.core.history import Visit
 from cognet.core.vocab import Vocab
 from cognet.model.network import COGNet, ModelConfig
@@ -160,40 +160,6 @@ def random_checkpoint(
     ckpt = Path(ckpt)
     checkpoint.save(ckpt, model, vocab, ehr, ddi, pairs, {"seed": seed, "tiny": True})
     return ckpt
-
-
-class TorchDecoder:
-    """The `DecoderSession` protocol over the torch model (the reference's own graphs)."""
-
-    def __init__(self, model: COGNet):
-        self.model = model
-        with torch.no_grad():
-            self.graph = model.graph_embeddings()
-        self.steps = 0
-
-    @torch.no_grad()
-    def init(self, inputs):
-        return tuple(
-            self.model.decoder_init(
-                *(torch.from_numpy(np.ascontiguousarray(inputs[k])) for k in INIT_INPUTS)
-            )
-        )
-
-    def empty_cache(self, n, beam):
-        return self.model.empty_cache(n, beam)
-
-    @torch.no_grad()
-    def step(self, tokens, parent, cache, memories, outputs):
-        self.steps += 1
-        lp, gate, copy, k, v = self.model.decoder_step(
-            torch.from_numpy(tokens), torch.from_numpy(parent), *cache, *memories, graph=self.graph
-        )
-        out = {"log_probs": lp.numpy(), "gate": gate.numpy(), "copy_probs": copy.numpy()}
-        return {name: out[name] for name in outputs}, (k, v)
-
-    def take(self, value, rows):
-        index = torch.from_numpy(rows)
-        return tuple(x[index] for x in value)
 
 
 def torch_encoder(model: COGNet):

@@ -1,7 +1,12 @@
-"""Reference decoding in torch: batched beam search (and greedy = beam 1) with the KV-cached
-decoder step. The runtime re-implements exactly these semantics in numpy; see
-docs/INTERNALS.md "Beam search" for the rules both follow, `cognet.core.ddi` for the DDI
-policies and `cognet.core.decoding` for the defaults (beam 4, max length 45)."""
+"""Decoding with the torch model: beam search and set decoding of `make_batch` batches, and
+`decode_patients` over whole patients (what evaluation, tuning and the benchmarks call).
+
+Both decodings run the one decoding loop (`cognet.core.decoding.driver.run`) with the host
+selectors the runtime uses (`cognet.core.decoding.beam.BeamSelector`,
+`cognet.core.decoding.sampling.SetSampler`) over `TorchSession`, the torch model's
+KV-cached decoder step; so torch and the runtime differ only by their float32 rounding. The
+rules: docs/INTERNALS.md "Beam search" and "Set decoding", `cognet.core.ddi` for the DDI
+policies, `cognet.core.decoding.defaults` for the defaults (beam 4, max length 45)."""
 
 from __future__ import annotations
 
@@ -11,39 +16,26 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from cognet.core.ddi import RATE_TOLERANCE, DDIPolicy
+from cognet.core.ddi import DDIPolicy
 from cognet.core.decoding import BEAM, MAX_LEN, Decoding
+from cognet.core.decoding.beam import BeamConfig, BeamSelector
+from cognet.core.decoding.driver import run
 from cognet.core.decoding.sampling import SetConfig, decode_sets, visit_keys
 from cognet.core.history import Visit
 from cognet.core.vocab import Vocab
 from cognet.model.batching import make_batch, select_rows
-from cognet.model.network import COGNet, history_inputs
+from cognet.model.network import COGNet
 from cognet.model.session import TorchSession
 
 
 @dataclass(frozen=True)
 class Decoded:
-    meds: tuple[int, ...]  # generation order, END excluded
-    score: float  # sum of log-probabilities, END included
-    med_probs: tuple[float, ...]  # probability of each medication at the step it was emitted
-    scores: np.ndarray  # [M] PRAUC scores: emission probability, or mean over the steps
-    gates: tuple[float, ...] = ()  # w_g at each emitted medication's step
-    copy_slots: tuple[np.ndarray, ...] = ()  # copy distribution over slots at each step
+    """One visit's answer."""
 
-
-def _select(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """Per-visit gather along the beam axis: x [n, B, ...], index [n, B]."""
-    view = index.view(*index.shape, *([1] * (x.dim() - 2))).expand(*index.shape, *x.shape[2:])
-    return x.gather(1, view)
-
-
-def ddi_rate_of_beams(used: torch.Tensor, ddi: torch.Tensor) -> torch.Tensor:
-    """DDI rate of every beam's medication set: used [n, B, M] bool, ddi [M, M] 0/1."""
-    m = used.float()
-    pairs = ((m @ ddi) * m).sum(-1) / 2
-    k = m.sum(-1)
-    total = k * (k - 1) / 2
-    return torch.where(total > 0, pairs / total.clamp_min(1), torch.zeros_like(total))
+    meds: tuple[int, ...]  # beam search: generation order; set: decreasing P(k in S)
+    score: float  # beam search: sum of log-probabilities, END included; set: mean P of the set
+    med_probs: tuple[float, ...]  # each medication's probability (at its step; or P(k in S))
+    scores: np.ndarray  # [M] PRAUC scores (DESIGN.md §4)
 
 
 @torch.no_grad()
@@ -55,114 +47,17 @@ def beam_search(
     rows: torch.Tensor | None = None,
     ddi: DDIPolicy = DDIPolicy(),
 ) -> list[Decoded]:
-    """Decode the visits `rows` (default: every `target`) of a batch from `make_batch`."""
+    """Beam search (greedy: beam 1) of the visits `rows` (default: every `target`) of a
+    `make_batch` batch, with the PRAUC scores."""
     model.eval()
-    ddi_adj = model.ddi_matrix()
-    cfg = model.cfg
     if rows is not None:
         batch = select_rows(batch, rows)
-    dev = next(model.parameters()).device
-    batch = {k: v.to(dev) for k, v in batch.items()}
-    enc = model.encode_visits(batch["diagnoses"], batch["procedures"], batch["medications"])
-    memories = model.decoder_init(*history_inputs(batch, *enc, cfg))
-    graph = model.graph_embeddings()
-    n, b, v1, end = len(batch["target"]), beam, cfg.out_size, cfg.n_med
-    neg_inf = float("-inf")
-
-    alive = torch.arange(n, device=dev)  # visits still decoding, in memory order
-    scores = torch.full((n, b), neg_inf, device=dev)
-    scores[:, 0] = 0.0
-    finished = torch.zeros(n, b, dtype=torch.bool, device=dev)
-    tokens = torch.full((n, b), cfg.n_med + 1, device=dev)  # START
-    parent = torch.arange(b, device=dev).repeat(n, 1)
-    past_key, past_value = model.empty_cache(n, b, device=dev)
-    seqs = torch.full((n, b, max_len), -1, device=dev)
-    emit_prob = torch.zeros(n, b, max_len, device=dev)
-    used = torch.zeros(n, b, v1, dtype=torch.bool, device=dev)
-    prob_sum = torch.zeros(n, b, v1, device=dev)
-    steps = torch.zeros(n, b, device=dev)
-    results: dict[int, Decoded] = {}
-
-    def record(local: torch.Tensor) -> None:
-        choice = torch.zeros(len(alive), dtype=torch.long, device=dev)
-        if ddi.max_rate is not None:
-            rate = ddi_rate_of_beams(used[..., : cfg.n_med], ddi_adj)
-            ok = (rate <= ddi.max_rate + RATE_TOLERANCE) & (scores > float("-inf"))
-            lowest = torch.sort(
-                rate.masked_fill(scores == float("-inf"), 2.0), dim=1, stable=True
-            ).indices[:, 0]
-            choice = torch.where(ok.any(1), ok.float().argmax(1), lowest)
-        for i in local.tolist():
-            c = int(choice[i])
-            length = int((seqs[i, c] >= 0).sum())
-            toks = seqs[i, c, :length].tolist()
-            meds = tuple(t for t in toks if t != end)
-            probs = emit_prob[i, c, :length].tolist()
-            mean = (prob_sum[i, c, : cfg.n_med] / steps[i, c].clamp_min(1)).cpu().numpy().copy()
-            med_probs = tuple(p for t, p in zip(toks, probs, strict=True) if t != end)
-            mean[list(meds)] = med_probs
-            results[int(alive[i])] = Decoded(meds, float(scores[i, c]), med_probs, mean)
-
-    for t in range(max_len):
-        log_probs, _, _, past_key, past_value = model.decoder_step(
-            tokens, parent, past_key, past_value, *memories, graph=graph
-        )
-        raw = log_probs
-        logp = raw.masked_fill(used, neg_inf)
-        if ddi.mode != "off":
-            clashes = used[..., : cfg.n_med].float() @ ddi_adj  # [n, B, M] interacting pairs
-            meds = logp[..., : cfg.n_med]
-            meds = (
-                meds.masked_fill(clashes > 0, neg_inf)
-                if ddi.mode == "hard"
-                else meds - ddi.penalty * clashes
-            )
-            logp = torch.cat([meds, logp[..., cfg.n_med :]], -1)
-        frozen = torch.full_like(logp, neg_inf)
-        frozen[..., end] = 0.0
-        logp = torch.where(finished.unsqueeze(-1), frozen, logp)
-        cand = (scores.unsqueeze(-1) + logp).view(len(alive), b * v1)
-        order = torch.sort(cand, dim=1, descending=True, stable=True).indices[:, :b]
-        scores = cand.gather(1, order)
-        parent, tokens = order // v1, order % v1
-        was_finished = _select(finished, parent)
-        live = ~was_finished
-        raw = _select(raw, parent)
-        seqs = _select(seqs, parent)
-        seqs[:, :, t] = torch.where(live, tokens, -1)
-        emit_prob = _select(emit_prob, parent)
-        emit_prob[:, :, t] = raw.gather(2, tokens.unsqueeze(-1)).squeeze(-1).exp() * live
-        used = _select(used, parent)
-        used.scatter_(2, tokens.unsqueeze(-1), True)
-        prob_sum = _select(prob_sum, parent) + raw.exp() * live.unsqueeze(-1)
-        steps = _select(steps, parent) + live.float()
-        finished = was_finished | (tokens == end)
-
-        # the best hypothesis is final once beam 0 is finished; choosing by DDI rate needs all
-        done = finished.all(1) if ddi.max_rate is not None else finished[:, 0]
-        if t == max_len - 1:
-            done = torch.ones(len(alive), dtype=torch.bool, device=dev)
-        if bool(done.any()):
-            record(done.nonzero().squeeze(1))
-            keep = (~done).nonzero().squeeze(1)
-            if len(keep) == 0:
-                break
-            alive = alive[keep]
-            scores, finished, tokens, parent = (x[keep] for x in (scores, finished, tokens, parent))
-            past_key, past_value, seqs, emit_prob, used, prob_sum, steps = (
-                x[keep] for x in (past_key, past_value, seqs, emit_prob, used, prob_sum, steps)
-            )
-            memories = tuple(m[keep] for m in memories)
-    return [results[i] for i in range(n)]
-
-
-def greedy(
-    model: COGNet,
-    batch: dict[str, torch.Tensor],
-    max_len: int = MAX_LEN,
-    rows: torch.Tensor | None = None,
-) -> list[Decoded]:
-    return beam_search(model, batch, beam=1, max_len=max_len, rows=rows)
+    session = TorchSession(model)
+    n = len(batch["target"])
+    cfg = BeamConfig(end=model.cfg.n_med, beam=beam, max_len=max_len, ddi=ddi)
+    adj = _ddi_adjacency(model) if ddi.active else None
+    res = run(session, session.memories(batch), n, BeamSelector(cfg, prauc=True, ddi_adj=adj), cfg)
+    return _decoded(res, n)
 
 
 @torch.no_grad()
@@ -179,25 +74,14 @@ def set_decode(
     model.eval()
     if rows is not None:
         batch = select_rows(batch, rows)
-    dev = next(model.parameters()).device
-    batch = {k: v.to(dev) for k, v in batch.items()}
-    enc = model.encode_visits(batch["diagnoses"], batch["procedures"], batch["medications"])
-    memories = tuple(model.decoder_init(*history_inputs(batch, *enc, model.cfg)))
-    n, end = len(batch["target"]), model.cfg.n_med
+    n = len(batch["target"])
     if n != len(visit_ids):
         raise ValueError(f"{n} visits to decode but {len(visit_ids)} visit ids")
-    cfg = SetConfig.of(decoding, end, ddi)
-    adj = model.ddi_matrix().cpu().numpy() > 0
-    res = decode_sets(TorchSession(model), memories, n, cfg, visit_keys(visit_ids), adj)
-    return [
-        Decoded(
-            tuple(int(m) for m in res.meds[i]),
-            float(res.score[i]),
-            tuple(float(p) for p in res.med_probs[i]),
-            res.prauc_scores[i],
-        )
-        for i in range(n)
-    ]
+    session = TorchSession(model)
+    cfg = SetConfig.of(decoding, model.cfg.n_med, ddi)
+    keys = visit_keys(visit_ids)
+    res = decode_sets(session, session.memories(batch), n, cfg, keys, _ddi_adjacency(model))
+    return _decoded(res, n)
 
 
 def decode_patients(
@@ -212,16 +96,32 @@ def decode_patients(
     """Decode every visit of `patients` (history: the earlier visits' true medications) with
     `decoding` (default: the paper's beam search, beam 4) under the DDI policy `ddi`."""
     out: list[Decoded] = []
-    with torch.no_grad():
-        for i in range(0, len(patients), batch_patients):
-            chunk = patients[i : i + batch_patients]
-            batch = make_batch(chunk, vocab, targets=False)
-            if decoding.name == "beam":
-                beam, max_len = decoding.beam, decoding.max_len
-                out.extend(beam_search(model, batch, beam=beam, max_len=max_len, ddi=ddi))
-            else:
-                ids = [v.visit_id for p in chunk for v in p]
-                out.extend(set_decode(model, batch, ids, decoding, ddi=ddi))
-            if on_batch:
-                on_batch(sum(map(len, chunk)))
+    for i in range(0, len(patients), batch_patients):
+        chunk = patients[i : i + batch_patients]
+        batch = make_batch(chunk, vocab, targets=False)
+        if decoding.name == "beam":
+            out.extend(beam_search(model, batch, decoding.beam, decoding.max_len, ddi=ddi))
+        else:
+            ids = [v.visit_id for p in chunk for v in p]
+            out.extend(set_decode(model, batch, ids, decoding, ddi=ddi))
+        if on_batch:
+            on_batch(sum(map(len, chunk)))
     return out
+
+
+def _ddi_adjacency(model: COGNet) -> np.ndarray:
+    """bool [M, M]: the model's DDI pairs."""
+    return model.ddi_matrix().cpu().numpy() > 0
+
+
+def _decoded(res, n: int) -> list[Decoded]:
+    """`Decoded` answers from a `BeamResult` or `SetResult` of n visits."""
+    return [
+        Decoded(
+            tuple(int(m) for m in res.meds[i]),
+            float(res.score[i]),
+            tuple(float(p) for p in res.med_probs[i]),
+            res.prauc_scores[i],
+        )
+        for i in range(n)
+    ]

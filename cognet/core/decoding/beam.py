@@ -122,7 +122,7 @@ class BeamRule:
         self.cfg, self.width, self.ddi_adj = cfg, cfg.beam, ddi_adj
         self.prauc = self.explain = False
 
-    def start(self, session: Any, n: int) -> None:
+    def start(self, n: int) -> None:
         self.scores = np.full((n, self.width), NEG_INF, np.float32)
         self.scores[:, 0] = 0.0
         self.finished = np.zeros((n, self.width), bool)
@@ -182,8 +182,8 @@ class BeamSelector(BeamRule):
         self.prauc, self.explain = prauc, explain
         self.outputs = step_outputs(explain, attention)
 
-    def start(self, session: Any, n: int) -> None:
-        super().start(session, n)
+    def start(self, n: int) -> None:
+        super().start(n)
         self.used: np.ndarray | None = None  # bool [R, B, V1]: medications in each hypothesis
 
     def select(self, t, out, rows, parent):

@@ -228,7 +228,7 @@ class SetSampler:
         self.width = cfg.samples
         self.outputs = step_outputs(explain, attention)
 
-    def start(self, session: Any, n: int) -> None:
+    def start(self, n: int) -> None:
         s, end = self.cfg.samples, self.cfg.end
         self.n = n
         self.finished = np.zeros((n, s), bool)
