@@ -13,7 +13,8 @@ import numpy as np
 from cognet.core.ddi import DDIPolicy
 from cognet.core.decoding import Decoding
 from cognet.core.decoding.beam import BeamConfig, BeamResult, beam_search
-from cognet.core.decoding.sampling import SetConfig, SetResult, decode_sets, set_result, visit_keys
+from cognet.core.decoding.draws import visit_keys
+from cognet.core.decoding.sampling import SetConfig, SetResult, decode_sets, set_result
 from cognet.runtime import search
 
 

@@ -26,8 +26,9 @@ import onnxruntime as ort
 
 from cognet.core.ddi import DDIPolicy, check_adjacency
 from cognet.core.decoding import driver
-from cognet.core.decoding.beam import BeamConfig, BeamResult, BeamRule, Step
-from cognet.core.decoding.sampling import Draws, SetConfig
+from cognet.core.decoding.beam import BeamConfig, BeamResult, BeamRule, BeamStep
+from cognet.core.decoding.draws import Draws
+from cognet.core.decoding.sampling import SetConfig
 from cognet.core.graphspec import (
     BEAM_SELECT_HOST,
     BEAM_SELECT_INPUTS,
@@ -164,7 +165,7 @@ class BeamGraphSelector(BeamRule):
             got[k] for k in BEAM_SELECT_HOST
         )
         (self.used,) = (state[k] for k in BEAM_SELECT_STATE)
-        self.trace.append(Step(rows, parent, tokens, live, chosen, None, None, None, None))
+        self.trace.append(BeamStep(rows, parent, tokens, live, chosen, None, None, None, None))
         return tokens, parent, self.over()
 
     def held(self, newly: np.ndarray) -> np.ndarray:

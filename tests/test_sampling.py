@@ -9,14 +9,9 @@ import numpy as np
 import pytest
 
 from cognet.core.ddi import DDIPolicy
-from cognet.core.decoding.sampling import (
-    SetConfig,
-    decode_sets,
-    select_sets,
-    set_marginals,
-    uniforms,
-    visit_keys,
-)
+from cognet.core.decoding.draws import uniforms, visit_keys
+from cognet.core.decoding.sampling import SetConfig, decode_sets, set_marginals
+from cognet.core.decoding.set_rules import select_sets
 
 
 class FixedSession:

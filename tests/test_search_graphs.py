@@ -13,7 +13,8 @@ from tiny import DDI_IDS, DDI_POLICIES
 
 from cognet.core.ddi import DDIPolicy
 from cognet.core.decoding.beam import NEG_INF, _penalise, top_k_stable
-from cognet.core.decoding.sampling import _step_distribution, uniforms
+from cognet.core.decoding.draws import uniforms
+from cognet.core.decoding.sampling import _step_distribution
 from cognet.export.search_graphs import (
     TAKE_TYPES,
     beam_select_graph,

@@ -1,4 +1,4 @@
-"""Set rules (`cognet.core.decoding.sampling.select_sets`, `cognet.core.decoding.SET_RULES`): the
+"""Set rules (`cognet.core.decoding.set_rules.select_sets`, `cognet.core.decoding.SET_RULES`): the
 expected-Jaccard sizes against brute force, the rule stored and asked for, and the choice
 `cognet train` makes on validation."""
 
@@ -10,7 +10,8 @@ import pytest
 from cognet.core.ddi import DDIPolicy, DDITarget, with_target
 from cognet.core.decoding import Decoding
 from cognet.core.decoding.request import DecodingRequest
-from cognet.core.decoding.sampling import SetConfig, jaccard_sizes, select_sets, set_result
+from cognet.core.decoding.sampling import SetConfig, set_result
+from cognet.core.decoding.set_rules import jaccard_sizes, select_sets
 from cognet.core.history import Visit
 from cognet.training.tuning import choose_set_rule
 

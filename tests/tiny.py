@@ -122,17 +122,13 @@ def random_checkpoint(
 ) -> Path:
     """A randomly initialised COGNet over the vocabulary of a dataset directory's train split
     (graphs from its train split and DDI pairs), saved as a checkpoint; returns its path."""
-    from cognet.core.history import load_split
-    from cognet.core.schema import split_rows
+    from cognet.core.history import load_split, train_vocabulary
     from cognet.model import checkpoint
     from cognet.model.batching import ddi_adjacency, ehr_adjacency
 
     visits = pq.read_table(Path(data) / "visits.parquet")
     ddi_table = pq.read_table(Path(data) / "ddi.parquet")
-    train = split_rows(visits, "train")
-    vocab = Vocab.build(
-        *(train.column(c).to_pylist() for c in ("diagnoses", "procedures", "medications"))
-    )
+    vocab = train_vocabulary(visits)
     patients = load_split(visits, vocab, "train").patients
     pairs = list(
         zip(

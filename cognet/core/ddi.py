@@ -1,8 +1,9 @@
 """DDI-aware decoding: the policy and its rules, the one place they are written (torch-free).
 
-The torch reference (`cognet.model.decoding`) and the runtime (`cognet.core.decoding.beam`) both
-follow
-these rules and are tested equal; docs/INTERNALS.md and their docstrings point here.
+Every decoding follows these rules (beam search in `cognet.core.decoding.beam`, set decoding
+in `cognet.core.decoding.sampling`, both by `apply_step_penalty`; the search graphs of
+`cognet.export.search_graphs` in ONNX), and the tests hold them equal; docs/INTERNALS.md
+points here.
 
 The paper's decoding (`off`) recommends what doctors prescribe, interacting pairs included.
 A policy lets whoever runs the model bound that risk at inference time, without retraining:
@@ -173,6 +174,24 @@ def pair_counts(used: np.ndarray, ddi_adj: np.ndarray) -> tuple[np.ndarray, np.n
     pairs = ((u @ ddi_adj) * u).sum(-1) / 2
     k = u.sum(-1)
     return pairs, k * (k - 1) / 2
+
+
+def apply_step_penalty(
+    logp: np.ndarray, used: np.ndarray, ddi_adj: np.ndarray, policy: DDIPolicy
+) -> None:
+    """The step rule of `soft` and `hard`, in place: the log-probabilities logp [..., V1] of
+    the medications that interact with a row's medications (used bool [..., V1]) lowered by
+    penalty x pairs (the product in float32) or set to -inf; `off` leaves them. Beam search
+    (`cognet.core.decoding.beam`) and the set sampler (`cognet.core.decoding.sampling`)
+    both apply it."""
+    if policy.mode not in ("soft", "hard"):
+        return
+    m = ddi_adj.shape[0]
+    clashes = used[..., :m].astype(np.float32) @ ddi_adj  # [..., M] interacting pairs
+    if policy.mode == "hard":
+        np.copyto(logp[..., :m], -np.inf, where=clashes > 0)
+    else:
+        logp[..., :m] -= np.float32(policy.penalty) * clashes
 
 
 def ddi_rates(used: np.ndarray, ddi_adj: np.ndarray) -> np.ndarray:

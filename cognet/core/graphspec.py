@@ -92,7 +92,7 @@ SET_SELECT_INPUTS = (
     "log_probs",  # float32 [N, S, V1]
     "used",  # bool [N, S, V1]
     "finished",  # bool [N, S]
-    "uniforms",  # float64 [N, S] the step's draws (`cognet.core.decoding.sampling.uniforms`)
+    "uniforms",  # float64 [N, S] the step's draws (`cognet.core.decoding.draws.uniforms`)
     "hazard",  # float64 [N, M] running sums of the step probabilities
 )
 SET_SELECT_HOST = ("token_out", "finished_out")  # int64 / bool [N, S]

@@ -69,6 +69,13 @@ def patients_from_table(table: pa.Table, vocab: Vocab) -> Iterator[list[Visit]]:
         yield current
 
 
+def train_vocabulary(visits: pa.Table) -> Vocab:
+    """The vocabulary of a dataset's training split (codes of the other splits are unknown to
+    the model, as they would be in deployment)."""
+    train = split_rows(visits, "train")
+    return Vocab.build(*(train[c].to_pylist() for c in ("diagnoses", "procedures", "medications")))
+
+
 @dataclass
 class SplitData:
     """The labelled visits of one split, grouped into patients."""

@@ -15,7 +15,7 @@ from cognet.core.ddi import DDIPolicy, DDITarget, ddi_matrix
 from cognet.core.decoding import Decoding
 from cognet.core.decoding.request import DecodingRequest
 from cognet.core.files import atomic_path
-from cognet.core.history import Visit, load_split
+from cognet.core.history import Visit, load_split, train_vocabulary
 from cognet.core.metrics import (
     VisitResult,
     ddi_rate_of_sets,
@@ -23,7 +23,7 @@ from cognet.core.metrics import (
     summarize,
     visit_results,
 )
-from cognet.core.schema import PREDICTIONS_SCHEMA, split_rows
+from cognet.core.schema import PREDICTIONS_SCHEMA
 from cognet.core.vocab import Vocab
 from cognet.model.decoding import decode_patients
 
@@ -102,10 +102,7 @@ def run_evaluation(ckpt, data_dir, options: EvalOptions = EvalOptions()) -> dict
             target, trials = _search_target(model, vocab, dataset, config, options)
         decoding, ddi = resolve(config, options.request, target)
     else:
-        train_rows = split_rows(dataset.visits, "train")
-        vocab = Vocab.build(
-            *(train_rows.column(c).to_pylist() for c in ("diagnoses", "procedures", "medications"))
-        )
+        vocab = train_vocabulary(dataset.visits)
     data = load_split(dataset.visits, vocab, split)
     if not data.patients:
         from cognet.core.errors import InputError

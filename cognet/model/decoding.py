@@ -19,8 +19,9 @@ import torch
 from cognet.core.ddi import DDIPolicy
 from cognet.core.decoding import BEAM, MAX_LEN, Decoding
 from cognet.core.decoding.beam import BeamConfig, BeamSelector
+from cognet.core.decoding.draws import visit_keys
 from cognet.core.decoding.driver import run
-from cognet.core.decoding.sampling import SetConfig, decode_sets, visit_keys
+from cognet.core.decoding.sampling import SetConfig, decode_sets
 from cognet.core.history import Visit
 from cognet.core.vocab import Vocab
 from cognet.model.batching import make_batch, select_rows

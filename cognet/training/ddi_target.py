@@ -30,9 +30,9 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from cognet.core.ddi import DDIPolicy, DDITarget
+from cognet.core.ddi import RATE_TOLERANCE, DDIPolicy, DDITarget
 from cognet.core.decoding import Decoding
-from cognet.core.decoding.sampling import select_sets
+from cognet.core.decoding.set_rules import select_sets
 from cognet.core.history import Visit
 from cognet.core.metrics import ddi_rate_of_sets, jaccard
 
@@ -45,7 +45,6 @@ REFINE = 3  # rounds of midpoints around the best penalty so far
 # target (with none): a cap acts on the selection only, so it costs no decoding, and a cap
 # <= R holds R on any split (the pooled rate of sets that each hold it holds it).
 CAP_FACTORS = (1.0, 1.1, 1.2, 1.35, 1.5, 1.75, 2.0)
-TOLERANCE = 1e-9  # on the DDI rate (float rounding of an exact ratio)
 
 
 @dataclass(frozen=True)
@@ -121,7 +120,7 @@ def search(
         margins = marginals_of(policy)
         got = score_thresholds(patients, margins, ddi_adj, policy, thresholds, caps)
         trials.extend(got)
-        fits = [t for t in got if t.ddi <= target + TOLERANCE]
+        fits = [t for t in got if t.ddi <= target + RATE_TOLERANCE]
         top = max(fits, key=lambda t: (t.jaccard, -t.threshold), default=None)
         log.info("DDI target %g: %s -> %s", target, policy.label, top)
         return top

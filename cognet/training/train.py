@@ -21,9 +21,9 @@ import torch.nn.functional as F
 from cognet.core.decoding import DECODINGS, SAMPLES, Decoding
 from cognet.core.errors import InputError
 from cognet.core.files import writable_folder, write_text
-from cognet.core.history import load_split
+from cognet.core.history import load_split, train_vocabulary
 from cognet.core.metrics import evaluation_report, visit_results
-from cognet.core.schema import read_dataset, split_rows
+from cognet.core.schema import read_dataset
 from cognet.core.vocab import Vocab
 from cognet.model import checkpoint
 from cognet.model.batching import IGNORE, ddi_adjacency, ehr_adjacency, make_batch
@@ -280,12 +280,7 @@ def train(
     """
     seed_everything(cfg.seed)
     dataset = read_dataset(data_dir)
-    train_table = split_rows(dataset.visits, "train")
-    vocab = Vocab.build(
-        train_table.column("diagnoses").to_pylist(),
-        train_table.column("procedures").to_pylist(),
-        train_table.column("medications").to_pylist(),
-    )
+    vocab = train_vocabulary(dataset.visits)
     train_data = load_split(dataset.visits, vocab, "train")
     val_data = load_split(dataset.visits, vocab, "val")
     for split, data in (("train", train_data), ("val", val_data)):

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from cognet.core.ddi import DDIPolicy
 from cognet.core.decoding import ESTIMATOR, Decoding
-from cognet.core.decoding.sampling import select_sets
+from cognet.core.decoding.set_rules import select_sets
 from cognet.core.history import Visit
 from cognet.core.metrics import VisitResult, bootstrap_report
 from cognet.core.vocab import Vocab

@@ -25,7 +25,7 @@ DECODINGS = ("beam", "set")
 DEFAULT_DECODING = "beam"  # of a model that has no tuned set threshold
 # The largest value each count may take (samples x visits x steps bounds the memory)
 LIMITS = {"beam": 64, "samples": 1024, "max_len": 1000}
-# How the set decoding draws its samples (`cognet.core.decoding.sampling.uniforms`): "plain", each
+# How the set decoding draws its samples (`cognet.core.decoding.draws.uniforms`): "plain", each
 # draw its own uniform; "stratified", at each step the samples of a visit take the strata
 # 1/S apart of (0, 1) in a random order; "tree", the same within each group of samples
 # that share their prefix. All give exact samples of the model and an unbiased P(k in S);
@@ -34,11 +34,12 @@ LIMITS = {"beam": 64, "samples": 1024, "max_len": 1000}
 # `cognet train` tunes and stores its models with ESTIMATOR.
 ESTIMATORS = ("plain", "stratified", "tree")
 ESTIMATOR = "stratified"  # of models trained by this version
-# How the set is read from P(k in S) (`cognet.core.decoding.sampling.select_sets`): "threshold", the
-# medications with P(k in S) >= the tuned threshold; "jaccard", the medications of highest
-# P(k in S) up to the count that maximises the set's expected Jaccard, sum of P inside /
-# (size + sum of P outside), a size chosen per visit with no parameter. A stored decoding
-# that names none (a model from before the rules) uses "threshold".
+# How the set is read from P(k in S) (`cognet.core.decoding.set_rules.select_sets`):
+# "threshold", the medications with P(k in S) >= the tuned threshold; "jaccard", the
+# medications of highest P(k in S) up to the count that maximises the set's expected
+# Jaccard, sum of P inside / (size + sum of P outside), a size chosen per visit with no
+# parameter. A stored decoding that names none (a model from before the rules) uses
+# "threshold".
 SET_RULES = ("threshold", "jaccard")
 
 
