@@ -1,6 +1,6 @@
 # The two set-up commands of the README: `make demo` and `make test`.
 # CPU by default: torch is pinned to the CPU wheel that pip finds on this kind of machine.
-# GPU machines: see README "Using a GPU" (the [gpu] extra and an unpinned torch).
+# GPU machines: see docs/guide/gpu.md (the [gpu] extra and an unpinned torch).
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -37,7 +37,7 @@ demo: install
 test: install
 	$(PY) -m pytest -q
 
-# the failure cases of README "Failure behaviour", one test or more each
+# every case of docs/guide/failures.md, one test or more each
 failures: install
 	$(PY) -m pytest -q tests/test_failures_batch.py tests/test_failures_memory.py \
 		tests/test_failures_train.py tests/test_failures_outputs.py

@@ -95,6 +95,45 @@ def stats(dataset: Path, as_json: bool) -> None:
 
 
 # fmt: off
+@data.command()
+@click.option("--records", required=True, type=click.Path(path_type=Path),
+              help="records_final.pkl: patients -> visits -> [diagnosis, procedure, "
+                   "medication ids] (a fourth field per visit is dropped).")
+@click.option("--voc", required=True, type=click.Path(path_type=Path),
+              help="voc_final.pkl: diag_voc, pro_voc, med_voc (dill-pickled Voc objects).")
+@click.option("--ddi", required=True, type=click.Path(path_type=Path),
+              help="ddi_A_final.pkl: the 0/1 DDI matrix over medication ids.")
+@click.option("--out", required=True, type=click.Path(file_okay=False, path_type=Path),
+              help="Dataset folder to write (visits.parquet, ddi.parquet).")
+@click.option("--split-order", type=click.Choice(["test-first", "val-first"]),
+              default="test-first", show_default=True,
+              help="After the first two thirds (train): test-first takes the next half of "
+                   "the rest as test (SafeDrug, COGNet), val-first as validation.")
+@handle_errors
+# fmt: on
+def benchmark(records: Path, voc: Path, ddi: Path, out: Path, split_order: str) -> None:
+    """Build a dataset from the papers' processed files (GAMENet, SafeDrug, COGNet, ...).
+
+    Reads the pickles with a restricted unpickler: no code in them runs, dill is never
+    imported, and a pickle asking for anything but the names these files use exits 2.
+    Patient i becomes patient_id "i", its visit j visit_id "i-j" (visit_seq j); codes are
+    the vocabularies' words. See docs/guide/benchmark-files.md.
+
+    \b
+    Example:
+      cognet data benchmark --records records_final.pkl --voc voc_final.pkl \\
+        --ddi ddi_A_final.pkl --out data/benchmark
+    """
+    from cognet.data.benchmark import build_benchmark
+
+    with guarded("cognet data benchmark", {"--out": out}, Reads(files=[records, voc, ddi]), FOLDER):
+        summary = build_benchmark(records, voc, ddi, out, split_order)
+    click.echo(f"wrote {out}: " + "; ".join(summary.lines()))
+    for warning in summary.warnings:
+        click.echo(f"Warning: {warning}", err=True)
+
+
+# fmt: off
 def mapping_options(func):
     """The SafeDrug mapping files, --out and --ddi-types of `mimic3` and `mimic4`."""
     path = click.Path(path_type=Path)

@@ -38,7 +38,7 @@ from cognet.core.files import atomic_path
 if TYPE_CHECKING:  # cognet.evaluation.evaluate imports torch: only where a policy is decoded
     from cognet.evaluation.evaluate import EvalOptions
 
-# fine between 0.25 and 1, where the frontier bends on real data (issue 22)
+# fine between 0.25 and 1, where the frontier bends on real data (docs/guide/ddi.md)
 DEFAULT_PENALTIES = (0.1, 0.25, 0.35, 0.5, 0.6, 0.7, 0.8, 1.0, 2.0)
 MAX_JACCARD_DROP = 0.01  # accuracy a recommended penalty may cost against `off`
 # Columns of the table: (report key, header, format).

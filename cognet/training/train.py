@@ -36,8 +36,8 @@ log = logging.getLogger(__name__)
 
 # Training recipes (`cognet train --recipe`): overrides of TrainConfig's defaults.
 # - default: what won on the synthetic validation split (README "Training recipe"):
-#   embedding size 128 and the authors' embedding and attention dropout (issue 22's
-#   comparison), residual dropout 0.3, 2 heads, feed-forward 512; at most 36 epochs
+#   embedding size 128 and the authors' embedding and attention dropout (compared on
+#   validation), residual dropout 0.3, 2 heads, feed-forward 512; at most 36 epochs
 #   (early stopping ends seeds 0 / 1 at epochs 24 / 26); validation NLL every epoch, early
 #   stopping on it, the weights averaged over the last epochs (the window of lowest
 #   validation NLL), and set decoding with a threshold and a set rule chosen on validation.

@@ -1,0 +1,212 @@
+"""The field's benchmark files (records_final, voc_final, ddi_A_final) as a cognet dataset.
+
+GAMENet, SafeDrug, COGNet, MICRON, MoleRec and most later papers ship or expect three
+pickles (read by `cognet.data.pickles`, where nothing in them runs):
+
+- records: patients -> visits -> [diagnosis ids, procedure ids, medication ids], some
+  versions with a fourth field per visit (a numpy float weight, dropped here);
+- vocabularies: a dict of `diag_voc`, `pro_voc`, `med_voc`, each with `idx2word`;
+- DDI: a 0/1 matrix over medication ids.
+
+The records carry no ids, so they are made from list positions: patient i (0-based) is
+`patient_id` "i", its visit j is `visit_id` "i-j" with `visit_seq` j. Codes become the
+vocabularies' words. The papers' split is by patient position: the first two thirds train
+(`int(n * 2 / 3)`), then half of the rest, rounded down, test and the remainder validation
+(`test-first`, SafeDrug's and COGNet's order), or validation first (`val-first`).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+
+from cognet.core.errors import InputError
+from cognet.core.schema import (
+    CODE_COLUMNS,
+    DDI_FILE,
+    VISITS_FILE,
+    VISITS_SCHEMA,
+    write_ddi,
+    write_visits,
+)
+from cognet.data.pickles import Voc, describe, load
+
+VOCABULARIES = ("diag_voc", "pro_voc", "med_voc")  # in the order of a visit's fields
+SPLIT_ORDERS = ("test-first", "val-first")
+
+
+@dataclass(frozen=True)
+class BenchmarkSummary:
+    """What `build_benchmark` wrote: patients and visits per split, vocabulary sizes, DDI
+    pairs, and warnings about the DDI matrix (asymmetric or diagonal entries)."""
+
+    patients: dict[str, int]
+    visits: dict[str, int]
+    vocabulary: dict[str, int]
+    ddi_pairs: int
+    warnings: list[str] = field(default_factory=list)
+
+    def lines(self) -> list[str]:
+        per_split = ", ".join(
+            f"{s} {self.patients[s]:,} patients / {self.visits[s]:,} visits"
+            for s in ("train", "val", "test")
+        )
+        sizes = ", ".join(f"{k} {v:,}" for k, v in self.vocabulary.items())
+        return [per_split, f"vocabularies: {sizes}; DDI pairs {self.ddi_pairs:,}"]
+
+
+def build_benchmark(
+    records: str | os.PathLike,
+    voc: str | os.PathLike,
+    ddi: str | os.PathLike,
+    out: str | os.PathLike,
+    split_order: str = "test-first",
+) -> BenchmarkSummary:
+    """Read the three files, check them whole, then write OUT/visits.parquet and ddi.parquet.
+
+    Raises `InputError` naming the file and position (patient i, visit j, field) of the first
+    problem, before anything is written."""
+    if split_order not in SPLIT_ORDERS:
+        raise ValueError(f"split_order {split_order!r}; expected one of {SPLIT_ORDERS}")
+    words = read_vocabularies(voc)
+    pairs, warnings = read_ddi_matrix(ddi, words["med_voc"])
+    table = read_records(records, words, split_order)
+    out = Path(out)
+    write_visits(out / VISITS_FILE, table)
+    write_ddi(out / DDI_FILE, pairs)
+    splits = np.asarray(table["split"].to_pylist())
+    patients = np.asarray(table["patient_id"].to_pylist())
+    return BenchmarkSummary(
+        patients={s: len(set(patients[splits == s])) for s in ("train", "val", "test")},
+        visits={s: int((splits == s).sum()) for s in ("train", "val", "test")},
+        vocabulary={k: len(v) for k, v in words.items()},
+        ddi_pairs=len(pairs),
+        warnings=warnings,
+    )
+
+
+def _is_id(value: object) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
+def read_vocabularies(path: str | os.PathLike) -> dict[str, dict[int, str]]:
+    """{diag_voc, pro_voc, med_voc: {id: word}} of voc_final.pkl, each checked: integer ids,
+    distinct non-empty words, and `word2idx` (when there) the inverse of `idx2word`."""
+    content = load(path)
+    if not isinstance(content, dict):
+        raise InputError(f"{path}: expected a dict of vocabularies, got {describe(content)}")
+    words = {}
+    for name in VOCABULARIES:
+        voc = content.get(name)
+        if not isinstance(voc, Voc) or not isinstance(voc.idx2word, dict):
+            raise InputError(f"{path}: {name}: missing, or not a Voc with idx2word")
+        idx2word = {}
+        for index, word in voc.idx2word.items():
+            if not _is_id(index) or not isinstance(word, str) or not word:
+                raise InputError(f"{path}: {name}: entry {index!r}: {word!r} is not id -> word")
+            idx2word[int(index)] = word
+        if len(set(idx2word.values())) != len(idx2word):
+            raise InputError(f"{path}: {name}: a word appears under two ids")
+        inverse = {word: index for index, word in idx2word.items()}
+        if voc.word2idx is not None and voc.word2idx != inverse:
+            raise InputError(f"{path}: {name}: word2idx is not the inverse of idx2word")
+        words[name] = idx2word
+    return words
+
+
+def read_ddi_matrix(path: str | os.PathLike, meds: dict[int, str]) -> tuple[list, list[str]]:
+    """The interacting pairs (word of a, word of b), a < b, of ddi_A_final.pkl, and warnings.
+
+    The matrix is n x n over med_voc's ids 0..n-1, of 0s and 1s. An asymmetric entry counts
+    as an interaction (the pair is unordered), a diagonal one is dropped; both are warned."""
+    matrix = load(path)
+    n = len(meds)
+    if not isinstance(matrix, np.ndarray) or matrix.shape != (n, n):
+        shape = matrix.shape if isinstance(matrix, np.ndarray) else describe(matrix)
+        raise InputError(f"{path}: expected a {n} x {n} matrix (med_voc's size), got {shape}")
+    if sorted(meds) != list(range(n)):
+        raise InputError(f"{path}: med_voc's ids are not 0..{n - 1}, the matrix's rows")
+    bad = np.argwhere((matrix != 0) & (matrix != 1))
+    if len(bad):
+        a, b = map(int, bad[0])
+        raise InputError(f"{path}: row {a}, column {b}: value {matrix[a, b]}, expected 0 or 1")
+    linked = matrix != 0
+    warnings = []
+    asymmetric = int(np.triu(linked != linked.T).sum())
+    if asymmetric:
+        warnings.append(
+            f"{path}: {asymmetric} pair(s) marked in one direction only; kept as interacting"
+        )
+    if linked.diagonal().any():
+        warnings.append(
+            f"{path}: {int(linked.diagonal().sum())} diagonal entries (a drug with itself) dropped"
+        )
+    upper = np.argwhere(np.triu(linked | linked.T, k=1))
+    return [(meds[int(a)], meds[int(b)]) for a, b in upper], warnings
+
+
+def split_names(n_patients: int, split_order: str) -> list[str]:
+    """The split of each patient position: the papers' order (see the module docstring)."""
+    split_point = int(n_patients * 2 / 3)
+    eval_len = int((n_patients - split_point) / 2)
+    first, rest = ("test", "val") if split_order == "test-first" else ("val", "test")
+    names = ["train"] * split_point + [first] * eval_len
+    return names + [rest] * (n_patients - len(names))
+
+
+def _codes(ids: object, words: dict[int, str], vocabulary: str, where: str) -> list[str]:
+    if not isinstance(ids, (list, tuple)):
+        raise InputError(f"{where}: expected a list of ids, got {describe(ids)}")
+    codes = []
+    for k, index in enumerate(ids):
+        if not _is_id(index):
+            raise InputError(f"{where}, item {k}: {describe(index)} {index!r:.40} is not an id")
+        word = words.get(int(index))
+        if word is None:
+            raise InputError(f"{where}, item {k}: id {index} is not in {vocabulary}")
+        codes.append(word)
+    return codes
+
+
+def read_records(
+    path: str | os.PathLike, words: dict[str, dict[int, str]], split_order: str
+) -> pa.Table:
+    """The visits of records_final.pkl in the contract's columns (VISITS_SCHEMA)."""
+    patients = load(path)
+    if not isinstance(patients, (list, tuple)) or not patients:
+        raise InputError(f"{path}: expected a non-empty list of patients, got {describe(patients)}")
+    splits = split_names(len(patients), split_order)
+    columns: dict[str, list] = {name: [] for name in VISITS_SCHEMA.names}
+    for i, visits in enumerate(patients):
+        if not isinstance(visits, (list, tuple)) or not visits:
+            raise InputError(f"{path}: patient {i}: expected a non-empty list of visits")
+        for j, visit in enumerate(visits):
+            _visit_row(columns, visit, words, f"{path}: patient {i}, visit {j}")
+            columns["patient_id"].append(str(i))
+            columns["visit_id"].append(f"{i}-{j}")
+            columns["visit_seq"].append(j)
+            columns["split"].append(splits[i])
+    return pa.table(columns, schema=VISITS_SCHEMA)
+
+
+def _visit_row(columns: dict[str, list], visit: object, words: dict, where: str) -> None:
+    if not isinstance(visit, (list, tuple)) or len(visit) not in (3, 4):
+        size = len(visit) if isinstance(visit, (list, tuple)) else describe(visit)
+        raise InputError(
+            f"{where}: expected [diagnoses, procedures, medications] (and an optional weight), "
+            f"got {size}{' fields' if isinstance(size, int) else ''}"
+        )
+    fields: Sequence = visit[:3]  # a fourth field (a weight) is dropped
+    codes = [
+        _codes(ids, words[vocabulary], vocabulary, f"{where}, {column}")
+        for column, vocabulary, ids in zip(CODE_COLUMNS, VOCABULARIES, fields, strict=True)
+    ]
+    if not codes[0] and not codes[1]:
+        raise InputError(f"{where}: diagnoses and procedures are both empty")
+    for column, values in zip(CODE_COLUMNS, codes, strict=True):
+        columns[column].append(values)
