@@ -39,9 +39,9 @@ test: install
 
 # every case of docs/guide/failures.md, one test or more each
 failures: install
-	$(PY) -m pytest -q tests/test_failures_batch.py tests/test_failures_train.py \
-		tests/test_failures_outputs.py tests/test_failures_writers.py tests/test_failures_numbers.py \
-		tests/test_failures_db.py tests/test_failures_values.py
+	$(PY) -m pytest -q tests/test_failures_batch.py tests/test_failures_memory.py \
+		tests/test_failures_train.py tests/test_failures_outputs.py tests/test_failures_writers.py \
+		tests/test_failures_numbers.py tests/test_failures_db.py tests/test_failures_values.py
 
 bench: install
 	$(VENV)/bin/cognet-bench --out bench

@@ -1,27 +1,29 @@
 """cognet: COGNet medication recommendation, trained in PyTorch and served from ONNX."""
 
-from setuptools import setup
+from setuptools import find_packages, setup
+
+# The installed package `cognet` and the top-level folders installed inside it; every folder
+# with an __init__.py below them is a subpackage (`make lint` reads this mapping too).
+PACKAGE_DIR = {
+    "cognet": "cognet",
+    "cognet.export": "export",
+    "cognet.runtime": "runtime",
+    "cognet.benchmarks": "benchmarks",
+}
+PACKAGES = [
+    f"{package}.{sub}" if sub else package
+    for package, folder in PACKAGE_DIR.items()
+    for sub in ["", *find_packages(folder)]
+]
 
 setup(
     name="cognet",
-    version="0.1.0",
+    version="0.2.0",
     description="COGNet (copy-or-predict medication recommendation) training, ONNX export "
     "and a torch-free batch inference runtime",
     python_requires=">=3.10",
-    packages=[
-        "cognet",
-        "cognet.core",
-        "cognet.data",
-        "cognet.export",
-        "cognet.runtime",
-        "cognet.benchmarks",
-    ],
-    package_dir={
-        "cognet": "cognet",
-        "cognet.export": "export",
-        "cognet.runtime": "runtime",
-        "cognet.benchmarks": "benchmarks",
-    },
+    packages=PACKAGES,
+    package_dir=PACKAGE_DIR,
     install_requires=[
         "numpy>=1.24",
         "pyarrow>=14",

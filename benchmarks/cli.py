@@ -278,11 +278,12 @@ def main(
 
 
 def run_ddi_tradeoff(checkpoint, data_dir, out: Path, quick: bool, notes: list) -> dict | None:
-    """The DDI trade-off of the checkpoint (torch reference, `cognet.ddi_tradeoff`) on the
+    """The DDI trade-off of the checkpoint (torch reference, `cognet.evaluation.ddi_tradeoff`) on
+    the
     test split of `data_dir`, its plot written to OUT/ddi_tradeoff.png; None (and a note)
     when there is no checkpoint or no labelled data."""
-    from cognet.ddi_tradeoff import plot, run_tradeoff
-    from cognet.evaluate import EvalOptions
+    from cognet.evaluation.ddi_tradeoff import plot, run_tradeoff
+    from cognet.evaluation.evaluate import EvalOptions
 
     if checkpoint is None or data_dir is None:
         notes.append("DDI trade-off skipped: it needs --checkpoint and --data (or the demo)")
@@ -316,7 +317,7 @@ def demo_model(root: Path, quick: bool = False) -> tuple[Path, Path, str]:
     )
     from cognet.data.synth import generate
     from cognet.export import export
-    from cognet.train import TrainConfig, train
+    from cognet.training.train import TrainConfig, train
 
     started = time.perf_counter()
     generate(root / "data", patients=patients, seed=0)
@@ -331,8 +332,8 @@ def demo_model(root: Path, quick: bool = False) -> tuple[Path, Path, str]:
 
 def find_checkpoint(model_dir: Path) -> Path | None:
     """MODEL/../ckpt when it is the checkpoint the model was exported from."""
-    from cognet.checkpoint import checkpoint_hash
     from cognet.core.manifest import load_manifest
+    from cognet.model.checkpoint import checkpoint_hash
 
     candidate = model_dir.parent / "ckpt"
     if not (candidate / "config.json").is_file():

@@ -5,7 +5,7 @@ recommended medication codes of each scored visit. Engines:
 
 - `torch-perpatient`: the paper's way (`benchmarks.perpatient`): one patient at a time, no
   KV cache, a Python beam object per visit;
-- `torch-batched`: the torch reference batched beam search (`cognet.decode.beam_search`);
+- `torch-batched`: the torch reference batched beam search (`cognet.model.decoding.beam_search`);
 - `torch-cuda`: the same on a CUDA device;
 - `ort-cpu`, `ort-cuda`, `ort-tensorrt`: the runtime (`cognet.runtime.Scorer`) on each
   ONNX Runtime execution provider, with its default candidate selection (`--selection auto`:
@@ -139,7 +139,7 @@ class _TorchBase:
     def __init__(self, name: str, checkpoint: Path, threads: int, device: str = "cpu"):
         import torch
 
-        from cognet import checkpoint as ckpt
+        from cognet.model import checkpoint as ckpt
 
         torch.set_num_threads(threads)
         started = time.perf_counter()
@@ -179,13 +179,13 @@ class _TorchBase:
 
 
 class TorchBatched(_TorchBase):
-    """`cognet.decode.beam_search` over the scored visits of the batch, all at once."""
+    """`cognet.model.decoding.beam_search` over the scored visits of the batch, all at once."""
 
     def run(self, batch: Batch) -> list[tuple[int, ...]]:
         import torch
 
-        from cognet.batching import make_batch
-        from cognet.decode import beam_search
+        from cognet.model.batching import make_batch
+        from cognet.model.decoding import beam_search
 
         tensors = make_batch(batch.patients, self.vocab, targets=False)
         last = torch.as_tensor(_last_rows(batch.patients))
@@ -193,7 +193,7 @@ class TorchBatched(_TorchBase):
             tensors = {k: v.to(self.device) for k, v in tensors.items()}
             last = last.to(self.device)
         if self.beam == SET:
-            from cognet.decode_set import set_decode
+            from cognet.model.decoding import set_decode
 
             decoded = set_decode(self.model, tensors, batch.visit_ids, self.set_decoding, rows=last)
             return [d.meds for d in decoded]
@@ -206,9 +206,9 @@ class TorchBatched(_TorchBase):
         import numpy as np
         import torch
 
-        from cognet.batching import make_batch, select_rows
         from cognet.core.decoding import MAX_LEN
-        from cognet.model import history_inputs
+        from cognet.model.batching import make_batch, select_rows
+        from cognet.model.network import history_inputs
 
         vocab, model = self.vocab, self.model
         index = {code: i for i, code in enumerate(vocab.medications)}
@@ -269,8 +269,8 @@ class OrtEngine:
             "streams": self.streams,
         }
         if beam == SET:  # the model's set decoding
-            return ScoreOptions(decoding="set", **common)
-        return ScoreOptions(decoding="beam", beam=beam, **common)
+            return ScoreOptions.of(decoding="set", **common)
+        return ScoreOptions.of(decoding="beam", beam=beam, **common)
 
     def _load(self, beam: int, batch_size: int) -> float:
         started = time.perf_counter()

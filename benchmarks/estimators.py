@@ -3,7 +3,7 @@
     python -m cognet.benchmarks.estimators --model MODEL --data DATA [--visits 200]
         [--reference 4096] [--samples 8,16,32,64] [--estimators plain,stratified]
 
-For each number of samples and estimator (`cognet.core.sampling.uniforms`):
+For each number of samples and estimator (`cognet.core.decoding.draws.uniforms`):
 - the mean absolute error of P(k in S), over every medication of a fixed subset of
   validation visits (the first `--visits` scored visits of the split, in file order),
   against a reference of `--reference` plain samples drawn with another seed;
@@ -21,13 +21,14 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from cognet.core import numbers as strict_json
+from cognet.core.decoding.draws import visit_keys
+from cognet.core.decoding.sampling import SetConfig, set_marginals
 from cognet.core.manifest import load_manifest
 from cognet.core.metrics import summary_of
-from cognet.core.sampling import SetConfig, set_marginals, visit_keys
+from cognet.core.schema import split_rows
 from cognet.runtime import Scorer, reader
 from cognet.runtime.batches import encoder_budget
 from cognet.runtime.encoder import encode_plan, init_inputs
@@ -39,7 +40,7 @@ REFERENCE_SEED = 104729  # the reference's draws share no stream with the measur
 
 def split_table(data: Path, split: str) -> pa.Table:
     visits = pq.read_table(data / "visits.parquet")
-    return visits.filter(pc.equal(visits["split"], split)).drop(["split"])
+    return split_rows(visits, split).drop(["split"])
 
 
 def marginals(model_dir: Path, table: pa.Table, visits: int, configs, batch: int = 32) -> list:

@@ -33,7 +33,7 @@ from collections.abc import Sequence
 from cognet.benchmarks import engines as eng
 from cognet.benchmarks.workload import Batch
 
-SET_TOLERANCE = 0.005  # share of visits whose set may differ (issue 13's bar)
+SET_TOLERANCE = 0.005  # share of visits whose set may differ (float32 rounding: 99.5% equal)
 # Two lists whose log-probabilities differ by at most this are a tie: float32 rounds a sum
 # of ~20 log-probabilities of magnitude ~10 to ~1e-6; real differences are far larger.
 TIE = 1e-5

@@ -19,7 +19,7 @@ distribution of every chosen candidate kept as a Python list (the reference keep
 PRAUC). Measured on the 2-core machine this bookkeeping, not the decoder, is most of the
 time per step (BENCHMARKS.md).
 
-The selection rules are those of docs/INTERNALS.md "Beam search" (and `cognet.decode`), so
+The selection rules are those of docs/INTERNALS.md "Beam search" (and `cognet.model.decoding`), so
 the recommendations equal `torch-batched`'s up to float rounding: B hypotheses per visit,
 hypothesis 0 at score 0 and the others at -inf; medications already in a hypothesis are
 skipped; a finished hypothesis proposes only END at its frozen score; the B best candidates
@@ -36,10 +36,10 @@ from collections.abc import Sequence
 
 import torch
 
-from cognet.batching import make_batch, select_rows
 from cognet.core.decoding import MAX_LEN
 from cognet.core.history import Visit
-from cognet.model import COGNet, history_inputs
+from cognet.model.batching import make_batch, select_rows
+from cognet.model.network import COGNet, history_inputs
 
 
 class Beam:

@@ -44,7 +44,7 @@ def profile_ort(
         from cognet.benchmarks.engines import scorer as open_scorer
         from cognet.runtime import ScoreOptions
 
-        options = ScoreOptions(beam=beam, device=device, threads=threads, batch_size=batch_size)
+        options = ScoreOptions.of(beam=beam, device=device, threads=threads, batch_size=batch_size)
         s = open_scorer(model_dir, options, gpu_path)
         list(s.score_table(batches[0].table))  # warm-up
         return s

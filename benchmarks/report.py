@@ -200,9 +200,9 @@ def markdown(results: dict) -> str:
 
 
 def _tradeoff_section(t: dict) -> list[str]:
-    """The DDI trade-off (`cognet.ddi_tradeoff.TradeoffResult.to_json`) as Markdown."""
+    """The DDI trade-off (`cognet.evaluation.ddi_tradeoff.TradeoffResult.to_json`) as Markdown."""
     from cognet.core.ddi import DDIPolicy
-    from cognet.ddi_tradeoff import TradeoffRow, markdown_table
+    from cognet.evaluation.ddi_tradeoff import TradeoffRow, markdown_table
 
     rows = [TradeoffRow(DDIPolicy(**r["policy"]), r["report"], r["seconds"]) for r in t["rows"]]
     best = next((r for r in rows if r.policy.label == t["recommended"]), None)

@@ -11,17 +11,16 @@ import json
 import sys
 
 import pyarrow as pa
-import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from cognet.core.files import atomic_path
 
 
 def make_input(data_dir: str, out: str, split: str = "test") -> int:
-    from cognet.core.schema import read_dataset
+    from cognet.core.schema import read_dataset, split_rows
 
     visits = read_dataset(data_dir).visits
-    visits = visits.filter(pc.equal(visits.column("split"), split)).drop_columns(["split"])
+    visits = split_rows(visits, split).drop_columns(["split"])
     pids = visits.column("patient_id").to_pylist()
     last = [i + 1 == len(pids) or pids[i + 1] != p for i, p in enumerate(pids)]
     meds = visits.column("medications").to_pylist()

@@ -22,7 +22,7 @@ from cognet.core.graphspec import (
     STEP_OUTPUTS,
 )
 from cognet.core.manifest import TensorSpec
-from cognet.model import COGNet
+from cognet.model.network import COGNet
 
 
 class EncoderGraph(nn.Module):

@@ -80,8 +80,8 @@ def _export(model, vocab, config, checkpoint, out: Path, validate, fp16, tensorr
     """`export` once the checkpoint is loaded and OUT is ready."""
     import torch
 
-    from cognet import checkpoint as ckpt
     from cognet.export.graphs import tensor_specs
+    from cognet.model import checkpoint as ckpt
 
     specs = tensor_specs(model)
     paths = {name: out / GRAPH_FILES[name] for name in GRAPHS}
@@ -149,7 +149,7 @@ def _export(model, vocab, config, checkpoint, out: Path, validate, fp16, tensorr
 def _load_checkpoint(path: Path):
     from safetensors import SafetensorError
 
-    from cognet import checkpoint as ckpt
+    from cognet.model import checkpoint as ckpt
 
     try:
         return ckpt.load(path)

@@ -3,7 +3,8 @@ that a decoder step's log-probabilities never leave the device (written with `on
 
 The runtime runs one of them right after each decoder step (`cognet.runtime.search`). They
 compute exactly the rules of docs/INTERNALS.md "Beam search" / "Set decoding" and
-`cognet.core.ddi`, which the numpy drivers (`cognet.runtime.beam`, `cognet.core.sampling`)
+`cognet.core.ddi`, which the numpy drivers (`cognet.core.decoding.beam`,
+`cognet.core.decoding.sampling`)
 also follow; tests hold the two equal, visit by visit.
 
 - `beam_select` (and `beam_select_ddi`, which takes the DDI penalty and hard flag and holds the

@@ -9,8 +9,8 @@ Two checks, both run by `cognet.export.export` unless `validate=False`:
    (its `log_probs` compared as probabilities, see below) with `FLOAT16_MIN_TOP1` of the
    step rows choosing the same top-1 token.
 2. Decoding: greedy and beam-4 search driven through the exported graphs by the runtime's
-   numpy beam search (`cognet.runtime.beam`) must return the medication lists of the torch
-   reference `cognet.decode.beam_search` on every visit.
+   numpy beam search (`cognet.core.decoding.beam`) must return the medication lists of the torch
+   reference `cognet.model.decoding.beam_search` on every visit.
 
 `copy_probs` are compared on visits with a history only: without one every slot has the
 bias NEG and the distribution (unused: the gate is 1) is float rounding noise.
@@ -37,9 +37,9 @@ from cognet.core.graphspec import ENCODER_INPUTS, INIT_INPUTS
 from cognet.core.history import Visit
 from cognet.core.manifest import GRAPHS
 from cognet.core.vocab import Vocab
-from cognet.decode import beam_search
 from cognet.export.graphs import GRAPH_IO, WRAPPERS, Sizes, example_inputs
-from cognet.model import COGNet
+from cognet.model.decoding import beam_search
+from cognet.model.network import COGNet
 
 FLOAT32_ATOL = 1e-4
 # float16 (CPU provider), measured over the shape cases: worst abs diff 4.2e-3 on a checkpoint
@@ -199,7 +199,8 @@ def synthetic_patients(vocab: Vocab, n_patients: int, seed: int = 0) -> list[lis
 
 
 class _StepSession:
-    """`cognet.core.driver.DecoderSession` over `Graphs` (any variant), host arrays only."""
+    """`cognet.core.decoding.driver.DecoderSession` over `Graphs` (any variant), host arrays
+    only."""
 
     def __init__(self, graphs: Graphs, heads: int, head_dim: int):
         self.graphs, self.heads, self.head_dim = graphs, heads, head_dim
@@ -241,11 +242,11 @@ def onnx_beam_search(
     beam: int = BEAM,
     max_len: int = MAX_LEN,
 ) -> list[tuple[tuple[int, ...], float]]:
-    """Decode the targets of `batch` (`cognet.batching.make_batch`, as numpy arrays) through
-    the exported graphs with the runtime's beam search (`cognet.runtime.beam`): the driver
+    """Decode the targets of `batch` (`cognet.model.batching.make_batch`, as numpy arrays) through
+    the exported graphs with the runtime's beam search (`cognet.core.decoding.beam`): the driver
     that serves the model is the one validated. Returns (medications, score) per visit."""
-    from cognet.runtime.beam import BeamConfig
-    from cognet.runtime.beam import beam_search as runtime_beam_search
+    from cognet.core.decoding.beam import BeamConfig
+    from cognet.core.decoding.beam import beam_search as runtime_beam_search
 
     enc = graphs.run("encoder", {k: batch[k] for k in ENCODER_INPUTS})
     t = batch["target"]
@@ -284,7 +285,7 @@ def compare_decoding(
     chunk: int = 256,
 ) -> dict:
     """Medication lists of the torch reference vs the ONNX-driven beam search, per beam size."""
-    from cognet.batching import make_batch
+    from cognet.model.batching import make_batch
 
     report = {}
     for beam in beams:

@@ -21,11 +21,13 @@ from cognet.core.clitools import (
     count_option,
     ddi_options,
     ddi_policy,
+    decoding_options,
     handle_errors,
     progress,
     setup_logging,
 )
-from cognet.core.decoding import BEAM, DECODINGS, ESTIMATORS, SET_RULES, asked_decoding
+from cognet.core.decoding import BEAM
+from cognet.core.decoding.request import DecodingRequest
 from cognet.core.errors import InputError
 from cognet.core.files import Reads, check_not_read
 from cognet.core.lock import claimed
@@ -35,10 +37,7 @@ from cognet.runtime.options import DEVICES, MAX_CODES, SELECTIONS, ScoreOptions
 from cognet.runtime.scorer import Scorer
 from cognet.runtime.signature import signature as run_signature
 
-BEAM_HELP = (
-    f"--decoding beam: beam width (default {BEAM}; 1 = greedy); alone, it asks for beam "
-    "search; with --samples or --threshold, a usage error."
-)
+BEAM_HELP = f"Beam width (default {BEAM}; 1 = greedy)."
 model_option = click.option(
     "--model",
     "model_dir",
@@ -59,47 +58,17 @@ def main() -> None:
 
 
 def score_options(func):
-    """--decoding, --beam, --samples, --threshold, --estimator, --set-rule, --device,
-    --selection, --variant, --batch-size, --threads, --streams, --max-history-visits, the DDI
-    options, --max-codes-per-visit and --keep-columns, given to `func` as one `options:
-    ScoreOptions`."""
+    """The decoding options (`decoding_options`), --device, --selection, --variant,
+    --batch-size, --threads, --streams, --max-history-visits, --max-codes-per-visit and
+    --keep-columns, given to `func` as one `options: ScoreOptions`."""
 
     @functools.wraps(func)
     def wrapper(
-        *args,
-        decoding,
-        beam,
-        samples,
-        threshold,
-        estimator,
-        set_rule,
-        device,
-        selection,
-        variant,
-        batch_size,
-        threads,
-        streams,
-        max_history_visits,
-        ddi_mode,
-        ddi_penalty,
-        ddi_max_rate,
-        max_codes_per_visit,
-        keep_columns,
-        keep_all_columns,
-        **kwargs,
-    ):
-        try:  # --beam alone asks for beam search; with --samples or --threshold it is refused
-            asked_decoding(decoding, beam, samples, threshold, flag="--")
-        except ValueError as exc:
-            raise click.UsageError(str(exc)) from None
+        *args, request, device, selection, variant, batch_size, threads, streams,
+        max_history_visits, max_codes_per_visit, keep_columns, keep_all_columns, **kwargs
+    ):  # fmt: skip
         options = ScoreOptions(
-            decoding=decoding,
-            beam=beam,
-            samples=samples,
-            threshold=threshold,
-            estimator=estimator,
-            set_rule=set_rule,
-            ddi=ddi_policy(ddi_mode, ddi_penalty, ddi_max_rate),
+            request=request,
             max_history_visits=max_history_visits,
             device=device,
             selection=selection,
@@ -117,23 +86,6 @@ def score_options(func):
     # runs of look-alike lines.
     # fmt: off
     options = [
-        click.option("--decoding", type=click.Choice(DECODINGS), default=None,
-                     help="set: the model's best set of medications (P(in set) >= threshold, "
-                          "from seeded samples); beam: the paper's beam search. Default: the "
-                          "model's own (set for models trained by this version)."),
-        count_option("--beam", help=BEAM_HELP),
-        count_option("--samples", help="--decoding set: samples per visit (default: the "
-                                       "model's, 16)."),
-        click.option("--threshold", type=FiniteFloat(0, 1, min_open=True), default=None,
-                     help="--decoding set: threshold on P(medication in set) (default: the "
-                          "model's, tuned on validation)."),
-        click.option("--estimator", type=click.Choice(ESTIMATORS), default=None,
-                     help="--decoding set: how the samples are drawn (default: the model's; "
-                          "plain for models from before the estimators)."),
-        click.option("--set-rule", type=click.Choice(SET_RULES), default=None,
-                     help="--decoding set: how the set is read from P(medication in set): "
-                          "threshold, or the set of highest expected Jaccard (default: the "
-                          "model's; threshold with --threshold)."),
         click.option("--device", type=click.Choice(DEVICES), default="auto", show_default=True,
                      help="Execution provider; auto = CUDA when available, else CPU."),
         click.option("--selection", type=click.Choice(SELECTIONS), default="auto",
@@ -170,7 +122,7 @@ def score_options(func):
     # fmt: on
     for option in reversed(options):
         wrapper = option(wrapper)
-    return ddi_options(wrapper)
+    return decoding_options(wrapper)
 
 
 def _kept(keep_columns: str, keep_all: bool) -> tuple[str, ...]:
@@ -435,7 +387,8 @@ def explain(
 
     setup_logging()
     ddi = ddi_policy(ddi_mode, ddi_penalty, ddi_max_rate)
-    scorer = Scorer(model_dir, ScoreOptions(beam=beam, ddi=ddi, device="cpu", threads=1))
+    request = DecodingRequest(beam=beam, ddi=ddi)
+    scorer = Scorer(model_dir, ScoreOptions(request=request, device="cpu", threads=1))
     result = explain_visit(scorer, input_path, visit_id)
     text = strict_json.dumps(result.to_json(), indent=1) if as_json else None
     click.echo(text or format_explanation(result))

@@ -1,7 +1,7 @@
 """Which selector decodes a batch: beam search or set decoding, with the selection in numpy
-on the host (`beam.BeamSelector`, `cognet.core.sampling.SetSampler`) or in the exported
+on the host (`beam.BeamSelector`, `cognet.core.decoding.sampling.SetSampler`) or in the exported
 search graphs where the decoder runs (`search.BeamGraphSelector`, `search.SetGraphSampler`);
-every one runs the one loop of `cognet.core.driver`."""
+every one runs the one loop of `cognet.core.decoding.driver`."""
 
 from __future__ import annotations
 
@@ -12,9 +12,10 @@ import numpy as np
 
 from cognet.core.ddi import DDIPolicy
 from cognet.core.decoding import Decoding
-from cognet.core.sampling import SetConfig, SetResult, decode_sets, set_result, visit_keys
+from cognet.core.decoding.beam import BeamConfig, BeamResult, beam_search
+from cognet.core.decoding.draws import visit_keys
+from cognet.core.decoding.sampling import SetConfig, SetResult, decode_sets, set_result
 from cognet.runtime import search
-from cognet.runtime.beam import BeamConfig, BeamResult, beam_search
 
 
 def decoding_configs(

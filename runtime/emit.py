@@ -9,8 +9,8 @@ from collections.abc import Sequence
 import numpy as np
 import pyarrow as pa
 
+from cognet.core.decoding.beam import BeamResult
 from cognet.core.metrics import PATIENT_COLUMNS, VisitResult, patient_rows
-from cognet.runtime.beam import BeamResult
 from cognet.runtime.outputs import explanations, output_schema, with_kept
 from cognet.runtime.plan import Plan
 

@@ -31,7 +31,7 @@ COPIED_FROM = 0.5
 
 
 @dataclass(frozen=True)
-class Step:
+class ExplainedStep:
     step: int  # 1-based generation order
     medication: str
     probability: float  # of the medication at its step
@@ -54,7 +54,7 @@ class VisitExplanation:
     procedures: list[str]
     history: list[str]  # visit_ids of the earlier visits with known medications
     truth: list[str] | None  # the visit's known medications (None when unknown)
-    steps: list[Step]
+    steps: list[ExplainedStep]
     score: float  # sum of log-probabilities of the hypothesis (END included)
     interacting_pairs: list[tuple[str, str]]  # among the recommended medications
     decoding: str  # the decoding (beam width, or set samples and threshold) and DDI policy
@@ -120,7 +120,7 @@ def explain_visit(scorer: Scorer, path: str | Path, visit_id: str) -> VisitExpla
     rec = recs[0]
     truth = row["medications"]
     steps = [
-        Step(
+        ExplainedStep(
             step=i + 1,
             medication=med,
             probability=float(prob),

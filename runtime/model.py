@@ -18,7 +18,7 @@ from cognet.runtime.session import OrtModel, default_threads
 
 @dataclass(frozen=True)
 class ScoringModel:
-    """An encoder (`encoder.PlanEncoder`), a decoder session (`cognet.core.driver`'s
+    """An encoder (`encoder.PlanEncoder`), a decoder session (`cognet.core.decoding.driver`'s
     `DecoderSession`, with the runtime's `search` and `select_on_device`: `session.HostDecoder`
     and `DeviceDecoder`) and what the model says about itself."""
 

@@ -4,8 +4,8 @@ Every caller configures scoring with one: `cognet-batch score` and `explain`, th
 workers (`--engine ray`), and the benchmarks. It is validated once, on creation, and
 `cognet-batch score --summary-json` records it (`to_json`) under "options".
 
-    Scorer("model", ScoreOptions(device="cpu", beam=1))
-    Scorer("model", device="cpu", beam=1)  # the same: fields of ScoreOptions as keywords
+    Scorer("model", ScoreOptions(device="cpu", request=DecodingRequest(beam=1)))
+    Scorer("model", device="cpu", beam=1)  # the same: fields of both as keywords
 
 None means "the model's or the machine's default", resolved by the scorer: beam from the
 manifest (4), batch_size 128 on the CPU / 512 on a GPU, batch_slots 2^12 / 2^20, threads
@@ -15,17 +15,12 @@ asked: host threads feeding the one device).
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields, replace
 
-from cognet.core.ddi import DDIPolicy, DDITarget, with_target
-from cognet.core.decoding import (
-    DECODINGS,
-    ESTIMATORS,
-    SET_RULES,
-    Decoding,
-    asked_decoding,
-    asked_rule,
-)
+from cognet.core.ddi import DDIPolicy, DDITarget
+from cognet.core.decoding import Decoding
+from cognet.core.decoding.driver import COMPACT_AT
+from cognet.core.decoding.request import DecodingRequest
 from cognet.core.errors import InputError
 
 DEVICES = ("auto", "cpu", "cuda", "tensorrt")
@@ -42,14 +37,8 @@ SELECTIONS = ("auto", "host", "device")
 
 @dataclass(frozen=True)
 class ScoreOptions:
-    # -- decoding
-    decoding: str | None = None  # one of cognet.core.decoding.DECODINGS; None: the model's
-    beam: int | None = None  # beam width (1 = greedy); None: the model's
-    samples: int | None = None  # set decoding: samples per visit; None: the model's
-    threshold: float | None = None  # set decoding: on P(k in set); None: the model's
-    # DDI-aware decoding over the model's DDI pairs; None: the model's (its DDI target, if it
-    # has one, else off: `cognet.core.ddi.with_target`)
-    ddi: DDIPolicy | None = None
+    # -- decoding: the decoding and DDI policy asked on top of the model's own
+    request: DecodingRequest = DecodingRequest()
     max_history_visits: int | None = None  # keep only the last K past visits; None: all
     # -- where
     device: str = "auto"  # one of DEVICES; auto = CUDA when available, else CPU
@@ -59,7 +48,7 @@ class ScoreOptions:
     # -- batching
     batch_size: int | None = None  # visits decoded together at most
     batch_slots: int | None = None  # cap on visits x longest history (past-medication slots)
-    compact_at: float = 0.75  # drop done visits when the live share falls below this
+    compact_at: float = COMPACT_AT  # drop done visits when the live share falls below this
     chunk_targets: int | None = None  # visits to score per chunk; None: 16 x batch_size
     chunk_rows: int = 1 << 15  # rows per chunk at most
     encode_batch: int | None = None  # visits per encoder call; None: 64 CPU, 4096 GPU
@@ -68,31 +57,17 @@ class ScoreOptions:
     max_codes_per_visit: int = MAX_CODES  # more known codes of one kind: too_many_codes
     keep_columns: tuple[str, ...] = ()  # input columns carried into the output
     selection: str = "auto"  # one of SELECTIONS: where candidates are selected
-    estimator: str | None = None  # set decoding: "plain" or "stratified"; None: the model's
-    set_rule: str | None = None  # set decoding: one of SET_RULES; None: the model's
 
     def __post_init__(self) -> None:
-        if self.decoding is not None and self.decoding not in DECODINGS:
-            raise InputError(f"unknown decoding {self.decoding!r}; choose from {_names(DECODINGS)}")
+        if not isinstance(self.request, DecodingRequest):
+            raise InputError(f"request must be a DecodingRequest, not {self.request!r}")
         if self.device not in DEVICES:
             raise InputError(f"unknown device {self.device!r}; choose from {_names(DEVICES)}")
         if self.selection not in SELECTIONS:
             raise InputError(
                 f"unknown selection {self.selection!r}; choose from {_names(SELECTIONS)}"
             )
-        if self.ddi is not None and not isinstance(self.ddi, DDIPolicy):
-            raise InputError(f"ddi must be a cognet.core.ddi.DDIPolicy, not {self.ddi!r}")
-        if self.threshold is not None and not 0.0 < self.threshold <= 1.0:
-            raise InputError(f"threshold must be in (0, 1], not {self.threshold}")
-        if self.estimator is not None and self.estimator not in ESTIMATORS:
-            raise InputError(
-                f"unknown estimator {self.estimator!r}; choose from {_names(ESTIMATORS)}"
-            )
-        if self.set_rule is not None and self.set_rule not in SET_RULES:
-            raise InputError(f"unknown set rule {self.set_rule!r}; choose from {_names(SET_RULES)}")
         at_least_one = (
-            "beam",
-            "samples",
             "threads",
             "streams",
             "batch_size",
@@ -112,35 +87,45 @@ class ScoreOptions:
             raise InputError(f"max_history_visits must be >= 0, not {self.max_history_visits}")
         if not 0.0 < self.compact_at <= 1.0:
             raise InputError(f"compact_at must be in (0, 1], not {self.compact_at}")
-        try:  # beam together with samples or threshold is refused (one rule, core.decoding)
-            asked_decoding(self.decoding, self.beam, self.samples, self.threshold)
-        except ValueError as exc:
-            raise InputError(str(exc)) from None
 
-    def resolve_decoding(self, default: Decoding) -> Decoding:
-        """The decoding these options ask for, on top of the model's `default`."""
-        name = asked_decoding(self.decoding, self.beam, self.samples, self.threshold)
-        try:
-            return default.with_changes(
-                name=name,
-                beam=self.beam,
-                samples=self.samples,
-                threshold=self.threshold,
-                estimator=self.estimator,
-                rule=asked_rule(self.set_rule, self.threshold),
-            )
-        except ValueError as exc:
-            raise InputError(str(exc)) from None
+    @classmethod
+    def of(cls, **fields_: object) -> ScoreOptions:
+        """Options from keywords naming fields of ScoreOptions or of its `DecodingRequest`
+        (`ScoreOptions.of(device="cpu", beam=1)`); a bad value is an InputError."""
+        return cls().with_fields(**fields_)
+
+    def with_fields(self, **changes: object) -> ScoreOptions:
+        """These options with fields of ScoreOptions or of its request changed."""
+        asked = {k: changes.pop(k) for k in REQUEST_FIELDS & changes.keys()}
+        request = changes.pop("request", self.request)
+        if asked:
+            try:
+                request = replace(request, **asked)
+            except ValueError as exc:
+                raise InputError(str(exc)) from None
+        return replace(self, request=request, **changes)
 
     def resolve(
         self, default: Decoding, target: DDITarget | None = None
     ) -> tuple[Decoding, DDIPolicy]:
         """The decoding and the DDI policy to run on a model whose own are `default` and
-        `target` (its DDI target: used when these options ask for no policy)."""
-        return with_target(self.ddi, target, default, self.resolve_decoding)
+        `target` (`DecodingRequest.resolve`); InputError when the request does not apply."""
+        try:
+            return self.request.resolve(default, target)
+        except ValueError as exc:
+            raise InputError(str(exc)) from None
 
     def to_json(self) -> dict:
-        return {**asdict(self), "ddi": None if self.ddi is None else self.ddi.to_json()}
+        """The fields, the request's spelled out among them (in the order that run summaries
+        and resume signatures have always recorded)."""
+        asked = self.request.to_json()
+        out = {k: asked[k] for k in ("decoding", "beam", "samples", "threshold", "ddi")}
+        out.update((k, v) for k, v in asdict(self).items() if k != "request")
+        out.update(estimator=asked["estimator"], set_rule=asked["set_rule"])
+        return out
+
+
+REQUEST_FIELDS = {f.name for f in fields(DecodingRequest)}
 
 
 def _names(choices: tuple[str, ...]) -> str:

@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import pyarrow as pa
 
+from cognet.core.decoding.sampling import SetResult
 from cognet.core.graphspec import PROB_FLOOR
-from cognet.core.sampling import SetResult
 from cognet.core.schema import PREDICTIONS_SCHEMA
 from cognet.runtime import reader
 from cognet.runtime.plan import REASONS, REJECTED, Plan
@@ -166,7 +166,8 @@ def copy_by_slot(res, k: int) -> np.ndarray:
     from each history slot, (1 - w_g) copy[s] / Pr[k], with w_g, the copy distribution and
     the mixture's Pr[k] (before any DDI penalty) of the step that emitted it. Beam search:
     its one step (Pr[k] is the `probabilities` entry); set decoding: the mean over the steps
-    at which samples emitted it (`cognet.core.sampling`). Summed over k's own slots it is k's
+    at which samples emitted it (`cognet.core.decoding.sampling`). Summed over k's own slots it is
+    k's
     copy share."""
     if isinstance(res, SetResult):
         return res.shares[k]

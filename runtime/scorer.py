@@ -1,6 +1,6 @@
 """`Scorer`: recommendations for a stream of visits, chunk by chunk, from a model directory.
 
-    scorer = Scorer("model", ScoreOptions(device="cpu", beam=4))
+    scorer = Scorer("model", ScoreOptions.of(device="cpu", beam=4))
     for chunk in scorer.score_file("visits.parquet"):
         print(chunk.recommendations.num_rows, chunk.reject_reasons)
 
@@ -10,7 +10,7 @@ Each chunk (whole patients, see `reader.chunks`) goes through four stages:
 - encode (`encoder.encode_plan`): every needed visit once, in calls of similar lengths;
 - decode (`decode.decode`): the visits to score cut into batches of similar history and
   code lengths (`batches.cut_padded`), each batch's decoder init, then beam search or set
-  decoding in the one loop of `cognet.core.driver`;
+  decoding in the one loop of `cognet.core.decoding.driver`;
 - emit (`emit`): the output rows in input order, and the metrics with `--all`.
 Results come lazily, one `ScoredChunk` at a time, so a caller can write them as they arrive.
 
@@ -32,7 +32,6 @@ import logging
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -40,10 +39,10 @@ import pyarrow as pa
 
 from cognet.core.ddi import ddi_matrix, require_pairs
 from cognet.core.decoding import Decoding
+from cognet.core.decoding.beam import BeamResult
 from cognet.core.vocab import Vocab
 from cognet.runtime import emit, reader
 from cognet.runtime.batches import Budgets, cut_padded
-from cognet.runtime.beam import BeamResult
 from cognet.runtime.decode import decode, decoding_configs
 from cognet.runtime.encoder import PlanEncoder, encode_plan, init_index, init_inputs
 from cognet.runtime.model import ScoringModel, open_model
@@ -58,7 +57,7 @@ class Scorer:
     """Batched decoding of visits with a model directory from `cognet-export`, configured by
     one `ScoreOptions` (see `cognet.runtime.options`; keywords change its fields):
 
-        Scorer("model", ScoreOptions(device="cpu", beam=1))
+        Scorer("model", ScoreOptions.of(device="cpu", beam=1))
         Scorer("model", device="cpu", beam=1)
 
     `options` is the options as given; `settings()` what decides the results, resolved.
@@ -70,7 +69,7 @@ class Scorer:
         options: ScoreOptions | None = None,
         **changes,
     ):
-        options = replace(options or ScoreOptions(), **changes)
+        options = (options or ScoreOptions()).with_fields(**changes)
         if not isinstance(model, ScoringModel):
             model = open_model(model, options)
         self.options, self.model = options, model
@@ -89,9 +88,10 @@ class Scorer:
         # the asked policy, else the model's DDI target (when it has one), else off
         target = manifest.default_target() if manifest is not None else None
         self.decoding, self.ddi = options.resolve(default, target)
-        if options.ddi is not None and options.ddi.active:  # asked: refused without pairs
+        asked = options.request.ddi
+        if asked is not None and asked.active:  # asked: refused without pairs
             where = manifest._file() if manifest is not None else "the model"
-            require_pairs(model.ddi_pairs, where, f"the DDI policy {options.ddi.label!r}")
+            require_pairs(model.ddi_pairs, where, f"the DDI policy {asked.label!r}")
         self.beam_config, self.set_config = decoding_configs(
             self.decoding, self.vocab.end, self.ddi, options.compact_at
         )
@@ -114,7 +114,7 @@ class Scorer:
         """A scorer over any encoder (`encoder.PlanEncoder`; `encoder.HostEncoder` adapts a
         callable) and decoder session (`model.ScoringModel.decoder`): beam 4, max length 45,
         `options.streams` or one stream."""
-        options = replace(options or ScoreOptions(), **changes)
+        options = (options or ScoreOptions()).with_fields(**changes)
         pairs = tuple((str(a), str(b)) for a, b in ddi_pairs)
         model = ScoringModel(encode, decoder, vocab, dim, pairs, streams=options.streams or 1)
         return cls(model, options)

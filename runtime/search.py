@@ -8,8 +8,8 @@ scores (to tell when a visit is done), or for set decoding the drawn tokens and 
 flags. The `used` masks, the set decoding's hazard sums, the KV cache and the memories stay
 on the device; finished visits leave the batch by the `take_*` graphs (a gather on the
 device). The rules are those of the numpy selectors (`beam.BeamSelector`,
-`cognet.core.sampling.SetSampler`), which remain the path for explanations and for the
-PRAUC scores of beam search; both run in the one loop of `cognet.core.driver`, and tests
+`cognet.core.decoding.sampling.SetSampler`), which remain the path for explanations and for the
+PRAUC scores of beam search; both run in the one loop of `cognet.core.decoding.driver`, and tests
 hold both paths equal visit by visit.
 
 `SearchGraphs` runs the graphs on the decoder's provider: numpy arrays on the CPU provider,
@@ -24,8 +24,11 @@ from typing import Any
 import numpy as np
 import onnxruntime as ort
 
-from cognet.core import driver
 from cognet.core.ddi import DDIPolicy, check_adjacency
+from cognet.core.decoding import driver
+from cognet.core.decoding.beam import BeamConfig, BeamResult, BeamRule, BeamStep
+from cognet.core.decoding.draws import Draws
+from cognet.core.decoding.sampling import SetConfig
 from cognet.core.graphspec import (
     BEAM_SELECT_HOST,
     BEAM_SELECT_INPUTS,
@@ -38,8 +41,6 @@ from cognet.core.graphspec import (
     TAKE_OUTPUT,
     take_graph_name,
 )
-from cognet.core.sampling import Draws, SetConfig
-from cognet.runtime.beam import BeamConfig, BeamResult, BeamRule, Step
 
 _TAKE = {
     "tensor(float)": "take_float32",
@@ -150,8 +151,8 @@ class BeamGraphSelector(BeamRule):
         suffix, self.extra = _ddi_feeds(cfg.ddi)
         self.graph = ("beam_select" if search.device is None else "beam_select_split") + suffix
 
-    def start(self, session: Any, n: int) -> None:
-        super().start(session, n)
+    def start(self, n: int) -> None:
+        super().start(n)
         self.used = self.search.zeros((n, self.width, self.cfg.end + 1), bool)
 
     def select(self, t, out, rows, parent):
@@ -164,7 +165,7 @@ class BeamGraphSelector(BeamRule):
             got[k] for k in BEAM_SELECT_HOST
         )
         (self.used,) = (state[k] for k in BEAM_SELECT_STATE)
-        self.trace.append(Step(rows, parent, tokens, live, chosen, None, None, None, None))
+        self.trace.append(BeamStep(rows, parent, tokens, live, chosen, None, None, None, None))
         return tokens, parent, self.over()
 
     def held(self, newly: np.ndarray) -> np.ndarray:
@@ -177,7 +178,7 @@ class BeamGraphSelector(BeamRule):
 
 class SetGraphSampler:
     """The set decoding's sampling step in the `set_select` graphs (`SetSampler`'s rule, a
-    `cognet.core.driver.Selector`): the `used` masks and the hazard sums stay where the
+    `cognet.core.decoding.driver.Selector`): the `used` masks and the hazard sums stay where the
     graphs run; per step the drawn tokens and finished flags come to the host."""
 
     on_device = True
@@ -188,7 +189,7 @@ class SetGraphSampler:
         suffix, self.extra = _ddi_feeds(cfg.ddi)
         self.graph = "set_select" + suffix
 
-    def start(self, session: Any, n: int) -> None:
+    def start(self, n: int) -> None:
         s, end = self.cfg.samples, self.cfg.end
         self.finished = np.zeros((n, s), bool)
         self.used = self.search.zeros((n, s, end + 1), bool)
@@ -235,6 +236,7 @@ def beam_search(session, memories: Any, n: int, cfg: BeamConfig, ddi_adj=None) -
 def set_marginals(
     session, memories: Any, n: int, cfg: SetConfig, keys: np.ndarray
 ) -> tuple[np.ndarray, None, int]:
-    """`cognet.core.sampling.set_marginals` (no explanations) with each sampling step in the
+    """`cognet.core.decoding.sampling.set_marginals` (no explanations) with each sampling step in
+    the
     `set_select` graphs of `session.search`: (P(k in S) float64 [n, M], None, steps run)."""
     return driver.run(session, memories, n, SetGraphSampler(session.search, cfg, keys), cfg)

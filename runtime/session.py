@@ -1,5 +1,5 @@
 """ONNX Runtime sessions of a model directory: providers, threads, and the decoder session
-the beam driver runs (`cognet.runtime.beam.DecoderSession`).
+the beam driver runs (`cognet.core.decoding.beam.DecoderSession`).
 
 CPU: numpy in, numpy out; every array stays in host memory. Sessions run with a fixed number
 of intra-op threads and no spinning (see `session_options`).

@@ -15,7 +15,6 @@ a resume must cut the input where the interrupted run did.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from pathlib import Path
 
@@ -55,5 +54,6 @@ def signature(
 
 
 def output_fields() -> list[str]:
-    """The fields of ScoreOptions that the signature holds (all but NOT_OUTPUT)."""
-    return [f.name for f in dataclasses.fields(ScoreOptions) if f.name not in NOT_OUTPUT]
+    """The fields of ScoreOptions (its request's spelled out, `ScoreOptions.to_json`) that the
+    signature holds: all but NOT_OUTPUT."""
+    return [name for name in ScoreOptions().to_json() if name not in NOT_OUTPUT]

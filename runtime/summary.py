@@ -111,7 +111,7 @@ def run_summary(
         "decoding": decoding.to_json(),
         "beam": decoding.beam,
         "batch_size": setup.batch_size,
-        "ddi": (setup.ddi or options.ddi or DDIPolicy()).to_json(),
+        "ddi": (setup.ddi or options.request.ddi or DDIPolicy()).to_json(),
         "options": options.to_json(),
     }
     if metric_rows is not None:

@@ -47,3 +47,31 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def visits(tiny: Path) -> pa.Table:
     """The tiny model's `visits.parquet` (every visit with its medications)."""
     return pq.read_table(tiny / "data" / "visits.parquet")
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    """A local Ray cluster of 2 CPUs for the module's tests (skipped without ray[data])."""
+    ray = pytest.importorskip("ray")
+    pytest.importorskip("ray.data")
+    import logging
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level=logging.ERROR)
+    yield ray
+    ray.shutdown()
+
+
+@pytest.fixture
+def cdm(tmp_path: Path) -> Path:
+    """The hand-made OMOP CDM extract of tests/omop_tables.py, as CSV files."""
+    from omop_tables import write_extract
+
+    return write_extract(tmp_path / "cdm")
+
+
+@pytest.fixture
+def ddi_file(tmp_path: Path) -> Path:
+    """The DDI pairs of tests/omop_tables.py as an ATC-3 CSV file."""
+    from omop_tables import DDI, write_table
+
+    return write_table(tmp_path / "ddi_atc3.csv", DDI)

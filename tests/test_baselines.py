@@ -1,4 +1,4 @@
-"""Baselines on tiny hand-made visit tables (cognet.baselines)."""
+"""Baselines on tiny hand-made visit tables (cognet.evaluation.baselines)."""
 
 import subprocess
 import sys
@@ -7,10 +7,10 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from cognet.baselines import LRConfig, run_baseline, train_logistic
 from cognet.core import metrics
 from cognet.core.errors import InputError
 from cognet.core.vocab import Vocab
+from cognet.evaluation.baselines import LRConfig, run_baseline, train_logistic
 
 CODES = pa.list_(pa.string())
 
@@ -160,5 +160,5 @@ def test_input_errors(name, table, split, match):
 
 
 def test_baselines_module_is_torch_free():
-    code = "import sys, cognet.baselines; assert 'torch' not in sys.modules"
+    code = "import sys, cognet.evaluation.baselines; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)

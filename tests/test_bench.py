@@ -10,15 +10,15 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from cognet import checkpoint
-from cognet.batching import make_batch
 from cognet.benchmarks.cli import main
 from cognet.benchmarks.guard import Guard
 from cognet.benchmarks.perpatient import decode_perpatient
 from cognet.benchmarks.report import markdown, ratios
+from cognet.core.history import load_split
 from cognet.core.schema import read_dataset
-from cognet.decode import beam_search
-from cognet.evaluate import load_split
+from cognet.model import checkpoint
+from cognet.model.batching import make_batch
+from cognet.model.decoding import beam_search
 
 
 @pytest.fixture(scope="module")
@@ -297,7 +297,7 @@ def test_engine_options_hold_at_every_decoding(name):
         options = engine.options(beam, 256)
         assert options.variant == eng.ORT_VARIANTS.get(name)
         assert options.streams == eng.ORT_STREAMS.get(name)
-        assert options.decoding == ("set" if beam == eng.SET else "beam")
+        assert options.request.decoding == ("set" if beam == eng.SET else "beam")
 
 
 def test_profile_of_the_gpu_path_on_the_cpu(tiny):

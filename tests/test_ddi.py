@@ -11,21 +11,25 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 import torch
+from beam_oracle import beam_search as torch_beam_search
 from click.testing import CliRunner
-from tiny import TorchDecoder, make_case, random_checkpoint
+from tiny import make_case, random_checkpoint
 
-from cognet import checkpoint, ddi_tradeoff
-from cognet.batching import make_batch
 from cognet.cli import main as cognet_main
 from cognet.core.ddi import RECOMMENDED_PENALTY, DDIPolicy, ddi_matrix, policy_from_options
 from cognet.core.decoding import Decoding
+from cognet.core.decoding.beam import BeamConfig, beam_search, ddi_rates
+from cognet.core.decoding.request import DecodingRequest
 from cognet.core.graphspec import INIT_INPUTS
 from cognet.core.history import patients_from_table
-from cognet.decode import beam_search as torch_beam_search
-from cognet.evaluate import EvalOptions, decode_patients, run_evaluation
-from cognet.model import history_inputs
+from cognet.evaluation import ddi_tradeoff
+from cognet.evaluation.evaluate import EvalOptions, run_evaluation
+from cognet.model import checkpoint
+from cognet.model.batching import make_batch
+from cognet.model.decoding import decode_patients
+from cognet.model.network import history_inputs
+from cognet.model.session import TorchSession
 from cognet.runtime import Scorer
-from cognet.runtime.beam import BeamConfig, beam_search, ddi_rates
 from cognet.runtime.cli import main as batch_main
 
 torch.set_num_threads(1)
@@ -65,7 +69,7 @@ def test_driver_equals_torch_reference(policy, compact_at):
     with torch.no_grad():
         enc = model.encode_visits(batch["diagnoses"], batch["procedures"], batch["medications"])
         inputs = history_inputs(batch, *enc, model.cfg)
-    session = TorchDecoder(model)
+    session = TorchSession(model)
     memories = session.init({k: v.numpy() for k, v in zip(INIT_INPUTS, inputs, strict=True)})
     adj = (model.ddi_gcn.adj > 0).numpy() & ~np.eye(vocab.n_med, dtype=bool)
     cfg = BeamConfig(end=vocab.end, compact_at=compact_at, ddi=policy)
@@ -79,7 +83,7 @@ def test_driver_equals_torch_reference(policy, compact_at):
 
 def test_an_active_policy_needs_the_adjacency():
     model, vocab, patients = make_case(seed=1, n_patients=2)
-    session = TorchDecoder(model)
+    session = TorchSession(model)
     with pytest.raises(ValueError, match="adjacency"):
         beam_search(session, None, 2, BeamConfig(end=vocab.end, ddi=DDIPolicy("hard")))
 
@@ -143,7 +147,11 @@ def synth_ckpt(tiny_dataset, tmp_path_factory) -> Path:
 
 def test_hard_gives_ddi_rate_zero_on_the_synthetic_test_split(tiny_dataset, synth_ckpt):
     off = run_evaluation(synth_ckpt, tiny_dataset, EvalOptions(rounds=2))["report"]
-    hard = run_evaluation(synth_ckpt, tiny_dataset, EvalOptions(ddi=DDIPolicy("hard"), rounds=2))
+    hard = run_evaluation(
+        synth_ckpt,
+        tiny_dataset,
+        EvalOptions(request=DecodingRequest(ddi=DDIPolicy("hard")), rounds=2),
+    )
     assert off["ddi"]["mean"] > 0
     assert hard["report"]["ddi"] == {"mean": 0.0, "std": 0.0}
     assert hard["report"]["ddi_policy"]["mode"] == "hard"

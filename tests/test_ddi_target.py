@@ -1,4 +1,4 @@
-"""The DDI target (`cognet train/evaluate --ddi-target`, `cognet.ddi_target`): the search
+"""The DDI target (`cognet train/evaluate --ddi-target`, `cognet.training.ddi_target`): the search
 holds the target on validation, the pair found travels checkpoint -> manifest -> scorer
 as the model's default policy, an asked policy overrides it, and a model without one decodes
 as before. Also the trade-off plot's --mark points."""
@@ -15,12 +15,13 @@ from click.testing import CliRunner
 
 from cognet.cli import main as cognet_main
 from cognet.core.ddi import DDIPolicy, DDITarget
+from cognet.core.decoding.request import DecodingRequest
 from cognet.core.errors import InputError
 from cognet.core.manifest import load_manifest
-from cognet.ddi_target import search
-from cognet.evaluate import EvalOptions, run_evaluation
+from cognet.evaluation.evaluate import EvalOptions, run_evaluation
 from cognet.runtime import Scorer
 from cognet.runtime.cli import main as batch_main
+from cognet.training.ddi_target import search
 
 TARGET = 0.05  # below the validation DDI rate of the model decoded without a policy
 
@@ -122,7 +123,11 @@ def test_model_without_a_target_is_unchanged(tiny, tmp_path):
     scorer = Scorer(tiny / "model", device="cpu", threads=1)
     assert scorer.ddi == DDIPolicy() and scorer.decoding == manifest.default_decoding()
     default = run_evaluation(tiny / "ckpt", tiny / "data", EvalOptions(rounds=2))["report"]
-    off = run_evaluation(tiny / "ckpt", tiny / "data", EvalOptions(rounds=2, ddi=DDIPolicy()))
+    off = run_evaluation(
+        tiny / "ckpt",
+        tiny / "data",
+        EvalOptions(rounds=2, request=DecodingRequest(ddi=DDIPolicy())),
+    )
     assert default == off["report"] and "ddi_target" not in default
 
 

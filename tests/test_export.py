@@ -16,7 +16,6 @@ import torch
 from click.testing import CliRunner
 from tiny import make_tiny
 
-from cognet import checkpoint
 from cognet.core.errors import InputError
 from cognet.core.graphspec import STEP_INPUTS, STEP_OUTPUTS
 from cognet.core.history import patients_from_table
@@ -27,7 +26,8 @@ from cognet.export import validate as val
 from cognet.export.cli import main
 from cognet.export.graphs import GRAPH_IO, Sizes, StepGraph, example_inputs, tensor_specs
 from cognet.export.search_graphs import SEARCH_FILES
-from cognet.model import COGNet
+from cognet.model import checkpoint
+from cognet.model.network import COGNet
 
 ALLOWLIST = Path(__file__).parents[1] / "export" / "onnx_ops_allowlist.txt"
 

@@ -1,12 +1,11 @@
-"""Issue 14, `cognet-batch score`: bad inputs and faults, one test per case, through the CLI.
+"""`cognet-batch score`: bad inputs and faults, one test per case, through the CLI.
 
-Never corrupt, never surprise (README "Failure behaviour"). With tests/test_failures_train.py
-(the `cognet train` / `evaluate` / `cognet-export` cases) this is the issue's runnable script:
-
-    make failures      # = pytest tests/test_failures_batch.py tests/test_failures_train.py
+Never corrupt, never surprise (README "Failure behaviour"). With tests/test_failures_memory.py
+(one wide visit), tests/test_failures_train.py (the `cognet train` / `evaluate` /
+`cognet-export` cases) and tests/test_failures_outputs.py, this is `make failures`.
 
 Sections, one per behaviour of the README table: one writer per OUT, an OUT that is an
-input, bounded memory, checks before work, resume refuses a damaged work folder, swapped
+input, checks before work, resume refuses a damaged work folder, swapped
 graphs, small things, --keep-columns, the resume signature. An error case asserts the exit
 code, one line without a traceback, the message, and that no output is left.
 """
@@ -145,68 +144,6 @@ def test_out_equal_to_input_is_refused_before_reading(tiny, inp, tmp_path):
     assert "--summary-json" in line and "input file" in line
     assert inp.read_bytes() == before
     assert nothing_written(tmp_path / "s.parquet") and not writer.work_dir(inp).exists()
-
-
-# -- bounded memory -----------------------------------------------------------------------
-RSS = """
-import resource, sys
-from cognet.runtime.cli import main
-try:
-    main(sys.argv[1:])
-finally:
-    print("maxrss_kb", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, file=sys.stderr)
-"""
-
-
-@pytest.fixture(scope="module")
-def wide(tmp_path_factory) -> Path:
-    """A tiny model whose vocabulary holds 3,000 diagnoses (one training visit has them all),
-    and `base.parquet`: 4,500 visits; `wide.parquet`: the same plus one visit holding every
-    diagnosis code twice."""
-    from tiny import random_checkpoint, tiny_ddi, tiny_visits
-
-    from cognet.export import export
-
-    root = tmp_path_factory.mktemp("wide")
-    data = root / "data"
-    data.mkdir()
-    table = tiny_visits(30, seed=1)
-    codes = [f"W{i:04d}" for i in range(3000)]
-    row = {**table.slice(0, 1).to_pylist()[0], "patient_id": "WIDE", "visit_id": "WIDE-0"}
-    rows = table.to_pylist() + [{**row, "diagnoses": codes}]
-    pq.write_table(pa.Table.from_pylist(rows, table.schema), data / "visits.parquet")
-    pq.write_table(tiny_ddi(), data / "ddi.parquet")
-    export(random_checkpoint(data, root / "ckpt"), root / "model", validate=False)
-    copies = []
-    for k in range(50):
-        ids = {c: pa.compute.binary_join_element_wise(table[c], pa.scalar(f"-{k}"), "")
-               for c in ("patient_id", "visit_id")}  # fmt: skip
-        copies.append(table.set_column(0, "patient_id", ids["patient_id"])
-                      .set_column(1, "visit_id", ids["visit_id"]))  # fmt: skip
-    base = pa.concat_tables(copies).drop_columns(["split"])
-    pq.write_table(base, root / "base.parquet")
-    big = {**row, "patient_id": "BIG", "visit_id": "BIG-0", "diagnoses": codes * 2}
-    big.pop("split")
-    pq.write_table(pa.concat_tables([base, pa.Table.from_pylist([big], base.schema)]),
-                   root / "wide.parquet")  # fmt: skip
-    return root
-
-
-def test_one_wide_visit_keeps_memory_bounded(wide, tmp_path):
-    rss = {}
-    for name in ("base", "wide"):
-        done = subprocess.run(
-            [sys.executable, "-c", RSS, "score", str(wide / f"{name}.parquet"), "--model",
-             str(wide / "model"), "--out", str(tmp_path / f"{name}.parquet"), "--all",
-             "--batch-size", "4096", "--threads", "1", "--max-codes-per-visit", "3000",
-             "--quiet"],
-            capture_output=True, text=True, cwd=REPO,
-        )  # fmt: skip
-        assert done.returncode == 0, done.stderr
-        rss[name] = int(done.stderr.split("maxrss_kb")[-1])
-    scored = pq.read_table(tmp_path / "wide.parquet")["visit_id"].to_pylist()
-    assert "BIG-0" in scored  # the 3,000 codes (each twice) were scored as a set of 3,000
-    assert rss["wide"] <= 2 * rss["base"], rss
 
 
 def test_codes_are_sets_and_a_visit_above_the_cap_is_rejected(tiny, visits, tmp_path):
@@ -416,17 +353,6 @@ def test_resume_refuses_every_option_that_changes_the_output(tiny, inp, tmp_path
 
 
 # -- the Ray engine: 1, 2, 4 and 11 ----------------------------------------------------------
-@pytest.fixture(scope="module")
-def local_ray():
-    ray = pytest.importorskip("ray")
-    pytest.importorskip("ray.data")
-    import logging
-
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level=logging.ERROR)
-    yield ray
-    ray.shutdown()
-
-
 @pytest.mark.ray
 def test_ray_engine_keeps_the_same_promises(local_ray, tiny, visits, tmp_path):
     parts = tmp_path / "parts"

@@ -153,7 +153,7 @@ def test_every_json_file_written_is_strict_json(made, tmp_path):
 def test_a_diverging_training_exits_2_and_writes_no_checkpoint(made, tmp_path, monkeypatch):
     import torch
 
-    from cognet import train as training
+    from cognet.training import train as training
 
     real = training.train_epoch
 
@@ -188,7 +188,7 @@ def test_a_huge_learning_rate_stops_with_exit_2(made, tmp_path):
 def test_a_checkpoint_of_nan_weights_is_refused_by_evaluate_and_export(made, tmp_path):
     from safetensors.torch import load_file, save_file
 
-    from cognet.checkpoint_checks import file_hashes
+    from cognet.model.checkpoint_checks import file_hashes
 
     ckpt = Path(shutil.copytree(made / "ckpt", tmp_path / "ckpt"))
     weights = load_file(ckpt / "model.safetensors")

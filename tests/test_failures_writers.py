@@ -168,7 +168,7 @@ def finish(proc: subprocess.Popen) -> tuple[int, str]:
 
 
 def test_score_against_train_on_one_out_refuses_one_and_keeps_the_other_whole(made, tmp_path):
-    from cognet import checkpoint
+    from cognet.model import checkpoint
 
     out = tmp_path / "R"
     cmds = writers(made, tmp_path)

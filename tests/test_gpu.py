@@ -8,9 +8,10 @@ import pytest
 import torch
 from tiny import make_tiny
 
-from cognet import checkpoint
 from cognet.core.decoding import Decoding
-from cognet.evaluate import decode_patients, load_split
+from cognet.core.history import load_split
+from cognet.model import checkpoint
+from cognet.model.decoding import decode_patients
 
 pytestmark = [
     pytest.mark.gpu,
@@ -29,7 +30,7 @@ def test_beam_search_on_cuda_equals_cpu(tmp_path):
 
 
 def test_training_on_cuda(tmp_path):
-    from cognet.train import TrainConfig, train
+    from cognet.training.train import TrainConfig, train
 
     data, _ = make_tiny(tmp_path, n_patients=45)
     best = train(data, tmp_path / "ckpt", TrainConfig(epochs=2, device="cuda"))
@@ -56,7 +57,7 @@ def real_size(tmp_path_factory):
     checkpoint trained one epoch on the GPU, and its export (with the float16 graphs)."""
     from cognet.data.synth import generate
     from cognet.export import export
-    from cognet.train import TrainConfig, train
+    from cognet.training.train import TrainConfig, train
 
     root = tmp_path_factory.mktemp("real_size")
     generate(root / "data", patients=600, seed=3)
@@ -127,7 +128,7 @@ def test_ort_cuda_set_decoding_agrees_with_torch(real_size):
     import pyarrow as pa
 
     from cognet.core.manifest import load_manifest
-    from cognet.evaluate import decode_patients
+    from cognet.model.decoding import decode_patients
     from cognet.runtime import Scorer
 
     decoding = load_manifest(real_size / "model").default_decoding()

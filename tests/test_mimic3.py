@@ -28,7 +28,7 @@ from mimic_tables import (
     write_csv,
 )
 
-from cognet.cli_data import mimic3_command
+from cognet.cli.data import mimic3_command
 from cognet.core.errors import InputError
 from cognet.core.schema import read_dataset
 from cognet.data.mimic3 import build_mimic3, load_prescriptions, ranked_codes

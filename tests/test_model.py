@@ -9,13 +9,13 @@ import numpy as np
 import pytest
 import torch
 
-from cognet.batching import ehr_adjacency, make_batch
 from cognet.core.history import Visit
 from cognet.core.metrics import jaccard
 from cognet.core.vocab import Vocab
-from cognet.decode import beam_search, greedy
-from cognet.model import ABLATIONS, COGNet, ModelConfig, history_inputs
-from cognet.train import TrainConfig, mix_inputs, train_epoch
+from cognet.model.batching import ehr_adjacency, make_batch
+from cognet.model.decoding import beam_search
+from cognet.model.network import ABLATIONS, COGNet, ModelConfig, history_inputs
+from cognet.training.train import TrainConfig, mix_inputs, train_epoch
 
 D, P, M = 30, 20, 12
 
@@ -161,8 +161,6 @@ def test_beam_search_semantics(beam):
         assert r.score <= 0
         assert len(r.med_probs) == len(r.meds) and all(0 < p <= 1 for p in r.med_probs)
         assert r.scores.shape == (M,)
-    if beam == 1:
-        assert [r.meds for r in greedy(model, batch, max_len=8)] == [r.meds for r in results]
 
 
 def test_wider_beam_never_scores_worse_on_its_own_objective():
@@ -215,22 +213,21 @@ def test_scheduled_sampling_replaces_only_medications_after_start():
 
 
 def test_hard_ddi_mode_never_emits_an_interacting_pair():
-    from cognet.core.ddi import DDIPolicy
-    from cognet.decode import ddi_rate_of_beams
+    from cognet.core.ddi import DDIPolicy, ddi_rates
 
     vocab = make_vocab()
     patients = random_patients(vocab, 10, 9)
     model = make_model(vocab, patients)
-    ddi = (model.ddi_gcn.adj > 0).float() - torch.eye(M)
+    ddi = ((model.ddi_gcn.adj > 0).float() - torch.eye(M)).numpy() > 0
     batch = make_batch(patients, vocab, targets=False)
     off = beam_search(model, batch, beam=4)
     hard = beam_search(model, batch, beam=4, ddi=DDIPolicy("hard"))
 
     def rate(results):
-        used = torch.zeros(len(results), 1, M, dtype=torch.bool)
+        used = np.zeros((len(results), 1, M), bool)
         for i, r in enumerate(results):
             used[i, 0, list(r.meds)] = True
-        return ddi_rate_of_beams(used, ddi)
+        return ddi_rates(used, ddi)
 
     assert rate(off).sum() > 0  # the random model does prescribe interacting pairs
     assert rate(hard).sum() == 0

@@ -19,10 +19,8 @@ from omop_tables import (
     COMBO,
     CONCEPT,
     CONCEPT_ANCESTOR,
-    DDI,
     VISIT,
     rewrite_tables,
-    write_extract,
     write_table,
 )
 
@@ -45,16 +43,6 @@ VISITS = [
     visit("2", "100", 2, [S_HTN], [], ["C08C"]),
     visit("3", "30", 0, [S_T2DM], [], None),
 ]
-
-
-@pytest.fixture
-def cdm(tmp_path: Path) -> Path:
-    return write_extract(tmp_path / "cdm")
-
-
-@pytest.fixture
-def ddi_file(tmp_path: Path) -> Path:
-    return write_table(tmp_path / "ddi_atc3.csv", DDI)
 
 
 def rows_of(out: Path) -> list[dict]:

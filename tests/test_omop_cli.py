@@ -6,27 +6,16 @@ from __future__ import annotations
 
 import csv
 import json
-from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from click.testing import CliRunner
-from omop_tables import DDI, VISIT, rewrite_tables, write_extract, write_table
+from omop_tables import VISIT, rewrite_tables, write_table
 
 from cognet.cli import main
 from cognet.core.errors import InputError
 from cognet.data.omop import build_omop, parse_concept_ids
-
-
-@pytest.fixture
-def cdm(tmp_path: Path) -> Path:
-    return write_extract(tmp_path / "cdm")
-
-
-@pytest.fixture
-def ddi_file(tmp_path: Path) -> Path:
-    return write_table(tmp_path / "ddi_atc3.csv", DDI)
 
 
 def invoke(*args: str):

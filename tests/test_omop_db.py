@@ -12,7 +12,7 @@ import pyarrow as pa
 import pytest
 from cdm_forms import typed, write_duckdb
 from click.testing import CliRunner
-from omop_tables import CONCEPT, CONCEPT_ANCESTOR, DDI, TABLES, write_extract, write_table
+from omop_tables import CONCEPT, CONCEPT_ANCESTOR, TABLES, write_extract
 from pg_server import PASSWORD, PgServer
 
 from cognet.cli import main
@@ -26,11 +26,6 @@ OPTIONS = [{}, {"source_codes": True}, {"visit_concepts": [9201, 262]}]
 def extract() -> dict[str, pa.Table]:
     tables = {**TABLES, "concept": CONCEPT, "concept_ancestor": CONCEPT_ANCESTOR}
     return {name: typed(table) for name, table in tables.items()}
-
-
-@pytest.fixture
-def ddi_file(tmp_path: Path) -> Path:
-    return write_table(tmp_path / "ddi_atc3.csv", DDI)
 
 
 @pytest.fixture

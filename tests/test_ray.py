@@ -8,7 +8,6 @@ everywhere (no Ray needed)."""
 from __future__ import annotations
 
 import json
-import logging
 import sys
 from pathlib import Path
 
@@ -27,15 +26,6 @@ COUNTS = ("rows_read", "rows_scored", "rows_rejected", "rows_skipped", "unknown_
 # Scores and probabilities may differ in the last float32 bits: a visit is decoded in
 # another batch (other visits, other padding) than in the local engine.
 ATOL = 1e-5
-
-
-@pytest.fixture(scope="module")
-def local_ray():
-    ray = pytest.importorskip("ray")
-    pytest.importorskip("ray.data")
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level=logging.ERROR)
-    yield ray
-    ray.shutdown()
 
 
 @pytest.fixture(scope="module")

@@ -1,18 +1,21 @@
-"""The numpy beam driver equals the torch reference beam search (cognet.decode) when it runs
-the torch model's graphs through the session interface; top-k keeps stable-sort order."""
+"""The driver with the host beam selector equals the test oracle (tests/beam_oracle.py, the
+plain torch loop) when it runs the torch model's graphs through the session interface, and so
+does the torch beam search of cognet.model.decoding; top-k keeps stable-sort order."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 import torch
-from tiny import TorchDecoder, make_case
+from beam_oracle import beam_search as torch_beam_search
+from tiny import DDI_IDS, DDI_POLICIES, make_case
 
-from cognet.batching import make_batch
+from cognet.core.decoding.beam import BeamConfig, beam_search, top_k_stable
 from cognet.core.graphspec import INIT_INPUTS
-from cognet.decode import beam_search as torch_beam_search
-from cognet.model import history_inputs
-from cognet.runtime.beam import BeamConfig, beam_search, top_k_stable
+from cognet.model.batching import make_batch
+from cognet.model.decoding import beam_search as model_beam_search
+from cognet.model.network import history_inputs
+from cognet.model.session import TorchSession
 
 torch.set_num_threads(1)  # tiny tensors: threads only add contention
 
@@ -23,7 +26,7 @@ def run_both(model, vocab, patients, beam, max_len, compact_at, prauc=True, expl
     with torch.no_grad():
         enc = model.encode_visits(batch["diagnoses"], batch["procedures"], batch["medications"])
         inputs = history_inputs(batch, *enc, model.cfg)
-    session = TorchDecoder(model)
+    session = TorchSession(model)
     memories = session.init({k: v.numpy() for k, v in zip(INIT_INPUTS, inputs, strict=True)})
     cfg = BeamConfig(end=vocab.end, beam=beam, max_len=max_len, compact_at=compact_at)
     ours = beam_search(session, memories, len(batch["target"]), cfg, prauc=prauc, explain=explain)
@@ -93,3 +96,22 @@ def test_top_k_is_a_stable_descending_sort(k):
         idx, val = top_k_stable(x.copy(), k)
         assert (idx == _stable_top(x, k)).all()
         assert (val == np.take_along_axis(x, idx, 1)).all()
+
+
+@pytest.mark.parametrize("policy", DDI_POLICIES, ids=DDI_IDS)
+@pytest.mark.parametrize("beam,max_len,n_med", [(4, 45, 12), (1, 45, 12), (3, 5, 4)])
+def test_torch_beam_search_equals_the_oracle(policy, beam, max_len, n_med):
+    """`cognet.model.decoding.beam_search` (the driver over `TorchSession`) gives the oracle's
+    answer on every visit, also for a subset of the batch's rows."""
+    model, vocab, patients = make_case(n_med=n_med, seed=8, n_patients=16)
+    batch = make_batch(patients, vocab, targets=False)
+    rows = torch.arange(0, len(batch["target"]), 2)
+    for some in (None, rows):
+        ref = torch_beam_search(model, batch, beam, max_len, rows=some, ddi=policy)
+        ours = model_beam_search(model, batch, beam, max_len, rows=some, ddi=policy)
+        assert len(ours) == len(ref) == (len(batch["target"]) if some is None else len(some))
+        for r, o in zip(ref, ours, strict=True):
+            assert o.meds == r.meds
+            assert np.float32(o.score) == np.float32(r.score)
+            np.testing.assert_allclose(o.med_probs, r.med_probs, rtol=1e-5, atol=1e-7)
+            np.testing.assert_allclose(o.scores, r.scores, rtol=1e-4, atol=1e-6)

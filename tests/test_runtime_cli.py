@@ -17,6 +17,7 @@ from tiny import (
     BEAM_ALONE,
     BEAM_WITH_SET_OPTIONS,
     KILLER,
+    NOT_APPLYING,
     last_visits_unknown,
     with_set_decoding,
 )
@@ -297,4 +298,15 @@ def test_beam_with_set_options_is_a_usage_error(tiny, visits, tmp_path, args, na
     lines = [line for line in result.output.splitlines() if line.strip()]
     assert "Traceback" not in result.output and "--beam is for beam search" in lines[-1]
     assert named in lines[-1]
+    assert not out.exists() and not (tmp_path / "out.parquet.parts").exists()
+
+
+@pytest.mark.parametrize("args,line", NOT_APPLYING)
+def test_score_refuses_options_of_another_decoding(tiny, visits, tmp_path, args, line):
+    inp, out = tmp_path / "in.parquet", tmp_path / "out.parquet"
+    pq.write_table(last_visits_unknown(visits), inp)
+    result = score(tiny, inp, out, *args)
+    assert result.exit_code == 2, result.output
+    lines = [text for text in result.output.splitlines() if text.strip()]
+    assert "Traceback" not in result.output and lines[-1].endswith(line), lines
     assert not out.exists() and not (tmp_path / "out.parquet.parts").exists()

@@ -9,11 +9,11 @@ import pytest
 import torch
 from tiny import make_case, torch_encoder
 
-from cognet.batching import make_batch
 from cognet.core.errors import InputError
 from cognet.core.graphspec import INIT_INPUTS
 from cognet.core.history import patients_from_table
-from cognet.model import history_inputs
+from cognet.model.batching import make_batch
+from cognet.model.network import history_inputs
 from cognet.runtime import reader
 from cognet.runtime.encoder import (
     encoder_inputs,

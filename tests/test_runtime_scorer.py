@@ -1,5 +1,5 @@
 """Scorer over exported ONNX graphs: identical medication lists and metrics to the torch
-reference (`cognet.evaluate`), output schema, explanations, history truncation."""
+reference (`cognet.evaluation.evaluate`), output schema, explanations, history truncation."""
 
 from __future__ import annotations
 
@@ -9,14 +9,15 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from cognet import checkpoint
 from cognet.core import metrics
 from cognet.core import metrics as evaluation  # runtime/evaluation.py merged into metrics
 from cognet.core.ddi import ddi_matrix
 from cognet.core.decoding import Decoding
 from cognet.core.history import patients_from_table
 from cognet.core.manifest import load_manifest
-from cognet.evaluate import decode_patients, visit_results
+from cognet.core.metrics import visit_results
+from cognet.model import checkpoint
+from cognet.model.decoding import decode_patients
 from cognet.runtime import OUTPUT_SCHEMA, Scorer
 from cognet.runtime.batches import CPU_BATCH_SLOTS, cut_padded
 

@@ -1,4 +1,4 @@
-"""Set decoding's driver (`cognet.core.sampling`): counter-based draws, unbiased marginals
+"""Set decoding's driver (`cognet.core.decoding.sampling`): counter-based draws, unbiased marginals
 against exact enumeration, independence from batch-mates, set rules under DDI policies."""
 
 from __future__ import annotations
@@ -9,14 +9,9 @@ import numpy as np
 import pytest
 
 from cognet.core.ddi import DDIPolicy
-from cognet.core.sampling import (
-    SetConfig,
-    decode_sets,
-    select_sets,
-    set_marginals,
-    uniforms,
-    visit_keys,
-)
+from cognet.core.decoding.draws import uniforms, visit_keys
+from cognet.core.decoding.sampling import SetConfig, decode_sets, set_marginals
+from cognet.core.decoding.set_rules import select_sets
 
 
 class FixedSession:

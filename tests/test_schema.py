@@ -11,7 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 from click.testing import CliRunner
 
-from cognet.cli_data import data
+from cognet.cli.data import data
 from cognet.core.errors import InputError
 from cognet.core.schema import (
     DDI_SCHEMA,

@@ -14,12 +14,12 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from cognet import checkpoint
 from cognet.cli import main as cognet_main
 from cognet.core.decoding import Decoding
 from cognet.core.history import patients_from_table
 from cognet.core.manifest import load_manifest
-from cognet.evaluate import decode_patients
+from cognet.model import checkpoint
+from cognet.model.decoding import decode_patients
 from cognet.runtime import Scorer
 from cognet.runtime.cli import main as batch_main
 
@@ -195,17 +195,20 @@ def test_options_resolve_over_the_models_default():
     from cognet.core.errors import InputError
     from cognet.runtime.options import ScoreOptions
 
-    tuned = Decoding(name="set", samples=16, threshold=0.3)
-    assert ScoreOptions().resolve_decoding(tuned) == tuned
-    assert ScoreOptions(beam=2).resolve_decoding(tuned).name == "beam"  # --beam alone
-    assert ScoreOptions(beam=2).resolve_decoding(tuned).beam == 2
-    changed = ScoreOptions(samples=8, threshold=0.4).resolve_decoding(tuned)
+    def resolved(**asked) -> Decoding:
+        return ScoreOptions.of(**asked).resolve(stored)[0]
+
+    tuned = stored = Decoding(name="set", samples=16, threshold=0.3)
+    assert resolved() == tuned
+    assert resolved(beam=2).name == "beam"  # --beam alone
+    assert resolved(beam=2).beam == 2
+    changed = resolved(samples=8, threshold=0.4)
     assert (changed.name, changed.samples, changed.threshold) == ("set", 8, 0.4)
-    assert ScoreOptions(decoding="beam").resolve_decoding(tuned).beam == 4
-    old = Decoding()  # a model from before set decoding: beam, no threshold
-    assert ScoreOptions().resolve_decoding(old).name == "beam"
+    assert resolved(decoding="beam").beam == 4
+    stored = Decoding()  # a model from before set decoding: beam, no threshold
+    assert resolved().name == "beam"
     with pytest.raises(InputError, match="needs a threshold"):
-        ScoreOptions(decoding="set").resolve_decoding(old)
-    assert ScoreOptions(decoding="set", threshold=0.3).resolve_decoding(old).threshold == 0.3
+        resolved(decoding="set")
+    assert resolved(decoding="set", threshold=0.3).threshold == 0.3
     with pytest.raises(InputError):
-        ScoreOptions(threshold=1.5)
+        ScoreOptions.of(threshold=1.5)

@@ -1,4 +1,4 @@
-"""Set rules (`cognet.core.sampling.select_sets`, `cognet.core.decoding.SET_RULES`): the
+"""Set rules (`cognet.core.decoding.set_rules.select_sets`, `cognet.core.decoding.SET_RULES`): the
 expected-Jaccard sizes against brute force, the rule stored and asked for, and the choice
 `cognet train` makes on validation."""
 
@@ -8,10 +8,12 @@ import numpy as np
 import pytest
 
 from cognet.core.ddi import DDIPolicy, DDITarget, with_target
-from cognet.core.decoding import Decoding, asked_rule
+from cognet.core.decoding import Decoding
+from cognet.core.decoding.request import DecodingRequest
+from cognet.core.decoding.sampling import SetConfig, set_result
+from cognet.core.decoding.set_rules import jaccard_sizes, select_sets
 from cognet.core.history import Visit
-from cognet.core.sampling import SetConfig, jaccard_sizes, select_sets, set_result
-from cognet.tuning import choose_set_rule
+from cognet.training.tuning import choose_set_rule
 
 
 def _expected_jaccard(p: np.ndarray, chosen: np.ndarray) -> float:
@@ -74,9 +76,10 @@ def test_stored_rule_round_trips_and_older_models_read_threshold():
 
 
 def test_asked_rule_and_a_ddi_target_read_the_threshold():
-    assert asked_rule(None, None) is None  # the model's own
-    assert asked_rule(None, 0.3) == "threshold"  # a threshold alone asks for it
-    assert asked_rule("jaccard", 0.3) == "jaccard"
+    stored = Decoding(name="set", threshold=0.35, rule="jaccard")
+    assert DecodingRequest().decoding_on(stored).rule == "jaccard"  # the model's own
+    assert DecodingRequest(threshold=0.3).decoding_on(stored).rule == "threshold"  # alone
+    assert DecodingRequest(set_rule="jaccard").decoding_on(stored).rule == "jaccard"
     model = Decoding(name="set", threshold=0.35, rule="jaccard")
     soft = DDIPolicy(mode="soft", penalty=0.5)
     target = DDITarget(target=0.06, policy=soft, threshold=0.25, val_jaccard=0.5, val_ddi=0.05)

@@ -10,7 +10,7 @@ import pyarrow as pa
 import pytest
 from click.testing import CliRunner
 
-from cognet.cli_data import data
+from cognet.cli.data import data
 from cognet.core.schema import read_dataset, write_ddi, write_visits
 from cognet.data.stats import compute_stats, format_stats
 

@@ -12,7 +12,7 @@ import pyarrow.parquet as pq
 import pytest
 from click.testing import CliRunner
 
-from cognet.cli_data import data
+from cognet.cli.data import data
 from cognet.core.schema import VISITS_SCHEMA, read_dataset
 from cognet.data.synth import MEDICATIONS, generate
 

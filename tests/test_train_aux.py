@@ -13,11 +13,11 @@ import torch.nn.functional as F
 from click.testing import CliRunner
 from tiny import make_tiny
 
-from cognet import checkpoint
-from cognet.batching import IGNORE, make_batch
 from cognet.cli import main
-from cognet.evaluate import load_split
-from cognet.train import TrainConfig, aux_loss, batch_loss
+from cognet.core.history import load_split
+from cognet.model import checkpoint
+from cognet.model.batching import IGNORE, make_batch
+from cognet.training.train import TrainConfig, aux_loss, batch_loss
 
 # small and quick: the options under test, not the recipe's size
 SMALL = ["--dim", "16", "--epochs", "2", "--seed", "3", "--quiet"]

@@ -8,12 +8,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 from click.testing import CliRunner
-from tiny import BEAM_ALONE, BEAM_WITH_SET_OPTIONS, with_set_decoding
+from tiny import BEAM_ALONE, BEAM_WITH_SET_OPTIONS, NOT_APPLYING, with_set_decoding
 
-from cognet import checkpoint
 from cognet.cli import main
 from cognet.core.decoding import Decoding
 from cognet.core.errors import InputError
+from cognet.model import checkpoint
 
 
 def test_train_then_evaluate(tiny, tmp_path):
@@ -175,7 +175,7 @@ def test_help(args):
 
 def test_by_history_splits_first_and_later_visits():
     from cognet.core.metrics import VisitResult
-    from cognet.evaluate import by_history
+    from cognet.evaluation.evaluate import by_history
 
     ddi = np.zeros((4, 4), bool)
     results = [
@@ -213,3 +213,13 @@ def test_evaluate_refuses_beam_with_set_options(tiny, tmp_path, args, named):
     lines = [line for line in res.output.splitlines() if line.strip()]
     assert "Traceback" not in res.output and "--beam is for beam search" in lines[-1]
     assert named in lines[-1] and not report.exists()
+
+
+@pytest.mark.parametrize("args,line", NOT_APPLYING)
+def test_evaluate_refuses_options_of_another_decoding(tiny, tmp_path, args, line):
+    report = tmp_path / "r.json"
+    res = _evaluate(tiny / "ckpt", tiny / "data", report, *args)
+    assert res.exit_code == 2, res.output
+    lines = [text for text in res.output.splitlines() if text.strip()]
+    assert "Traceback" not in res.output and lines[-1].endswith(line), lines
+    assert not report.exists()

@@ -18,10 +18,21 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-from cognet.core.graphspec import ENCODER_INPUTS, ENCODER_OUTPUTS, INIT_INPUTS
+from cognet.core.ddi import DDIPolicy
+from cognet.core.graphspec import ENCODER_INPUTS, ENCODER_OUTPUTS
 from cognet.core.history import Visit
 from cognet.core.vocab import Vocab
-from cognet.model import COGNet, ModelConfig
+from cognet.model.network import COGNet, ModelConfig
+
+# DDI policies that the parity tests run, and their test ids
+DDI_POLICIES = [
+    DDIPolicy(),
+    DDIPolicy("soft", 0.5),
+    DDIPolicy("hard"),
+    DDIPolicy("off", max_rate=0.05),
+    DDIPolicy("soft", 1.0, max_rate=0.0),
+]
+DDI_IDS = ["off", "soft", "hard", "max-rate", "soft+max-rate"]
 
 
 def tiny_visits(
@@ -111,16 +122,13 @@ def random_checkpoint(
 ) -> Path:
     """A randomly initialised COGNet over the vocabulary of a dataset directory's train split
     (graphs from its train split and DDI pairs), saved as a checkpoint; returns its path."""
-    from cognet import checkpoint
-    from cognet.batching import ddi_adjacency, ehr_adjacency
-    from cognet.evaluate import load_split, split_table
+    from cognet.core.history import load_split, train_vocabulary
+    from cognet.model import checkpoint
+    from cognet.model.batching import ddi_adjacency, ehr_adjacency
 
     visits = pq.read_table(Path(data) / "visits.parquet")
     ddi_table = pq.read_table(Path(data) / "ddi.parquet")
-    train = split_table(visits, "train")
-    vocab = Vocab.build(
-        *(train.column(c).to_pylist() for c in ("diagnoses", "procedures", "medications"))
-    )
+    vocab = train_vocabulary(visits)
     patients = load_split(visits, vocab, "train").patients
     pairs = list(
         zip(
@@ -148,40 +156,6 @@ def random_checkpoint(
     ckpt = Path(ckpt)
     checkpoint.save(ckpt, model, vocab, ehr, ddi, pairs, {"seed": seed, "tiny": True})
     return ckpt
-
-
-class TorchDecoder:
-    """The `DecoderSession` protocol over the torch model (the reference's own graphs)."""
-
-    def __init__(self, model: COGNet):
-        self.model = model
-        with torch.no_grad():
-            self.graph = model.graph_embeddings()
-        self.steps = 0
-
-    @torch.no_grad()
-    def init(self, inputs):
-        return tuple(
-            self.model.decoder_init(
-                *(torch.from_numpy(np.ascontiguousarray(inputs[k])) for k in INIT_INPUTS)
-            )
-        )
-
-    def empty_cache(self, n, beam):
-        return self.model.empty_cache(n, beam)
-
-    @torch.no_grad()
-    def step(self, tokens, parent, cache, memories, outputs):
-        self.steps += 1
-        lp, gate, copy, k, v = self.model.decoder_step(
-            torch.from_numpy(tokens), torch.from_numpy(parent), *cache, *memories, graph=self.graph
-        )
-        out = {"log_probs": lp.numpy(), "gate": gate.numpy(), "copy_probs": copy.numpy()}
-        return {name: out[name] for name in outputs}, (k, v)
-
-    def take(self, value, rows):
-        index = torch.from_numpy(rows)
-        return tuple(x[index] for x in value)
 
 
 def torch_encoder(model: COGNet):
@@ -332,6 +306,23 @@ BEAM_WITH_SET_OPTIONS = [
     (["--decoding", "beam", "--beam", "1", "--samples", "4"], "--samples"),
     (["--decoding", "set", "--beam", "2", "--threshold", "0.3"], "--threshold"),
 ]
+
+# (arguments that ask for options the asked decoding does not read, the one line refusing
+# them): a usage error (exit 2), word for word the same in `cognet evaluate` and
+# `cognet-batch score`. The last ones apply to no decoding until the model's own is known
+# (the tiny model's own is beam search).
+NOT_APPLYING = [
+    (["--decoding", "beam", "--set-rule", "jaccard"],
+     "--set-rule is for set decoding, not --decoding beam"),
+    (["--beam", "2", "--estimator", "tree"], "--estimator is for set decoding, not beam search"),
+    (["--set-rule", "jaccard", "--threshold", "0.5"],
+     "--threshold is for --set-rule threshold, not jaccard"),
+    (["--decoding", "set", "--beam", "2"], "--beam is for beam search, not set decoding"),
+    (["--decoding", "beam", "--samples", "4", "--estimator", "plain"],
+     "--samples and --estimator are for set decoding, not --decoding beam"),
+    (["--estimator", "tree"], "--estimator is for set decoding, not beam search"),
+    (["--set-rule", "jaccard"], "--set-rule is for set decoding, not beam search"),
+]  # fmt: skip
 
 
 def with_set_decoding(source: Path, where: Path, config: str) -> Path:

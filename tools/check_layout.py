@@ -3,14 +3,16 @@
 
     python tools/check_layout.py [--root DIR]
 
-Reads every `.py` file of the folders that setup.py's `package_dir` installs (cognet/,
+Reads every `.py` file of the folders that setup.py's PACKAGE_DIR installs (cognet/,
 export/ as cognet.export, runtime/ as cognet.runtime, benchmarks/ as cognet.benchmarks),
 collects its imports with `ast` (import-linter would miss the remapped folders), and checks:
 
 - core: `cognet.core` imports no torch and nothing of cognet outside `cognet.core`;
 - data: `cognet.data` imports no torch and nothing of cognet but `cognet.core`;
 - runtime: `cognet.runtime` imports no torch and nothing of cognet but `cognet.core`;
-- no-runtime: the rest of cognet (core, data, model and training) never imports the runtime;
+- the folders of the torch side import downwards only (ALLOWED): model <- training <-
+  evaluation <- cli;
+- no-runtime: nothing but the runtime, export and the benchmarks imports the runtime;
 - export: `cognet.export` imports the runtime only lazily (inside a function);
 - benchmarks-on-top: nothing but `cognet.benchmarks` imports `cognet.benchmarks`;
 - size: no source file is over MAX_LINES lines.
@@ -20,8 +22,11 @@ rules over the whole tree (TREE_RULES, each a function of the root):
 
 - test-imports: no test module (tests/test_*.py) imports another test module; shared
   fixtures live in tests/conftest.py, shared helpers in helper modules (tests/tiny.py);
+- size: no file of tests/ is over MAX_LINES lines either;
 - design-citations: every "DESIGN.md §N" cited in the tree (code, docs, Makefile, help
-  texts) names a numbered heading ("## N. ...") of docs/DESIGN.md.
+  texts) names a numbered heading ("## N. ...") of docs/DESIGN.md;
+- compaction-once: the driver's compaction rule is written once;
+- import-cycle: no two modules import each other, directly or through others.
 
 Prints one line per violation (`FILE:LINE: rule: what`) and exits 1 when there is any.
 """
@@ -48,11 +53,18 @@ class Import:
 
 
 def package_dirs(root: Path) -> dict[str, Path]:
-    """setup.py's package_dir: {package: folder}, the packages cognet installs."""
+    """setup.py's package_dir (PACKAGE_DIR): {package: folder}, the packages cognet installs."""
     tree = ast.parse((root / "setup.py").read_text())
     for node in ast.walk(tree):
-        if isinstance(node, ast.keyword) and node.arg == "package_dir":
-            mapping = ast.literal_eval(node.value)
+        value = None
+        if isinstance(node, ast.Assign) and any(
+            isinstance(n, ast.Name) and n.id == "PACKAGE_DIR" for n in node.targets
+        ):
+            value = node.value
+        elif isinstance(node, ast.keyword) and node.arg == "package_dir":
+            value = node.value
+        if isinstance(value, ast.Dict):
+            mapping = ast.literal_eval(value)
             return {pkg: root / folder for pkg, folder in mapping.items()}
     raise SystemExit(f"{root / 'setup.py'}: no package_dir")
 
@@ -100,29 +112,47 @@ def imports(path: Path, name: str, known: set[str]) -> list[Import]:
     return found
 
 
+LAYERS = (
+    "core",
+    "data",
+    "model",
+    "training",
+    "evaluation",
+    "cli",
+    "runtime",
+    "export",
+    "benchmarks",
+)
+
+
 def layer(module: str) -> str | None:
-    """core, data, runtime, export, benchmarks, root (the cognet package itself) or model (the
-    rest of cognet: model, training, evaluation, CLIs); None outside cognet."""
+    """The layer of a module: a folder of LAYERS, root (the cognet package itself) or top
+    (a module of cognet's own folder, such as `cognet.demo`); None outside cognet."""
     if module == "cognet":
         return "root"
     if not module.startswith("cognet."):
         return None
     second = module.split(".")[1]
-    return second if second in ("core", "data", "runtime", "export", "benchmarks") else "model"
+    return second if second in LAYERS else "top"
 
 
 def _is_torch(module: str) -> bool:
     return module == TORCH or module.startswith(TORCH + ".")
 
 
-# layer -> the cognet layers it may import (None: any)
+# layer -> the cognet layers it may import (None: any). Upwards: core <- data, model <- training
+# <- evaluation <- cli; the runtime beside them on core alone; export on the model.
 ALLOWED = {
     "core": {"root", "core"},
     "data": {"root", "core", "data"},
     "runtime": {"root", "core", "runtime"},
-    "model": {"root", "core", "data", "model"},
+    "model": {"root", "core", "model"},
+    "training": {"root", "core", "data", "model", "training"},
+    "evaluation": {"root", "core", "data", "model", "training", "evaluation"},
+    "cli": {"root", "core", "data", "model", "training", "evaluation", "cli"},
+    "top": {"root", "core", "data", "model", "training", "evaluation", "cli", "top"},
     "root": {"root", "core"},
-    "export": {"root", "core", "data", "model", "export", "runtime"},
+    "export": {"root", "core", "model", "export", "runtime"},
     "benchmarks": None,
 }
 TORCH_FREE = {"core": "core", "data": "data", "runtime": "runtime"}
@@ -249,7 +279,7 @@ def _text_files(root: Path) -> Iterator[Path]:
 
 # The rule by which finished visits leave a decoding batch: written once, in the driver.
 COMPACTION = re.compile(r"\bcompact_at\s*\*")
-COMPACTION_HOME = Path("cognet") / "core" / "driver.py"
+COMPACTION_HOME = Path("cognet") / "core" / "decoding" / "driver.py"
 
 
 def compaction_once(root: Path) -> list[str]:
@@ -272,7 +302,104 @@ def compaction_once(root: Path) -> list[str]:
     return out
 
 
-TREE_RULES: list[Callable[[Path], list[str]]] = [test_imports, design_citations, compaction_once]
+def import_cycles(root: Path) -> list[str]:
+    """import-cycle: modules of the installed packages that import each other, directly or
+    through others (lazy imports count: a circle is a tangle of ideas, even when Python can
+    load it). One line per circle, at the import that closes it."""
+    found = modules(root)
+    known = set(found)
+    graph: dict[str, dict[str, int]] = {}
+    for name, path in found.items():
+        edges = graph.setdefault(name, {})
+        for imp in imports(path, name, known):
+            target = imp.module if imp.module in known else None
+            if target and target != name:
+                edges.setdefault(target, imp.line)
+    out = []
+    for circle in _circles(graph):
+        first, second = circle[0], circle[1 % len(circle)]
+        where = f"{found[first].relative_to(root)}:{graph[first][second]}"
+        path = " -> ".join([*circle, circle[0]])
+        out.append(f"{where}: import-cycle: {path}")
+    return out
+
+
+def _circles(graph: dict[str, dict[str, int]]) -> list[list[str]]:
+    """One circle through each strongly connected component of more than one module
+    (Tarjan), starting at its smallest name."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    components: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph.get(v, {}):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                components.append(component)
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    circles = []
+    for component in components:
+        members = set(component)
+        start = min(component)
+        # the shortest way back to `start` inside the component (breadth first)
+        parents: dict[str, str] = {}
+        queue = [start]
+        while queue:
+            v = queue.pop(0)
+            nxt = sorted(w for w in graph[v] if w in members)
+            if start in nxt:
+                circle = [v]
+                while circle[-1] != start:
+                    circle.append(parents[circle[-1]])
+                circles.append(circle[::-1])
+                break
+            for w in nxt:
+                if w not in parents and w != start:
+                    parents[w] = v
+                    queue.append(w)
+    return circles
+
+
+def test_sizes(root: Path) -> list[str]:
+    """size: a Python file of tests/ over MAX_LINES lines (the rule of the packages)."""
+    folder = root / TESTS
+    if not folder.is_dir():
+        return []
+    out = []
+    for path in sorted(folder.rglob("*.py")):
+        lines = len(path.read_text().splitlines())
+        if lines > MAX_LINES:
+            out.append(f"{path.relative_to(root)}:1: size: {lines} lines (at most {MAX_LINES})")
+    return out
+
+
+TREE_RULES: list[Callable[[Path], list[str]]] = [
+    test_imports,
+    test_sizes,
+    design_citations,
+    compaction_once,
+    import_cycles,
+]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,5 +1,6 @@
 """Helpers shared by the cognet command lines: error mapping, the output guard, logging,
-progress bars and the options several commands take (`count_option`, `ddi_options`)."""
+progress bars and the options several commands take (`count_option`, `ddi_options`,
+`decoding_options`)."""
 
 from __future__ import annotations
 
@@ -229,3 +230,53 @@ def ddi_policy(mode: str | None, penalty: float | None, max_rate: float | None):
         return policy_from_options(mode or "off", penalty, max_rate)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
+
+
+def decoding_options(func: Callable) -> Callable:
+    """The options of `DecodingRequest` (--decoding, --beam, --samples, --threshold,
+    --estimator, --set-rule and the DDI options), given to `func` as one `request:
+    DecodingRequest`; `cognet evaluate` and `cognet-batch score` take them alike. An option
+    that does not apply to the asked decoding is a usage error (exit 2, one line)."""
+    from cognet.core.decoding.defaults import BEAM, DECODINGS, ESTIMATORS, SET_RULES
+    from cognet.core.decoding.request import DecodingRequest
+
+    @functools.wraps(func)
+    def wrapper(
+        *args, decoding, beam, samples, threshold, estimator, set_rule, ddi_mode, ddi_penalty,
+        ddi_max_rate, **kwargs
+    ):  # fmt: skip
+        policy = ddi_policy(ddi_mode, ddi_penalty, ddi_max_rate)
+        try:
+            request = DecodingRequest(
+                decoding, beam, samples, threshold, estimator, set_rule, policy
+            )
+        except ValueError as exc:
+            raise click.UsageError(str(exc)) from None
+        return func(*args, request=request, **kwargs)
+
+    # fmt: off
+    options = [
+        click.option("--decoding", type=click.Choice(DECODINGS), default=None,
+                     help="set: the model's best set of medications (from seeded samples); "
+                          "beam: the paper's beam search. Default: the model's own (set for "
+                          "models trained by this version)."),
+        count_option("--beam",
+                     help=f"Beam width of beam search (default {BEAM}; 1 = greedy); alone, it "
+                          "asks for beam search; with a set-decoding option, a usage error."),
+        count_option("--samples",
+                     help="Set decoding: samples per visit (default: the model's, 16)."),
+        click.option("--threshold", type=FiniteFloat(0, 1, min_open=True), default=None,
+                     help="Set decoding: threshold on P(medication in set) (default: the "
+                          "model's, tuned on validation); it asks for the threshold rule."),
+        click.option("--estimator", type=click.Choice(ESTIMATORS), default=None,
+                     help="Set decoding: how the samples are drawn (default: the model's; "
+                          "plain for models from before the estimators)."),
+        click.option("--set-rule", type=click.Choice(SET_RULES), default=None,
+                     help="Set decoding: how the set is read from P(medication in set): "
+                          "threshold, or the set of highest expected Jaccard (default: the "
+                          "model's; threshold with --threshold)."),
+    ]
+    # fmt: on
+    for option in reversed(options):
+        wrapper = option(wrapper)
+    return ddi_options(wrapper)

@@ -1,7 +1,9 @@
 """DDI-aware decoding: the policy and its rules, the one place they are written (torch-free).
 
-The torch reference (`cognet.decode`) and the runtime (`cognet.runtime.beam`) both follow
-these rules and are tested equal; docs/INTERNALS.md and their docstrings point here.
+Every decoding follows these rules (beam search in `cognet.core.decoding.beam`, set decoding
+in `cognet.core.decoding.sampling`, both by `apply_step_penalty`; the search graphs of
+`cognet.export.search_graphs` in ONNX), and the tests hold them equal; docs/INTERNALS.md
+points here.
 
 The paper's decoding (`off`) recommends what doctors prescribe, interacting pairs included.
 A policy lets whoever runs the model bound that risk at inference time, without retraining:
@@ -76,7 +78,7 @@ class DDIPolicy:
 @dataclass(frozen=True)
 class DDITarget:
     """A DDI policy and set-decoding threshold chosen together on the validation split for
-    the best validation Jaccard at a validation DDI rate <= `target` (`cognet.ddi_target`).
+    the best validation Jaccard at a validation DDI rate <= `target` (`cognet.training.ddi_target`).
     Stored with a model (config.json and manifest.json "ddi_target"), it is the model's
     default policy: `with_target` says when it applies."""
 
@@ -154,7 +156,7 @@ def ddi_matrix(vocab: Vocab, pairs: Iterable[Sequence[str]]) -> np.ndarray:
     zero diagonal; pairs naming a code the vocabulary does not know are ignored.
 
     The one place that turns DDI pairs (codes) into the matrix that decoding, the DDI rate
-    and the model's DDI graph (`cognet.batching.ddi_adjacency`, float32) use."""
+    and the model's DDI graph (`cognet.model.batching.ddi_adjacency`, float32) use."""
     index = {code: i for i, code in enumerate(vocab.medications)}
     adj = np.zeros((vocab.n_med, vocab.n_med), bool)
     for a, b in pairs:
@@ -193,6 +195,24 @@ def pair_counts(used: np.ndarray, ddi_adj: np.ndarray) -> tuple[np.ndarray, np.n
     pairs = ((u @ ddi_adj) * u).sum(-1) / 2
     k = u.sum(-1)
     return pairs, k * (k - 1) / 2
+
+
+def apply_step_penalty(
+    logp: np.ndarray, used: np.ndarray, ddi_adj: np.ndarray, policy: DDIPolicy
+) -> None:
+    """The step rule of `soft` and `hard`, in place: the log-probabilities logp [..., V1] of
+    the medications that interact with a row's medications (used bool [..., V1]) lowered by
+    penalty x pairs (the product in float32) or set to -inf; `off` leaves them. Beam search
+    (`cognet.core.decoding.beam`) and the set sampler (`cognet.core.decoding.sampling`)
+    both apply it."""
+    if policy.mode not in ("soft", "hard"):
+        return
+    m = ddi_adj.shape[0]
+    clashes = used[..., :m].astype(np.float32) @ ddi_adj  # [..., M] interacting pairs
+    if policy.mode == "hard":
+        np.copyto(logp[..., :m], -np.inf, where=clashes > 0)
+    else:
+        logp[..., :m] -= np.float32(policy.penalty) * clashes
 
 
 def ddi_rates(used: np.ndarray, ddi_adj: np.ndarray) -> np.ndarray:

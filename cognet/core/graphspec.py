@@ -1,6 +1,6 @@
 """Names and order of the inputs and outputs of the three model graphs (torch-free).
 
-Defined once and shared by the torch model (`cognet.model`), the exporter and the runtime.
+Defined once and shared by the torch model (`cognet.model.network`), the exporter and the runtime.
 Shapes: N visits, B beams, H heads, dh = dim / H, T generated positions, Ld / Lp / Lm code
 lengths, J history visits, S history medication slots, V1 = medications + END.
 """
@@ -92,7 +92,7 @@ SET_SELECT_INPUTS = (
     "log_probs",  # float32 [N, S, V1]
     "used",  # bool [N, S, V1]
     "finished",  # bool [N, S]
-    "uniforms",  # float64 [N, S] the step's draws (`cognet.core.sampling.uniforms`)
+    "uniforms",  # float64 [N, S] the step's draws (`cognet.core.decoding.draws.uniforms`)
     "hazard",  # float64 [N, M] running sums of the step probabilities
 )
 SET_SELECT_HOST = ("token_out", "finished_out")  # int64 / bool [N, S]

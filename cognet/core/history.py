@@ -1,6 +1,6 @@
 """Visits as id lists, and the history index arrays of the decoder init (torch-free, numpy).
 
-Shared by training (`cognet.batching`) and the runtime: both encode every visit once and
+Shared by training (`cognet.model.batching`) and the runtime: both encode every visit once and
 then point each decoded visit at the encodings of its past visits.
 """
 
@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 import pyarrow as pa
 
+from cognet.core.schema import split_rows
 from cognet.core.vocab import Vocab
 
 
@@ -66,6 +67,34 @@ def patients_from_table(table: pa.Table, vocab: Vocab) -> Iterator[list[Visit]]:
         )
     if current:
         yield current
+
+
+def train_vocabulary(visits: pa.Table) -> Vocab:
+    """The vocabulary of a dataset's training split (codes of the other splits are unknown to
+    the model, as they would be in deployment)."""
+    train = split_rows(visits, "train")
+    return Vocab.build(*(train[c].to_pylist() for c in ("diagnoses", "procedures", "medications")))
+
+
+@dataclass
+class SplitData:
+    """The labelled visits of one split, grouped into patients."""
+
+    patients: list[list[Visit]]
+    unknown_codes: int  # codes of the split that the vocabulary does not know (dropped)
+    unlabeled_visits: int  # visits without medications, neither decoded nor used as history
+
+
+def load_split(visits: pa.Table, vocab: Vocab, split: str) -> SplitData:
+    """The labelled visits of a split grouped into patients (unknown codes dropped)."""
+    patients, unknown, unlabeled = [], 0, 0
+    for p in patients_from_table(split_rows(visits, split), vocab):
+        unknown += sum(v.unknown_codes for v in p)
+        kept = [v for v in p if v.meds is not None]
+        unlabeled += len(p) - len(kept)
+        if kept:
+            patients.append(kept)
+    return SplitData(patients, unknown, unlabeled)
 
 
 def pad(seqs: Sequence[Sequence[int]], pad_id: int, min_len: int = 1) -> np.ndarray:

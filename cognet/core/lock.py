@@ -38,12 +38,12 @@ import errno
 import fcntl
 import os
 import re
+import shutil
 import socket
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from cognet.core.errors import InputError, one_line, os_reason
-from cognet.core.files import remove
 from cognet.core.interrupt import terminating
 
 ATTEMPTS = 20  # retries when the file is removed or replaced while we lock it
@@ -177,8 +177,12 @@ def sweep_temps(out: str | Path) -> list[Path]:
     found = _temps(out.parent, re.escape(out.name))
     if out.is_dir() and not out.is_symlink():
         found += _temps(out, ".+")
-    for path in found:
-        remove(path)
+    for path in found:  # files.remove's rule, here: files imports this module
+        with contextlib.suppress(OSError):
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                path.unlink(missing_ok=True)
     return found
 
 

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from cognet.core.ddi import pair_counts
+from cognet.core.history import Visit
 
 # Metrics averaged per patient then over patients, in the order reports list them.
 AVERAGED = ("jaccard", "precision", "recall", "f1", "prauc", "avg_drugs")
@@ -248,6 +249,26 @@ def bootstrap_report(
     `cognet-batch score --all` computes chunk by chunk; ddi_adj: bool [M, M]."""
     rows = patient_rows(results, np.asarray(ddi_adj, dtype=bool))
     return report(rows, len(results), rounds, fraction, seed)
+
+
+def visit_results(patients: Sequence[Sequence[Visit]], decoded: Sequence) -> list[VisitResult]:
+    """One VisitResult per visit of `patients` (in order), from the decoded answers (each with
+    `meds` and `scores`, e.g. `cognet.model.decoding.Decoded`)."""
+    visits = [v for p in patients for v in p]
+    return [
+        VisitResult(v.patient_id, d.meds, tuple(v.meds or ()), d.scores)
+        for v, d in zip(visits, decoded, strict=True)
+    ]
+
+
+def evaluation_report(
+    results: Sequence[VisitResult], ddi_adj: np.ndarray, rounds: int = 10, seed: int = 0
+) -> dict:
+    """What `cognet evaluate` reports: `bootstrap_report` over 80% of the patients, or with
+    rounds <= 1 every patient once."""
+    if rounds <= 1:
+        return bootstrap_report(results, ddi_adj, rounds=1, fraction=1.0, seed=seed)
+    return bootstrap_report(results, ddi_adj, rounds=rounds, fraction=0.8, seed=seed)
 
 
 def format_table(reports: dict[str, dict]) -> str:

@@ -78,7 +78,12 @@ class Dataset:
         """The visits of one split, in the same patient-grouped order."""
         if name not in SPLITS:
             raise ValueError(f"unknown split {name!r}; expected one of {SPLITS}")
-        return self.visits.filter(pc.equal(self.visits["split"], name))
+        return split_rows(self.visits, name)
+
+
+def split_rows(visits: pa.Table, split: str) -> pa.Table:
+    """The rows of `visits` (a table with a `split` column) in one split, in their order."""
+    return visits.filter(pc.equal(visits["split"], split))
 
 
 # -- column checks (shared with the streaming runtime) ----------------------------------------

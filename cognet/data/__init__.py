@@ -8,5 +8,5 @@
 - `stats`: the statistics table of any dataset (`cognet data stats`).
 
 Torch-free; a builder imports `cognet.core` only, raises `InputError` for bad input and
-leaves printing and exit codes to `cognet.cli_data`.
+leaves printing and exit codes to `cognet.cli.data`.
 """

@@ -27,7 +27,7 @@ Interacting pairs (`ddi.parquet`) are drawn with odds growing with how often the
 medications meet in a pilot cohort simulated before DDI, tuned so the ground-truth DDI rate
 of the data lands near the paper's 0.09.
 
-Defaults reproduce the paper's statistics (issue 2, point 6) at 6,350 patients. Patients are
+Defaults reproduce the paper's MIMIC-III statistics at 6,350 patients. Patients are
 generated one by one from their own seeded random stream (patient i is the same whatever the
 cohort size) and written in row groups of whole patients, so memory stays bounded for any N
 (about 300 MB and 65 CPU seconds per million visits). `visits.parquet` carries a `split`
@@ -70,7 +70,7 @@ from cognet.data.synth_world import (
     zipf_cum,
 )
 
-# -- knobs of the patients (tuned against the targets of issue 2, point 6) --------------------
+# -- knobs of the patients (tuned against the paper's dataset statistics) ---------------------
 
 P_VISITS = {1: 0.14, 2: 0.60}  # the rest: 3..MAX_VISITS with P ~ (n - 2)^-VISITS_TAIL
 MAX_VISITS, VISITS_TAIL = 29, 2.1

@@ -49,7 +49,7 @@ COMMON_PROC = tuple(
     "86.04 34.91 44.43".split()
 )
 
-# -- knobs of the world (tuned against the targets of issue 2, point 6; the patients' knobs
+# -- knobs of the world (tuned against the paper's dataset statistics; the patients' knobs
 # are in `cognet.data.synth`) -----------------------------------------------------------------
 
 N_CHRONIC, N_ACUTE = 48, 220

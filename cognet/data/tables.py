@@ -356,7 +356,7 @@ def read_ddi_pairs(path: Path, medications: set[str]) -> tuple[list[tuple[str, s
 
 
 def no_mapped_medications(prescriptions: object, ndc_rxnorm: object, rxnorm_atc: object) -> str:
-    """The refusal of mimic3 / mimic4 when no prescription maps to ATC-3 (issue 23 item 7):
+    """The refusal of mimic3 / mimic4 when no prescription maps to ATC-3:
     they keep only admissions with mapped medications, so nothing would be left to write."""
     return (
         f"{prescriptions}: no prescription's NDC maps to ATC-3 through {ndc_rxnorm} and "

@@ -1,9 +1,10 @@
 """The one decoding loop (torch-free): start, step, select, finish, compact, result.
 
 Every decoding of cognet runs `run`: beam search and set decoding, with the selection in
-numpy on the host (`cognet.runtime.beam.BeamSelector`, `cognet.core.sampling.SetSampler`)
-or in the exported search graphs on the execution provider (`cognet.runtime.search`), over
-any `DecoderSession` (ONNX Runtime on the CPU or a GPU, or the torch model). What differs
+numpy on the host (`cognet.core.decoding.beam.BeamSelector`,
+`cognet.core.decoding.sampling.SetSampler`) or in the exported search graphs on the
+execution provider (`cognet.runtime.search`), over any `DecoderSession` (ONNX Runtime on the
+CPU or a GPU: `cognet.runtime.session`; the torch model: `cognet.model.session`). What differs
 between decodings is the `Selector`: how one step's output becomes each row's next token,
 when a visit is over and what it keeps of it. The loop itself, and the rule by which
 finished visits leave the batch, are written here once.
@@ -14,15 +15,15 @@ latest); the selector then records its answer (`finish`). Finished visits stay i
 until the live share of visits falls below `compact_at`: a compaction copies every memory
 and cache row, so doing it at each finish costs more than carrying a few dead rows for a few
 steps (2 cores, beam 4, batch 64, visits/s: compact_at 1.0 -> 773, 0.9 -> 861,
-0.75 -> 936, 0.5 -> 796). The torch reference (`cognet.decode`) keeps its own plain loop,
-which compacts at every finish (compact_at 1.0), and the tests hold the two equal.
+0.75 -> 936, 0.5 -> 796). The tests hold this loop equal to an independent one, the plain
+torch beam search that compacts at every finish (tests/beam_oracle.py).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import KW_ONLY, dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import numpy as np
 
@@ -38,9 +39,11 @@ class DecoderSession(Protocol):
     Memories and caches are opaque handles (numpy arrays on the CPU, device buffers on a
     GPU, torch tensors); step outputs come back as numpy arrays, freshly allocated at each
     call. `step_outputs` names what `step` can return (models exported before
-    `diag_attention` lack it)."""
+    `diag_attention` lack it); `search` is the model's search graphs where the selectors on
+    the device run them (`cognet.runtime.search.SearchGraphs`), else None."""
 
     step_outputs: tuple[str, ...]
+    search: Any
 
     def init(self, inputs: Mapping[str, np.ndarray]) -> Any:
         """Per-visit memories from the decoder-init inputs (`graphspec.INIT_INPUTS`)."""
@@ -83,7 +86,7 @@ class Selector(Protocol):
     on_device: bool  # the step's log-probabilities stay on the device (`step_log_probs`)
     outputs: tuple[str, ...]  # what the host step returns (log_probs first), when not
 
-    def start(self, session: Any, n: int) -> None:
+    def start(self, n: int) -> None:
         """The state of n fresh visits."""
 
     def select(
@@ -122,7 +125,7 @@ class LoopConfig:
             raise ValueError("compact_at must be in (0, 1]")
 
 
-def run(session: Any, memories: Any, n: int, selector: Selector, cfg: LoopConfig) -> Any:
+def run(session: DecoderSession, memories: Any, n: int, selector: Selector, cfg: LoopConfig) -> Any:
     """Decode the n visits whose memories come from `session.init` with `selector`'s rule
     (`session`: a `DecoderSession`; a `DeviceDecoderSession` for a selector on the device)."""
     if n == 0:
@@ -133,11 +136,12 @@ def run(session: Any, memories: Any, n: int, selector: Selector, cfg: LoopConfig
     parent = np.tile(np.arange(w, dtype=np.int64), (n, 1))
     done = np.zeros(n, bool)  # per row
     cache = session.empty_cache(n, w)
-    selector.start(session, n)
+    selector.start(n)
     steps = 0
     for t in range(cfg.max_len):
-        if selector.on_device:
-            logp, cache = session.step_log_probs(tokens, parent, cache, memories)
+        if selector.on_device:  # the log-probabilities stay where the step computed them
+            device = cast(DeviceDecoderSession, session)
+            logp, cache = device.step_log_probs(tokens, parent, cache, memories)
             out: Mapping[str, Any] = {"log_probs": logp}
         else:
             out, cache = session.step(tokens, parent, cache, memories, selector.outputs)

@@ -3,7 +3,7 @@
 
 - `beam`: the paper's decoding: beam search, beam 4, at most 45 steps (DESIGN.md §3; the
   rules: docs/INTERNALS.md "Beam search"). It stays available exactly as it is.
-- `set`: cognet's set decoding (`cognet.core.sampling`): from each medication's probability
+- `set`: cognet's set decoding (`cognet.core.decoding.sampling`): from each medication's probability
   of being in the model's own decoded set, P(k in S), estimated from seeded samples, the
   set returned by a set rule (SET_RULES): those reaching a threshold tuned on the
   validation split, or the set of highest expected Jaccard. `cognet train` tunes the
@@ -25,7 +25,7 @@ DECODINGS = ("beam", "set")
 DEFAULT_DECODING = "beam"  # of a model that has no tuned set threshold
 # The largest value each count may take (samples x visits x steps bounds the memory)
 LIMITS = {"beam": 64, "samples": 1024, "max_len": 1000}
-# How the set decoding draws its samples (`cognet.core.sampling.uniforms`): "plain", each
+# How the set decoding draws its samples (`cognet.core.decoding.draws.uniforms`): "plain", each
 # draw its own uniform; "stratified", at each step the samples of a visit take the strata
 # 1/S apart of (0, 1) in a random order; "tree", the same within each group of samples
 # that share their prefix. All give exact samples of the model and an unbiased P(k in S);
@@ -34,11 +34,12 @@ LIMITS = {"beam": 64, "samples": 1024, "max_len": 1000}
 # `cognet train` tunes and stores its models with ESTIMATOR.
 ESTIMATORS = ("plain", "stratified", "tree")
 ESTIMATOR = "stratified"  # of models trained by this version
-# How the set is read from P(k in S) (`cognet.core.sampling.select_sets`): "threshold", the
-# medications with P(k in S) >= the tuned threshold; "jaccard", the medications of highest
-# P(k in S) up to the count that maximises the set's expected Jaccard, sum of P inside /
-# (size + sum of P outside), a size chosen per visit with no parameter. A stored decoding
-# that names none (a model from before the rules) uses "threshold".
+# How the set is read from P(k in S) (`cognet.core.decoding.set_rules.select_sets`):
+# "threshold", the medications with P(k in S) >= the tuned threshold; "jaccard", the
+# medications of highest P(k in S) up to the count that maximises the set's expected
+# Jaccard, sum of P inside / (size + sum of P outside), a size chosen per visit with no
+# parameter. A stored decoding that names none (a model from before the rules) uses
+# "threshold".
 SET_RULES = ("threshold", "jaccard")
 
 
@@ -108,30 +109,3 @@ class Decoding:
     def with_changes(self, **changes) -> Decoding:
         """This decoding with the given fields changed (None values are ignored)."""
         return replace(self, **{k: v for k, v in changes.items() if v is not None})
-
-
-def asked_rule(rule: str | None, threshold: float | None) -> str | None:
-    """The set rule a caller asks for (`--set-rule`, `--threshold`): `rule` when given; a
-    threshold alone asks for the threshold rule; None leaves the model's own."""
-    return rule if rule is not None or threshold is None else "threshold"
-
-
-def asked_decoding(
-    name: str | None,
-    beam: int | None,
-    samples: int | None,
-    threshold: float | None,
-    flag: str = "",
-) -> str | None:
-    """The decoding a caller asks for, by the one rule of `cognet evaluate`, `cognet-batch
-    score` and `ScoreOptions` (DESIGN.md §3): `name` when given; a beam width alone asks for
-    beam search; None leaves the model's own. A beam width together with set decoding's
-    samples or threshold is refused (ValueError naming them, prefixed with `flag`: "--" for
-    the command-line options)."""
-    if beam is not None and (samples is not None or threshold is not None):
-        others = [n for n, v in (("samples", samples), ("threshold", threshold)) if v is not None]
-        given = " and ".join(f"{flag}{n}" for n in others)
-        raise ValueError(
-            f"{flag}beam is for beam search and {given} for set decoding: give one or the other"
-        )
-    return "beam" if name is None and beam is not None else name

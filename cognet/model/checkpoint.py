@@ -1,7 +1,7 @@
 """Checkpoint directories: config.json, vocab.json, model.safetensors, graphs.npz, train_log.jsonl.
 
 Loading never executes code: JSON, safetensors and a pickle-free npz. `load` checks what it
-reads (`cognet.checkpoint_checks`): files, hashes, vocabulary sizes, weight shapes.
+reads (`cognet.model.checkpoint_checks`): files, hashes, vocabulary sizes, weight shapes.
 """
 
 from __future__ import annotations
@@ -14,13 +14,13 @@ from pathlib import Path
 import numpy as np
 from safetensors.torch import save_file
 
-from cognet import checkpoint_checks as checks
 from cognet.core import numbers as strict_json
 from cognet.core.ddi import DDITarget
 from cognet.core.errors import InputError, one_line, writing
 from cognet.core.files import atomic_path
 from cognet.core.vocab import Vocab
-from cognet.model import COGNet, ModelConfig
+from cognet.model import checkpoint_checks as checks
+from cognet.model.network import COGNet, ModelConfig
 
 FORMAT_VERSION = 1
 FILES = ("config.json", "vocab.json", "model.safetensors", "graphs.npz")
@@ -96,7 +96,7 @@ def load(path: str | Path, device: str = "cpu") -> tuple[COGNet, Vocab, dict]:
     checks.check_hashes(path, config)
     fields = {f.name: str(f.type) for f in dataclasses.fields(ModelConfig)}
     checks.check_config(path, config, fields)
-    try:  # the stored DDI target, read again where it is used (`cognet.evaluate`)
+    try:  # the stored DDI target, read again where it is used (`cognet.evaluation.evaluate`)
         DDITarget.from_json(config.get("ddi_target"))
     except (KeyError, TypeError, ValueError) as exc:
         detail = one_line(exc)

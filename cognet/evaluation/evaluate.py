@@ -10,19 +10,22 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
-import torch
 
-from cognet.batching import make_batch
-from cognet.core.ddi import DDIPolicy, DDITarget, ddi_matrix, require_pairs, with_target
+from cognet.core.ddi import DDIPolicy, DDITarget, ddi_matrix, require_pairs
 from cognet.core.decoding import Decoding
+from cognet.core.decoding.request import DecodingRequest
 from cognet.core.files import atomic_path
-from cognet.core.history import Visit, patients_from_table
-from cognet.core.metrics import VisitResult, bootstrap_report, ddi_rate_of_sets, summarize
+from cognet.core.history import Visit, load_split, train_vocabulary
+from cognet.core.metrics import (
+    VisitResult,
+    ddi_rate_of_sets,
+    evaluation_report,
+    summarize,
+    visit_results,
+)
 from cognet.core.schema import DDI_FILE, PREDICTIONS_SCHEMA
 from cognet.core.vocab import Vocab
-from cognet.decode import Decoded, beam_search
-from cognet.decode_set import set_decode
-from cognet.model import COGNet
+from cognet.model.decoding import decode_patients
 
 log = logging.getLogger(__name__)
 
@@ -33,89 +36,16 @@ class EvalOptions:
     command builds it from its options, the functions below take it whole."""
 
     split: str = "test"
-    # None: the checkpoint's own decoding (config.json "decoding"; beam 4 for a model from
-    # before set decoding); a dict changes fields of it; a Decoding is used as it is
-    decoding: Decoding | dict | None = None
-    # DDI-aware decoding; None: the checkpoint's (its DDI target's policy, else off)
-    ddi: DDIPolicy | None = None
-    # choose a DDI target's pair on the validation split for this rate (`cognet.ddi_target`)
-    # and evaluate with it, instead of the checkpoint's own
+    # the decoding and DDI policy asked on top of the checkpoint's own (`resolve`)
+    request: DecodingRequest = DecodingRequest()
+    # choose a DDI target's pair on the validation split for this rate
+    # (`cognet.training.ddi_target`) and evaluate with it, instead of the checkpoint's own
     ddi_target: float | None = None
     rounds: int = 10  # bootstrap rounds of 80% of the patients (1: every patient, once)
     seed: int = 0
     baseline: str | None = None  # evaluate this baseline instead of the checkpoint
     predictions: str | Path | None = None  # write every visit's recommendation there
     quiet: bool = True  # no progress bar
-
-
-@dataclass
-class SplitData:
-    patients: list[list[Visit]]
-    unknown_codes: int  # codes of the split that the vocabulary does not know (dropped)
-    unlabeled_visits: int  # visits without medications, neither decoded nor used as history
-
-
-def split_table(visits: pa.Table, split: str) -> pa.Table:
-    import pyarrow.compute as pc
-
-    return visits.filter(pc.equal(visits.column("split"), split))
-
-
-def load_split(visits: pa.Table, vocab: Vocab, split: str) -> SplitData:
-    """The labelled visits of a split grouped into patients (unknown codes dropped)."""
-    patients, unknown, unlabeled = [], 0, 0
-    for p in patients_from_table(split_table(visits, split), vocab):
-        unknown += sum(v.unknown_codes for v in p)
-        kept = [v for v in p if v.meds is not None]
-        unlabeled += len(p) - len(kept)
-        if kept:
-            patients.append(kept)
-    return SplitData(patients, unknown, unlabeled)
-
-
-def decode_patients(
-    model: COGNet,
-    vocab: Vocab,
-    patients: Sequence[Sequence[Visit]],
-    decoding: Decoding = Decoding(),
-    ddi: DDIPolicy = DDIPolicy(),
-    on_batch: Callable[[int], None] | None = None,
-    batch_patients: int = 128,
-) -> list[Decoded]:
-    """Decode every visit of `patients` (history: the earlier visits' true medications) with
-    `decoding` (default: the paper's beam search, beam 4) under the DDI policy `ddi`."""
-    out: list[Decoded] = []
-    with torch.no_grad():
-        for i in range(0, len(patients), batch_patients):
-            chunk = patients[i : i + batch_patients]
-            batch = make_batch(chunk, vocab, targets=False)
-            if decoding.name == "beam":
-                beam, max_len = decoding.beam, decoding.max_len
-                out.extend(beam_search(model, batch, beam=beam, max_len=max_len, ddi=ddi))
-            else:
-                ids = [v.visit_id for p in chunk for v in p]
-                out.extend(set_decode(model, batch, ids, decoding, ddi=ddi))
-            if on_batch:
-                on_batch(sum(map(len, chunk)))
-    return out
-
-
-def visit_results(
-    patients: Sequence[Sequence[Visit]], decoded: Sequence[Decoded]
-) -> list[VisitResult]:
-    visits = [v for p in patients for v in p]
-    return [
-        VisitResult(v.patient_id, d.meds, tuple(v.meds or ()), d.scores)
-        for v, d in zip(visits, decoded, strict=True)
-    ]
-
-
-def report(
-    results: Sequence[VisitResult], ddi_adj: np.ndarray, rounds: int = 10, seed: int = 0
-) -> dict:
-    if rounds <= 1:
-        return bootstrap_report(results, ddi_adj, rounds=1, fraction=1.0, seed=seed)
-    return bootstrap_report(results, ddi_adj, rounds=rounds, fraction=0.8, seed=seed)
 
 
 def ground_truth_ddi(patients: Sequence[Sequence[Visit]], ddi_adj: np.ndarray) -> float:
@@ -157,33 +87,25 @@ def model_name(beam: int | Decoding, ddi: DDIPolicy = DDIPolicy()) -> str:
 
 def run_evaluation(ckpt, data_dir, options: EvalOptions = EvalOptions()) -> dict:
     """What `cognet evaluate` does: returns {"report": dict, "table": str}."""
-    from cognet import checkpoint
     from cognet.core.clitools import progress
     from cognet.core.metrics import format_table
     from cognet.core.schema import read_dataset
+    from cognet.model import checkpoint
 
     split, baseline, seed = options.split, options.baseline, options.seed
     dataset = read_dataset(data_dir)
     asked = "--ddi-target" if options.ddi_target is not None else "the DDI policy"
-    if options.ddi_target is not None or (options.ddi and options.ddi.active):
+    if options.ddi_target is not None or (options.request.ddi and options.request.ddi.active):
         require_pairs(dataset.ddi_pairs, Path(data_dir) / DDI_FILE, asked)
-    ddi, target, trials = options.ddi or DDIPolicy(), None, None
+    ddi, target, trials = options.request.ddi or DDIPolicy(), None, None
     if ckpt:
         model, vocab, config = checkpoint.load(ckpt)
         target = DDITarget.from_json(config.get("ddi_target"))  # checked by checkpoint.load
         if options.ddi_target is not None:
             target, trials = _search_target(model, vocab, dataset, config, options)
-        decoding, ddi = with_target(
-            options.ddi,
-            target,
-            resolve_decoding(config, None),
-            lambda base: resolve_decoding({"decoding": base.to_json()}, options.decoding),
-        )
+        decoding, ddi = resolve(config, options.request, target)
     else:
-        train_rows = split_table(dataset.visits, "train")
-        vocab = Vocab.build(
-            *(train_rows.column(c).to_pylist() for c in ("diagnoses", "procedures", "medications"))
-        )
+        vocab = train_vocabulary(dataset.visits)
     data = load_split(dataset.visits, vocab, split)
     if not data.patients:
         from cognet.core.errors import InputError
@@ -191,7 +113,7 @@ def run_evaluation(ckpt, data_dir, options: EvalOptions = EvalOptions()) -> dict
         raise InputError(f"{data_dir}: the {split} split has no labelled visit")
     ddi_adj = ddi_matrix(vocab, dataset.ddi_pairs)
     if baseline:
-        from cognet.baselines import run_baseline
+        from cognet.evaluation.baselines import run_baseline
 
         results = run_baseline(baseline, vocab, dataset.visits, split=split, seed=seed)
         name = baseline
@@ -212,12 +134,13 @@ def run_evaluation(ckpt, data_dir, options: EvalOptions = EvalOptions()) -> dict
                     [d.med_probs for d in decoded],
                 ),
             )
-    rep = report(results, ddi_adj, rounds=options.rounds, seed=seed)
+    rep = evaluation_report(results, ddi_adj, rounds=options.rounds, seed=seed)
     rep["by_history"] = by_history(results, ddi_adj)
     if not baseline:
         rep["ddi_policy"] = ddi.to_json()
         rep["decoding"] = decoding.to_json()
-        if target is not None and options.ddi is None and decoding.name == "set":  # its pair
+        # the target's pair, when it decided the policy
+        if target is not None and options.request.ddi is None and decoding.name == "set":
             rep["ddi_target"] = target.to_json()
         if trials is not None:  # every (policy, threshold) the search scored on validation
             rep["ddi_target_search"] = [t.to_json() for t in trials]
@@ -253,12 +176,12 @@ def run_evaluation(ckpt, data_dir, options: EvalOptions = EvalOptions()) -> dict
 
 def _search_target(model, vocab, dataset, config: dict, options: EvalOptions) -> tuple:
     """The DDI target's pair for `options.ddi_target`, chosen on the validation split
-    (`cognet.ddi_target`), with the decoding that `options` asks on the checkpoint's, and
+    (`cognet.training.ddi_target`), with the decoding that `options` asks on the checkpoint's, and
     the search's trials."""
     from cognet.core.errors import InputError
-    from cognet.ddi_target import choose_target
+    from cognet.training.ddi_target import choose_target
 
-    decoding = resolve_decoding(config, options.decoding)
+    decoding = _asked(lambda: options.request.decoding_on(stored_decoding(config)))
     val = load_split(dataset.visits, vocab, "val").patients
     if decoding.name != "set" or not val:
         raise InputError("--ddi-target needs set decoding and a labelled validation split")
@@ -266,16 +189,27 @@ def _search_target(model, vocab, dataset, config: dict, options: EvalOptions) ->
     return choose_target(model, vocab, val, adj, decoding, options.ddi_target)
 
 
-def resolve_decoding(config: dict, decoding: Decoding | dict | None) -> Decoding:
-    """The decoding to run (`EvalOptions.decoding`) on top of a checkpoint's `config`; a bad
-    combination is an InputError."""
+def stored_decoding(config: dict) -> Decoding:
+    """A checkpoint's own decoding (config.json "decoding"; beam 4 for a model from before
+    set decoding); a bad one is an InputError."""
+    return _asked(lambda: Decoding.from_json(config.get("decoding")))
+
+
+def resolve(
+    config: dict, request: DecodingRequest, target: DDITarget | None = None
+) -> tuple[Decoding, DDIPolicy]:
+    """The decoding and DDI policy to run: `request` on top of a checkpoint's `config` and
+    its DDI `target` (`DecodingRequest.resolve`); a request that does not apply is an
+    InputError."""
+    stored = stored_decoding(config)
+    return _asked(lambda: request.resolve(stored, target))
+
+
+def _asked(get: Callable):
     from cognet.core.errors import InputError
 
-    if isinstance(decoding, Decoding):
-        return decoding
     try:
-        stored = Decoding.from_json(config.get("decoding"))
-        return stored.with_changes(**(decoding or {}))
+        return get()
     except ValueError as exc:
         raise InputError(str(exc)) from None
 

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import click
 
-from cognet.cli_data import data
-from cognet.cli_model import evaluate, train
+from cognet.cli.data import data
+from cognet.cli.evaluate import evaluate
+from cognet.cli.train import train
 from cognet.core.clitools import OneLineGroup
 
 

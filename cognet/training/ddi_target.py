@@ -8,7 +8,7 @@ policy is asked. `cognet evaluate --ddi-target R` runs the same search for a che
 
 The marginals P(k in S) of the set decoding depend on the penalty (it acts on every sampling
 step) but not on the threshold, so each penalty costs one decoding of the split and every
-threshold of `cognet.tuning.THRESHOLDS` is then a cheap selection (`select_sets`). The
+threshold of `cognet.training.tuning.THRESHOLDS` is then a cheap selection (`select_sets`). The
 penalties tried: off, then the `LADDER` upwards while the best pair holding R improves
 (a high threshold may hold R at a small penalty, a larger penalty at a lower threshold:
 more medications), then `REFINE` rounds of geometric midpoints on both sides of the best
@@ -30,11 +30,11 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from cognet.core.ddi import DDIPolicy, DDITarget
+from cognet.core.ddi import RATE_TOLERANCE, DDIPolicy, DDITarget
 from cognet.core.decoding import Decoding
+from cognet.core.decoding.set_rules import select_sets
 from cognet.core.history import Visit
 from cognet.core.metrics import ddi_rate_of_sets, jaccard
-from cognet.core.sampling import select_sets
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +45,6 @@ REFINE = 3  # rounds of midpoints around the best penalty so far
 # target (with none): a cap acts on the selection only, so it costs no decoding, and a cap
 # <= R holds R on any split (the pooled rate of sets that each hold it holds it).
 CAP_FACTORS = (1.0, 1.1, 1.2, 1.35, 1.5, 1.75, 2.0)
-TOLERANCE = 1e-9  # on the DDI rate (float rounding of an exact ratio)
 
 
 @dataclass(frozen=True)
@@ -121,7 +120,7 @@ def search(
         margins = marginals_of(policy)
         got = score_thresholds(patients, margins, ddi_adj, policy, thresholds, caps)
         trials.extend(got)
-        fits = [t for t in got if t.ddi <= target + TOLERANCE]
+        fits = [t for t in got if t.ddi <= target + RATE_TOLERANCE]
         top = max(fits, key=lambda t: (t.jaccard, -t.threshold), default=None)
         log.info("DDI target %g: %s -> %s", target, policy.label, top)
         return top
@@ -175,8 +174,8 @@ def choose_target(
 ) -> tuple[DDITarget, list[Trial]]:
     """`search` for a torch model: `decoding` (a set decoding: its samples and estimator)
     decodes the validation `patients` under each policy; ddi_adj: bool [M, M]."""
-    from cognet.evaluate import decode_patients
-    from cognet.tuning import THRESHOLDS
+    from cognet.model.decoding import decode_patients
+    from cognet.training.tuning import THRESHOLDS
 
     if decoding.name != "set":
         raise ValueError("a DDI target is chosen for set decoding (its threshold)")

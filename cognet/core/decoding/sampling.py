@@ -16,7 +16,7 @@ step's p_t(k), so the sum has the expectation P(k in S) (a Rao-Blackwellised est
 has far less variance than counting the samples that hold k, and is continuous, which
 PRAUC needs). The estimate is the mean over the N samples.
 
-The loop is `cognet.core.driver.run`; `SetSampler` is the rule it runs on the host (the
+The loop is `cognet.core.decoding.driver.run`; `SetSampler` is the rule it runs on the host (the
 runtime's `search.SetGraphSampler` runs the same rule in the exported `set_select` graphs).
 
 Random draws are counter-based: the uniform of (seed, visit, sample, step) is a hash of
@@ -33,118 +33,17 @@ lift the set's DDI rate above R.
 
 from __future__ import annotations
 
-import hashlib
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from cognet.core import driver
-from cognet.core.ddi import RATE_TOLERANCE, DDIPolicy, check_adjacency
-from cognet.core.decoding import ESTIMATORS, SAMPLES, SET_RULES, Decoding
-from cognet.core.driver import COMPACT_AT, LoopConfig, step_outputs
+from cognet.core.ddi import DDIPolicy, apply_step_penalty, check_adjacency
+from cognet.core.decoding import SAMPLES, SET_RULES, Decoding, driver
+from cognet.core.decoding.draws import Draws
+from cognet.core.decoding.driver import COMPACT_AT, LoopConfig, step_outputs
+from cognet.core.decoding.set_rules import select_sets
 from cognet.core.graphspec import PROB_FLOOR
-
-_SEED = np.uint64(0x9E3779B97F4A7C15)
-_SAMPLE = np.uint64(0xD1B54A32D192ED03)
-_STEP = np.uint64(0x8CB92BA72F3D8DD7)
-_STRATUM = np.uint64(0xA0761D6478BD642F)
-_TOKEN = np.uint64(0xE7037ED1A0B428DB)
-
-
-def visit_key(visit_id: str) -> int:
-    """A visit's random stream: 64 bits of blake2b of its id."""
-    return int.from_bytes(hashlib.blake2b(visit_id.encode(), digest_size=8).digest(), "little")
-
-
-def visit_keys(visit_ids: Sequence[str]) -> np.ndarray:
-    return np.fromiter((visit_key(v) for v in visit_ids), np.uint64, len(visit_ids))
-
-
-def _mix(x: np.ndarray) -> np.ndarray:
-    """splitmix64's finaliser (a bijection of uint64 with full avalanche), wrapping."""
-    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-    return x ^ (x >> np.uint64(31))
-
-
-def uniforms(
-    seed: int,
-    keys: np.ndarray,
-    samples: int,
-    step: int,
-    estimator: str = "plain",
-    prefix: np.ndarray | None = None,
-) -> np.ndarray:
-    """float64 [n, samples], strictly inside (0, 1): the draws of step `step` of every
-    sample of the visits with these keys.
-
-    - "plain": each draw a hash of (seed, visit, sample, step).
-    - "stratified": the samples of a visit take the strata [j/S, (j+1)/S) of (0, 1),
-      j = 0..S-1, in a random order at each step (the ranks of a second hash), each draw
-      uniform inside its stratum.
-    - "tree": the same within each group of samples that share their prefix (`prefix`
-      [n, samples]: a hash of each sample's tokens so far, `Draws`): g samples that reached
-      the same node of the prefix tree, and so draw from the same distribution, take the g
-      strata of (0, 1) in a random order. Their children then get g x their probability of
-      the samples, give or take one, instead of a binomial count.
-    Marginally every draw is uniform whatever the estimator: each sample is an exact sample
-    of the model and P(k in S) stays unbiased; stratified draws cover (0, 1) evenly, so
-    samples that share a distribution spread over it instead of clumping (less variance at
-    the same cost)."""
-    with np.errstate(over="ignore"):
-        base = _mix(np.asarray(keys, np.uint64) ^ _mix(np.uint64(seed % 2**64) * _SEED))
-        sample = np.arange(1, samples + 1, dtype=np.uint64) * _SAMPLE
-        x = _mix(_mix(base[:, None] ^ sample[None, :]) ^ (np.uint64(step + 1) * _STEP))
-        u = ((x >> np.uint64(11)).astype(np.float64) + 0.5) * 2.0**-53
-        if estimator == "plain":
-            return u
-        if estimator not in ESTIMATORS:
-            raise ValueError(f"unknown estimator {estimator!r}")
-        order_key = _mix(x ^ _STRATUM)
-    n = u.shape[0]
-    if estimator == "stratified" or prefix is None:
-        prefix = np.zeros((n, samples), np.uint64)
-    row = np.repeat(np.arange(n), samples)
-    group = prefix.ravel()
-    order = np.lexsort((order_key.ravel(), group, row))  # by visit, prefix, random key
-    first = np.ones(order.size, bool)
-    first[1:] = (group[order][1:] != group[order][:-1]) | (row[order][1:] != row[order][:-1])
-    starts = np.flatnonzero(first)
-    which = np.cumsum(first) - 1
-    rank = np.empty(order.size, np.float64)
-    size = np.empty(order.size, np.float64)
-    rank[order] = np.arange(order.size) - starts[which]
-    size[order] = np.diff(np.append(starts, order.size))[which]
-    return (rank.reshape(n, samples) + u) / size.reshape(n, samples)
-
-
-class Draws:
-    """The draws of a set decoding's samples, step by step (`uniforms`), and the prefix
-    hash of every sample that the "tree" estimator groups them by (kept per row; `keep`
-    compacts it with the batch)."""
-
-    def __init__(self, cfg: SetConfig, keys: np.ndarray, n: int):
-        self.cfg, self.keys = cfg, keys
-        tree = cfg.estimator == "tree"
-        self.prefix = np.zeros((n, cfg.samples), np.uint64) if tree else None
-
-    def at(self, t: int, rows: np.ndarray) -> np.ndarray:
-        """float64 [R, S]: the draws of step t of the visits `rows`."""
-        cfg = self.cfg
-        return uniforms(cfg.seed, self.keys[rows], cfg.samples, t, cfg.estimator, self.prefix)
-
-    def drawn(self, tokens: np.ndarray) -> None:
-        """Step the prefixes by the tokens [R, S] just drawn."""
-        if self.prefix is not None:
-            with np.errstate(over="ignore"):
-                step = (np.asarray(tokens, np.uint64) + np.uint64(1)) * _TOKEN
-                self.prefix = _mix(self.prefix ^ step)
-
-    def keep(self, live: np.ndarray) -> None:
-        if self.prefix is not None:
-            self.prefix = self.prefix[live]
 
 
 @dataclass(frozen=True)
@@ -207,7 +106,7 @@ class SetResult:
 
 
 class SetSampler:
-    """The set decoding's rule on the host (a `cognet.core.driver.Selector`): each step,
+    """The set decoding's rule on the host (a `cognet.core.decoding.driver.Selector`): each step,
     every sample draws its next medication from Pr (masked, DDI policy applied); the sums
     of the step probabilities estimate P(k in S). Result: (P(k in S) float64 [n, M], the
     explanation sums or None, steps run)."""
@@ -229,7 +128,7 @@ class SetSampler:
         self.width = cfg.samples
         self.outputs = step_outputs(explain, attention)
 
-    def start(self, session: Any, n: int) -> None:
+    def start(self, n: int) -> None:
         s, end = self.cfg.samples, self.cfg.end
         self.n = n
         self.finished = np.zeros((n, s), bool)
@@ -283,7 +182,7 @@ def set_marginals(
     attention: bool = False,
 ) -> tuple[np.ndarray, dict | None, int]:
     """(P(k in S) float64 [n, M], the explanation sums or None, steps run) of the n visits
-    whose memories come from `session.init` (a `cognet.core.driver.DecoderSession`)."""
+    whose memories come from `session.init` (a `cognet.core.decoding.driver.DecoderSession`)."""
     sampler = SetSampler(cfg, keys, ddi_adj, explain, attention)
     return driver.run(session, memories, n, sampler, cfg)
 
@@ -293,12 +192,7 @@ def _step_distribution(log_probs, used, finished, end, policy, ddi_adj) -> np.nd
     it holds masked (and the DDI policy applied), renormalised; a finished sample has all
     its mass on END."""
     logp = log_probs.astype(np.float64)
-    if policy.mode in ("soft", "hard"):
-        clashes = used[..., :end].astype(np.float32) @ ddi_adj
-        if policy.mode == "hard":
-            logp[..., :end][clashes > 0] = -np.inf
-        else:
-            logp[..., :end] -= policy.penalty * clashes
+    apply_step_penalty(logp, used, ddi_adj, policy)
     logp[used] = -np.inf
     logp[finished] = -np.inf
     logp[finished, end] = 0.0
@@ -332,64 +226,6 @@ def _add_explanation(sums, n, end, got, rows, tokens, emitted) -> dict:
             sums["attention"] = np.zeros((n, end, att.shape[2]))
         np.add.at(sums["attention"], (vis, med), att[r, smp])
     return sums
-
-
-def select_sets(
-    marginals: np.ndarray,
-    threshold: float,
-    policy: DDIPolicy = DDIPolicy(),
-    ddi_adj: np.ndarray | None = None,
-    rule: str = "threshold",
-) -> list[np.ndarray]:
-    """Per visit, the set read from P(k in S) [n, M] by `rule` (`cognet.core.decoding`
-    SET_RULES: the medications with P(k in S) >= threshold, or `jaccard_sizes` of them in
-    decreasing probability), in decreasing probability (ties: smaller id), under the
-    policy's set rules (`hard`: no interacting pair; `max_rate`: DDI rate <= R)."""
-    out = []
-    order = np.argsort(-marginals, axis=1, kind="stable")
-    if rule == "jaccard":
-        sizes = jaccard_sizes(np.take_along_axis(marginals, order, 1))
-    elif rule == "threshold":
-        sizes = (marginals >= threshold).sum(1)
-    else:
-        raise ValueError(f"unknown set rule {rule!r}")
-    for idx, size in zip(order, sizes, strict=True):
-        idx = idx[:size]
-        if policy.mode == "hard" or policy.max_rate is not None:
-            idx = _ddi_filter(idx, policy, np.asarray(ddi_adj, bool))
-        out.append(idx.astype(np.int64))
-    return out
-
-
-def jaccard_sizes(ranked: np.ndarray) -> np.ndarray:
-    """int [n]: per visit, the k whose k most probable medications (P(k in S) [n, M], sorted
-    decreasing) have the highest expected Jaccard, (sum of P inside) / (k + sum of P
-    outside): expected intersection over expected union. No parameter; the smallest such k;
-    0 when every P is 0."""
-    p = np.clip(ranked.astype(np.float64), 0.0, 1.0)
-    if p.shape[1] == 0:
-        return np.zeros(p.shape[0], np.int64)
-    inside = np.cumsum(p, 1)
-    outside = inside[:, -1:] - inside
-    expected = inside / (np.arange(1, p.shape[1] + 1) + outside)
-    best = expected.argmax(1)
-    return np.where(expected[np.arange(len(p)), best] > 0, best + 1, 0).astype(np.int64)
-
-
-def _ddi_filter(candidates: np.ndarray, policy: DDIPolicy, adj: np.ndarray) -> np.ndarray:
-    kept: list[int] = []
-    pairs = 0
-    for k in candidates.tolist():
-        clash = int(adj[k, kept].sum()) if kept else 0
-        if policy.mode == "hard" and clash:
-            continue
-        if policy.max_rate is not None and kept:
-            size = len(kept) + 1
-            if (pairs + clash) / (size * (size - 1) / 2) > policy.max_rate + RATE_TOLERANCE:
-                continue
-        kept.append(k)
-        pairs += clash
-    return np.array(kept, np.int64)
 
 
 def decode_sets(

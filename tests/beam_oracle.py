@@ -1,29 +1,18 @@
-"""Reference decoding in torch: batched beam search (and greedy = beam 1) with the KV-cached
-decoder step. The runtime re-implements exactly these semantics in numpy; see
-docs/INTERNALS.md "Beam search" for the rules both follow, `cognet.core.ddi` for the DDI
-policies and `cognet.core.decoding` for the defaults (beam 4, max length 45)."""
+"""The test oracle of beam search: the plain torch loop that cognet's torch reference was
+before every decoding ran through one driver (`cognet.core.decoding.driver`). It starts,
+steps, selects, finishes and traces back on its own, and compacts at every finish, so the
+parity tests compare the driver and its selectors with an independent implementation of
+the rules of docs/INTERNALS.md "Beam search" and `cognet.core.ddi`."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-import numpy as np
 import torch
 
-from cognet.batching import select_rows
 from cognet.core.ddi import RATE_TOLERANCE, DDIPolicy
 from cognet.core.decoding import BEAM, MAX_LEN
-from cognet.model import COGNet, history_inputs
-
-
-@dataclass(frozen=True)
-class Decoded:
-    meds: tuple[int, ...]  # generation order, END excluded
-    score: float  # sum of log-probabilities, END included
-    med_probs: tuple[float, ...]  # probability of each medication at the step it was emitted
-    scores: np.ndarray  # [M] PRAUC scores: emission probability, or mean over the steps
-    gates: tuple[float, ...] = ()  # w_g at each emitted medication's step
-    copy_slots: tuple[np.ndarray, ...] = ()  # copy distribution over slots at each step
+from cognet.model.batching import select_rows
+from cognet.model.decoding import Decoded
+from cognet.model.network import COGNet, history_inputs
 
 
 def _select(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -149,12 +138,3 @@ def beam_search(
             )
             memories = tuple(m[keep] for m in memories)
     return [results[i] for i in range(n)]
-
-
-def greedy(
-    model: COGNet,
-    batch: dict[str, torch.Tensor],
-    max_len: int = MAX_LEN,
-    rows: torch.Tensor | None = None,
-) -> list[Decoded]:
-    return beam_search(model, batch, beam=1, max_len=max_len, rows=rows)

@@ -9,7 +9,7 @@ a table and a plot of Jaccard against DDI rate.
     print(result.table)
     plot(result.rows, "tradeoff.png")
 
-Each policy decodes the whole split again (`cognet.evaluate.decode_patients`).
+Each policy decodes the whole split again (`cognet.evaluation.evaluate.decode_patients`).
 `recommend` picks the soft penalty to advertise: the one with the lowest DDI rate among
 those that cost at most `max_jaccard_drop` Jaccard against `off`.
 
@@ -25,20 +25,21 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 from cognet.core.ddi import DDIPolicy, ddi_matrix, require_pairs
+from cognet.core.decoding import Decoding
 from cognet.core.files import atomic_path
 from cognet.core.schema import DDI_FILE
 
-if TYPE_CHECKING:  # cognet.evaluate imports torch: only where a policy is decoded
-    from cognet.evaluate import EvalOptions
+if TYPE_CHECKING:  # cognet.evaluation.evaluate imports torch: only where a policy is decoded
+    from cognet.evaluation.evaluate import EvalOptions
 
-# fine between 0.25 and 1, where the frontier bends on real data (issue 22)
+# fine between 0.25 and 1, where the frontier bends on real data (docs/guide/ddi.md)
 DEFAULT_PENALTIES = (0.1, 0.25, 0.35, 0.5, 0.6, 0.7, 0.8, 1.0, 2.0)
 MAX_JACCARD_DROP = 0.01  # accuracy a recommended penalty may cost against `off`
 # Columns of the table: (report key, header, format).
@@ -106,29 +107,26 @@ def tradeoff(
     policy_list: Sequence[DDIPolicy],
     options: EvalOptions | None = None,
     on_policy: Callable[[TradeoffRow], None] | None = None,
+    decoding: Decoding = Decoding(),
 ) -> list[TradeoffRow]:
     """Decode `patients` (lists of `cognet.core.history.Visit`) under every policy; one row each.
 
     ddi_adj: bool [M, M] for the DDI rate (`cognet.core.ddi.ddi_matrix`); the decoding
-    itself uses the model's DDI graph, built from the same pairs. options: the decoding
-    (None: the paper's beam search), bootstrap rounds and seed; its own policy is ignored."""
-    from cognet.evaluate import (
-        EvalOptions,
-        decode_patients,
-        report,
-        resolve_decoding,
-        visit_results,
-    )
+    itself uses the model's DDI graph, built from the same pairs. options: the bootstrap
+    rounds and seed; decoding: what each policy decodes with (default: the paper's beam
+    search)."""
+    from cognet.core.metrics import evaluation_report, visit_results
+    from cognet.evaluation.evaluate import EvalOptions
+    from cognet.model.decoding import decode_patients
 
     options = options or EvalOptions()
-    decoding = resolve_decoding({}, options.decoding)
     rows = []
     for policy in policy_list:
         started = time.perf_counter()
         decoded = decode_patients(model, vocab, patients, decoding, policy)
         seconds = time.perf_counter() - started
         results = visit_results(patients, decoded)
-        rep = report(results, ddi_adj, rounds=options.rounds, seed=options.seed)
+        rep = evaluation_report(results, ddi_adj, rounds=options.rounds, seed=options.seed)
         rows.append(TradeoffRow(policy, rep, seconds))
         if on_policy:
             on_policy(rows[-1])
@@ -327,24 +325,27 @@ def run_tradeoff(
     policy of `policy_list` (default: `policies()`) on the split of `options` of a dataset
     directory (its first `max_patients` patients when given: a policy costs about a torch
     decoding of the split), decoded as `options` says on top of the checkpoint's own."""
-    from cognet import checkpoint
     from cognet.core.errors import InputError
+    from cognet.core.history import load_split
     from cognet.core.schema import read_dataset
-    from cognet.evaluate import EvalOptions, ground_truth_ddi, load_split, resolve_decoding
+    from cognet.evaluation.evaluate import EvalOptions, ground_truth_ddi, stored_decoding
+    from cognet.model import checkpoint
 
     options = options or EvalOptions()
     split = options.split
     dataset = read_dataset(data_dir)
     require_pairs(dataset.ddi_pairs, Path(data_dir) / DDI_FILE, "--ddi-tradeoff")
     model, vocab, config = checkpoint.load(ckpt)
-    decoding = resolve_decoding(config, options.decoding)
+    try:  # the decoding asked on the checkpoint's own; every policy of the list decodes it
+        decoding = options.request.decoding_on(stored_decoding(config))
+    except ValueError as exc:
+        raise InputError(str(exc)) from None
     patients = load_split(dataset.visits, vocab, split).patients[:max_patients]
     if not patients:
         raise InputError(f"{data_dir}: the {split} split has no labelled visit")
     ddi_adj = ddi_matrix(vocab, dataset.ddi_pairs)
     policy_list = policies() if policy_list is None else policy_list
-    resolved = replace(options, decoding=decoding)
-    rows = tradeoff(model, vocab, patients, ddi_adj, policy_list, resolved, on_policy)
+    rows = tradeoff(model, vocab, patients, ddi_adj, policy_list, options, on_policy, decoding)
     best = recommend(rows)
     truth = ground_truth_ddi(patients, ddi_adj)
     table = (

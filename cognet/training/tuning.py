@@ -10,14 +10,14 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from cognet.batching import IGNORE, make_batch
 from cognet.core.ddi import DDIPolicy
 from cognet.core.decoding import ESTIMATOR, Decoding
+from cognet.core.decoding.set_rules import select_sets
 from cognet.core.history import Visit
 from cognet.core.metrics import VisitResult, bootstrap_report
-from cognet.core.sampling import select_sets
 from cognet.core.vocab import Vocab
-from cognet.model import COGNet
+from cognet.model.batching import IGNORE, make_batch
+from cognet.model.network import COGNet
 
 # Thresholds tried on P(k in S) (0.15 .. 0.60): the best on validation is kept.
 THRESHOLDS = tuple(round(x, 3) for x in np.arange(0.15, 0.601, 0.025))
@@ -130,7 +130,7 @@ def set_decoding_for(
 ) -> tuple[Decoding, dict]:
     """The set decoding of `samples` samples (drawn by this version's estimator) with the
     threshold and the set rule chosen on `patients` (`choose_set_rule`)."""
-    from cognet.evaluate import decode_patients
+    from cognet.model.decoding import decode_patients
 
     probe = Decoding(name="set", samples=samples, threshold=1.0, estimator=ESTIMATOR)
     decoded = decode_patients(model, vocab, patients, decoding=probe, ddi=DDIPolicy())

@@ -1,7 +1,7 @@
 """Beam search on the host: the paper's decoding as a selector of the one decoding loop
-(`cognet.core.driver.run`), in numpy over any decoder session (torch-free).
+(`cognet.core.decoding.driver.run`), in numpy over any decoder session (torch-free).
 
-The rules are those of `cognet.decode.beam_search` (docs/INTERNALS.md "Beam search"):
+The rules are those of `cognet.model.decoding.beam_search` (docs/INTERNALS.md "Beam search"):
 scores start at 0 for beam 0 and -inf for the others; medications already in a hypothesis
 get -inf; a finished beam proposes only END with log-probability 0; the B best candidates
 of each visit are taken in a stable descending order (ties -> smaller flat index
@@ -11,12 +11,12 @@ How the work is kept small:
 - The session holds the per-visit memories (decoder init, once per visit) and the
   self-attention KV cache; the step reorders the cache itself through its `parent` input,
   so the driver never gathers the cache between steps. Finished visits leave the batch by
-  the driver's compaction rule (`cognet.core.driver`).
+  the driver's compaction rule (`cognet.core.decoding.driver`).
 - Top-k is B passes of `argmax` (the first maximum, i.e. the smallest flat index among
   ties: exactly a stable descending sort) with a stable argsort fallback for the rare rows
   where a chosen candidate is -inf (fewer than B finite candidates). For 256 visits x
   4 x 132 candidates: 0.16 ms, against 9.7 ms for a stable argsort of every row.
-- Each step only records (parent, token, chosen log-prob) per beam (`Step`); the best
+- Each step only records (parent, token, chosen log-prob) per beam (`BeamStep`); the best
   hypothesis is traced back once per batch at the end, along with the optional PRAUC
   scores (mean step probabilities) and explanations (gate, copy distribution and diagnosis
   attention at each step). The device selector (`cognet.runtime.search`) shares the trace.
@@ -31,10 +31,15 @@ from typing import Any
 
 import numpy as np
 
-from cognet.core import driver
-from cognet.core.ddi import RATE_TOLERANCE, DDIPolicy, check_adjacency, ddi_rates
-from cognet.core.decoding import BEAM
-from cognet.core.driver import DecoderSession, LoopConfig, step_outputs
+from cognet.core.ddi import (
+    RATE_TOLERANCE,
+    DDIPolicy,
+    apply_step_penalty,
+    check_adjacency,
+    ddi_rates,
+)
+from cognet.core.decoding import BEAM, driver
+from cognet.core.decoding.driver import DecoderSession, LoopConfig, step_outputs
 
 NEG_INF = np.float32(-np.inf)
 
@@ -58,7 +63,7 @@ class BeamResult:
     meds: list[np.ndarray]  # per visit: medication ids in generation order (END excluded)
     score: np.ndarray  # float32 [N]: sum of log-probabilities, END included
     med_probs: list[np.ndarray]  # per visit: probability of each medication at its step
-    prauc_scores: np.ndarray | None = None  # float32 [N, M] (see `cognet.decode.Decoded`)
+    prauc_scores: np.ndarray | None = None  # float32 [N, M] (see `cognet.model.decoding.Decoded`)
     gates: list[np.ndarray] | None = None  # per visit: w_g at each medication's step
     copies: list[np.ndarray] | None = None  # per visit: [meds, S] copy distribution
     # per visit: [meds, Ld] diagnosis cross-attention (mean over heads), with `attention`
@@ -67,7 +72,7 @@ class BeamResult:
 
 
 @dataclass
-class Step:
+class BeamStep:
     """What one step decided, for the trace back (arrays over the rows of that step)."""
 
     rows: np.ndarray  # [R] visit index of each row
@@ -111,7 +116,7 @@ def top_k_stable(cand: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 class BeamRule:
-    """What the host and the device beam selectors share (`cognet.core.driver.Selector`
+    """What the host and the device beam selectors share (`cognet.core.decoding.driver.Selector`
     less `select` and `keep`): the scores and finished flags of every beam on the host, the
     trace of each step's decisions, and each visit's answer, chosen when it is over (by
     score, or under `max_rate` by DDI rate) and traced back at the end."""
@@ -123,11 +128,11 @@ class BeamRule:
         self.cfg, self.width, self.ddi_adj = cfg, cfg.beam, ddi_adj
         self.prauc = self.explain = False
 
-    def start(self, session: Any, n: int) -> None:
+    def start(self, n: int) -> None:
         self.scores = np.full((n, self.width), NEG_INF, np.float32)
         self.scores[:, 0] = 0.0
         self.finished = np.zeros((n, self.width), bool)
-        self.trace: list[Step] = []
+        self.trace: list[BeamStep] = []
         self.end_step = np.full(n, -1, np.int64)  # per visit: the step at which it was done
         self.end_beam = np.zeros(n, np.int64)  # per visit: the beam holding its answer
         self.final_score = np.zeros(n, np.float32)
@@ -183,8 +188,8 @@ class BeamSelector(BeamRule):
         self.prauc, self.explain = prauc, explain
         self.outputs = step_outputs(explain, attention)
 
-    def start(self, session: Any, n: int) -> None:
-        super().start(session, n)
+    def start(self, n: int) -> None:
+        super().start(n)
         self.used: np.ndarray | None = None  # bool [R, B, V1]: medications in each hypothesis
 
     def select(self, t, out, rows, parent):
@@ -210,7 +215,7 @@ class BeamSelector(BeamRule):
         used[row_ix, np.arange(b), tokens] = True
         self.used, self.finished = used, ~live | (tokens == end)
         self.trace.append(
-            Step(
+            BeamStep(
                 rows,
                 parent,
                 tokens,
@@ -257,15 +262,10 @@ def beam_search(
 def _penalise(
     raw: np.ndarray, used: np.ndarray, ddi_adj: np.ndarray, policy: DDIPolicy
 ) -> np.ndarray:
-    """A copy of the log-probabilities raw [R, B, V1] with the medications that interact with
-    the hypothesis (used [R, B, V1]) at -inf (hard) or lowered by penalty x pairs (soft)."""
-    m = ddi_adj.shape[0]
-    clashes = used[..., :m].astype(np.float32) @ ddi_adj  # [R, B, M] interacting pairs
+    """A copy of the log-probabilities raw [R, B, V1] with the DDI policy's step rule
+    applied (`cognet.core.ddi.apply_step_penalty`) for the hypotheses `used` [R, B, V1]."""
     logp = raw.copy()
-    if policy.mode == "hard":
-        np.copyto(logp[..., :m], NEG_INF, where=clashes > 0)
-    else:
-        logp[..., :m] -= np.float32(policy.penalty) * clashes
+    apply_step_penalty(logp, used, ddi_adj, policy)
     return logp
 
 
@@ -281,7 +281,7 @@ def within_rate(
 
 
 def trace_back(
-    trace: list[Step],
+    trace: list[BeamStep],
     end_step: np.ndarray,
     end_beam: np.ndarray,
     final_score: np.ndarray,

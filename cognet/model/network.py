@@ -376,7 +376,7 @@ class COGNet(nn.Module):
         return (*out, h) if hidden else out
 
     def forward(self, batch: dict[str, Tensor], hidden: bool = False):
-        """Teacher-forced log-probabilities [N, L, V1] for a batch from `cognet.batching`;
+        """Teacher-forced log-probabilities [N, L, V1] for a batch from `cognet.model.batching`;
         with `hidden`, (log_probs, h [N, L, s])."""
         diag_enc, proc_enc, v_d, v_p, med_enc = self.encode_visits(
             batch["diagnoses"], batch["procedures"], batch["medications"]
@@ -391,7 +391,7 @@ class COGNet(nn.Module):
 def history_inputs(batch, diag_enc, proc_enc, v_d, v_p, med_enc, cfg: ModelConfig):
     """Assemble the decoder-init inputs of every target visit from the batch's encodings.
 
-    The batch indexes (see `cognet.batching`): `target` [N] visit rows being decoded,
+    The batch indexes (see `cognet.model.batching`): `target` [N] visit rows being decoded,
     `hist_index` [N, J] and `slot_visit_row`/`slot_pos` [N, S] point into the encoded visits.
     """
     t = batch["target"]

@@ -1,4 +1,4 @@
-"""What `cognet.checkpoint.load` checks before it trusts a checkpoint directory, so that a
+"""What `cognet.model.checkpoint.load` checks before it trusts a checkpoint directory, so that a
 damaged or mixed-up checkpoint is refused with one line naming the file (InputError, exit 2)
 instead of a raw exception or, worse, a model that silently answers differently.
 

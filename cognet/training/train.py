@@ -18,27 +18,29 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from cognet import checkpoint
-from cognet.batching import IGNORE, ddi_adjacency, ehr_adjacency, make_batch
 from cognet.core import numbers as strict_json
 from cognet.core.ddi import require_pairs
 from cognet.core.decoding import DECODINGS, SAMPLES, Decoding
 from cognet.core.errors import InputError
 from cognet.core.files import writable_folder, write_text
+from cognet.core.history import load_split, train_vocabulary
+from cognet.core.metrics import evaluation_report, visit_results
 from cognet.core.numbers import finite
 from cognet.core.schema import DDI_FILE, read_dataset
 from cognet.core.vocab import Vocab
-from cognet.evaluate import decode_patients, load_split, report, split_table, visit_results
-from cognet.model import COGNet, ModelConfig, history_inputs
-from cognet.tuning import choose_average, set_decoding_for, validation_nll
+from cognet.model import checkpoint
+from cognet.model.batching import IGNORE, ddi_adjacency, ehr_adjacency, make_batch
+from cognet.model.decoding import decode_patients
+from cognet.model.network import COGNet, ModelConfig, history_inputs
+from cognet.training.tuning import choose_average, set_decoding_for, validation_nll
 
 log = logging.getLogger(__name__)
 
 
 # Training recipes (`cognet train --recipe`): overrides of TrainConfig's defaults.
 # - default: what won on the synthetic validation split (README "Training recipe"):
-#   embedding size 128 and the authors' embedding and attention dropout (issue 22's
-#   comparison), residual dropout 0.3, 2 heads, feed-forward 512; at most 36 epochs
+#   embedding size 128 and the authors' embedding and attention dropout (compared on
+#   validation), residual dropout 0.3, 2 heads, feed-forward 512; at most 36 epochs
 #   (early stopping ends seeds 0 / 1 at epochs 24 / 26); validation NLL every epoch, early
 #   stopping on it, the weights averaged over the last epochs (the window of lowest
 #   validation NLL), and set decoding with a threshold and a set rule chosen on validation.
@@ -103,7 +105,8 @@ class TrainConfig:
     decoding: str = "set"  # the checkpoint's default decoding: "set" (tuned) or "beam"
     set_samples: int = SAMPLES
     recipe: str = "default"
-    # choose a DDI policy and threshold on validation for this DDI rate (`cognet.ddi_target`)
+    # choose a DDI policy and threshold on validation for this DDI rate
+    # (`cognet.training.ddi_target`)
     ddi_target: float | None = None
 
     def __post_init__(self) -> None:
@@ -299,12 +302,7 @@ def train(
     dataset = read_dataset(data_dir)
     if cfg.ddi_target is not None:
         require_pairs(dataset.ddi_pairs, Path(data_dir) / DDI_FILE, "--ddi-target")
-    train_table = split_table(dataset.visits, "train")
-    vocab = Vocab.build(
-        train_table.column("diagnoses").to_pylist(),
-        train_table.column("procedures").to_pylist(),
-        train_table.column("medications").to_pylist(),
-    )
+    vocab = train_vocabulary(dataset.visits)
     train_data = load_split(dataset.visits, vocab, "train")
     val_data = load_split(dataset.visits, vocab, "val")
     for split, data in (("train", train_data), ("val", val_data)):
@@ -350,7 +348,7 @@ def train(
         check_finite(model, epoch, loss, record["val_nll"], cfg.lr)
         if cfg.select == "jaccard":
             decoded = decode_patients(model, vocab, val_patients, decoding=Decoding(beam=1))
-            val = report(visit_results(val_patients, decoded), ddi_bool, rounds=1)
+            val = evaluation_report(visit_results(val_patients, decoded), ddi_bool, rounds=1)
             for k in ("jaccard", "f1", "prauc", "ddi", "avg_drugs"):
                 record[f"val_{k}"] = val[k]["mean"]
         record["epoch_s"] = time.perf_counter() - start
@@ -389,7 +387,7 @@ def train(
         decoding, tuning = set_decoding_for(model, vocab, val_patients, ddi_bool, cfg.set_samples)
     target = None
     if cfg.ddi_target is not None:  # the model's default DDI policy and threshold
-        from cognet.ddi_target import choose_target
+        from cognet.training.ddi_target import choose_target
 
         target, _ = choose_target(model, vocab, val_patients, ddi_bool, decoding, cfg.ddi_target)
         target = target.to_json()

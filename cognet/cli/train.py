@@ -1,0 +1,184 @@
+"""`cognet train`: a checkpoint from a dataset directory."""
+
+from __future__ import annotations
+
+import click
+
+from cognet.core.clitools import (
+    FiniteFloat,
+    count_option,
+    handle_errors,
+    progress,
+    setup_logging,
+)
+from cognet.core.decoding import (
+    Decoding,
+)
+from cognet.core.files import Reads, guarded
+
+RECIPE_CHOICES = ("default", "reference")
+
+ABLATION_CHOICES = (
+    "none",
+    "no-copy",
+    "no-visit-score",
+    "no-graph",
+    "no-diagnoses",
+    "no-procedures",
+)
+
+
+# torch's own default (a thread per core) collapses when another process holds a core: on
+# the 2-core development machine, with other jobs running, one epoch of 2,000 synthetic
+# patients took 4.7-4.9 s with 1 thread and 52-91 s with 2 (7.8 s with 2 threads and
+# OMP_WAIT_POLICY=PASSIVE). One thread never collapses; more pay only on an idle machine.
+threads_option = count_option(
+    "--threads",
+    default=1,
+    help="torch intra-op threads. The default, 1, stays fast when other jobs share the "
+    "machine (2 threads made an epoch 10-18x slower then); raise it on an idle machine.",
+)
+
+
+@click.command()
+@click.option(
+    "--data",
+    "data_dir",
+    required=True,
+    type=click.Path(file_okay=False),
+    help="Dataset directory (visits.parquet, ddi.parquet).",
+)
+@click.option(
+    "--out", required=True, type=click.Path(file_okay=False), help="Checkpoint directory to write."
+)
+@click.option(
+    "--recipe",
+    type=click.Choice(RECIPE_CHOICES),
+    default="default",
+    show_default=True,
+    help='default: what won on validation (README "Training recipe"); reference: the '
+    "authors' architecture and regularisation, 200 epochs (cap with --epochs), beam search. "
+    "The options below change the recipe's values.",
+)
+@count_option("--epochs", help="At most (default: 36; reference: 200).")
+@click.option("--seed", default=0, show_default=True, type=int)
+@click.option(
+    "--lr", type=FiniteFloat(0, min_open=True), help="Adam learning rate (default: 1e-3)."
+)
+@count_option("--batch-size", help="Patients per optimisation step (default: 16).")
+@count_option(
+    "--patience",
+    help="Epochs without a better validation score before stopping (default: 4; reference: none).",
+)
+@click.option(
+    "--scheduled-sampling",
+    default=0.0,
+    show_default=True,
+    type=FiniteFloat(0, 1),
+    help="Share of the decoder's input medications replaced by the model's own "
+    "prediction during training (exposure to its mistakes).",
+)
+@click.option(
+    "--aux-loss",
+    type=FiniteFloat(0),
+    help="Weight of an auxiliary multi-label loss (a training signal only: at each decoder "
+    "position, the medications still to come; 0: off).",
+)
+@click.option(
+    "--lr-decay",
+    type=FiniteFloat(0, 1, min_open=True),
+    help="Multiply the learning rate by this after every epoch (default: 1, constant).",
+)
+@count_option("--dim", help="Embedding size (default: 128; reference: 64).")
+@click.option(
+    "--emb-dropout",
+    type=FiniteFloat(0, 1, max_open=True),
+    help="Dropout on the code and medication embeddings (default and reference: 0.3).",
+)
+@click.option(
+    "--attn-dropout",
+    type=FiniteFloat(0, 1, max_open=True),
+    help="Dropout on attention weights (default and reference: 0.2).",
+)
+@click.option("--device", default="cpu", show_default=True, help="cpu, cuda, cuda:1, ...")
+@click.option(
+    "--ddi-target",
+    type=FiniteFloat(0, 1),
+    help="After training, choose the soft DDI penalty, a per-set DDI cap and the set "
+    "threshold together on validation for the best Jaccard at a DDI rate <= this; "
+    "evaluation and scoring use them unless a --ddi-mode is given.",
+)
+@click.option(
+    "--ablation",
+    default="none",
+    show_default=True,
+    type=click.Choice(ABLATION_CHOICES),
+    help="Paper Table 4 variants.",
+)
+@threads_option
+@click.option("--quiet", is_flag=True, help="No progress bar.")
+@handle_errors
+def train(data_dir, out, threads, quiet, recipe, **config):
+    """Train COGNet on the train split; choose the weights and the set decoding's threshold
+    on the validation split.
+
+    \b
+    Example:
+      cognet train --data data --out ckpt --seed 0 --threads 1
+      cognet train --data data --out ckpt-ref --recipe reference --epochs 30
+      cognet train --data data --out ckpt-safe --ddi-target 0.06
+    """
+    import torch
+
+    from cognet.training.train import TrainConfig
+    from cognet.training.train import train as run_train
+
+    setup_logging()
+    torch.set_num_threads(threads)
+    try:  # the other options are TrainConfig's fields
+        cfg = TrainConfig.from_recipe(recipe, **config)
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from None
+
+    def on_epoch(r: dict) -> None:
+        greedy = (
+            f"  greedy jaccard {r['val_jaccard']:.4f}  f1 {r['val_f1']:.4f}  prauc "
+            f"{r['val_prauc']:.4f}  drugs {r['val_avg_drugs']:.1f}"
+            if "val_jaccard" in r
+            else ""
+        )
+        click.echo(
+            f"epoch {r['epoch']:3d}  loss {r['loss']:.4f}  val nll {r['val_nll']:.4f}{greedy}  "
+            f"({r['train_s']:.1f}s train, {r['epoch_s']:.1f}s total)"
+            f"{'  *best' if r['best'] else ''}",
+            err=True,
+        )
+
+    bar = None if quiet else progress
+    # one run per --out, never onto the dataset it reads (cognet.core.files.guarded)
+    from cognet.model.checkpoint import FILES
+
+    written = {"--out": (*FILES, "train_log.jsonl")}
+    with guarded("cognet train", {"--out": out}, Reads(datasets=[data_dir]), written) as stage:
+        best = run_train(
+            data_dir,
+            stage["--out"],
+            cfg,
+            on_epoch=on_epoch,
+            progress=(lambda **kw: bar(**kw)) if bar else None,
+        )
+    weights = best["weights"]["epochs"]
+    kept = (
+        f"epoch {weights[0]}"
+        if len(weights) == 1
+        else f"epochs {weights[0]}-{weights[-1]} averaged"
+    )
+    click.echo(
+        f"weights: {kept} (val nll {best['weights']['val_nll']:.4f}); decoding: "
+        f"{Decoding.from_json(best['decoding']).label}; checkpoint written to {out}"
+    )
+    if best.get("ddi_target"):
+        from cognet.core.ddi import DDITarget
+        from cognet.training.ddi_target import describe
+
+        click.echo(describe(DDITarget.from_json(best["ddi_target"])))

@@ -1,0 +1,34 @@
+"""cognet.core.decoding: every decoding of cognet, torch-free.
+
+`defaults` (the decodings, their defaults and the stored `Decoding`), `request` (what a
+caller asks on top of it), `driver` (the one decoding loop and the interfaces it drives),
+`beam` (beam search's host selector and trace back), `sampling` (set decoding's sampler),
+`draws` (its counter-based random draws), `set_rules` (the set read from P(k in S)). The
+defaults are re-exported here.
+"""
+
+from cognet.core.decoding.defaults import (
+    BEAM,
+    DECODINGS,
+    DEFAULT_DECODING,
+    ESTIMATOR,
+    ESTIMATORS,
+    LIMITS,
+    MAX_LEN,
+    SAMPLES,
+    SET_RULES,
+    Decoding,
+)
+
+__all__ = [
+    "BEAM",
+    "DECODINGS",
+    "DEFAULT_DECODING",
+    "ESTIMATOR",
+    "ESTIMATORS",
+    "LIMITS",
+    "MAX_LEN",
+    "SAMPLES",
+    "SET_RULES",
+    "Decoding",
+]

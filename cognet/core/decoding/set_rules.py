@@ -1,0 +1,68 @@
+"""Set rules: the set a visit gets from its P(k in S), host-side arithmetic after the same
+graphs (`select_sets`): the medications reaching the tuned threshold, or the set of highest
+expected Jaccard (`jaccard_sizes`); then the DDI policy's set rules (`hard`: no interacting
+pair; `max_rate R`: a DDI rate <= R), in decreasing probability."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from cognet.core.ddi import RATE_TOLERANCE, DDIPolicy
+
+
+def select_sets(
+    marginals: np.ndarray,
+    threshold: float,
+    policy: DDIPolicy = DDIPolicy(),
+    ddi_adj: np.ndarray | None = None,
+    rule: str = "threshold",
+) -> list[np.ndarray]:
+    """Per visit, the set read from P(k in S) [n, M] by `rule` (`cognet.core.decoding`
+    SET_RULES: the medications with P(k in S) >= threshold, or `jaccard_sizes` of them in
+    decreasing probability), in decreasing probability (ties: smaller id), under the
+    policy's set rules (`hard`: no interacting pair; `max_rate`: DDI rate <= R)."""
+    out = []
+    order = np.argsort(-marginals, axis=1, kind="stable")
+    if rule == "jaccard":
+        sizes = jaccard_sizes(np.take_along_axis(marginals, order, 1))
+    elif rule == "threshold":
+        sizes = (marginals >= threshold).sum(1)
+    else:
+        raise ValueError(f"unknown set rule {rule!r}")
+    for idx, size in zip(order, sizes, strict=True):
+        idx = idx[:size]
+        if policy.mode == "hard" or policy.max_rate is not None:
+            idx = _ddi_filter(idx, policy, np.asarray(ddi_adj, bool))
+        out.append(idx.astype(np.int64))
+    return out
+
+
+def jaccard_sizes(ranked: np.ndarray) -> np.ndarray:
+    """int [n]: per visit, the k whose k most probable medications (P(k in S) [n, M], sorted
+    decreasing) have the highest expected Jaccard, (sum of P inside) / (k + sum of P
+    outside): expected intersection over expected union. No parameter; the smallest such k;
+    0 when every P is 0."""
+    p = np.clip(ranked.astype(np.float64), 0.0, 1.0)
+    if p.shape[1] == 0:
+        return np.zeros(p.shape[0], np.int64)
+    inside = np.cumsum(p, 1)
+    outside = inside[:, -1:] - inside
+    expected = inside / (np.arange(1, p.shape[1] + 1) + outside)
+    best = expected.argmax(1)
+    return np.where(expected[np.arange(len(p)), best] > 0, best + 1, 0).astype(np.int64)
+
+
+def _ddi_filter(candidates: np.ndarray, policy: DDIPolicy, adj: np.ndarray) -> np.ndarray:
+    kept: list[int] = []
+    pairs = 0
+    for k in candidates.tolist():
+        clash = int(adj[k, kept].sum()) if kept else 0
+        if policy.mode == "hard" and clash:
+            continue
+        if policy.max_rate is not None and kept:
+            size = len(kept) + 1
+            if (pairs + clash) / (size * (size - 1) / 2) > policy.max_rate + RATE_TOLERANCE:
+                continue
+        kept.append(k)
+        pairs += clash
+    return np.array(kept, np.int64)

@@ -1,0 +1,128 @@
+"""Decoding with the torch model: beam search and set decoding of `make_batch` batches, and
+`decode_patients` over whole patients (what evaluation, tuning and the benchmarks call).
+
+Both decodings run the one decoding loop (`cognet.core.decoding.driver.run`) with the host
+selectors the runtime uses (`cognet.core.decoding.beam.BeamSelector`,
+`cognet.core.decoding.sampling.SetSampler`) over `TorchSession`, the torch model's
+KV-cached decoder step; so torch and the runtime differ only by their float32 rounding. The
+rules: docs/INTERNALS.md "Beam search" and "Set decoding", `cognet.core.ddi` for the DDI
+policies, `cognet.core.decoding.defaults` for the defaults (beam 4, max length 45)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from cognet.core.ddi import DDIPolicy
+from cognet.core.decoding import BEAM, MAX_LEN, Decoding
+from cognet.core.decoding.beam import BeamConfig, BeamSelector
+from cognet.core.decoding.draws import visit_keys
+from cognet.core.decoding.driver import run
+from cognet.core.decoding.sampling import SetConfig, decode_sets
+from cognet.core.history import Visit
+from cognet.core.vocab import Vocab
+from cognet.model.batching import make_batch, select_rows
+from cognet.model.network import COGNet
+from cognet.model.session import TorchSession
+
+
+@dataclass(frozen=True)
+class Decoded:
+    """One visit's answer."""
+
+    meds: tuple[int, ...]  # beam search: generation order; set: decreasing P(k in S)
+    score: float  # beam search: sum of log-probabilities, END included; set: mean P of the set
+    med_probs: tuple[float, ...]  # each medication's probability (at its step; or P(k in S))
+    scores: np.ndarray  # [M] PRAUC scores (DESIGN.md §4)
+
+
+@torch.no_grad()
+def beam_search(
+    model: COGNet,
+    batch: dict[str, torch.Tensor],
+    beam: int = BEAM,
+    max_len: int = MAX_LEN,
+    rows: torch.Tensor | None = None,
+    ddi: DDIPolicy = DDIPolicy(),
+) -> list[Decoded]:
+    """Beam search (greedy: beam 1) of the visits `rows` (default: every `target`) of a
+    `make_batch` batch, with the PRAUC scores."""
+    model.eval()
+    if rows is not None:
+        batch = select_rows(batch, rows)
+    session = TorchSession(model)
+    n = len(batch["target"])
+    cfg = BeamConfig(end=model.cfg.n_med, beam=beam, max_len=max_len, ddi=ddi)
+    adj = _ddi_adjacency(model) if ddi.active else None
+    res = run(session, session.memories(batch), n, BeamSelector(cfg, prauc=True, ddi_adj=adj), cfg)
+    return _decoded(res, n)
+
+
+@torch.no_grad()
+def set_decode(
+    model: COGNet,
+    batch: dict[str, torch.Tensor],
+    visit_ids: Sequence[str],
+    decoding: Decoding,
+    rows: torch.Tensor | None = None,
+    ddi: DDIPolicy = DDIPolicy(),
+) -> list[Decoded]:
+    """The set of each visit `rows` (default: every `target`) of a `make_batch` batch;
+    `visit_ids` name those visits (their random streams)."""
+    model.eval()
+    if rows is not None:
+        batch = select_rows(batch, rows)
+    n = len(batch["target"])
+    if n != len(visit_ids):
+        raise ValueError(f"{n} visits to decode but {len(visit_ids)} visit ids")
+    session = TorchSession(model)
+    cfg = SetConfig.of(decoding, model.cfg.n_med, ddi)
+    keys = visit_keys(visit_ids)
+    res = decode_sets(session, session.memories(batch), n, cfg, keys, _ddi_adjacency(model))
+    return _decoded(res, n)
+
+
+def decode_patients(
+    model: COGNet,
+    vocab: Vocab,
+    patients: Sequence[Sequence[Visit]],
+    decoding: Decoding = Decoding(),
+    ddi: DDIPolicy = DDIPolicy(),
+    on_batch: Callable[[int], None] | None = None,
+    batch_patients: int = 128,
+) -> list[Decoded]:
+    """Decode every visit of `patients` (history: the earlier visits' true medications) with
+    `decoding` (default: the paper's beam search, beam 4) under the DDI policy `ddi`."""
+    out: list[Decoded] = []
+    for i in range(0, len(patients), batch_patients):
+        chunk = patients[i : i + batch_patients]
+        batch = make_batch(chunk, vocab, targets=False)
+        if decoding.name == "beam":
+            out.extend(beam_search(model, batch, decoding.beam, decoding.max_len, ddi=ddi))
+        else:
+            ids = [v.visit_id for p in chunk for v in p]
+            out.extend(set_decode(model, batch, ids, decoding, ddi=ddi))
+        if on_batch:
+            on_batch(sum(map(len, chunk)))
+    return out
+
+
+def _ddi_adjacency(model: COGNet) -> np.ndarray:
+    """bool [M, M]: the model's DDI pairs."""
+    return model.ddi_matrix().cpu().numpy() > 0
+
+
+def _decoded(res, n: int) -> list[Decoded]:
+    """`Decoded` answers from a `BeamResult` or `SetResult` of n visits."""
+    return [
+        Decoded(
+            tuple(int(m) for m in res.meds[i]),
+            float(res.score[i]),
+            tuple(float(p) for p in res.med_probs[i]),
+            res.prauc_scores[i],
+        )
+        for i in range(n)
+    ]

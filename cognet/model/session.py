@@ -1,0 +1,69 @@
+"""The torch model as a decoder session of the one decoding loop
+(`cognet.core.decoding.driver.DecoderSession`): memories and the KV cache stay torch tensors
+on the model's device; step outputs come back as numpy arrays."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+import torch
+
+from cognet.core.graphspec import INIT_INPUTS
+from cognet.model.network import COGNet, history_inputs
+
+# what `step` can return: every step output of the exported decoder step
+STEP_OUTPUTS = ("log_probs", "gate", "copy_probs", "diag_attention")
+
+
+class TorchSession:
+    """`DecoderSession` over a `COGNet` in torch (no search graphs: selection on the host)."""
+
+    step_outputs = STEP_OUTPUTS
+    search = None
+
+    def __init__(self, model: COGNet):
+        self.model = model
+        self.device = next(model.parameters()).device
+        with torch.no_grad():
+            self.graph = model.graph_embeddings()
+
+    @torch.no_grad()
+    def init(self, inputs: Mapping[str, np.ndarray]) -> tuple[torch.Tensor, ...]:
+        """Memories from the decoder-init inputs as numpy arrays (`graphspec.INIT_INPUTS`)."""
+        feeds = (torch.from_numpy(np.ascontiguousarray(inputs[k])) for k in INIT_INPUTS)
+        return tuple(self.model.decoder_init(*(x.to(self.device) for x in feeds)))
+
+    @torch.no_grad()
+    def memories(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        """Memories of the target visits of a `make_batch` batch (encoded here, on the
+        model's device)."""
+        batch = {k: v.to(self.device) for k, v in batch.items()}
+        enc = self.model.encode_visits(
+            batch["diagnoses"], batch["procedures"], batch["medications"]
+        )
+        return tuple(self.model.decoder_init(*history_inputs(batch, *enc, self.model.cfg)))
+
+    def empty_cache(self, n: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.model.empty_cache(n, width, device=self.device)
+
+    @torch.no_grad()
+    def step(
+        self,
+        tokens: np.ndarray,
+        parent: np.ndarray,
+        cache: tuple[torch.Tensor, torch.Tensor],
+        memories: tuple[torch.Tensor, ...],
+        outputs: Sequence[str],
+    ) -> tuple[dict[str, np.ndarray], tuple[torch.Tensor, torch.Tensor]]:
+        tok = torch.from_numpy(tokens).to(self.device)
+        par = torch.from_numpy(parent).to(self.device)
+        lp, gate, copy, att, key, value = self.model.decoder_step(
+            tok, par, *cache, *memories, graph=self.graph, attention=True
+        )
+        got = {"log_probs": lp, "gate": gate, "copy_probs": copy, "diag_attention": att}
+        return {k: got[k].float().cpu().numpy() for k in outputs}, (key, value)
+
+    def take(self, value: tuple[torch.Tensor, ...], rows: np.ndarray) -> tuple[torch.Tensor, ...]:
+        index = torch.from_numpy(rows).to(self.device)
+        return tuple(x[index] for x in value)
