@@ -16,7 +16,7 @@ from typing import TypeVar
 import click
 
 from cognet.core.errors import InputError, OutputError
-from cognet.core.files import Reads, Stage, guarded
+from cognet.core.files import Reads, guarded
 from cognet.core.interrupt import EXIT_CODE, Terminated
 
 T = TypeVar("T")
@@ -100,15 +100,16 @@ def guard_outputs(
     command: str,
     outputs: Mapping[str, str | Path | None],
     reads: Reads,
-    folders: Mapping[str, Iterable[str]] | Sequence[str] = (),
-) -> Stage:
+    folders: Sequence[str] = (),
+) -> None:
     """Check the command's outputs before any work and lock them until the command ends
     (`cognet.core.files.guarded`): an output on an input, or one that cannot be written,
-    exits 2 naming it; so does a second run on an output that a run is writing. Returns
-    where to write each output (`Stage`: a folder of known files is built aside and moved
-    into place when the command succeeds)."""
-    guard = guarded(command, outputs, reads, folders)
-    return click.get_current_context().with_resource(guard)
+    exits 2 naming it; so does a second run on an output that a run is writing. `folders`:
+    the options whose output is a folder written file by file. A click resource ends without
+    seeing whether the command failed, so a folder built aside and moved in on success
+    (`cognet.core.files.Stage`) takes `guarded` in a `with` block instead."""
+    guard = guarded(command, outputs, reads, list(folders))  # names only: nothing staged
+    click.get_current_context().with_resource(guard)
 
 
 def setup_logging(verbose: bool = False) -> None:

@@ -118,8 +118,10 @@ def commit_dir(tmp: str | Path, path: str | Path) -> None:
                 os.replace(old, path)  # the old folder back where it was
                 raise
         _fsync_folder(path.parent)
-    kill_point("aside")
-    remove(old)
+    try:
+        kill_point("aside")
+    finally:
+        remove(old)  # the old folder, under its temporary name
 
 
 def _exchange(a: Path, b: Path) -> bool:
@@ -331,12 +333,12 @@ def guarded(
     check_outputs(outputs, reads, folders)
     given = {k: Path(v) for k, v in outputs.items() if v}
     staged = [k for k in given if folders.get(k)]
-    for option in staged:
-        replaceable(given[option], folders[option], option)
     made = [p.parent for p in given.values() if not p.parent.exists()]
     stage = Stage(given, staged)
     try:
         with claimed(given.values(), command):
+            for option in staged:  # checked holding the lock: no other run changes it now
+                replaceable(given[option], folders[option], option)
             try:
                 yield stage
             except BaseException as exc:
