@@ -1,7 +1,8 @@
 """The DDI trade-off of a checkpoint: accuracy against interaction risk, per decoding policy.
 
 For the paper's decoding (`off`), `hard`, and `soft` at several penalties (plus optional
-`max_rate` caps), decode one split with the torch reference beam search and report Jaccard,
+`max_rate` caps), decode one split with the torch model (the checkpoint's decoding, or the
+one asked) and report Jaccard,
 F1, PRAUC, DDI rate and number of drugs (DESIGN.md §4, bootstrap mean and std), as rows,
 a table and a plot of Jaccard against DDI rate.
 
@@ -9,7 +10,7 @@ a table and a plot of Jaccard against DDI rate.
     print(result.table)
     plot(result.rows, "tradeoff.png")
 
-Each policy decodes the whole split again (`cognet.evaluation.evaluate.decode_patients`).
+Each policy decodes the whole split again (`cognet.model.decoding.decode_patients`).
 `recommend` picks the soft penalty to advertise: the one with the lowest DDI rate among
 those that cost at most `max_jaccard_drop` Jaccard against `off`.
 

@@ -1,5 +1,6 @@
-"""Evaluation of a checkpoint (or a baseline) on a split: beam search over whole patients,
-then the metrics of DESIGN.md §4 with seeded bootstrap rounds."""
+"""Evaluation of a checkpoint (or a baseline) on a split: the checkpoint's decoding (or the
+one asked, `DecodingRequest`) over whole patients, then the metrics of DESIGN.md §4 with
+seeded bootstrap rounds."""
 
 from __future__ import annotations
 
