@@ -181,7 +181,9 @@ def test_tiny_dataset_is_overfit(sampling):
     vocab = make_vocab()
     patients = random_patients(vocab, 20, 8, max_visits=3)
     torch.manual_seed(0)
-    cfg = TrainConfig(batch_size=4, lr=3e-3, dropout=0.0, dim=32, scheduled_sampling=sampling)
+    cfg = TrainConfig.from_recipe(
+        batch_size=4, lr=3e-3, dropout=0.0, dim=32, scheduled_sampling=sampling
+    )
     model = COGNet(
         ModelConfig(D, P, M, dim=32, heads=4, ffn=64, dropout=0.0),
         ehr_adjacency(patients, M),

@@ -11,7 +11,7 @@ import math
 import random
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
 import numpy as np
@@ -69,6 +69,23 @@ RECIPES = {
 }
 
 
+# The default recipe's network (ModelConfig's own defaults are the paper's: 64 / 4 / 128); its
+# vocabulary sizes are placeholders, set from the data (`TrainConfig.model_config`).
+DEFAULT_MODEL = ModelConfig(
+    n_diag=1,
+    n_proc=1,
+    n_med=1,
+    dim=128,  # the paper's 64 scored 0.005 lower on the synthetic validation split
+    heads=2,
+    ffn=512,
+    dropout=0.3,
+    emb_dropout=0.3,  # the authors' values: +0.004 validation Jaccard at dim 128
+    attn_dropout=0.2,
+)
+# the fields of ModelConfig that a recipe or `cognet train` may change
+MODEL_FIELDS = {f.name for f in fields(ModelConfig)} - {"n_diag", "n_proc", "n_med"}
+
+
 @dataclass(frozen=True)
 class TrainConfig:
     # at most; early stopping ends the default recipe sooner (epochs 24 / 26 for seeds 0 / 1
@@ -85,15 +102,8 @@ class TrainConfig:
     aux_loss: float = 0.0
     # share of decoder input medications replaced by the model's own prediction (_forward)
     scheduled_sampling: float = 0.0
-    dim: int = 128  # the paper's 64 scored 0.005 lower on the synthetic validation split
-    heads: int = 2
-    ffn: int = 512
-    dropout: float = 0.3
-    dec_ffn: int | None = None  # decoder feed-forward width (None: ffn)
-    emb_dropout: float = 0.3  # the authors' values: +0.004 validation Jaccard at dim 128
-    attn_dropout: float = 0.2
-    shared_gcn: bool = False
-    ablation: str = "none"
+    # the network's hyper-parameters; its vocabulary sizes come from the data (`model_config`)
+    model: ModelConfig = DEFAULT_MODEL
     max_history: int | None = None  # past visits used as history (None = all)
     device: str = "cpu"
     val_max_patients: int | None = 2000  # cap on validation patients scored each epoch
@@ -127,32 +137,23 @@ class TrainConfig:
         target = self.ddi_target
         if target is not None and (self.decoding != "set" or not 0 <= target <= 1):
             raise ValueError("--ddi-target needs set decoding and a DDI rate in [0, 1]")
-        if self.dim % self.heads:
-            raise ValueError(f"dim ({self.dim}) must be divisible by heads ({self.heads})")
+        if not isinstance(self.model, ModelConfig):
+            raise ValueError(f"model must be a ModelConfig, not {self.model!r}")
 
     @classmethod
     def from_recipe(cls, recipe: str = "default", **changes) -> TrainConfig:
-        """The recipe's configuration with `changes` (None values ignored) on top."""
+        """The recipe's configuration with `changes` (None values ignored) on top; a change
+        naming a field of ModelConfig (dim, heads, dropout, ...) goes to `model`."""
         if recipe not in RECIPES:
             raise ValueError(f"unknown recipe {recipe!r}; choose from {', '.join(RECIPES)}")
-        fields = {**RECIPES[recipe], **{k: v for k, v in changes.items() if v is not None}}
-        return cls(recipe=recipe, **fields)
+        asked = {**RECIPES[recipe], **{k: v for k, v in changes.items() if v is not None}}
+        network = {k: asked.pop(k) for k in MODEL_FIELDS & asked.keys()}
+        model = asked.pop("model", DEFAULT_MODEL)
+        return cls(recipe=recipe, model=replace(model, **network), **asked)
 
     def model_config(self, vocab: Vocab) -> ModelConfig:
-        return ModelConfig(
-            vocab.n_diag,
-            vocab.n_proc,
-            vocab.n_med,
-            dim=self.dim,
-            heads=self.heads,
-            ffn=self.ffn,
-            dropout=self.dropout,
-            dec_ffn=self.dec_ffn,
-            emb_dropout=self.emb_dropout,
-            attn_dropout=self.attn_dropout,
-            shared_gcn=self.shared_gcn,
-            ablation=self.ablation,
-        )
+        """The model's configuration for a vocabulary."""
+        return replace(self.model, n_diag=vocab.n_diag, n_proc=vocab.n_proc, n_med=vocab.n_med)
 
 
 def seed_everything(seed: int) -> None:
@@ -320,7 +321,7 @@ def train(
     params = list(model.parameters())
     aux_head = None
     if cfg.aux_loss > 0:  # built after the model: the model's initialisation stays the same
-        aux_head = torch.nn.Linear(cfg.dim, vocab.n_med).to(cfg.device)
+        aux_head = torch.nn.Linear(cfg.model.dim, vocab.n_med).to(cfg.device)
         params += list(aux_head.parameters())
     optim = torch.optim.Adam(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
     decay = torch.optim.lr_scheduler.ExponentialLR(optim, cfg.lr_decay)
@@ -392,7 +393,7 @@ def train(
         target, _ = choose_target(model, vocab, val_patients, ddi_bool, decoding, cfg.ddi_target)
         target = target.to_json()
     train_info = {
-        **asdict(cfg),
+        **asdict(replace(cfg, model=model.cfg)),  # the network with its vocabulary sizes
         "best_epoch": best["epoch"],
         "weights": chosen,
         "epochs_run": len(history),
