@@ -185,10 +185,21 @@ def test_batch_all_agrees_with_evaluate_predictions(trained, tmp_path):
     assert res.exit_code == 0, res.output
     summary = json.loads((tmp_path / "s.json").read_text())
     assert summary["decoding"]["name"] == "set"
-    evaluated = {r["visit_id"]: r["medications"] for r in pq.read_table(preds).to_pylist()}
-    scored = {r["visit_id"]: r["medications"] for r in pq.read_table(out).to_pylist()}
+    evaluated = {r["visit_id"]: r for r in pq.read_table(preds).to_pylist()}
+    scored = {r["visit_id"]: r for r in pq.read_table(out).to_pylist()}
     assert len(evaluated) > 50
-    assert _agreement({k: scored[k] for k in evaluated}, evaluated) >= 0.995
+    # A draw that lands within float rounding of a cumulative-probability boundary sends one
+    # sample down another path in one engine: that visit's P(k in S) then moves by at most
+    # about 1/samples. Allowed: 0.5% of the visits (at least one), each such a move only.
+    differ = [k for k in evaluated if scored[k]["medications"] != evaluated[k]["medications"]]
+    assert len(differ) <= max(1, int(0.005 * len(evaluated))), differ
+    for k in differ:
+        ev, sc = (
+            dict(zip(r["medications"], r["probabilities"], strict=True))
+            for r in (evaluated[k], scored[k])
+        )
+        assert len(set(ev) ^ set(sc)) <= 3, (k, ev, sc)
+        assert max(abs(ev[m] - sc[m]) for m in set(ev) & set(sc)) <= 1 / 16 + 1e-3, (k, ev, sc)
 
 
 def test_options_resolve_over_the_models_default():
