@@ -193,38 +193,81 @@ def main(
       cognet-bench --model demo/model --data demo/data --out bench --beams 4
     """
     setup_logging(verbose)
-    from cognet.benchmarks import engines as eng
+    sizes = {
+        "batch_sizes": batch_sizes,
+        "beams": beams,
+        "repeats": repeats,
+        "visits": visits,
+        "perpatient_visits": perpatient_visits,
+        "past_visits": past_visits,
+        "input_sizes": input_sizes,
+    }
+    if quick:
+        sizes = _quick_values(sizes)
+    settings = _settings(sizes, engine_names, threads, max_run_seconds, profile, reference, quick)
+    # never onto the model, checkpoint or data it reads; one run per --out (a failed run
+    # keeps what it measured)
+    reads = Reads(models=[model_dir], checkpoints=[checkpoint], datasets=[data_dir])
+    guard_outputs("cognet-bench", {"--out": out}, reads, ["--out"])
+
+    _run(model_dir, checkpoint, data_dir, out, settings, ddi_tradeoff, quick)
+
+
+def _run(model_dir, checkpoint, data_dir, out: Path, settings, ddi_tradeoff: bool, quick: bool):
+    """Measure (on the demo model when no --model is given), write the results and say
+    the speed ratios."""
+    import torch
+
     from cognet.benchmarks.harness import run_all
-    from cognet.benchmarks.report import ratios, write_all
+    from cognet.benchmarks.report import write_all
+
+    torch.set_num_threads(settings.threads)  # also for the demo training: see BENCHMARKS.md
+    out.mkdir(parents=True, exist_ok=True)
+    notes = []
+    model_dir, checkpoint, labelled = _model_and_data(
+        model_dir, checkpoint, data_dir, out, quick, notes
+    )
+    ctx = make_context(model_dir, checkpoint, data_dir, out, settings, notes)
+    started = time.perf_counter()
+    results = run_all(ctx, settings, say=lambda s: click.echo(s, err=True))
+    if ddi_tradeoff:
+        results["ddi_tradeoff"] = run_ddi_tradeoff(checkpoint, labelled, out, quick, notes)
+    results["seconds"] = round(time.perf_counter() - started, 1)
+    paths = write_all(results, out)
+    _echo_summary(results, settings)
+    click.echo("wrote " + ", ".join(str(p) for p in paths))
+
+
+def _quick_values(sizes: dict) -> dict:
+    """--quick: the QUICK size of every option the command line left at its default."""
+    ctx = click.get_current_context()
+    return {
+        k: QUICK[k] if k in QUICK and ctx.get_parameter_source(k).name == "DEFAULT" else v
+        for k, v in sizes.items()
+    }
+
+
+def _settings(sizes: dict, engine_names, threads, max_run_seconds, profile, reference, quick):
+    """The run's Settings from the options; a value it refuses is a usage error (exit 2)."""
+    from cognet.benchmarks import engines as eng
     from cognet.benchmarks.settings import Settings
 
-    if quick:
-        ctx = click.get_current_context()
-        given = {k for k in QUICK if ctx.get_parameter_source(k).name != "DEFAULT"}
-        values = {k: v for k, v in QUICK.items() if k not in given}
-        batch_sizes = values.get("batch_sizes", batch_sizes)
-        beams = values.get("beams", beams)
-        repeats = values.get("repeats", repeats)
-        visits = values.get("visits", visits)
-        perpatient_visits = values.get("perpatient_visits", perpatient_visits)
-        past_visits = values.get("past_visits", past_visits)
-        input_sizes = values.get("input_sizes", input_sizes)
     names = (
         eng.ENGINES
         if engine_names.strip() == "all"
         else tuple(n.strip() for n in engine_names.split(",") if n.strip())
     )
     try:
-        settings = Settings(
-            batch_sizes=_ints(batch_sizes, "--batch-sizes"),
-            beams=_ints(re.sub(r"\bset\b", "0", beams), "--beams"),
-            repeats=repeats,
+        return Settings(
+            batch_sizes=_ints(sizes["batch_sizes"], "--batch-sizes"),
+            beams=_ints(re.sub(r"\bset\b", "0", sizes["beams"]), "--beams"),
+            repeats=sizes["repeats"],
             engines=names,
             threads=threads,
-            visits=visits,
-            perpatient_visits=perpatient_visits,
-            past_visits=_ints(past_visits, "--past-visits"),
-            input_sizes=_ints(input_sizes, "--input-sizes"),
+            visits=sizes["visits"],
+            perpatient_visits=sizes["perpatient_visits"],
+            past_visits=_ints(sizes["past_visits"], "--past-visits"),
+            input_sizes=_ints(sizes["input_sizes"], "--input-sizes"),
             max_run_s=max_run_seconds,
             profile=profile,
             reference=reference,
@@ -232,16 +275,11 @@ def main(
         )
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
-    # never onto the model, checkpoint or data it reads; one run per --out (a failed run
-    # keeps what it measured)
-    reads = Reads(models=[model_dir], checkpoints=[checkpoint], datasets=[data_dir])
-    guard_outputs("cognet-bench", {"--out": out}, reads, ["--out"])
 
-    import torch
 
-    torch.set_num_threads(threads)  # also for the demo training: see BENCHMARKS.md
-    out.mkdir(parents=True, exist_ok=True)
-    notes = []
+def _model_and_data(model_dir, checkpoint, data_dir, out: Path, quick: bool, notes: list):
+    """(model folder, torch checkpoint, labelled data): the demo model built under out/demo
+    when no --model is given, else the checkpoint whose hash matches the model's manifest."""
     labelled = data_dir
     if model_dir is None:
         model_dir, checkpoint, note = demo_model(out / "demo", quick)
@@ -251,13 +289,15 @@ def main(
         checkpoint = find_checkpoint(model_dir)
         if checkpoint is not None:
             notes.append(f"torch checkpoint: {checkpoint} (its hash matches the manifest's)")
-    ctx = make_context(model_dir, checkpoint, data_dir, out, settings, notes)
-    started = time.perf_counter()
-    results = run_all(ctx, settings, say=lambda s: click.echo(s, err=True))
-    if ddi_tradeoff:
-        results["ddi_tradeoff"] = run_ddi_tradeoff(checkpoint, labelled, out, quick, notes)
-    results["seconds"] = round(time.perf_counter() - started, 1)
-    paths = write_all(results, out)
+    return model_dir, checkpoint, labelled
+
+
+def _echo_summary(results: dict, settings) -> None:
+    """The speed ratios on stdout, and a warning on stderr when a run differs from the
+    reference engine."""
+    from cognet.benchmarks import engines as eng
+    from cognet.benchmarks.report import ratios
+
     for beam in settings.beams:
         for base, r in ratios(results, beam).items():
             click.echo(
@@ -273,8 +313,10 @@ def main(
         if r["matches_reference"] is False
     ]
     if bad:
-        click.echo(f"WARNING: {len(bad)} run(s) differ from {reference} (see results.md)", err=True)
-    click.echo("wrote " + ", ".join(str(p) for p in paths))
+        click.echo(
+            f"WARNING: {len(bad)} run(s) differ from {settings.reference} (see results.md)",
+            err=True,
+        )
 
 
 def run_ddi_tradeoff(checkpoint, data_dir, out: Path, quick: bool, notes: list) -> dict | None:

@@ -193,66 +193,14 @@ def run_all(ctx: Context, settings: Settings, say: Callable[[str], None] = print
         reference = eng.load(settings.reference, ctx.model_dir, ctx.checkpoint, settings.threads)
     guard = Guard(reference)
     runs, over_budget = [], []
-    beams = settings.beams
-    if eng.SET in beams and load_manifest(ctx.model_dir).default_decoding().name != "set":
-        beams = tuple(b for b in beams if b != eng.SET)
-        ctx.notes.append("set decoding skipped: the model has no tuned set threshold")
-        say(ctx.notes[-1])
-    for beam in beams:
+    for beam in _beams_to_run(ctx, settings, say):
         rates: dict[str, tuple[float, float]] = {}  # visits/s at the last batch size, its fall
         for i, bs in enumerate(settings.batch_sizes):
-            jobs = []
-            for name, engine in loaded.items():
-                if name == PERPATIENT:  # once per beam, one patient per batch; no set decoding
-                    if i or beam == eng.SET:
-                        continue
-                    size, visits = 1, settings.perpatient_visits
-                else:
-                    size, visits = bs, max(bs, settings.visits)
-                warmup = ctx.pool.batch(0, min(size, settings.warmup_visits, len(ctx.pool)))
-                modes = ["request"]
-                if name in eng.ORT_DEVICES and visits > size:
-                    modes.append("stream")
-                    if name in eng.ORT_STREAMS:  # one batch a call: nothing to run in parallel
-                        modes.remove("request")
-                for mode in modes:
-                    rate, drop = rates.get(f"{name}/{mode}", (0.0, 1.0))
-                    estimate = visits / rate * drop if rate else 0.0
-                    if estimate > settings.max_run_s:
-                        reason = (
-                            f"one pass estimated at {estimate:.0f}s > "
-                            f"{settings.max_run_s:g}s budget"
-                        )
-                        over_budget.append(
-                            {
-                                "engine": name,
-                                "mode": mode,
-                                "beam": beam,
-                                "batch_size": size,
-                                "reason": reason,
-                            }
-                        )
-                        say(
-                            f"{_label(name, mode):<24} {eng.decoding_label(beam)} "
-                            f"batch {size:>5}: skipped, "
-                            f"{reason}"
-                        )
-                        continue
-                    batches = (
-                        ctx.pool.batches(size, visits)
-                        if mode == "request"
-                        else [ctx.pool.take(np.arange(visits))]
-                    )  # in file order
-                    jobs.append(Job(engine, size, batches, warmup, mode))
+            jobs = _block_jobs(ctx, settings, loaded, beam, i, bs, rates, over_budget, say)
             for run in measure_block(jobs, beam, settings.repeats, guard, settings.max_run_s):
                 run["threads"] = settings.threads
                 runs.append(run)
-                key = f"{run['engine']}/{run['mode']}"
-                rate = rates.get(key, (0.0, 1.0))[0]
-                rates[key] = (
-                    run["visits_per_s"],
-                    max(1.0, rate / run["visits_per_s"]) if rate else 1.0,
-                )
+                _update_rate(rates, run)
                 say(_run_line(run))
             for job in jobs:
                 if job.error:
@@ -273,18 +221,115 @@ def run_all(ctx: Context, settings: Settings, say: Callable[[str], None] = print
             "checkpoint": str(ctx.checkpoint) if ctx.checkpoint else None,
         },
         "workload": workload_info(ctx.pool),
-        "engines": {
-            **{
-                n: {"status": "ok", "load_s": e.load_s, "providers": e.providers}
-                for n, e in loaded.items()
-            },
-            **{n: {"status": "skipped", "reason": r} for n, r in skipped.items()},
-        },
+        "engines": _engines_json(loaded, skipped),
         "runs": runs,
         "runs_over_budget": over_budget,
         "series": series,
         "profile": profile,
         "notes": ctx.notes,
+    }
+
+
+def _beams_to_run(ctx: Context, settings: Settings, say) -> tuple[int, ...]:
+    """settings.beams, less set decoding (with a note) when the model has no tuned threshold."""
+    beams = settings.beams
+    if eng.SET in beams and load_manifest(ctx.model_dir).default_decoding().name != "set":
+        beams = tuple(b for b in beams if b != eng.SET)
+        ctx.notes.append("set decoding skipped: the model has no tuned set threshold")
+        say(ctx.notes[-1])
+    return beams
+
+
+def _block_jobs(
+    ctx: Context,
+    settings: Settings,
+    loaded: dict,
+    beam: int,
+    i: int,
+    bs: int,
+    rates: dict[str, tuple[float, float]],
+    over_budget: list[dict],
+    say,
+) -> list[Job]:
+    """The jobs of one (beam, batch size) block: each loaded engine in each of its modes,
+    less those whose estimated pass is over the time budget (appended to `over_budget`)."""
+    jobs = []
+    for name, engine in loaded.items():
+        if name == PERPATIENT:  # once per beam, one patient per batch; no set decoding
+            if i or beam == eng.SET:
+                continue
+            size, visits = 1, settings.perpatient_visits
+        else:
+            size, visits = bs, max(bs, settings.visits)
+        warmup = ctx.pool.batch(0, min(size, settings.warmup_visits, len(ctx.pool)))
+        for mode in _modes(name, size, visits):
+            reason = _over_budget_reason(rates, f"{name}/{mode}", visits, settings.max_run_s)
+            if reason:
+                over_budget.append(
+                    {
+                        "engine": name,
+                        "mode": mode,
+                        "beam": beam,
+                        "batch_size": size,
+                        "reason": reason,
+                    }
+                )
+                say(
+                    f"{_label(name, mode):<24} {eng.decoding_label(beam)} "
+                    f"batch {size:>5}: skipped, "
+                    f"{reason}"
+                )
+                continue
+            batches = (
+                ctx.pool.batches(size, visits)
+                if mode == "request"
+                else [ctx.pool.take(np.arange(visits))]
+            )  # in file order
+            jobs.append(Job(engine, size, batches, warmup, mode))
+    return jobs
+
+
+def _modes(name: str, size: int, visits: int) -> list[str]:
+    """How an engine is fed: batch by batch ("request"), and for the runtime also every
+    visit in one call ("stream"); stream only for engines that run one batch a call."""
+    modes = ["request"]
+    if name in eng.ORT_DEVICES and visits > size:
+        modes.append("stream")
+        if name in eng.ORT_STREAMS:  # one batch a call: nothing to run in parallel
+            modes.remove("request")
+    return modes
+
+
+def _over_budget_reason(
+    rates: dict[str, tuple[float, float]], key: str, visits: int, max_run_s: float
+) -> str | None:
+    """Why a pass is skipped: its time estimated from the last batch size's rate and fall
+    is over the budget; None when it is not."""
+    rate, drop = rates.get(key, (0.0, 1.0))
+    estimate = visits / rate * drop if rate else 0.0
+    if estimate > max_run_s:
+        return f"one pass estimated at {estimate:.0f}s > {max_run_s:g}s budget"
+    return None
+
+
+def _update_rate(rates: dict[str, tuple[float, float]], run: dict) -> None:
+    """Keep the run's visits/s and how far it fell from the last batch size's."""
+    key = f"{run['engine']}/{run['mode']}"
+    rate = rates.get(key, (0.0, 1.0))[0]
+    rates[key] = (
+        run["visits_per_s"],
+        max(1.0, rate / run["visits_per_s"]) if rate else 1.0,
+    )
+
+
+def _engines_json(loaded: dict, skipped: dict) -> dict:
+    """Each engine's status: ok (load time, providers) or skipped (the reason)."""
+    return {
+        **{
+            n: {"status": "ok", "load_s": e.load_s, "providers": e.providers}
+            for n, e in loaded.items()
+        },
+        **{n: {"status": "skipped", "reason": r} for n, r in skipped.items()},
     }
 
 

@@ -52,8 +52,24 @@ def ratios(results: dict, beam: int = BEAM, engine: str = MAIN, mode: str | None
 
 
 def markdown(results: dict) -> str:
+    lines = _header(results) + _ratio_lines(results) + _runs_table(results)
+    lines += _engines_table(results["engines"])
+    lines += _past_visits_section(results)
+    lines += _input_size_section(results)
+    if results.get("profile"):
+        lines += _profile_section(results["profile"])
+    lines += _over_budget_lines(results.get("runs_over_budget") or [])
+    if results.get("ddi_tradeoff"):
+        lines += ["", *_tradeoff_section(results["ddi_tradeoff"])]
+    if results.get("notes"):
+        lines += ["", "## Notes", ""] + [f"- {n}" for n in results["notes"]]
+    return "\n".join(lines) + "\n"
+
+
+def _header(results: dict) -> list[str]:
+    """The title, the machine, the versions, the model and how each run was measured."""
     m, s = results["machine"], results["settings"]
-    lines = [
+    return [
         "# cognet-bench results",
         "",
         f"Machine: {m['cpu']}, {m['cores']} cores available, {m['memory_gb']} GB; "
@@ -69,7 +85,12 @@ def markdown(results: dict) -> str:
         "and batches itself, as `cognet-batch score` does (no per-batch latency).",
         "",
     ]
-    for beam in s["beams"]:
+
+
+def _ratio_lines(results: dict) -> list[str]:
+    """One bold line per decoding: MAIN's speed over each baseline, each at its best batch."""
+    lines = []
+    for beam in results["settings"]["beams"]:
         for mode in (None, "request"):
             r = ratios(results, beam, mode=mode)
             if not r or (
@@ -86,7 +107,12 @@ def markdown(results: dict) -> str:
                 )
                 + "."
             )
-    lines += [
+    return lines
+
+
+def _runs_table(results: dict) -> list[str]:
+    """Throughput and latency: one row per run, sorted by decoding, engine and batch size."""
+    lines = [
         "",
         "## Throughput and latency",
         "",
@@ -106,97 +132,120 @@ def markdown(results: dict) -> str:
             f"| {_num(run.get('gpu_mem_mb'), '.0f', '')} "
             f"| {_guard(run)} |"
         )
-    lines += [
+    return lines
+
+
+def _engines_table(engines: dict) -> list[str]:
+    """Each engine: loaded (with its load time and providers) or skipped (with the reason)."""
+    lines = [
         "",
         "## Engines",
         "",
         "| engine | status | model load s | providers / reason |",
         "|---|---|---:|---|",
     ]
-    for name, e in results["engines"].items():
+    for name, e in engines.items():
         if e["status"] == "ok":
             lines.append(f"| {name} | ok | {e['load_s']:.2f} | {', '.join(e['providers'])} |")
         else:
             lines.append(f"| {name} | skipped | | {e['reason']} |")
+    return lines
+
+
+def _past_visits_section(results: dict) -> list[str]:
+    """Throughput against the number of past visits; nothing when that series did not run."""
+    s = results["settings"]
     past = results["series"].get("past_visits") or []
-    if past:
-        lines += [
-            "",
-            f"## Throughput against past visits (beam {s['series_beam']}, "
-            f"batch {past[0]['batch_size']}, {s['past_visits_n']} visits per point)",
-            "",
-            "| past visits | engine | visits/s | meds/s | p50 ms | matches |",
-            "|---:|---|---:|---:|---:|---|",
-        ]
-        for run in past:
-            lines.append(
-                f"| {run['past_visits']} | {run['engine']} | "
-                f"{run['visits_per_s']:.1f} | {run['meds_per_s']:.0f} | "
-                f"{run['latency_ms']['p50']:.1f} | {_guard(run)} |"
-            )
-    sizes = results["series"].get("input_size") or []
-    if sizes:
-        lines += [
-            "",
-            f"## End to end: `cognet-batch score` (beam {s['series_beam']}, batch "
-            f"{s['series_batch_size']}, ort-cpu, a fresh process per point)",
-            "",
-            "| input rows | visits scored | wall s | rows/s | scored visits/s | peak RSS MB |",
-            "|---:|---:|---:|---:|---:|---:|",
-        ]
-        for p in sizes:
-            err = f" (failed: {p['error']})" if p.get("error") else ""
-            lines.append(
-                f"| {p['rows']} | {p['visits_scored']} | {p['seconds']:.1f} | "
-                f"{p['rows_per_s']:.0f} | {p['visits_per_s']:.1f}{err} | "
-                f"{_num(p['peak_rss_mb'])} |"
-            )
-    prof = results.get("profile")
-    if prof:
-        lines += [
-            "",
-            f"## Where the time goes: {_label(prof)}, beam {prof['beam']}, batch "
-            f"{prof['batch_size']} ({prof['visits']} visits, {prof['wall_s']:.2f}s)",
-            "",
-            "| part | seconds | share of wall time |",
-            "|---|---:|---:|",
-        ]
-        for graph, v in prof["graphs"].items():
-            lines.append(f"| graph `{graph}` | {v['seconds']:.2f} | {v['share']:.0%} |")
+    if not past:
+        return []
+    lines = [
+        "",
+        f"## Throughput against past visits (beam {s['series_beam']}, "
+        f"batch {past[0]['batch_size']}, {s['past_visits_n']} visits per point)",
+        "",
+        "| past visits | engine | visits/s | meds/s | p50 ms | matches |",
+        "|---:|---|---:|---:|---:|---|",
+    ]
+    for run in past:
         lines.append(
-            f"| Python (beam driver, assembly, Arrow) | {prof['python_s']:.2f} | "
-            f"{prof['python_share']:.0%} |"
+            f"| {run['past_visits']} | {run['engine']} | "
+            f"{run['visits_per_s']:.1f} | {run['meds_per_s']:.0f} | "
+            f"{run['latency_ms']['p50']:.1f} | {_guard(run)} |"
         )
-        for graph, ops in prof["operators"].items():
-            lines += [
-                "",
-                f"Operators of `{graph}` (ONNX Runtime profiler): "
-                + ", ".join(f"{o['op']} {o['share']:.0%}" for o in ops[:8])
-                + ".",
-            ]
+    return lines
+
+
+def _input_size_section(results: dict) -> list[str]:
+    """End to end `cognet-batch score` against the input size; nothing when it did not run."""
+    s = results["settings"]
+    sizes = results["series"].get("input_size") or []
+    if not sizes:
+        return []
+    lines = [
+        "",
+        f"## End to end: `cognet-batch score` (beam {s['series_beam']}, batch "
+        f"{s['series_batch_size']}, ort-cpu, a fresh process per point)",
+        "",
+        "| input rows | visits scored | wall s | rows/s | scored visits/s | peak RSS MB |",
+        "|---:|---:|---:|---:|---:|---:|",
+    ]
+    for p in sizes:
+        err = f" (failed: {p['error']})" if p.get("error") else ""
+        lines.append(
+            f"| {p['rows']} | {p['visits_scored']} | {p['seconds']:.1f} | "
+            f"{p['rows_per_s']:.0f} | {p['visits_per_s']:.1f}{err} | "
+            f"{_num(p['peak_rss_mb'])} |"
+        )
+    return lines
+
+
+def _profile_section(prof: dict) -> list[str]:
+    """Where the time goes: each graph's share, the Python share, the top operators and
+    the Python functions with the most own time."""
+    lines = [
+        "",
+        f"## Where the time goes: {_label(prof)}, beam {prof['beam']}, batch "
+        f"{prof['batch_size']} ({prof['visits']} visits, {prof['wall_s']:.2f}s)",
+        "",
+        "| part | seconds | share of wall time |",
+        "|---|---:|---:|",
+    ]
+    for graph, v in prof["graphs"].items():
+        lines.append(f"| graph `{graph}` | {v['seconds']:.2f} | {v['share']:.0%} |")
+    lines.append(
+        f"| Python (beam driver, assembly, Arrow) | {prof['python_s']:.2f} | "
+        f"{prof['python_share']:.0%} |"
+    )
+    for graph, ops in prof["operators"].items():
         lines += [
             "",
-            "Python functions with the most own time, as shares of the Python time "
-            "(cProfile): "
-            + ", ".join(f"`{f['function']}` {f['share']:.0%}" for f in prof["python_functions"][:8])
+            f"Operators of `{graph}` (ONNX Runtime profiler): "
+            + ", ".join(f"{o['op']} {o['share']:.0%}" for o in ops[:8])
             + ".",
         ]
-    skipped = results.get("runs_over_budget") or []
-    if skipped:
-        lines += [
-            "",
-            "Runs skipped by the time budget (`--max-run-seconds`): "
-            + "; ".join(
-                f"{_label(r)} {decoding_label(r['beam'])} batch {r['batch_size']} ({r['reason']})"
-                for r in skipped
-            )
-            + ".",
-        ]
-    if results.get("ddi_tradeoff"):
-        lines += ["", *_tradeoff_section(results["ddi_tradeoff"])]
-    if results.get("notes"):
-        lines += ["", "## Notes", ""] + [f"- {n}" for n in results["notes"]]
-    return "\n".join(lines) + "\n"
+    lines += [
+        "",
+        "Python functions with the most own time, as shares of the Python time "
+        "(cProfile): "
+        + ", ".join(f"`{f['function']}` {f['share']:.0%}" for f in prof["python_functions"][:8])
+        + ".",
+    ]
+    return lines
+
+
+def _over_budget_lines(skipped: list[dict]) -> list[str]:
+    """The runs that `--max-run-seconds` skipped; nothing when none was."""
+    if not skipped:
+        return []
+    return [
+        "",
+        "Runs skipped by the time budget (`--max-run-seconds`): "
+        + "; ".join(
+            f"{_label(r)} {decoding_label(r['beam'])} batch {r['batch_size']} ({r['reason']})"
+            for r in skipped
+        )
+        + ".",
+    ]
 
 
 def _tradeoff_section(t: dict) -> list[str]:

@@ -33,13 +33,13 @@ import torch
 
 from cognet.core.decoding import BEAM, MAX_LEN
 from cognet.core.errors import ParityError
-from cognet.core.graphspec import ENCODER_INPUTS, INIT_INPUTS
+from cognet.core.graphspec import ENCODER_INPUTS, ENCODER_OUTPUTS, INIT_INPUTS
 from cognet.core.history import Visit
 from cognet.core.manifest import GRAPHS
 from cognet.core.vocab import Vocab
 from cognet.export.graphs import GRAPH_IO, WRAPPERS, Sizes, example_inputs
 from cognet.model.decoding import beam_search
-from cognet.model.network import COGNet
+from cognet.model.network import COGNet, ModelConfig, history_inputs
 
 FLOAT32_ATOL = 1e-4
 # float16 (CPU provider), measured over the shape cases: worst abs diff 4.2e-3 on a checkpoint
@@ -198,76 +198,36 @@ def synthetic_patients(vocab: Vocab, n_patients: int, seed: int = 0) -> list[lis
     return patients
 
 
-class _StepSession:
-    """`cognet.core.decoding.driver.DecoderSession` over `Graphs` (any variant), host arrays
-    only."""
-
-    def __init__(self, graphs: Graphs, heads: int, head_dim: int):
-        self.graphs, self.heads, self.head_dim = graphs, heads, head_dim
-
-    def init(self, inputs):
-        return self.graphs.run("decoder_init", {k: inputs[k] for k in INIT_INPUTS})
-
-    def empty_cache(self, n: int, beam: int):
-        return (
-            np.zeros((n, beam, self.heads, self.head_dim, 0), np.float32),
-            np.zeros((n, beam, self.heads, 0, self.head_dim), np.float32),
-        )
-
-    def step(self, tokens, parent, cache, memories, outputs):
-        out = self.graphs.run(
-            "decoder_step",
-            {
-                "tokens": tokens,
-                "parent": parent,
-                "past_key": cache[0],
-                "past_value": cache[1],
-                **memories,
-            },
-        )
-        return {k: out[k] for k in outputs}, (out["present_key"], out["present_value"])
-
-    def take(self, value, rows):
-        if isinstance(value, dict):
-            return {k: v[rows] for k, v in value.items()}
-        return tuple(v[rows] for v in value)
-
-
 def onnx_beam_search(
     graphs: Graphs,
-    batch: dict[str, np.ndarray],
-    vocab: Vocab,
-    heads: int,
-    head_dim: int,
+    batch: dict[str, torch.Tensor],
+    cfg: ModelConfig,
+    end: int,
     beam: int = BEAM,
     max_len: int = MAX_LEN,
 ) -> list[tuple[tuple[int, ...], float]]:
-    """Decode the targets of `batch` (`cognet.model.batching.make_batch`, as numpy arrays) through
-    the exported graphs with the runtime's beam search (`cognet.core.decoding.beam`): the driver
-    that serves the model is the one validated. Returns (medications, score) per visit."""
+    """Decode the targets of `batch` (`cognet.model.batching.make_batch`) through the
+    exported graphs with the runtime's own decoder session and beam search
+    (`cognet.runtime.session.HostDecoder`, `cognet.core.decoding.beam`): the driver and
+    session that serve the model are the ones validated. The decoder-init inputs are
+    assembled as for the torch model (`history_inputs`). Returns (medications, score) per
+    visit."""
     from cognet.core.decoding.beam import BeamConfig
     from cognet.core.decoding.beam import beam_search as runtime_beam_search
+    from cognet.runtime.session import HostDecoder
 
-    enc = graphs.run("encoder", {k: batch[k] for k in ENCODER_INPUTS})
-    t = batch["target"]
-    init = {
-        "diag_enc": enc["diag_enc"][t],
-        "diag_mask": (batch["diagnoses"][t] != vocab.diag_pad).astype(np.float32),
-        "proc_enc": enc["proc_enc"][t],
-        "proc_mask": (batch["procedures"][t] != vocab.proc_pad).astype(np.float32),
-        "v_d": enc["v_d"][t],
-        "v_p": enc["v_p"][t],
-        "hist_v_d": enc["v_d"][batch["hist_index"]],
-        "hist_v_p": enc["v_p"][batch["hist_index"]],
-        "hist_mask": batch["hist_mask"],
-        "slot_enc": enc["med_enc"][batch["slot_visit_row"], batch["slot_pos"]],
-        "slot_mask": batch["slot_mask"],
-        "slot_visit": batch["slot_visit"],
-        "slot_med": batch["slot_med"],
-    }
-    session = _StepSession(graphs, heads, head_dim)
+    enc = graphs.run("encoder", {k: batch[k].numpy() for k in ENCODER_INPUTS})
+    encodings = (torch.from_numpy(enc[k]) for k in ENCODER_OUTPUTS)
+    init = history_inputs(batch, *encodings, cfg)
+    inputs = {k: v.numpy() for k, v in zip(INIT_INPUTS, init, strict=True)}
+    session = HostDecoder(
+        graphs.sessions["decoder_init"], graphs.sessions["decoder_step"], cfg.heads, cfg.head_dim
+    )
     result = runtime_beam_search(
-        session, session.init(init), len(t), BeamConfig(end=vocab.end, beam=beam, max_len=max_len)
+        session,
+        session.init(inputs),
+        len(batch["target"]),
+        BeamConfig(end=end, beam=beam, max_len=max_len),
     )
     return [
         (tuple(int(m) for m in meds), float(score))
@@ -295,14 +255,7 @@ def compare_decoding(
         for start in range(0, len(patients), chunk):
             batch = make_batch(patients[start : start + chunk], vocab, targets=False)
             ref = beam_search(model, batch, beam=beam)
-            got = onnx_beam_search(
-                graphs,
-                {k: v.numpy() for k, v in batch.items()},
-                vocab,
-                model.cfg.heads,
-                model.cfg.head_dim,
-                beam=beam,
-            )
+            got = onnx_beam_search(graphs, batch, model.cfg, vocab.end, beam=beam)
             for i, (r, (meds, score)) in enumerate(zip(ref, got, strict=True)):
                 total += 1
                 if r.meds == meds and math.isfinite(r.score) and math.isfinite(score):

@@ -7,9 +7,9 @@ The visit's patient is read from the file (two streaming passes: find the visit,
 its patient's rows), its earlier visits with known medications are its history, and the
 visit is scored alone with explanations (the scorer's `ScoreOptions.ddi` policy applies). Each
 recommended medication comes with its probability at its step, whether it was mostly
-generated or copied (copy share = 1 - w_g), the past visit it was copied from, and the
-diagnoses it attended to most. When the visit's medications are known they are shown as
-the truth (the visit is still scored as if they were not).
+generated or copied (its copy share, `cognet.core.decoding.explain`), the past visit it
+was copied from, and the diagnoses it attended to most. When the visit's medications are
+known they are shown as the truth (the visit is still scored as if they were not).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ class ExplainedStep:
     step: int  # 1-based generation order
     medication: str
     probability: float  # of the medication at its step
-    copy_share: float  # 1 - w_g: weight of the copy distribution in the mixture
+    copy_share: float  # the part of its probability copied from the history
     source_visit: str | None  # past visit holding most of its copy weight
     top_diagnoses: list[tuple[str, float]] | None  # (code, attention), heaviest first
     in_truth: bool | None  # None when the visit's medications are unknown

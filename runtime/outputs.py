@@ -14,8 +14,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import pyarrow as pa
 
-from cognet.core.decoding.sampling import SetResult
-from cognet.core.graphspec import PROB_FLOOR
+from cognet.core.decoding.explain import copy_share_and_source, most_attended
 from cognet.core.schema import PREDICTIONS_SCHEMA
 from cognet.runtime import reader
 from cognet.runtime.plan import REASONS, REJECTED, Plan
@@ -128,10 +127,9 @@ def explanations(plan: Plan, slots: dict, diag_codes: np.ndarray) -> pa.Array:
     """The `explanations` column of a chunk's targets (slots: target -> (its batch's
     result, its place there, its batch's decoder-init inputs); diag_codes: the vocabulary's
     diagnosis codes, an object array). Per medication k: its copy share, the part of its
-    probability that came from the history, (1 - w_g) Pr_c[k] / Pr[k] with Pr before any DDI
-    penalty (`copy_by_slot`; 0 for a medication in no past visit), the past visit whose slots
-    of k carry most of it (null when none holds it), and the diagnoses of the visit it
-    attended to most at its step."""
+    probability that came from the history (`cognet.core.decoding.explain`; 0 for a
+    medication in no past visit), the past visit whose slots of k carry most of it (null
+    when none holds it), and the diagnoses of the visit it attended to most at its step."""
     visit_ids = plan.table["visit_id"]
     out = []
     for i in range(plan.targets.size):
@@ -141,16 +139,15 @@ def explanations(plan: Plan, slots: dict, diag_codes: np.ndarray) -> pa.Array:
         hist = plan.histories[i]
         src: list[str | None] = [None] * meds.size
         if hist.size and meds.size:
-            slot_med, slot_visit = inputs["slot_med"][k], inputs["slot_visit"][k]
-            real = inputs["slot_mask"][k] > 0
-            weight = copy_by_slot(res, k) * ((slot_med[None, :] == meds[:, None]) & real)
-            share = np.clip(weight.sum(1), 0.0, 1.0)
-            per_visit = np.zeros((meds.size, hist.size))
-            for j in range(meds.size):
-                per_visit[j] = np.bincount(slot_visit, weight[j], minlength=hist.size)[: hist.size]
-            best = per_visit.argmax(1)
-            for j in np.flatnonzero(per_visit.max(1) > 0):
-                src[j] = visit_ids[int(hist[best[j]])].as_py()
+            share, source = copy_share_and_source(
+                res.shares[k],
+                meds,
+                inputs["slot_med"][k],
+                inputs["slot_visit"][k],
+                inputs["slot_mask"][k] > 0,
+                hist.size,
+            )
+            src = [None if j is None else visit_ids[int(hist[j])].as_py() for j in source]
         top = _top_diagnoses(plan, plan.targets[i], res.attention, k, meds.size, diag_codes)
         out.append(
             [
@@ -159,20 +156,6 @@ def explanations(plan: Plan, slots: dict, diag_codes: np.ndarray) -> pa.Array:
             ]
         )
     return pa.array(out, pa.list_(EXPLANATION))
-
-
-def copy_by_slot(res, k: int) -> np.ndarray:
-    """[meds, S] of visit k of a decoding result: what each medication's probability took
-    from each history slot, (1 - w_g) copy[s] / Pr[k], with w_g, the copy distribution and
-    the mixture's Pr[k] (before any DDI penalty) of the step that emitted it. Beam search:
-    its one step (Pr[k] is the `probabilities` entry); set decoding: the mean over the steps
-    at which samples emitted it (`cognet.core.decoding.sampling`). Summed over k's own slots it is
-    k's
-    copy share."""
-    if isinstance(res, SetResult):
-        return res.shares[k]
-    prob = np.maximum(res.med_probs[k].astype(np.float64), PROB_FLOOR)
-    return (1.0 - res.gates[k])[:, None] * res.copies[k] / prob[:, None]
 
 
 def _top_diagnoses(
@@ -188,8 +171,7 @@ def _top_diagnoses(
     if attention is None:
         return [None] * n_meds
     ids = plan.diag[row]
-    weights = attention[k][:, : ids.size].astype(np.float32)  # [meds, diagnoses]
-    order = np.argsort(-weights, axis=1, kind="stable")[:, :TOP_DIAGNOSES]
+    weights, order = most_attended(attention[k], ids.size, TOP_DIAGNOSES)
     codes = diag_codes[ids]
     return [
         [{"code": codes[j], "weight": float(w[j])} for j in o if w[j] > 0]

@@ -31,10 +31,7 @@ import onnxruntime as ort
 
 from cognet.core import tensorrt
 from cognet.core.errors import InputError, one_line
-from cognet.core.graphspec import (
-    INIT_INPUTS,
-    MEMORIES,
-)
+from cognet.core.graphspec import INIT_INPUTS, MEMORIES, cache_shapes, step_feed
 from cognet.core.manifest import GRAPHS, Manifest
 from cognet.runtime.encoder import Encoder, Encodings
 from cognet.runtime.graphcheck import check_io, check_search, probe
@@ -172,7 +169,7 @@ class OrtModel:
         if self.on_device:
             self.decoder = DeviceDecoder(init, step, manifest, device=bound)
         else:
-            self.decoder = HostDecoder(init, step, manifest)
+            self.decoder = HostDecoder(init, step, manifest.dims.heads, manifest.dims.head_dim)
         self.selection = self._selection(selection)
         self.decoder.search = None
         if self.selection == "device" or (self.on_device and self.manifest.search):
@@ -233,11 +230,13 @@ class HostDecoder:
     which the float16 variant takes as float16 (its memories and cache stay float16; its
     log-probabilities leave the step as float32)."""
 
-    def __init__(self, init: ort.InferenceSession, step: ort.InferenceSession, manifest: Manifest):
+    def __init__(
+        self, init: ort.InferenceSession, step: ort.InferenceSession, heads: int, head_dim: int
+    ):
         self._init, self._step = init, step
         self._init_types = input_dtypes(init)
         self._cache_type = input_dtypes(step)["past_key"]
-        self._heads, self._head_dim = manifest.dims.heads, manifest.dims.head_dim
+        self._heads, self._head_dim = heads, head_dim
         # what `step` can return (models exported before `diag_attention` lack it)
         self.step_outputs = tuple(o.name for o in step.get_outputs())
         self.search: SearchGraphs | None = None  # the search graphs, on the CPU provider
@@ -249,22 +248,13 @@ class HostDecoder:
         return dict(zip(MEMORIES, out, strict=True))
 
     def empty_cache(self, n: int, beam: int) -> tuple[np.ndarray, np.ndarray]:
-        h, dh = self._heads, self._head_dim
-        return (
-            np.zeros((n, beam, h, dh, 0), self._cache_type),
-            np.zeros((n, beam, h, 0, dh), self._cache_type),
-        )
+        key, value = cache_shapes(n, beam, self._heads, self._head_dim)
+        return np.zeros(key, self._cache_type), np.zeros(value, self._cache_type)
 
     def step(
         self, tokens: np.ndarray, parent: np.ndarray, cache, memories, outputs: Sequence[str]
     ) -> tuple[dict[str, np.ndarray], Any]:
-        feed = {
-            "tokens": tokens,
-            "parent": parent,
-            "past_key": cache[0],
-            "past_value": cache[1],
-            **memories,
-        }
+        feed = step_feed(tokens, parent, cache, memories)
         out = self._step.run([*outputs, "present_key", "present_value"], feed)
         return dict(zip(outputs, out[: len(outputs)], strict=True)), (out[-2], out[-1])
 
@@ -340,11 +330,7 @@ class DeviceDecoder:
         self, tokens: np.ndarray, parent: np.ndarray, cache, memories, outputs: Sequence[str]
     ) -> tuple[dict[str, np.ndarray], Any]:
         io = self._step.io_binding()
-        self._bind(io, "tokens", tokens)
-        self._bind(io, "parent", parent)
-        self._bind(io, "past_key", cache[0])
-        self._bind(io, "past_value", cache[1])
-        for name, value in memories.items():
+        for name, value in step_feed(tokens, parent, cache, memories).items():
             self._bind(io, name, value)
         for name in outputs:
             io.bind_output(name, "cpu")
@@ -359,13 +345,7 @@ class DeviceDecoder:
         """(log_probs [n, B, V1] left on the device, the next cache) of one step, for the
         search graphs."""
         io = self._step.io_binding()
-        for name, value in (
-            ("tokens", tokens),
-            ("parent", parent),
-            ("past_key", cache[0]),
-            ("past_value", cache[1]),
-            *memories.items(),
-        ):
+        for name, value in step_feed(tokens, parent, cache, memories).items():
             self._bind(io, name, value)
         for name in ("log_probs", "present_key", "present_value"):
             io.bind_output(name, *self._device)

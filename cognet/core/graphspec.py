@@ -61,6 +61,22 @@ INIT_OUTPUTS = MEMORIES
 
 STEP_CACHE_INPUTS = ("past_key", "past_value")  # [N, B, H, dh, T] and [N, B, H, T, dh]
 STEP_INPUTS = ("tokens", "parent", *STEP_CACHE_INPUTS, *MEMORIES)  # tokens/parent int64 [N, B]
+
+
+def cache_shapes(n: int, beam: int, heads: int, head_dim: int, length: int = 0) -> tuple:
+    """The shapes of STEP_CACHE_INPUTS (past_key, past_value) after `length` steps; the
+    first step's cache is empty (length 0)."""
+    return (n, beam, heads, head_dim, length), (n, beam, heads, length, head_dim)
+
+
+def step_feed(tokens, parent, cache, memories) -> dict:
+    """A decoder step's inputs by their STEP_INPUTS names: tokens, parent, the cache
+    (past_key, past_value) and the memories of the decoder init."""
+    feed = dict(zip(STEP_INPUTS[:2] + STEP_CACHE_INPUTS, (tokens, parent, *cache), strict=True))
+    feed.update(memories)
+    return feed
+
+
 STEP_OUTPUTS = (
     "log_probs",  # [N, B, V1] log of the copy-or-predict mixture
     "gate",  # [N, B]     w_g, the weight of the generated distribution

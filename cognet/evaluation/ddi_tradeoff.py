@@ -223,6 +223,26 @@ def plot(
     `marks` ((name, jaccard, ddi): published models, say) as black points named on the plot;
     every line and marker named in the legend (right of the axes, off hollow so that a
     point it covers shows); a PNG at `path`. Needs matplotlib."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(10.0, 4.8), dpi=120)  # the legend right of the axes
+    soft = _draw_curve_and_guides(ax, rows)
+    caps = [r for r in rows if r.policy.max_rate is not None]
+    _draw_policies(ax, rows, _point_styles(plt, soft, caps), recommended)
+    for i, (name, jaccard, ddi) in enumerate(marks, len(soft) + len(caps)):  # user's points
+        marker = MARKERS[i % len(MARKERS)]
+        ax.plot(ddi, jaccard, marker, color="black", ms=10, zorder=3, label=f"{name} (given)")
+        ax.annotate(name, (ddi, jaccard), xytext=(5, 5), textcoords="offset points", fontsize=8)
+    _finish_axes(ax, title)
+    fig.tight_layout()
+    path = Path(path)
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, format="png")
+    plt.close(fig)
+    return path
+
+
+def _pyplot():
+    """matplotlib.pyplot on the Agg backend; an InputError when matplotlib is missing."""
     try:
         import matplotlib
     except ImportError:
@@ -232,7 +252,12 @@ def plot(
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(10.0, 4.8), dpi=120)  # the legend right of the axes
+    return plt
+
+
+def _draw_curve_and_guides(ax, rows: Sequence[TradeoffRow]) -> list[TradeoffRow]:
+    """The line through off and the soft penalties in order, and the two guides (the
+    Jaccard floor, the 30% DDI cut) around off; returns the soft rows by penalty."""
     off = next((r for r in rows if not r.policy.active), None)
     soft = sorted(
         (r for r in rows if r.policy.mode == "soft" and r.policy.max_rate is None),
@@ -254,14 +279,24 @@ def plot(
         ax.axhline(off.mean("jaccard") - MAX_JACCARD_DROP, color="gray", ls=":", lw=1, label=floor)
         cut = "70% of off's DDI rate (a 30% cut)"
         ax.axvline(0.7 * off.mean("ddi"), color="gray", ls="--", lw=1, label=cut)
+    return soft
+
+
+def _point_styles(plt, soft: list[TradeoffRow], caps: list[TradeoffRow]) -> dict:
+    """{id(row): (marker, colour)}: the soft penalties dark to light, the caps orange."""
     shades = plt.get_cmap("viridis")(np.linspace(0.15, 0.85, max(1, len(soft))))
-    caps = [r for r in rows if r.policy.max_rate is not None]
     oranges = plt.get_cmap("Oranges")(np.linspace(0.5, 0.9, max(1, len(caps))))
     colors = [*shades[: len(soft)], *oranges[: len(caps)]]
-    style = {
+    return {
         id(r): (MARKERS[i % len(MARKERS)], c)
         for i, (r, c) in enumerate(zip(soft + caps, colors, strict=True))
     }
+
+
+def _draw_policies(
+    ax, rows: Sequence[TradeoffRow], style: dict, recommended: TradeoffRow | None
+) -> None:
+    """One point per policy with its bootstrap std as error bars, each in the legend."""
     fixed = {"off": ("s", "tab:gray"), "hard": ("D", "tab:red")}
     for r in rows:  # one legend entry per policy: labels never overlap the points
         marker, color = style.get(id(r)) or fixed.get(r.policy.mode, ("o", "tab:blue"))
@@ -281,10 +316,10 @@ def plot(
             zorder=2,
             label=label,
         )
-    for i, (name, jaccard, ddi) in enumerate(marks, len(soft) + len(caps)):  # user's points
-        marker = MARKERS[i % len(MARKERS)]
-        ax.plot(ddi, jaccard, marker, color="black", ms=10, zorder=3, label=f"{name} (given)")
-        ax.annotate(name, (ddi, jaccard), xytext=(5, 5), textcoords="offset points", fontsize=8)
+
+
+def _finish_axes(ax, title: str) -> None:
+    """The legend right of the axes (the given points last), the labels, title and grid."""
     handles, labels = ax.get_legend_handles_labels()  # the given points last
     order = sorted(range(len(labels)), key=lambda i: labels[i].endswith("(given)"))
     ax.legend(
@@ -306,12 +341,6 @@ def plot(
         ha="right", va="bottom", fontsize=7, color="gray",
     )  # fmt: skip
     ax.grid(alpha=0.3)
-    fig.tight_layout()
-    path = Path(path)
-    with atomic_path(path) as tmp:
-        fig.savefig(tmp, format="png")
-    plt.close(fig)
-    return path
 
 
 def run_tradeoff(

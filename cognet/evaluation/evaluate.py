@@ -88,8 +88,6 @@ def model_name(beam: int | Decoding, ddi: DDIPolicy = DDIPolicy()) -> str:
 
 def run_evaluation(ckpt, data_dir, options: EvalOptions = EvalOptions()) -> dict:
     """What `cognet evaluate` does: returns {"report": dict, "table": str}."""
-    from cognet.core.clitools import progress
-    from cognet.core.metrics import format_table
     from cognet.core.schema import read_dataset
     from cognet.model import checkpoint
 
@@ -119,32 +117,12 @@ def run_evaluation(ckpt, data_dir, options: EvalOptions = EvalOptions()) -> dict
         results = run_baseline(baseline, vocab, dataset.visits, split=split, seed=seed)
         name = baseline
     else:
-        n_visits = sum(map(len, data.patients))
-        with progress(total=n_visits, desc="decoding", unit="visit", quiet=options.quiet) as bar:
-            decoded = decode_patients(model, vocab, data.patients, decoding, ddi, bar.update)
-        results = visit_results(data.patients, decoded)
+        results = _decode_split(model, vocab, data.patients, decoding, ddi, options)
         name = model_name(decoding, ddi)
-        if options.predictions:
-            _write_parquet(
-                options.predictions,
-                predictions_table(
-                    data.patients,
-                    [d.meds for d in decoded],
-                    [d.score for d in decoded],
-                    vocab,
-                    [d.med_probs for d in decoded],
-                ),
-            )
     rep = evaluation_report(results, ddi_adj, rounds=options.rounds, seed=seed)
     rep["by_history"] = by_history(results, ddi_adj)
     if not baseline:
-        rep["ddi_policy"] = ddi.to_json()
-        rep["decoding"] = decoding.to_json()
-        # the target's pair, when it decided the policy
-        if target is not None and options.request.ddi is None and decoding.name == "set":
-            rep["ddi_target"] = target.to_json()
-        if trials is not None:  # every (policy, threshold) the search scored on validation
-            rep["ddi_target_search"] = [t.to_json() for t in trials]
+        rep.update(_decoding_fields(decoding, ddi, target, trials, options))
     rep.update(
         model=name,
         split=split,
@@ -152,27 +130,74 @@ def run_evaluation(ckpt, data_dir, options: EvalOptions = EvalOptions()) -> dict
         unknown_codes=data.unknown_codes,
         unlabeled_visits=data.unlabeled_visits,
     )
+    table = _summary_table(name, rep, split, data.unknown_codes)
+    if "ddi_target" in rep:  # validation holding the target does not prove test does
+        table += _target_line(target, rep["ddi"]["mean"], split)
+    return {"report": rep, "table": table}
+
+
+def _decode_split(model, vocab: Vocab, patients, decoding, ddi, options: EvalOptions):
+    """Decode every patient (with a progress bar) into VisitResults; write the predictions
+    Parquet file when `options.predictions` asks for it."""
+    from cognet.core.clitools import progress
+
+    n_visits = sum(map(len, patients))
+    with progress(total=n_visits, desc="decoding", unit="visit", quiet=options.quiet) as bar:
+        decoded = decode_patients(model, vocab, patients, decoding, ddi, bar.update)
+    results = visit_results(patients, decoded)
+    if options.predictions:
+        _write_parquet(
+            options.predictions,
+            predictions_table(
+                patients,
+                [d.meds for d in decoded],
+                [d.score for d in decoded],
+                vocab,
+                [d.med_probs for d in decoded],
+            ),
+        )
+    return results
+
+
+def _decoding_fields(decoding, ddi, target, trials, options: EvalOptions) -> dict:
+    """The report's record of how the model decoded: the DDI policy, the decoding, the
+    target's pair when it decided the policy, and the search's trials when one ran."""
+    fields = {"ddi_policy": ddi.to_json(), "decoding": decoding.to_json()}
+    # the target's pair, when it decided the policy
+    if target is not None and options.request.ddi is None and decoding.name == "set":
+        fields["ddi_target"] = target.to_json()
+    if trials is not None:  # every (policy, threshold) the search scored on validation
+        fields["ddi_target_search"] = [t.to_json() for t in trials]
+    return fields
+
+
+def _summary_table(name: str, rep: dict, split: str, unknown_codes: int) -> str:
+    """The metrics table, the split's ground-truth DDI rate and sizes, and the Jaccard of
+    first and later visits."""
+    from cognet.core.metrics import format_table
+
     parts = rep["by_history"]
-    table = (
+    return (
         format_table({name: rep}) + f"\nground-truth DDI rate of the {split} split: "
         f"{rep['ground_truth_ddi']:.4f}  ({rep['n_patients']} patients, "
-        f"{rep['n_visits']} visits, {data.unknown_codes} unknown codes dropped)\n"
+        f"{rep['n_visits']} visits, {unknown_codes} unknown codes dropped)\n"
         + "; ".join(
             f"{label}: Jaccard {parts[key]['jaccard']:.4f} ({parts[key]['n_visits']} visits)"
             for key, label in (("first", "first visits (no history)"), ("later", "later visits"))
             if parts[key]
         )
     )
-    if "ddi_target" in rep:  # validation holding the target does not prove test does
-        test_ddi = rep["ddi"]["mean"]
-        table += (
-            f"\nDDI target {target.target:g}, chosen on validation: {target.policy.label}, "
-            f"threshold {target.threshold:g} (validation Jaccard {target.val_jaccard:.4f}, DDI "
-            f"{target.val_ddi:.4f}); {split} DDI {test_ddi:.4f} "
-            + ("<=" if test_ddi <= target.target else "> (not held)")
-            + f" target {target.target:g}"
-        )
-    return {"report": rep, "table": table}
+
+
+def _target_line(target: DDITarget, test_ddi: float, split: str) -> str:
+    """Whether the DDI target chosen on validation held on `split`."""
+    return (
+        f"\nDDI target {target.target:g}, chosen on validation: {target.policy.label}, "
+        f"threshold {target.threshold:g} (validation Jaccard {target.val_jaccard:.4f}, DDI "
+        f"{target.val_ddi:.4f}); {split} DDI {test_ddi:.4f} "
+        + ("<=" if test_ddi <= target.target else "> (not held)")
+        + f" target {target.target:g}"
+    )
 
 
 def _search_target(model, vocab, dataset, config: dict, options: EvalOptions) -> tuple:

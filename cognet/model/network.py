@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from cognet.core.graphspec import NEG, PROB_FLOOR
+from cognet.core.graphspec import NEG, PROB_FLOOR, cache_shapes
 
 ABLATIONS = ("none", "no-copy", "no-visit-score", "no-graph", "no-diagnoses", "no-procedures")
 FORMAT_VERSION = 1
@@ -356,10 +356,9 @@ class COGNet(nn.Module):
         return log_probs, gate, copy, present_key, present_value
 
     def empty_cache(self, n: int, b: int, device=None) -> tuple[Tensor, Tensor]:
-        cfg = self.cfg
-        k = torch.zeros(n, b, cfg.heads, cfg.head_dim, 0, device=device)
-        v = torch.zeros(n, b, cfg.heads, 0, cfg.head_dim, device=device)
-        return k, v
+        """The first step's (past_key, past_value): empty, `graphspec.cache_shapes`."""
+        key, value = cache_shapes(n, b, self.cfg.heads, self.cfg.head_dim)
+        return torch.zeros(key, device=device), torch.zeros(value, device=device)
 
     # -- teacher forcing ---------------------------------------------------------------------------
     def decode_teacher_forced(

@@ -10,10 +10,11 @@ import numpy as np
 import torch
 
 from cognet.core.graphspec import INIT_INPUTS
+from cognet.core.graphspec import STEP_OUTPUTS as GRAPH_STEP_OUTPUTS
 from cognet.model.network import COGNet, history_inputs
 
 # what `step` can return: every step output of the exported decoder step
-STEP_OUTPUTS = ("log_probs", "gate", "copy_probs", "diag_attention")
+STEP_OUTPUTS = tuple(o for o in GRAPH_STEP_OUTPUTS if o not in ("present_key", "present_value"))
 
 
 class TorchSession:
@@ -58,11 +59,10 @@ class TorchSession:
     ) -> tuple[dict[str, np.ndarray], tuple[torch.Tensor, torch.Tensor]]:
         tok = torch.from_numpy(tokens).to(self.device)
         par = torch.from_numpy(parent).to(self.device)
-        lp, gate, copy, att, key, value = self.model.decoder_step(
-            tok, par, *cache, *memories, graph=self.graph, attention=True
-        )
-        got = {"log_probs": lp, "gate": gate, "copy_probs": copy, "diag_attention": att}
-        return {k: got[k].float().cpu().numpy() for k in outputs}, (key, value)
+        out = self.model.decoder_step(tok, par, *cache, *memories, graph=self.graph, attention=True)
+        got = dict(zip(GRAPH_STEP_OUTPUTS, out, strict=True))
+        cache = (got["present_key"], got["present_value"])
+        return {k: got[k].float().cpu().numpy() for k in outputs}, cache
 
     def take(self, value: tuple[torch.Tensor, ...], rows: np.ndarray) -> tuple[torch.Tensor, ...]:
         index = torch.from_numpy(rows).to(self.device)

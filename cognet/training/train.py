@@ -300,31 +300,16 @@ def train(
     Returns the record of the best epoch.
     """
     seed_everything(cfg.seed)
-    dataset = read_dataset(data_dir)
+    dataset, vocab, train_data, val_data = _read_splits(data_dir)
     if cfg.ddi_target is not None:
         require_pairs(dataset.ddi_pairs, Path(data_dir) / DDI_FILE, "--ddi-target")
-    vocab = train_vocabulary(dataset.visits)
-    train_data = load_split(dataset.visits, vocab, "train")
-    val_data = load_split(dataset.visits, vocab, "val")
-    for split, data in (("train", train_data), ("val", val_data)):
-        if not data.patients:  # said before any epoch
-            raise InputError(
-                f"{data_dir}: the {split} split has no visit with known medications "
-                "(training learns on train and keeps the best epoch on val)"
-            )
     val_patients = (
         val_data.patients[: cfg.val_max_patients] if cfg.val_max_patients else val_data.patients
     )
     ehr = ehr_adjacency(train_data.patients, vocab.n_med)
     ddi = ddi_adjacency(dataset.ddi_pairs, vocab)
     model = COGNet(cfg.model_config(vocab), ehr, ddi).to(cfg.device)
-    params = list(model.parameters())
-    aux_head = None
-    if cfg.aux_loss > 0:  # built after the model: the model's initialisation stays the same
-        aux_head = torch.nn.Linear(cfg.model.dim, vocab.n_med).to(cfg.device)
-        params += list(aux_head.parameters())
-    optim = torch.optim.Adam(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
-    decay = torch.optim.lr_scheduler.ExponentialLR(optim, cfg.lr_decay)
+    optim, decay, aux_head = _optimiser(model, cfg, vocab)
     rng = random.Random(cfg.seed)
     ddi_bool = ddi > 0
     best, history, stale = None, [], 0
@@ -335,54 +320,134 @@ def train(
     patients = list(train_data.patients)
     for epoch in range(1, cfg.epochs + 1):
         start = time.perf_counter()
-        bar = (
-            progress(total=-(-len(patients) // cfg.batch_size), desc=f"epoch {epoch}")
-            if progress
-            else None
-        )
+        bar = _epoch_bar(progress, len(patients), cfg.batch_size, epoch)
         lr = optim.param_groups[0]["lr"]
         loss = train_epoch(model, optim, patients, vocab, cfg, rng, bar, aux_head)
         decay.step()
         train_s = time.perf_counter() - start
         record = {"epoch": epoch, "loss": loss, "train_s": train_s, "lr": lr}
-        record["val_nll"] = validation_nll(model, vocab, val_patients)
+        record.update(_validation(model, vocab, val_patients, ddi_bool, cfg.select))
         check_finite(model, epoch, loss, record["val_nll"], cfg.lr)
-        if cfg.select == "jaccard":
-            decoded = decode_patients(model, vocab, val_patients, decoding=Decoding(beam=1))
-            val = evaluation_report(visit_results(val_patients, decoded), ddi_bool, rounds=1)
-            for k in ("jaccard", "f1", "prauc", "ddi", "avg_drugs"):
-                record[f"val_{k}"] = val[k]["mean"]
         record["epoch_s"] = time.perf_counter() - start
         history.append(record)
-        improved = best is None or (
-            record["val_nll"] < best["val_nll"]
-            if cfg.select == "nll"
-            else record["val_jaccard"] > best["val_jaccard"]
-        )
+        improved = _improved(record, best, cfg.select)
         record["best"] = improved
         if on_epoch:
             on_epoch(record)
-        snapshots[epoch] = copy.deepcopy(model.state_dict())
-        if improved:
-            best, stale = record, 0
-        else:
-            stale += 1
-        for old in [e for e in snapshots if e <= best["epoch"] - keep]:
-            del snapshots[old]  # windows end at the best epoch or later
+        best, stale = (record, 0) if improved else (best, stale + 1)
+        _keep_snapshot(snapshots, epoch, model, best["epoch"] - keep)
         if cfg.patience is not None and stale >= cfg.patience:
             log.info("early stopping after %d epochs without improvement", stale)
             break
-    nll = lambda m: validation_nll(m, vocab, val_patients)  # noqa: E731
+    chosen = _load_final_weights(model, snapshots, best, len(history), cfg, vocab, val_patients)
+    decoding, tuning, target = _stored_decoding(model, vocab, val_patients, ddi_bool, cfg)
+    train_info = _train_info(cfg, model, best, chosen, len(history), data_dir, val_data)
+    train_info.update(tuning)
+    checkpoint.save(
+        out, model.cpu(), vocab, ehr, ddi, dataset.ddi_pairs, train_info, decoding.to_json(), target
+    )
+    write_text(out / "train_log.jsonl", "".join(strict_json.dumps(rec) + "\n" for rec in history))
+    return {**best, "weights": chosen, "decoding": decoding.to_json(), "ddi_target": target}
+
+
+def _epoch_bar(progress, n_patients: int, batch_size: int, epoch: int):
+    """The epoch's progress bar over its batches, or None without a `progress` factory."""
+    if not progress:
+        return None
+    return progress(total=-(-n_patients // batch_size), desc=f"epoch {epoch}")
+
+
+def _train_info(cfg: TrainConfig, model: COGNet, best, chosen, epochs_run, data_dir, val_data):
+    """What the checkpoint records of its training (the tuning's record is added after)."""
+    return {
+        **asdict(replace(cfg, model=model.cfg)),  # the network with its vocabulary sizes
+        "best_epoch": best["epoch"],
+        "weights": chosen,
+        "epochs_run": epochs_run,
+        "data": str(data_dir),
+        "unknown_codes_val": val_data.unknown_codes,
+    }
+
+
+def _read_splits(data_dir: str | Path):
+    """(dataset, train vocabulary, train split, val split); an InputError when either split
+    has no visit with known medications, said before any epoch."""
+    dataset = read_dataset(data_dir)
+    vocab = train_vocabulary(dataset.visits)
+    train_data = load_split(dataset.visits, vocab, "train")
+    val_data = load_split(dataset.visits, vocab, "val")
+    for split, data in (("train", train_data), ("val", val_data)):
+        if not data.patients:  # said before any epoch
+            raise InputError(
+                f"{data_dir}: the {split} split has no visit with known medications "
+                "(training learns on train and keeps the best epoch on val)"
+            )
+    return dataset, vocab, train_data, val_data
+
+
+def _optimiser(model: COGNet, cfg: TrainConfig, vocab: Vocab):
+    """(Adam, its exponential learning-rate decay, the auxiliary head or None)."""
+    params = list(model.parameters())
+    aux_head = None
+    if cfg.aux_loss > 0:  # built after the model: the model's initialisation stays the same
+        aux_head = torch.nn.Linear(cfg.model.dim, vocab.n_med).to(cfg.device)
+        params += list(aux_head.parameters())
+    optim = torch.optim.Adam(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    decay = torch.optim.lr_scheduler.ExponentialLR(optim, cfg.lr_decay)
+    return optim, decay, aux_head
+
+
+def _validation(model: COGNet, vocab: Vocab, val_patients, ddi_bool, select: str) -> dict:
+    """The epoch's validation metrics: the NLL, and for select="jaccard" the metrics of
+    greedy decoding too."""
+    record = {"val_nll": validation_nll(model, vocab, val_patients)}
+    if select == "jaccard":
+        decoded = decode_patients(model, vocab, val_patients, decoding=Decoding(beam=1))
+        val = evaluation_report(visit_results(val_patients, decoded), ddi_bool, rounds=1)
+        for k in ("jaccard", "f1", "prauc", "ddi", "avg_drugs"):
+            record[f"val_{k}"] = val[k]["mean"]
+    return record
+
+
+def _improved(record: dict, best: dict | None, select: str) -> bool:
+    """Whether the epoch beats the best so far: a lower val NLL, or a higher val Jaccard."""
+    return best is None or (
+        record["val_nll"] < best["val_nll"]
+        if select == "nll"
+        else record["val_jaccard"] > best["val_jaccard"]
+    )
+
+
+def _keep_snapshot(snapshots: dict, epoch: int, model: COGNet, drop_until: int) -> None:
+    """Store the epoch's weights; drop those of epochs up to `drop_until` (windows to
+    average end at the best epoch or later)."""
+    snapshots[epoch] = copy.deepcopy(model.state_dict())
+    for old in [e for e in snapshots if e <= drop_until]:
+        del snapshots[old]  # windows end at the best epoch or later
+
+
+def _load_final_weights(
+    model: COGNet, snapshots: dict, best: dict, epochs_run: int, cfg: TrainConfig, vocab, val
+) -> dict:
+    """Load the best epoch's weights, or the average of epochs ending at or after it when
+    that has a lower val NLL, into `model` (in eval mode); returns which were chosen."""
+    nll = lambda m: validation_nll(m, vocab, val)  # noqa: E731
     chosen = {"epochs": [best["epoch"]], "val_nll": best["val_nll"]}
     state = snapshots[best["epoch"]]
     sizes = [s for s in cfg.average if s > 1]  # single epochs: their NLL is in `history`
     if sizes:
-        ends = range(best["epoch"], len(history) + 1)
+        ends = range(best["epoch"], epochs_run + 1)
         averaged, info = choose_average(model, snapshots, sizes, ends, nll)
         if info is not None and info["val_nll"] < chosen["val_nll"]:
             state, chosen = averaged, info
     model.load_state_dict(state)
     model.eval()
+    return chosen
+
+
+def _stored_decoding(model: COGNet, vocab: Vocab, val_patients, ddi_bool, cfg: TrainConfig):
+    """(the decoding the checkpoint stores, its tuning record, the DDI target as JSON or
+    None): beam, or set decoding with its threshold tuned on val."""
     decoding, tuning = Decoding(name="beam"), {}
     if cfg.decoding == "set":
         decoding, tuning = set_decoding_for(model, vocab, val_patients, ddi_bool, cfg.set_samples)
@@ -392,17 +457,4 @@ def train(
 
         target, _ = choose_target(model, vocab, val_patients, ddi_bool, decoding, cfg.ddi_target)
         target = target.to_json()
-    train_info = {
-        **asdict(replace(cfg, model=model.cfg)),  # the network with its vocabulary sizes
-        "best_epoch": best["epoch"],
-        "weights": chosen,
-        "epochs_run": len(history),
-        "data": str(data_dir),
-        "unknown_codes_val": val_data.unknown_codes,
-        **tuning,
-    }
-    checkpoint.save(
-        out, model.cpu(), vocab, ehr, ddi, dataset.ddi_pairs, train_info, decoding.to_json(), target
-    )
-    write_text(out / "train_log.jsonl", "".join(strict_json.dumps(rec) + "\n" for rec in history))
-    return {**best, "weights": chosen, "decoding": decoding.to_json(), "ddi_target": target}
+    return decoding, tuning, target

@@ -3,8 +3,9 @@
 `defaults` (the decodings, their defaults and the stored `Decoding`), `request` (what a
 caller asks on top of it), `driver` (the one decoding loop and the interfaces it drives),
 `beam` (beam search's host selector and trace back), `sampling` (set decoding's sampler),
-`draws` (its counter-based random draws), `set_rules` (the set read from P(k in S)). The
-defaults are re-exported here.
+`draws` (its counter-based random draws), `set_rules` (the set read from P(k in S)),
+`explain` (what each medication took from the history, for every decoding). The defaults
+are re-exported here.
 """
 
 from cognet.core.decoding.defaults import (

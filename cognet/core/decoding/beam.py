@@ -40,6 +40,7 @@ from cognet.core.ddi import (
 )
 from cognet.core.decoding import BEAM, driver
 from cognet.core.decoding.driver import DecoderSession, LoopConfig, step_outputs
+from cognet.core.decoding.explain import beam_shares
 
 NEG_INF = np.float32(-np.inf)
 
@@ -66,6 +67,8 @@ class BeamResult:
     prauc_scores: np.ndarray | None = None  # float32 [N, M] (see `cognet.model.decoding.Decoded`)
     gates: list[np.ndarray] | None = None  # per visit: w_g at each medication's step
     copies: list[np.ndarray] | None = None  # per visit: [meds, S] copy distribution
+    # per visit: [meds, S] copy share by slot (`explain.copy_share_by_slot`)
+    shares: list[np.ndarray] | None = None
     # per visit: [meds, Ld] diagnosis cross-attention (mean over heads), with `attention`
     attention: list[np.ndarray] | None = None
     steps: int = 0  # decoder steps run
@@ -338,6 +341,7 @@ def trace_back(
     if explain:
         result.gates = _kept_rows(gate, is_med)
         result.copies = _kept_rows(copy, is_med)
+        result.shares = beam_shares(result.gates, result.copies, med_probs)
         if att is not None:
             result.attention = _kept_rows(att, is_med)
     return result

@@ -42,8 +42,8 @@ from cognet.core.ddi import DDIPolicy, apply_step_penalty, check_adjacency
 from cognet.core.decoding import SAMPLES, SET_RULES, Decoding, driver
 from cognet.core.decoding.draws import Draws
 from cognet.core.decoding.driver import COMPACT_AT, LoopConfig, step_outputs
+from cognet.core.decoding.explain import add_emissions, set_explanations
 from cognet.core.decoding.set_rules import select_sets
-from cognet.core.graphspec import PROB_FLOOR
 
 
 @dataclass(frozen=True)
@@ -99,7 +99,7 @@ class SetResult:
     prauc_scores: np.ndarray  # float32 [N, M]: P(k in S) of every medication
     gates: list[np.ndarray] | None = None  # per visit: mean w_g where the samples emitted it
     copies: list[np.ndarray] | None = None  # per visit: [meds, S] mean copy distribution
-    # per visit: [meds, S] mean copy share by slot, (1 - w_g) copy[s] / Pr[k] (README --explain)
+    # per visit: [meds, S] mean copy share by slot (`explain.copy_share_by_slot`)
     shares: list[np.ndarray] | None = None
     attention: list[np.ndarray] | None = None  # per visit: [meds, Ld] mean diagnosis attention
     steps: int = 0
@@ -150,7 +150,7 @@ class SetSampler:
         r_ix, s_ix = np.indices(tokens.shape)
         emitted = ~self.finished & (tokens < end)
         if self.explain:
-            self.sums = _add_explanation(self.sums, self.n, end, got, rows, tokens, emitted)
+            self.sums = add_emissions(self.sums, self.n, end, got, rows, tokens, emitted)
         self.used[r_ix, s_ix, tokens] = True
         self.finished = self.finished | (tokens == end)
         self.draws.drawn(tokens)
@@ -200,34 +200,6 @@ def _step_distribution(log_probs, used, finished, end, policy, ddi_adj) -> np.nd
     return p / p.sum(-1, keepdims=True)
 
 
-def _add_explanation(sums, n, end, got, rows, tokens, emitted) -> dict:
-    """Accumulate, per visit and medication, the gate, copy distribution and diagnosis
-    attention of the steps at which a sample emitted it."""
-    r, smp = np.nonzero(emitted)
-    vis, med = rows[r], tokens[r, smp]
-    if sums is None:
-        sums = {"count": np.zeros((n, end)), "gate": np.zeros((n, end))}
-    np.add.at(sums["count"], (vis, med), 1.0)
-    np.add.at(sums["gate"], (vis, med), got["gate"][r, smp])
-    copy = got["copy_probs"]
-    if "copy" not in sums:
-        sums["copy"] = np.zeros((n, end, copy.shape[2]))
-    width = min(copy.shape[2], sums["copy"].shape[2])  # rows keep their slot count
-    np.add.at(sums["copy"], (vis, med), copy[r, smp, :width])
-    # what the emission copied, by slot: (1 - w_g) copy[s] / Pr[k], Pr before any DDI penalty
-    prob = np.exp(got["log_probs"][r, smp, med].astype(np.float64))
-    weight = (1.0 - got["gate"][r, smp]) / np.maximum(prob, PROB_FLOOR)
-    if "share" not in sums:
-        sums["share"] = np.zeros_like(sums["copy"])
-    np.add.at(sums["share"], (vis, med), copy[r, smp, :width] * weight[:, None])
-    if "diag_attention" in got:
-        att = got["diag_attention"].mean(1)  # [R, S, Ld] over heads
-        if "attention" not in sums:
-            sums["attention"] = np.zeros((n, end, att.shape[2]))
-        np.add.at(sums["attention"], (vis, med), att[r, smp])
-    return sums
-
-
 def decode_sets(
     session: Any,
     memories: Any,
@@ -253,33 +225,11 @@ def set_result(
     sums: dict | None = None,
 ) -> SetResult:
     """The sets of the marginals P(k in S) [n, M] (`set_marginals`, or the runtime's search
-    graphs), with their explanations when given the sums of `_add_explanation`."""
+    graphs), with their explanations when given the sums of `explain.add_emissions`."""
     meds = select_sets(marginals, cfg.threshold, cfg.ddi, ddi_adj, cfg.rule)
     probs = [marginals[i, m].astype(np.float32) for i, m in enumerate(meds)]
     score = np.array([p.mean() if p.size else 0.0 for p in probs], np.float32)
     result = SetResult(meds, score, probs, marginals.astype(np.float32), steps=steps)
     if sums is not None:
-        _explain(result, sums, meds)
+        set_explanations(result, sums, meds)
     return result
-
-
-def _explain(result: SetResult, sums: dict, meds: list[np.ndarray]) -> None:
-    """Per medication of each set: mean gate, copy distribution and diagnosis attention at
-    the steps where samples emitted it (sums of `_add_explanation`; empty when none did)."""
-    n, m = result.prauc_scores.shape
-    count = np.maximum(sums.get("count", np.zeros((n, m))), 1.0)
-    gate = sums.get("gate", np.ones((n, m)))
-    copy = sums.get("copy", np.zeros((n, m, 0)))
-    att = sums.get("attention")
-    result.gates = [(gate[i, k] / count[i, k]).astype(np.float32) for i, k in enumerate(meds)]
-    result.copies = [
-        (copy[i, k] / count[i, k, None]).astype(np.float32) for i, k in enumerate(meds)
-    ]
-    share = sums.get("share", np.zeros_like(copy))
-    result.shares = [
-        (share[i, k] / count[i, k, None]).astype(np.float32) for i, k in enumerate(meds)
-    ]
-    if att is not None:
-        result.attention = [
-            (att[i, k] / count[i, k, None]).astype(np.float32) for i, k in enumerate(meds)
-        ]
