@@ -15,7 +15,8 @@ from cognet.core.vocab import Vocab
 from cognet.model.batching import ehr_adjacency, make_batch
 from cognet.model.decoding import beam_search
 from cognet.model.network import ABLATIONS, COGNet, ModelConfig, history_inputs
-from cognet.training.train import TrainConfig, mix_inputs, train_epoch
+from cognet.training.loss import mix_inputs
+from cognet.training.train import TrainConfig, train_epoch
 
 D, P, M = 30, 20, 12
 

@@ -17,7 +17,8 @@ from cognet.cli import main
 from cognet.core.history import load_split
 from cognet.model import checkpoint
 from cognet.model.batching import IGNORE, make_batch
-from cognet.training.train import TrainConfig, aux_loss, batch_loss
+from cognet.training.loss import aux_loss
+from cognet.training.train import TrainConfig, batch_loss
 
 # small and quick: the options under test, not the recipe's size
 SMALL = ["--dim", "16", "--epochs", "2", "--seed", "3", "--quiet"]

@@ -31,7 +31,8 @@ from cognet.core.vocab import Vocab
 from cognet.model import checkpoint
 from cognet.model.batching import IGNORE, ddi_adjacency, ehr_adjacency, make_batch
 from cognet.model.decoding import decode_patients
-from cognet.model.network import COGNet, ModelConfig, history_inputs
+from cognet.model.network import COGNet, ModelConfig
+from cognet.training.loss import aux_loss, teacher_forced
 from cognet.training.tuning import choose_average, set_decoding_for, validation_nll
 
 log = logging.getLogger(__name__)
@@ -98,9 +99,11 @@ class TrainConfig:
     weight_decay: float = 0.0
     grad_clip: float = 5.0
     lr_decay: float = 1.0  # the learning rate is multiplied by this after every epoch
-    # weight of the auxiliary multi-label loss (`aux_loss`); 0: off, the head not even built
+    # weight of the auxiliary multi-label loss (`cognet.training.loss.aux_loss`); 0: off,
+    # the head not even built
     aux_loss: float = 0.0
-    # share of decoder input medications replaced by the model's own prediction (_forward)
+    # share of decoder input medications replaced by the model's own prediction
+    # (`cognet.training.loss.teacher_forced`)
     scheduled_sampling: float = 0.0
     # the network's hyper-parameters; its vocabulary sizes come from the data (`model_config`)
     model: ModelConfig = DEFAULT_MODEL
@@ -162,25 +165,6 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def aux_loss(aux_head: torch.nn.Linear, hidden: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """The auxiliary multi-label loss: at every decoder position t (START, each medication,
-    END), binary cross-entropy of `aux_head(h_t)` (one logit per medication) against the set
-    of medications still to come at t (at START the whole set, at END none), summed over
-    medications, averaged over positions. A training signal for the shared network only: the
-    head is not part of the model, and recommendations stay the copy-or-predict mixture.
-
-    hidden [N, L, s] (decoder outputs, teacher-forced); target [N, L] (`dec_target`).
-    """
-    n_med = aux_head.out_features
-    valid = target != IGNORE
-    is_med = valid & (target < n_med)
-    onehot = F.one_hot(torch.where(is_med, target, 0), n_med).float() * is_med.unsqueeze(-1)
-    remaining = onehot.flip(1).cumsum(1).flip(1).clamp_max(1.0)  # [N, L, M]
-    logits = aux_head(hidden[valid])
-    bce = F.binary_cross_entropy_with_logits(logits, remaining[valid], reduction="sum")
-    return bce / valid.sum().clamp_min(1)
-
-
 def batch_loss(
     model: COGNet,
     batch: dict,
@@ -191,7 +175,7 @@ def batch_loss(
 ) -> torch.Tensor:
     """The training loss of a batch: teacher-forced NLL per target token, plus `cfg.aux_loss`
     times `aux_loss` when an auxiliary head is given."""
-    log_probs, hidden = _forward(model, batch, vocab, cfg.scheduled_sampling, gen)
+    log_probs, hidden = teacher_forced(model, batch, vocab, cfg.scheduled_sampling, gen)
     target = batch["dec_target"]
     loss = F.nll_loss(log_probs.flatten(0, 1), target.flatten(), ignore_index=IGNORE)
     if aux_head is not None:
@@ -232,30 +216,6 @@ def train_epoch(
     return total / max(count, 1)
 
 
-def _forward(
-    model: COGNet, batch: dict, vocab: Vocab, share: float, gen: torch.Generator | None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Teacher-forced log-probabilities [N, L, V1] of a training batch and the decoder
-    outputs h [N, L, s].
-
-    With `share` > 0 (scheduled sampling), that share of the decoder's input medications
-    (after START) is replaced by the model's own prediction for that position from a first
-    teacher-forced pass without gradient, so training sees prefixes holding the model's
-    mistakes, as decoding does; the targets stay the true medications. The visits are
-    encoded once for both passes.
-    """
-    if share <= 0:
-        return model(batch, hidden=True)
-    enc = model.encode_visits(batch["diagnoses"], batch["procedures"], batch["medications"])
-    memories = model.decoder_init(*history_inputs(batch, *enc, model.cfg))
-    inputs = batch["dec_input"]
-    with torch.no_grad():
-        predicted = model.decode_teacher_forced(inputs, memories)[0].argmax(-1)  # [N, L]
-    mixed = mix_inputs(inputs, predicted, share, vocab.n_med, gen)
-    out = model.decode_teacher_forced(mixed, memories, hidden=True)
-    return out[0], out[3]
-
-
 def check_finite(model: COGNet, epoch: int, loss: float, val_nll: float, lr: float) -> None:
     """InputError (exit 2, before anything is saved) when the loss, the validation NLL or a
     weight is no longer a finite number: a model of NaNs would pass every later check."""
@@ -267,23 +227,6 @@ def check_finite(model: COGNet, epoch: int, loss: float, val_nll: float, lr: flo
         f"epoch {epoch}: training diverged ({what} not finite); no checkpoint was written. "
         f"Try a smaller --lr (this run: {lr:g}) or another --seed"
     )
-
-
-def mix_inputs(
-    inputs: torch.Tensor,
-    predicted: torch.Tensor,
-    share: float,
-    n_med: int,
-    gen: torch.Generator | None = None,
-) -> torch.Tensor:
-    """Decoder inputs [N, L] (START, medications, PAD) with each medication after START
-    replaced, with probability `share`, by predicted[:, t - 1] (the model's prediction for
-    position t) when that is a medication; START, END and PAD stay."""
-    shifted = torch.cat([inputs[:, :1], predicted[:, :-1]], 1)
-    swap = torch.rand(inputs.shape, generator=gen).to(inputs.device) < share
-    swap &= (inputs < n_med) & (shifted < n_med)
-    swap[:, 0] = False
-    return torch.where(swap, shifted, inputs)
 
 
 def train(
