@@ -66,7 +66,7 @@ def main(
     target = manifest.default_target()
     if target is not None:  # the policy scoring uses when none is asked
         click.echo(
-            f"default DDI policy: {target.policy.label}, threshold {target.threshold:g} "
+            f"default DDI policy: {target.policy.label}, {target.rule_label} "
             f"(DDI target {target.target:g})"
         )
     parity = manifest.parity

@@ -195,6 +195,36 @@ def test_search_keeps_the_best_pair_holding_the_target():
     assert found.threshold == 0.2 and asked[:2] == ["off", "soft 0.25"]
 
 
+def test_search_weighs_the_expected_jaccard_rule_with_the_thresholds():
+    """Visits of very different certainty, true sets drawn from the marginals: the
+    expected-Jaccard rule beats every threshold, so the search keeps it, and the target
+    carries it through JSON (a target stored before the rule existed reads as threshold)."""
+    from cognet.core.history import Visit
+
+    rng = np.random.default_rng(1)
+    n, m = 600, 20
+    marg = rng.beta(0.3, 0.3, size=(n, m)) * rng.uniform(0.3, 1.0, size=(n, 1))
+    truths = [tuple(np.flatnonzero(rng.random(m) < row).tolist()) for row in marg]
+    visits = [[Visit(f"P{i}", f"V{i}", (), (), t)] for i, t in enumerate(truths)]
+    adj = np.zeros((m, m), bool)
+    found, trials = search(lambda policy: marg, visits, adj, 0.5, (0.3, 0.4, 0.5), caps=(None,))
+    by_rule = {t.rule for t in trials}
+    assert by_rule == {"threshold", "jaccard"} and found.rule == "jaccard"
+    assert found.val_jaccard > max(t.jaccard for t in trials if t.rule == "threshold")
+    assert found.rule_label == "expected-Jaccard rule"
+    stored = found.to_json()
+    assert DDITarget.from_json(stored) == found
+    del stored["rule"]
+    assert DDITarget.from_json(stored).rule == "threshold"
+    with pytest.raises(ValueError, match="set rule"):
+        DDITarget.from_json({**stored, "rule": "median"})
+    # sets that are exactly a threshold's: the threshold rule, at that threshold
+    cut = [[Visit(f"P{i}", f"V{i}", (), (), tuple(np.flatnonzero(row >= 0.4).tolist()))]
+           for i, row in enumerate(marg)]  # fmt: skip
+    found, _ = search(lambda policy: marg, cut, adj, 0.5, (0.3, 0.4, 0.5), caps=(None,))
+    assert (found.rule, found.threshold, found.val_jaccard) == ("threshold", 0.4, 1.0)
+
+
 def test_malformed_stored_targets_are_one_line_errors(targeted, tiny, tmp_path):
     import shutil
 

@@ -87,6 +87,11 @@ def test_asked_rule_and_a_ddi_target_read_the_threshold():
     assert (decoding.rule, decoding.threshold, policy.mode) == ("threshold", 0.25, "soft")
     decoding, policy = with_target(DDIPolicy(), target, model, lambda d: d)
     assert (decoding.rule, policy.mode) == ("jaccard", "off")
+    # a target found with the expected-Jaccard rule decodes by that rule, whatever the model's
+    by_rule = DDITarget(0.06, soft, 1.0, 0.5, 0.05, rule="jaccard")
+    plain = Decoding(name="set", threshold=0.35)
+    decoding, policy = with_target(None, by_rule, plain, lambda d: d)
+    assert (decoding.rule, policy.mode) == ("jaccard", "soft")
 
 
 def _patients(truths: list[set[int]]) -> list[list[Visit]]:

@@ -84,15 +84,27 @@ class DDITarget:
 
     target: float  # R, the DDI rate asked for
     policy: DDIPolicy  # the soft penalty (or off) and per-set cap found; hard as a last resort
-    threshold: float  # on P(k in S), with that policy
+    threshold: float  # on P(k in S), with that policy (read by the threshold rule only)
     val_jaccard: float
     val_ddi: float
+    rule: str = "threshold"  # the set rule found with it (targets saved before: threshold)
 
     def __post_init__(self) -> None:
         for name in ("target", "threshold", "val_jaccard", "val_ddi"):
             finite(getattr(self, name), f"the DDI target's {name}")
         if not 0 <= self.target <= 1 or not 0 < self.threshold <= 1:
             raise ValueError("the DDI target must be in [0, 1] and the threshold in (0, 1]")
+        if self.rule not in ("threshold", "jaccard"):
+            raise ValueError(
+                f"the DDI target's set rule must be threshold or jaccard, not {self.rule!r}"
+            )
+
+    @property
+    def rule_label(self) -> str:
+        """'threshold 0.4' or 'expected-Jaccard rule': the set rule found."""
+        if self.rule == "jaccard":
+            return "expected-Jaccard rule"
+        return f"threshold {self.threshold:g}"
 
     def to_json(self) -> dict:
         return {
@@ -101,6 +113,7 @@ class DDITarget:
             "threshold": self.threshold,
             "val_jaccard": self.val_jaccard,
             "val_ddi": self.val_ddi,
+            "rule": self.rule,
         }
 
     @classmethod
@@ -118,6 +131,7 @@ class DDITarget:
             threshold=finite(obj["threshold"], "threshold"),
             val_jaccard=finite(obj["val_jaccard"], "val_jaccard"),
             val_ddi=finite(obj["val_ddi"], "val_ddi"),
+            rule=obj.get("rule", "threshold"),
         )  # fmt: skip
 
 
@@ -141,11 +155,11 @@ def with_target(
     """The decoding and the policy to run: `resolve` (the caller's changes) on top of the
     model's `default` decoding, and the policy `asked` (None: none asked). A model's DDI
     target applies when no policy is asked and the decoding stays a set (it was chosen for
-    one): its policy, and its threshold (read by the threshold rule, which the search
-    used) unless the changes set them. Otherwise the asked policy, or off; a model without
-    a target decodes as it always did."""
+    one): its policy, its set rule and its threshold (read by the threshold rule), as the
+    search chose them, unless the changes set them. Otherwise the asked policy, or off; a
+    model without a target decodes as it always did."""
     if asked is None and target is not None and default.name == "set":
-        decoding = resolve(default.with_changes(threshold=target.threshold, rule="threshold"))
+        decoding = resolve(default.with_changes(threshold=target.threshold, rule=target.rule))
         if decoding.name == "set":
             return decoding, target.policy
     return resolve(default), asked or DDIPolicy()

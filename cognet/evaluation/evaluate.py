@@ -193,7 +193,7 @@ def _target_line(target: DDITarget, test_ddi: float, split: str) -> str:
     """Whether the DDI target chosen on validation held on `split`."""
     return (
         f"\nDDI target {target.target:g}, chosen on validation: {target.policy.label}, "
-        f"threshold {target.threshold:g} (validation Jaccard {target.val_jaccard:.4f}, DDI "
+        f"{target.rule_label} (validation Jaccard {target.val_jaccard:.4f}, DDI "
         f"{target.val_ddi:.4f}); {split} DDI {test_ddi:.4f} "
         + ("<=" if test_ddi <= target.target else "> (not held)")
         + f" target {target.target:g}"

@@ -1,5 +1,6 @@
-"""A DDI target: the soft DDI penalty, a per-set DDI cap and the set threshold, chosen together
-on the validation split, of best validation Jaccard with a validation DDI rate <= R.
+"""A DDI target: the soft DDI penalty, a per-set DDI cap and the set rule (a threshold, or the
+expected-Jaccard rule), chosen together on the validation split, of best validation Jaccard
+with a validation DDI rate <= R.
 
 `cognet train --ddi-target R` runs `choose_target` after the threshold is tuned and stores
 the pair with the checkpoint (`cognet.core.ddi.DDITarget`, config.json and the manifest's
@@ -8,15 +9,16 @@ policy is asked. `cognet evaluate --ddi-target R` runs the same search for a che
 
 The marginals P(k in S) of the set decoding depend on the penalty (it acts on every sampling
 step) but not on the threshold, so each penalty costs one decoding of the split and every
-threshold of `cognet.training.tuning.THRESHOLDS` is then a cheap selection (`select_sets`). The
+threshold of `cognet.training.tuning.THRESHOLDS`, and the expected-Jaccard rule (no
+threshold), is then a cheap selection (`select_sets`). The
 penalties tried: off, then the `LADDER` upwards while the best pair holding R improves
 (a high threshold may hold R at a small penalty, a larger penalty at a lower threshold:
 more medications), then `REFINE` rounds of geometric midpoints on both sides of the best
 penalty so far. With every penalty, per-set caps (`max_rate`, `CAP_FACTORS` x R, and
 none) are tried too: a cap acts on the selection only (no decoding), and one of at most R
 holds R on any split. If nothing holds R, `hard` (DDI rate 0 on every set) does. The best
-(penalty, cap, threshold) over every one tried wins; ties: the smaller penalty, then the
-lower threshold.
+(penalty, cap, rule) over every one tried wins; ties: the smaller penalty, then the
+threshold rule before the expected-Jaccard rule, then the lower threshold.
 
 Validation holding R does not prove that test does (unless the cap is <= R): `cognet
 evaluate` prints the test DDI rate next to the target.
@@ -49,16 +51,19 @@ CAP_FACTORS = (1.0, 1.1, 1.2, 1.35, 1.5, 1.75, 2.0)
 
 @dataclass(frozen=True)
 class Trial:
-    """One (policy, threshold) scored on the validation split."""
+    """One (policy, set rule) scored on the validation split; `threshold` is read by the
+    threshold rule only (the expected-Jaccard rule's trials carry 1.0)."""
 
     policy: DDIPolicy
     threshold: float
     jaccard: float
     ddi: float
+    rule: str = "threshold"
 
     def to_json(self) -> dict:
         return {
             "policy": self.policy.label,
+            "rule": self.rule,
             "threshold": self.threshold,
             "jaccard": self.jaccard,
             "ddi": self.ddi,
@@ -72,26 +77,28 @@ def score_thresholds(
     policy: DDIPolicy,
     thresholds: Sequence[float],
     caps: Sequence[float | None] = (None,),
+    rules: Sequence[str] = ("threshold", "jaccard"),
 ) -> list[Trial]:
     """Validation Jaccard and DDI rate (`cognet.core.metrics`: Jaccard averaged per patient
     then over patients, the DDI rate pooled over every visit; every patient once) of the
-    sets that `policy`'s marginals [visits, M] give at each threshold, under each per-set
-    cap (`max_rate`; None: none)."""
+    sets that `policy`'s marginals [visits, M] give by each rule (the threshold rule at each
+    threshold), under each per-set cap (`max_rate`; None: none)."""
     visits = [v for p in patients for v in p]
     owner = np.array([i for i, p in enumerate(patients) for _ in p])
     counts = np.bincount(owner, minlength=len(patients))
     adj = np.asarray(ddi_adj, bool)
     trials = []
+    tried = [(r, tau) for r in rules for tau in (thresholds if r == "threshold" else (1.0,))]
     for cap in caps:
         capped = replace(policy, max_rate=cap)
-        for tau in thresholds:
-            sets = select_sets(marginals, tau, capped, adj)
+        for rule, tau in tried:
+            sets = select_sets(marginals, tau, capped, adj, rule)
             per_visit = [
                 jaccard(s.tolist(), v.meds or ()) for v, s in zip(visits, sets, strict=True)
             ]
             by_patient = np.bincount(owner, per_visit, len(patients)) / counts
             rate = ddi_rate_of_sets(sets, adj)
-            trials.append(Trial(capped, float(tau), float(by_patient.mean()), rate))
+            trials.append(Trial(capped, float(tau), float(by_patient.mean()), rate, rule))
     return trials
 
 
@@ -121,7 +128,7 @@ def search(
         got = score_thresholds(patients, margins, ddi_adj, policy, thresholds, caps)
         trials.extend(got)
         fits = [t for t in got if t.ddi <= target + RATE_TOLERANCE]
-        top = max(fits, key=lambda t: (t.jaccard, -t.threshold), default=None)
+        top = max(fits, key=_preference, default=None)
         log.info("DDI target %g: %s -> %s", target, policy.label, top)
         return top
 
@@ -154,8 +161,14 @@ def search(
         top = run(DDIPolicy("hard"))
         if top is None:
             raise ValueError(f"no policy holds DDI rate {target} on the validation split")
-    chosen = DDITarget(target, top.policy, top.threshold, top.jaccard, top.ddi)
+    chosen = DDITarget(target, top.policy, top.threshold, top.jaccard, top.ddi, top.rule)
     return chosen, trials
+
+
+def _preference(trial: Trial) -> tuple:
+    """The best trial has the highest key: Jaccard, then the threshold rule, then the lower
+    threshold."""
+    return trial.jaccard, trial.rule == "threshold", -trial.threshold
 
 
 def _round(penalty: float) -> float:
@@ -192,7 +205,7 @@ def choose_target(
 def describe(target: DDITarget) -> str:
     """One line: the pair found and its validation scores."""
     return (
-        f"DDI target {target.target:g}: {target.policy.label}, threshold "
-        f"{target.threshold:g} (validation Jaccard {target.val_jaccard:.4f}, DDI rate "
+        f"DDI target {target.target:g}: {target.policy.label}, {target.rule_label} "
+        f"(validation Jaccard {target.val_jaccard:.4f}, DDI rate "
         f"{target.val_ddi:.4f})"
     )
