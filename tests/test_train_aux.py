@@ -1,5 +1,5 @@
 """Training options: the auxiliary multi-label loss (a training signal only), the learning
-rate decay, and the width and dropout options of `cognet train`."""
+rate decay, history dropout, and the width and dropout options of `cognet train`."""
 
 from __future__ import annotations
 
@@ -33,10 +33,17 @@ def tiny(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def trained(tiny, tmp_path_factory):
-    """Two trainings of the same seed: without and with the auxiliary loss."""
+    """Trainings of one seed: plain, with the auxiliary loss, and twice with history
+    dropout."""
     root = tmp_path_factory.mktemp("trained")
     out = {}
-    for name, extra in (("plain", []), ("aux", ["--aux-loss", "0.5", "--lr-decay", "0.5"])):
+    runs = (
+        ("plain", []),
+        ("aux", ["--aux-loss", "0.5", "--lr-decay", "0.5"]),
+        ("nohist", ["--history-dropout", "0.5"]),
+        ("nohist2", ["--history-dropout", "0.5"]),
+    )
+    for name, extra in runs:
         out[name] = root / name
         res = CliRunner().invoke(
             main, ["train", "--data", str(tiny[0]), "--out", str(out[name]), *SMALL, *extra]
@@ -150,9 +157,47 @@ def test_exported_graphs_do_not_depend_on_the_training_loss(trained, tmp_path):
     assert not np.array_equal(*weights)  # same graph, other weights
 
 
+def test_history_dropout_decodes_the_drawn_visits_as_first_visits(tiny):
+    """A visit whose history is dropped gets exactly the log-probabilities it would get as
+    a patient's first visit; the others keep theirs."""
+    model, vocab, plain = _batch(tiny)
+    patients = _patients(tiny, vocab)[:6]
+    visits = [v for p in patients for v in p]
+    later = [i for i, pos in enumerate(j for p in patients for j in range(len(p))) if pos]
+    assert later, "the fixture needs patients with several visits"
+    dropped = [i in later[::2] for i in range(len(visits))]
+    batch = make_batch(patients, vocab, no_history=dropped)
+    model.eval()
+    with torch.no_grad():
+        ours, kept = model(batch), model(plain)
+        for row, drop in enumerate(dropped):
+            n = len(visits[row].meds) + 1  # the medications, then END
+            alone = model(make_batch([[visits[row]]], vocab))[0]
+            want = alone if drop or row not in later else kept[row]
+            assert torch.allclose(ours[row, :n], want[:n], atol=1e-5), row
+    mask = torch.tensor(dropped)
+    assert not batch["hist_mask"][mask].any() and plain["hist_mask"][mask].any()
+
+
+def _patients(tiny, vocab):
+    import pyarrow.parquet as pq
+
+    return load_split(pq.read_table(tiny[0] / "visits.parquet"), vocab, "train").patients
+
+
+def test_history_dropout_trains_deterministically(trained):
+    config = json.loads((trained["nohist"] / "config.json").read_text())
+    assert config["train"]["history_dropout"] == 0.5
+    weights = [checkpoint.load(trained[n])[0].state_dict() for n in ("plain", "nohist", "nohist2")]
+    assert all(torch.equal(weights[1][k], weights[2][k]) for k in weights[1])  # one seed
+    assert any(not torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
+
+
 @pytest.mark.parametrize(
     "args, message",
     [
+        (["--history-dropout", "1"], "--history-dropout"),
+        (["--history-dropout", "-0.1"], "--history-dropout"),
         (["--aux-loss", "-1"], "--aux-loss"),
         (["--lr-decay", "0"], "--lr-decay"),
         (["--lr-decay", "1.5"], "--lr-decay"),

@@ -79,6 +79,12 @@ threads_option = count_option(
     "prediction during training (exposure to its mistakes).",
 )
 @click.option(
+    "--history-dropout",
+    type=FiniteFloat(0, 1, max_open=True),
+    help="Share of training visits with a history decoded without it, as first visits are "
+    "(drawn anew each epoch; default: 0).",
+)
+@click.option(
     "--aux-loss",
     type=FiniteFloat(0),
     help="Weight of an auxiliary multi-label loss (a training signal only: at each decoder "

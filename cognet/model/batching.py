@@ -20,8 +20,11 @@ def make_batch(
     vocab: Vocab,
     max_history: int | None = None,
     targets: bool = True,
+    no_history: Sequence[bool] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Batch of all visits of `patients` (each decoded with its known-medication history).
+    no_history: per visit (in patient order), True to decode it without history, as a
+    first visit is (training's history dropout); None: every visit with its history.
 
     Returns encoder inputs [V, L*], `target` [N] (rows being decoded, here every visit),
     history indexes (see `cognet.core.history.history_index`) and, when `targets`, `dec_input`
@@ -33,7 +36,8 @@ def make_batch(
         known: list[int] = []
         for v in p:
             h = known if max_history is None else known[len(known) - max_history :]
-            histories.append(list(h) if max_history != 0 else [])
+            dropped = max_history == 0 or (no_history is not None and no_history[row])
+            histories.append([] if dropped else list(h))
             if v.meds is not None:
                 known.append(row)
             row += 1

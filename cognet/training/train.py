@@ -105,6 +105,10 @@ class TrainConfig:
     # share of decoder input medications replaced by the model's own prediction
     # (`cognet.training.loss.teacher_forced`)
     scheduled_sampling: float = 0.0
+    # share of the training visits with a history decoded without it, as first visits are,
+    # each epoch anew: the no-history path then learns from every visit, not only from
+    # each patient's first
+    history_dropout: float = 0.0
     # the network's hyper-parameters; its vocabulary sizes come from the data (`model_config`)
     model: ModelConfig = DEFAULT_MODEL
     max_history: int | None = None  # past visits used as history (None = all)
@@ -137,6 +141,8 @@ class TrainConfig:
             raise ValueError("average: window sizes >= 1")
         if not 0 < self.lr_decay <= 1 or self.aux_loss < 0:
             raise ValueError("lr_decay must be in (0, 1] and aux_loss >= 0")
+        if not 0 <= self.history_dropout < 1 or not 0 <= self.scheduled_sampling <= 1:
+            raise ValueError("history_dropout must be in [0, 1), scheduled_sampling in [0, 1]")
         target = self.ddi_target
         if target is not None and (self.decoding != "set" or not 0 <= target <= 1):
             raise ValueError("--ddi-target needs set decoding and a DDI rate in [0, 1]")
@@ -199,7 +205,11 @@ def train_epoch(
     gen = torch.Generator().manual_seed(rng.getrandbits(63)) if cfg.scheduled_sampling else None
     total, count = 0.0, 0
     for i in range(0, len(patients), cfg.batch_size):
-        batch = make_batch(patients[i : i + cfg.batch_size], vocab, cfg.max_history)
+        chunk = patients[i : i + cfg.batch_size]
+        dropped = None
+        if cfg.history_dropout:
+            dropped = [rng.random() < cfg.history_dropout for p in chunk for _ in p]
+        batch = make_batch(chunk, vocab, cfg.max_history, no_history=dropped)
         batch = {k: v.to(cfg.device) for k, v in batch.items()}
         loss = batch_loss(model, batch, vocab, cfg, gen, aux_head)
         optim.zero_grad(set_to_none=True)
