@@ -31,8 +31,8 @@ exporter's validation report, or null when validation was skipped), `tensorrt` (
 the engine cache folder and min/opt/max shape profiles of `cognet-export --tensorrt`) and
 `decoding` (the model's default decoding, `cognet.core.decoding.Decoding`; null: beam) and
 `search` ({name: graph} of the search graphs, `cognet.export.search_graphs`; absent in
-models exported before them) and `ddi_target` (null, or the DDI policy and set threshold
-chosen on validation for a DDI-rate target, `cognet.core.ddi.DDITarget`: the model's
+models exported before them) and `ddi_target` (null, or the DDI policy, set rule and
+threshold chosen on validation for a DDI-rate target, `cognet.core.ddi.DDITarget`: the model's
 default policy, `Manifest.default_target`).
 """
 
@@ -152,7 +152,7 @@ class Manifest:
     # the search graphs (`cognet.export.search_graphs`: candidate selection on the device and
     # row gathers); empty for a model exported before them (the runtime selects on the host)
     search: dict[str, GraphSpec] = field(default_factory=dict)
-    # the DDI target's policy and threshold (`cognet.core.ddi.DDITarget.to_json`); None: none
+    # the DDI target's policy, rule and threshold (`cognet.core.ddi.DDITarget.to_json`); None: none
     ddi_target: dict | None = None
     format_version: int = FORMAT_VERSION
     # Where the manifest was loaded from (not serialised); graph paths are relative to it.
