@@ -83,6 +83,9 @@ class Job:
         self.warmup_s = time.perf_counter() - started
 
     def one_pass(self) -> None:
+        # hand back what the engine before this one freed (glibc keeps freed heap pages
+        # resident), so that its memory does not count as this pass's peak
+        release_memory()
         self.exact_rss = reset_peak_rss()
         outputs = []
         begin = time.perf_counter()
