@@ -1,5 +1,6 @@
-"""Training options: the auxiliary multi-label loss (a training signal only), the learning
-rate decay, history dropout, and the width and dropout options of `cognet train`."""
+"""Training options: the auxiliary multi-label loss (a training signal only), the DDI term,
+the learning rate decay, history dropout, and the width and dropout options of `cognet
+train`."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from cognet.cli import main
 from cognet.core.history import load_split
 from cognet.model import checkpoint
 from cognet.model.batching import IGNORE, make_batch
-from cognet.training.loss import aux_loss
+from cognet.training.loss import aux_loss, ddi_loss
 from cognet.training.train import TrainConfig, batch_loss
 
 # small and quick: the options under test, not the recipe's size
@@ -42,6 +43,7 @@ def trained(tiny, tmp_path_factory):
         ("aux", ["--aux-loss", "0.5", "--lr-decay", "0.5"]),
         ("nohist", ["--history-dropout", "0.5"]),
         ("nohist2", ["--history-dropout", "0.5"]),
+        ("ddi", ["--ddi-loss", "2"]),
     )
     for name, extra in runs:
         out[name] = root / name
@@ -199,6 +201,8 @@ def test_history_dropout_trains_deterministically(trained):
         (["--history-dropout", "1"], "--history-dropout"),
         (["--history-dropout", "-0.1"], "--history-dropout"),
         (["--aux-loss", "-1"], "--aux-loss"),
+        (["--ddi-loss", "-1"], "--ddi-loss"),
+        (["--ddi-loss", "nan"], "--ddi-loss"),
         (["--lr-decay", "0"], "--lr-decay"),
         (["--lr-decay", "1.5"], "--lr-decay"),
         (["--dim", "15"], "divisible by heads"),
@@ -210,4 +214,91 @@ def test_bad_options_exit_2(tiny, tmp_path, args, message):
         main, ["train", "--data", str(tiny[0]), "--out", str(tmp_path / "c"), "--quiet", *args]
     )
     assert res.exit_code == 2 and message in res.output
+    assert not (tmp_path / "c").exists()
+
+
+def test_ddi_loss_counts_the_expected_interacting_pairs_each_step_adds():
+    # medications 0..3, END 4, START 5, PAD 6; 0 interacts with 2, 1 with 3
+    ddi = torch.zeros(4, 4)
+    ddi[0, 2] = ddi[2, 0] = ddi[1, 3] = ddi[3, 1] = 1.0
+    log_probs = torch.randn(2, 4, 5).log_softmax(-1)
+    p = log_probs.exp()
+    # visit 0 recommends 0 then 1 then END; visit 1 recommends 2 then END, then padding
+    inputs = torch.tensor([[5, 0, 1, 6], [5, 2, 6, 6]])
+    target = torch.tensor([[0, 1, 4, IGNORE], [2, 4, IGNORE, IGNORE]])
+    expected = [
+        0.0,  # nothing before the first medication
+        p[0, 1, 2],  # after 0: 2 interacts
+        p[0, 2, 2] + p[0, 2, 3],  # after 0 and 1: 2 and 3
+        0.0,
+        p[1, 1, 0],  # after 2: 0 interacts
+    ]
+    got = ddi_loss(log_probs, inputs, target, ddi)
+    assert float(got) == pytest.approx(float(sum(expected)) / 5, rel=1e-6)
+    assert float(ddi_loss(log_probs, inputs, target, torch.zeros(4, 4))) == 0.0
+
+
+def test_ddi_loss_gradient_lowers_the_expected_interacting_pairs(tiny):
+    """A small step on the DDI term alone lowers it: the gradient reaches the network and
+    points away from interacting medications."""
+    model, vocab, batch = _batch(tiny)
+    model.eval()
+    ddi = torch.from_numpy(model_ddi(tiny, vocab))
+    inputs, target = batch["dec_input"], batch["dec_target"]
+    optim = torch.optim.SGD(model.parameters(), lr=0.05)
+    before = ddi_loss(model(batch), inputs, target, ddi)
+    before.backward()
+    assert model.gen_head.weight.grad.abs().sum() > 0
+    optim.step()
+    with torch.no_grad():
+        after = ddi_loss(model(batch), inputs, target, ddi)
+    assert 0 < float(after) < float(before.detach())
+
+
+def model_ddi(tiny, vocab):
+    import pyarrow.parquet as pq
+
+    from cognet.model.batching import ddi_adjacency
+
+    table = pq.read_table(tiny[0] / "ddi.parquet")
+    pairs = list(zip(*(table.column(c).to_pylist() for c in ("drug_a", "drug_b")), strict=True))
+    return ddi_adjacency(pairs, vocab)
+
+
+def test_batch_loss_adds_the_weighted_ddi_term(tiny):
+    model, vocab, batch = _batch(tiny)
+    model.eval()
+    ddi = torch.from_numpy(model_ddi(tiny, vocab))
+    with torch.no_grad():
+        plain = batch_loss(model, batch, vocab, TrainConfig())
+        on = batch_loss(model, batch, vocab, TrainConfig(ddi_loss=3.0), ddi=ddi)
+        term = ddi_loss(model(batch), batch["dec_input"], batch["dec_target"], ddi)
+    assert float(term) > 0
+    assert float(on) == pytest.approx(float(plain) + 3.0 * float(term), rel=1e-5)
+
+
+def test_ddi_loss_trains_another_model_and_is_recorded(trained):
+    config = json.loads((trained["ddi"] / "config.json").read_text())
+    assert config["train"]["ddi_loss"] == 2.0
+    plain = json.loads((trained["plain"] / "config.json").read_text())
+    assert plain["train"]["ddi_loss"] == 0.0 and plain["model"] == config["model"]
+    a = checkpoint.load(trained["plain"])[0].state_dict()
+    b = checkpoint.load(trained["ddi"])[0].state_dict()
+    assert any(not torch.equal(a[k], b[k]) for k in a)
+
+
+def test_ddi_loss_without_pairs_is_refused(tiny, tmp_path):
+    import shutil
+
+    import pyarrow.parquet as pq
+
+    data = tmp_path / "data"
+    shutil.copytree(tiny[0], data)
+    no_pairs = pq.read_table(data / "ddi.parquet").slice(0, 0)  # the columns, no pair
+    pq.write_table(no_pairs, data / "ddi.parquet")
+    res = CliRunner().invoke(
+        main,
+        ["train", "--data", str(data), "--out", str(tmp_path / "c"), *SMALL, "--ddi-loss", "1"],
+    )
+    assert res.exit_code == 2 and "--ddi-loss" in res.output and "ddi" in res.output
     assert not (tmp_path / "c").exists()

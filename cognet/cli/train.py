@@ -91,6 +91,12 @@ threads_option = count_option(
     "position, the medications still to come; 0: off).",
 )
 @click.option(
+    "--ddi-loss",
+    type=FiniteFloat(0),
+    help="Weight of a DDI term in the loss: the expected number of interacting pairs each "
+    "decoding step adds (needs the dataset's ddi.parquet; 0: off).",
+)
+@click.option(
     "--lr-decay",
     type=FiniteFloat(0, 1, min_open=True),
     help="Multiply the learning rate by this after every epoch (default: 1, constant).",

@@ -1,5 +1,5 @@
-"""The training losses: the teacher-forced pass (with scheduled sampling when asked) and the
-auxiliary multi-label loss. `cognet.training.train.batch_loss` adds them up."""
+"""The training losses: the teacher-forced pass (with scheduled sampling when asked), the
+auxiliary multi-label loss and the DDI term. `cognet.training.train.batch_loss` adds them up."""
 
 from __future__ import annotations
 
@@ -28,6 +28,29 @@ def aux_loss(aux_head: torch.nn.Linear, hidden: torch.Tensor, target: torch.Tens
     logits = aux_head(hidden[valid])
     bce = F.binary_cross_entropy_with_logits(logits, remaining[valid], reduction="sum")
     return bce / valid.sum().clamp_min(1)
+
+
+def ddi_loss(
+    log_probs: torch.Tensor, inputs: torch.Tensor, target: torch.Tensor, ddi: torch.Tensor
+) -> torch.Tensor:
+    """The DDI term: the expected number of interacting pairs that each decoding step adds.
+    At every position t with a target, the sum over medications j of P_t(j) times the number
+    of medications among the decoder's inputs up to t (the true prefix) that interact with
+    j; averaged over positions. It lowers the probability of a medication that interacts
+    with one already recommended, the way SafeDrug's DDI loss lowers that of interacting
+    pairs, for a model that recommends one medication at a time.
+
+    log_probs [N, L, V1]; inputs [N, L] (`dec_input`: START, medications, PAD); target [N, L]
+    (`dec_target`); ddi [M, M] 0/1, symmetric.
+    """
+    n_med = ddi.shape[0]
+    is_med = inputs < n_med
+    onehot = F.one_hot(torch.where(is_med, inputs, 0), n_med).to(ddi.dtype)
+    prefix = (onehot * is_med.unsqueeze(-1)).cumsum(1)  # [N, L, M]: fed at positions <= t
+    interacting = prefix @ ddi  # [N, L, M]: prefix medications interacting with each one
+    valid = target != IGNORE
+    expected = (log_probs[..., :n_med].exp() * interacting).sum(-1)
+    return expected[valid].sum() / valid.sum().clamp_min(1)
 
 
 def teacher_forced(

@@ -32,7 +32,7 @@ from cognet.model import checkpoint
 from cognet.model.batching import IGNORE, ddi_adjacency, ehr_adjacency, make_batch
 from cognet.model.decoding import decode_patients
 from cognet.model.network import COGNet, ModelConfig
-from cognet.training.loss import aux_loss, teacher_forced
+from cognet.training.loss import aux_loss, ddi_loss, teacher_forced
 from cognet.training.tuning import choose_average, set_decoding_for, validation_nll
 
 log = logging.getLogger(__name__)
@@ -109,6 +109,9 @@ class TrainConfig:
     # each epoch anew: the no-history path then learns from every visit, not only from
     # each patient's first
     history_dropout: float = 0.0
+    # weight of the DDI term (`cognet.training.loss.ddi_loss`: the expected interacting pairs
+    # each step adds); 0: off
+    ddi_loss: float = 0.0
     # the network's hyper-parameters; its vocabulary sizes come from the data (`model_config`)
     model: ModelConfig = DEFAULT_MODEL
     max_history: int | None = None  # past visits used as history (None = all)
@@ -139,8 +142,8 @@ class TrainConfig:
             raise ValueError("patience must be >= 1 (or None: no early stopping)")
         if not self.average or min(self.average) < 1:
             raise ValueError("average: window sizes >= 1")
-        if not 0 < self.lr_decay <= 1 or self.aux_loss < 0:
-            raise ValueError("lr_decay must be in (0, 1] and aux_loss >= 0")
+        if not 0 < self.lr_decay <= 1 or self.aux_loss < 0 or self.ddi_loss < 0:
+            raise ValueError("lr_decay must be in (0, 1], aux_loss and ddi_loss >= 0")
         if not 0 <= self.history_dropout < 1 or not 0 <= self.scheduled_sampling <= 1:
             raise ValueError("history_dropout must be in [0, 1), scheduled_sampling in [0, 1]")
         target = self.ddi_target
@@ -178,14 +181,18 @@ def batch_loss(
     cfg: TrainConfig,
     gen: torch.Generator | None = None,
     aux_head: torch.nn.Linear | None = None,
+    ddi: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The training loss of a batch: teacher-forced NLL per target token, plus `cfg.aux_loss`
-    times `aux_loss` when an auxiliary head is given."""
+    times `aux_loss` when an auxiliary head is given, plus `cfg.ddi_loss` times `ddi_loss`
+    when the DDI matrix [M, M] is given."""
     log_probs, hidden = teacher_forced(model, batch, vocab, cfg.scheduled_sampling, gen)
     target = batch["dec_target"]
     loss = F.nll_loss(log_probs.flatten(0, 1), target.flatten(), ignore_index=IGNORE)
     if aux_head is not None:
         loss = loss + cfg.aux_loss * aux_loss(aux_head, hidden, target)
+    if ddi is not None:
+        loss = loss + cfg.ddi_loss * ddi_loss(log_probs, batch["dec_input"], target, ddi)
     return loss
 
 
@@ -198,8 +205,10 @@ def train_epoch(
     rng: random.Random,
     bar=None,
     aux_head: torch.nn.Linear | None = None,
+    ddi: torch.Tensor | None = None,
 ) -> float:
-    """One pass over the patients (shuffled in place) with teacher forcing; mean loss."""
+    """One pass over the patients (shuffled in place) with teacher forcing; mean loss. `ddi`:
+    the DDI matrix when the loss has a DDI term."""
     model.train()
     rng.shuffle(patients)
     gen = torch.Generator().manual_seed(rng.getrandbits(63)) if cfg.scheduled_sampling else None
@@ -211,7 +220,7 @@ def train_epoch(
             dropped = [rng.random() < cfg.history_dropout for p in chunk for _ in p]
         batch = make_batch(chunk, vocab, cfg.max_history, no_history=dropped)
         batch = {k: v.to(cfg.device) for k, v in batch.items()}
-        loss = batch_loss(model, batch, vocab, cfg, gen, aux_head)
+        loss = batch_loss(model, batch, vocab, cfg, gen, aux_head, ddi)
         optim.zero_grad(set_to_none=True)
         loss.backward()
         params = [p for group in optim.param_groups for p in group["params"]]
@@ -256,6 +265,8 @@ def train(
     dataset, vocab, train_data, val_data = _read_splits(data_dir)
     if cfg.ddi_target is not None:
         require_pairs(dataset.ddi_pairs, Path(data_dir) / DDI_FILE, "--ddi-target")
+    if cfg.ddi_loss > 0:
+        require_pairs(dataset.ddi_pairs, Path(data_dir) / DDI_FILE, "--ddi-loss")
     val_patients = (
         val_data.patients[: cfg.val_max_patients] if cfg.val_max_patients else val_data.patients
     )
@@ -265,6 +276,7 @@ def train(
     optim, decay, aux_head = _optimiser(model, cfg, vocab)
     rng = random.Random(cfg.seed)
     ddi_bool = ddi > 0
+    ddi_term = torch.from_numpy(ddi).to(cfg.device) if cfg.ddi_loss > 0 else None
     best, history, stale = None, [], 0
     snapshots: dict[int, dict] = {}  # epoch -> weights (the last max(average) and the best)
     keep = max(cfg.average)
@@ -275,7 +287,7 @@ def train(
         start = time.perf_counter()
         bar = _epoch_bar(progress, len(patients), cfg.batch_size, epoch)
         lr = optim.param_groups[0]["lr"]
-        loss = train_epoch(model, optim, patients, vocab, cfg, rng, bar, aux_head)
+        loss = train_epoch(model, optim, patients, vocab, cfg, rng, bar, aux_head, ddi_term)
         decay.step()
         train_s = time.perf_counter() - start
         record = {"epoch": epoch, "loss": loss, "train_s": train_s, "lr": lr}
