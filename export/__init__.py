@@ -1,18 +1,19 @@
 """cognet.export: a trained checkpoint -> a model directory the torch-free runtime serves.
 
 `export(checkpoint, out)` writes `encoder.onnx`, `decoder_init.onnx`, `decoder_step.onnx`
-(plus `*.fp16.onnx` with `fp16=True`) and `manifest.json` (`cognet.core.manifest`), after
-checking the graphs (`onnx.checker`, symbolic input axes) and, unless `validate=False`,
-their parity with the torch model (`cognet.export.validate`).
+(plus `*.fp16.onnx` with `fp16=True`, `*.int8.onnx` with `int8=True`) and `manifest.json`
+(`cognet.core.manifest`), after checking the graphs (`onnx.checker`, symbolic input axes)
+and, unless `validate=False`, their parity with the torch model (`cognet.export.validate`).
 
 Modules: `pipeline` (the steps, in order), `onnx_export` (one graph, exporter choice and
-fix-ups), `graphs` (the torch wrappers and tensor specs of each graph), `fp16`, `validate`,
-`tensorrt`, `cli` (`cognet-export`). torch and onnx are imported where they are used.
+fix-ups), `graphs` (the torch wrappers and tensor specs of each graph), `fp16`, `int8`,
+`validate`, `tensorrt`, `cli` (`cognet-export`). torch and onnx are imported where they are
+used.
 """
 
 from cognet.export.errors import ExportError, TensorRTUnavailable
 from cognet.export.onnx_export import OPSET, cache_tensors
-from cognet.export.pipeline import FP16_FILES, GRAPH_FILES, export
+from cognet.export.pipeline import FP16_FILES, GRAPH_FILES, INT8_FILES, export
 
 __all__ = [
     "export",
@@ -21,5 +22,6 @@ __all__ = [
     "OPSET",
     "GRAPH_FILES",
     "FP16_FILES",
+    "INT8_FILES",
     "cache_tensors",
 ]

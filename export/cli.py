@@ -29,12 +29,23 @@ from cognet.core.tensorrt import CACHE_DIR
 )
 @click.option("--fp16", is_flag=True, help="Also write float16 graphs (validated too).")
 @click.option(
+    "--int8",
+    is_flag=True,
+    help="Also write int8 graphs for the CPU (MatMul weights quantized; validated too).",
+)
+@click.option(
     "--tensorrt", is_flag=True, help="Also build TensorRT engines (needs TensorRT and a GPU)."
 )
 @click.option("-v", "--verbose", is_flag=True, help="Log progress to stderr.")
 @handle_errors
 def main(
-    checkpoint: str, out: str, validate: bool, fp16: bool, tensorrt: bool, verbose: bool
+    checkpoint: str,
+    out: str,
+    validate: bool,
+    fp16: bool,
+    int8: bool,
+    tensorrt: bool,
+    verbose: bool,
 ) -> None:
     """Export a trained COGNet checkpoint to ONNX graphs plus manifest.json.
 
@@ -45,6 +56,7 @@ def main(
     Example:
       cognet-export --checkpoint ckpt --out model
       cognet-export --checkpoint ckpt --out model --fp16
+      cognet-export --checkpoint ckpt --out model --int8
     """
     from cognet.export import export
     from cognet.export.pipeline import MODEL_FILES, REPORT_FILE
@@ -58,7 +70,9 @@ def main(
     with guarded("cognet-export", {"--out": out}, reads, written) as stage:
         built = stage["--out"]
         try:
-            manifest = export(checkpoint, built, validate=validate, fp16=fp16, tensorrt=tensorrt)
+            manifest = export(
+                checkpoint, built, validate=validate, fp16=fp16, int8=int8, tensorrt=tensorrt
+            )
         except ParityError as exc:
             stage.commit()
             click.echo(f"Error: {str(exc).replace(str(built), out)}", err=True)
@@ -83,5 +97,13 @@ def main(
         line += (
             f"; float16 max diff {parity['float16']['max_abs_diff']:.2g}, "
             f"top-1 agreement {parity['float16']['top1_agreement']:.3f}"
+        )
+    if "int8" in parity:
+        int8_parity = parity["int8"]
+        line += (
+            f"; int8 max probability diff {int8_parity['probs_max_abs_diff']:.2g}, "
+            f"top-1 agreement {int8_parity['top1_agreement']:.3f}, beam-4 lists identical "
+            f"{int8_parity['decoding']['beam4']['identical']}/"
+            f"{int8_parity['decoding']['beam4']['visits']}"
         )
     click.echo(line)

@@ -6,7 +6,8 @@ checkpoint (dim 64, 2000/1400/131 codes, 2 cores): it exports the three graphs i
 and after ONNX Runtime's optimisations the graphs run at the same speed. Both give plain
 graphs (no If/Loop); see `onnx_ops_allowlist.txt` for the operator set.
 
-`graph_spec` describes a written file for the manifest; `write_fp16` adds its float16 variant.
+`graph_spec` describes a written file for the manifest; `write_fp16` and `write_int8` add its
+float16 and int8 variants.
 After the export: the inputs an ablation leaves unused are put back, fixed axes are pinned,
 the KV-cache Reshapes of the step graph keep literal zeros (`allowzero`), and the graph's
 I/O is checked against `cognet.core.graphspec` with its symbolic axes.
@@ -210,10 +211,34 @@ def write_fp16(src: Path, dst: Path, name: str, specs: dict[str, TensorSpec]) ->
     onnx.checker.check_model(half, full_check=True)
     with atomic_path(dst) as tmp:
         onnx.save(half, str(tmp))
-    dtypes = {v.name: v.type.tensor_type.elem_type for v in (*half.graph.input, *half.graph.output)}
+    return _variant_spec(half, dst, name, specs)
+
+
+def write_int8(src: Path, dst: Path, name: str, specs: dict[str, TensorSpec]) -> GraphSpec:
+    """The int8 variant of the graph file `src` (`cognet.export.int8`), checked and written
+    to `dst`: its inputs and outputs are the float32 graph's."""
+    import onnx
+
+    from cognet.export.int8 import quantize
+
+    with atomic_path(dst) as tmp:
+        quantize(src, tmp)
+        proto = onnx.load(str(tmp))
+        onnx.checker.check_model(proto, full_check=True)
+        _check_io(proto, name, specs)
+    return _variant_spec(proto, dst, name, specs)
+
+
+def _variant_spec(proto, path: Path, name: str, specs: dict[str, TensorSpec]) -> GraphSpec:
+    """`graph_spec` of a variant's graph file, its tensors typed as the graph declares them."""
+    import onnx
+
+    dtypes = {
+        v.name: v.type.tensor_type.elem_type for v in (*proto.graph.input, *proto.graph.output)
+    }
     names = {
         onnx.TensorProto.FLOAT16: "float16",
         onnx.TensorProto.FLOAT: "float32",
         onnx.TensorProto.INT64: "int64",
     }
-    return graph_spec(dst, name, specs, dtype_of=lambda spec: names[dtypes[spec.name]])
+    return graph_spec(path, name, specs, dtype_of=lambda spec: names[dtypes[spec.name]])

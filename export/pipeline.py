@@ -1,9 +1,9 @@
 """The export pipeline: a checkpoint -> a model directory (`cognet.export.export`).
 
-Writes the three graphs (`onnx_export`), their float16 variants (`fp16`), checks their parity
-with the torch model (`validate`), optionally builds TensorRT engines (`tensorrt`), and
-writes `manifest.json` last (`cognet.core.manifest`): a directory whose parity failed holds
-`parity_report.json` and no manifest, so no runtime loads it.
+Writes the three graphs (`onnx_export`), their float16 and int8 variants (`fp16`, `int8`),
+checks their parity with the torch model (`validate`), optionally builds TensorRT engines
+(`tensorrt`), and writes `manifest.json` last (`cognet.core.manifest`): a directory whose
+parity failed holds `parity_report.json` and no manifest, so no runtime loads it.
 """
 
 from __future__ import annotations
@@ -24,16 +24,22 @@ from cognet.core.manifest import (
     check_manifest,
     write_manifest,
 )
-from cognet.export.onnx_export import OPSET, export_graph, graph_spec, write_fp16
+from cognet.export.onnx_export import OPSET, export_graph, graph_spec, write_fp16, write_int8
 from cognet.export.search_graphs import SEARCH_FILES, write_search_graphs
 
 log = logging.getLogger(__name__)
 
 GRAPH_FILES = {name: f"{name}.onnx" for name in GRAPHS}
 FP16_FILES = {name: f"{name}.fp16.onnx" for name in GRAPHS}
+INT8_FILES = {name: f"{name}.int8.onnx" for name in GRAPHS}
 REPORT_FILE = "parity_report.json"
 # every file an export writes but the manifest and the report (TensorRT's are in CACHE_DIR)
-MODEL_FILES = (*GRAPH_FILES.values(), *FP16_FILES.values(), *SEARCH_FILES.values())
+MODEL_FILES = (
+    *GRAPH_FILES.values(),
+    *FP16_FILES.values(),
+    *INT8_FILES.values(),
+    *SEARCH_FILES.values(),
+)
 
 
 def export(
@@ -43,12 +49,14 @@ def export(
     fp16: bool = False,
     tensorrt: bool = False,
     n_patients: int = 64,
+    int8: bool = False,
 ) -> Manifest:
     """Export `checkpoint` to the model directory `out`; returns its manifest.
 
     Raises InputError for an unreadable checkpoint, TensorRTUnavailable, and
     cognet.core.errors.ParityError when validation fails (the report is then in
     `out/parity_report.json`). `n_patients`: random patients decoded by the parity check.
+    `fp16` / `int8`: also write the float16 / int8 (CPU) variants of the three graphs.
     """
 
     if tensorrt:
@@ -65,7 +73,9 @@ def export(
     for stale in ("manifest.json", REPORT_FILE, *MODEL_FILES):
         (out / stale).unlink(missing_ok=True)
     try:
-        return _export(model, vocab, config, checkpoint, out, validate, fp16, tensorrt, n_patients)
+        return _export(
+            model, vocab, config, checkpoint, out, validate, fp16, int8, tensorrt, n_patients
+        )
     except ParityError:  # the graphs and the report stay, for a look; no manifest
         raise
     except BaseException:  # a full disk, an interrupt: no partial model left
@@ -76,7 +86,9 @@ def export(
         raise
 
 
-def _export(model, vocab, config, checkpoint, out: Path, validate, fp16, tensorrt, n_patients):
+def _export(
+    model, vocab, config, checkpoint, out: Path, validate, fp16, int8, tensorrt, n_patients
+):
     """`export` once the checkpoint is loaded and OUT is ready."""
     import torch
 
@@ -90,13 +102,17 @@ def _export(model, vocab, config, checkpoint, out: Path, validate, fp16, tensorr
             log.info("exporting %s", name)
             export_graph(model, name, paths[name])
     graphs = {name: graph_spec(paths[name], name, specs) for name in GRAPHS}
-    variants = {}
-    fp16_paths = None
-    if fp16:
-        fp16_paths = {name: out / FP16_FILES[name] for name in GRAPHS}
-        variants["fp16"] = {
-            name: write_fp16(paths[name], fp16_paths[name], name, specs) for name in GRAPHS
-        }
+    variants, variant_paths = {}, {}
+    asked = (("fp16", fp16, FP16_FILES, write_fp16), ("int8", int8, INT8_FILES, write_int8))
+    for variant, wanted, files, write in asked:
+        if wanted:
+            log.info("writing the %s graphs", variant)
+            variant_paths[variant] = {name: out / files[name] for name in GRAPHS}
+            variants[variant] = {
+                name: write(paths[name], variant_paths[variant][name], name, specs)
+                for name in GRAPHS
+            }
+    fp16_paths = variant_paths.get("fp16")
 
     parity = None
     if validate:
@@ -104,8 +120,15 @@ def _export(model, vocab, config, checkpoint, out: Path, validate, fp16, tensorr
         from cognet.export.validate import validate as run_validation
 
         parity = run_validation(
-            model, vocab, paths, fp16_paths, n_patients=n_patients, log=log.info
+            model,
+            vocab,
+            paths,
+            fp16_paths,
+            n_patients=n_patients,
+            log=log.info,
+            int8_paths=variant_paths.get("int8"),
         )
+        # the operators TensorRT may meet (onnx_ops_allowlist.txt); the int8 graphs are CPU-only
         parity["ops"] = sorted(_ops(paths.values()) | _ops((fp16_paths or {}).values()))
         if not parity["passed"]:
             report = out / REPORT_FILE

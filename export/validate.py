@@ -7,16 +7,20 @@ Two checks, both run by `cognet.export.export` unless `validate=False`:
    greedy; a padded batch; a long history; the step at every cache length T = 0..45).
    Float32 must match within `FLOAT32_ATOL`; the float16 variant within `FLOAT16_ATOL`
    (its `log_probs` compared as probabilities, see below) with `FLOAT16_MIN_TOP1` of the
-   step rows choosing the same top-1 token.
+   step rows choosing the same top-1 token. The int8 variant's bars are on the step's
+   probabilities (`log_probs` as probabilities, `gate`, `copy_probs`): within `INT8_ATOL`,
+   with `INT8_MIN_TOP1` of the rows choosing the same top-1 token; its other outputs
+   (encodings, memories) are reported, not bounded, since they matter only through them.
 2. Decoding: greedy and beam-4 search driven through the exported graphs by the runtime's
    numpy beam search (`cognet.core.decoding.beam`) must return the medication lists of the torch
    reference `cognet.model.decoding.beam_search` on every visit.
 
 `copy_probs` are compared on visits with a history only: without one every slot has the
 bias NEG and the distribution (unused: the gate is 1) is float rounding noise.
-float16 `log_probs` are compared as probabilities (exp of both sides): float16 has no
-numbers below 6e-8, so the log of a near-impossible medication is not comparable, while the
-probability error is what decides the beam.
+float16 (and int8) `log_probs` are compared as probabilities (exp of both sides): float16
+has no numbers below 6e-8, so the log of a near-impossible medication is not comparable,
+while the probability error is what decides the beam. The variants' beam-4 lists are
+reported against torch's, not required equal.
 """
 
 from __future__ import annotations
@@ -47,6 +51,14 @@ FLOAT32_ATOL = 1e-4
 # (always on encodings; probabilities <= 6e-4); top-1 agreement >= 0.998. Bound: ~2x that.
 FLOAT16_ATOL = 1e-2
 FLOAT16_MIN_TOP1 = 0.98
+# int8 (`cognet.export.int8`, CPU provider), over the shape cases: worst probability diff
+# 4.3e-3 and top-1 agreement 0.987 on a checkpoint of the default model (dim 128, 2 epochs
+# of synthetic data); 2.2e-2 and 0.960 on the tiny random one (dim 16, flat distributions,
+# near-ties everywhere). Bound: ~2x the worst diff, 2.5x the worst disagreement.
+INT8_ATOL = 5e-2
+INT8_MIN_TOP1 = 0.9
+# the step's outputs that are (log) probabilities
+PROBABILITIES = ("log_probs", "gate", "copy_probs")
 
 SHAPE_CASES: dict[str, tuple[Sizes, Sequence[int]]] = {
     # name: (sizes, cache lengths T at which the step runs)
@@ -112,8 +124,10 @@ class Graphs:
 
 # -- 1. outputs -------------------------------------------------------------------------------
 @_one_torch_thread()
-def compare_outputs(model: COGNet, graphs: Graphs, fp16: bool = False) -> dict:
-    """Max abs diff of every output of every graph at every shape case, and top-1 agreement."""
+def compare_outputs(model: COGNet, graphs: Graphs, as_probs: bool = False) -> dict:
+    """Max abs diff of every output of every graph at every shape case, and top-1 agreement.
+    as_probs: `log_probs` compared as probabilities, whose worst diff (with `gate` and
+    `copy_probs`) is also reported as `probs_max_abs_diff`."""
     modules = {name: WRAPPERS[name](model).eval() for name in GRAPHS}
     cases, top1_same, top1_rows = {}, 0, 0
     for name, (sizes, lengths) in SHAPE_CASES.items():
@@ -132,7 +146,7 @@ def compare_outputs(model: COGNet, graphs: Graphs, fp16: bool = False) -> dict:
                 got = graphs.run(graph, {k: inputs[k].numpy() for k in ins})
                 for out, r in zip(outs, ref, strict=True):
                     r, g = r.numpy(), got[out]
-                    if fp16 and out == "log_probs":
+                    if as_probs and out == "log_probs":
                         r, g = np.exp(r), np.exp(g)
                     if out == "copy_probs":  # defined only for visits with a history
                         used = inputs["has_history"].numpy()[:, None, None] > 0
@@ -150,12 +164,20 @@ def compare_outputs(model: COGNet, graphs: Graphs, fp16: bool = False) -> dict:
         name: {**asdict(sizes), "T": list(lengths)}
         for name, (sizes, lengths) in SHAPE_CASES.items()
     }
-    return {
+    report = {
         "cases": cases,
         "shapes": shapes,
         "max_abs_diff": worst,
         "top1_agreement": top1_same / top1_rows,
     }
+    if as_probs:
+        report["probs_max_abs_diff"] = max(
+            d
+            for case in cases.values()
+            for key, d in case.items()
+            if key.split(".") in (["decoder_step", out] for out in PROBABILITIES)
+        )
+    return report
 
 
 def max_abs_diff(ref: np.ndarray, got: np.ndarray) -> float:
@@ -283,8 +305,10 @@ def validate(
     n_patients: int = 64,
     seed: int = 0,
     log: Callable[[str], None] = lambda _: None,
+    int8_paths: dict[str, Path] | None = None,
 ) -> dict:
-    """Run every check; returns the parity report (`passed` says whether all passed)."""
+    """Run every check; returns the parity report (`passed` says whether all passed), with
+    a "float16" / "int8" section for each variant given."""
     graphs = Graphs.load(paths, threads=1)
     patients = synthetic_patients(vocab, n_patients, seed)
     log("parity: float32 outputs")
@@ -298,7 +322,7 @@ def validate(
     if fp16_paths is not None:
         log("parity: float16 outputs")
         half = Graphs.load(fp16_paths, threads=1)
-        fp16 = compare_outputs(model, half, fp16=True)
+        fp16 = compare_outputs(model, half, as_probs=True)
         fp16["decoding"] = compare_decoding(model, half, vocab, patients, beams=(BEAM,))
         fp16.update(
             atol=FLOAT16_ATOL,
@@ -308,6 +332,19 @@ def validate(
         )
         report["float16"] = fp16
         passed = passed and fp16["passed"]
+    if int8_paths is not None:
+        log("parity: int8 outputs")
+        quantized = Graphs.load(int8_paths, threads=1)
+        int8 = compare_outputs(model, quantized, as_probs=True)
+        int8["decoding"] = compare_decoding(model, quantized, vocab, patients, beams=(BEAM,))
+        int8.update(
+            atol=INT8_ATOL,
+            min_top1=INT8_MIN_TOP1,
+            passed=int8["probs_max_abs_diff"] <= INT8_ATOL
+            and int8["top1_agreement"] >= INT8_MIN_TOP1,
+        )
+        report["int8"] = int8
+        passed = passed and int8["passed"]
     report["passed"] = passed
     return report
 
@@ -326,6 +363,12 @@ def failure_summary(report: dict) -> str:
         parts.append(
             f"float16 max diff {f16['max_abs_diff']:.3g} (bound {f16['atol']:g}), "
             f"top-1 agreement {f16['top1_agreement']:.3f}"
+        )
+    i8 = report.get("int8")
+    if i8 and not i8["passed"]:
+        parts.append(
+            f"int8 max probability diff {i8['probs_max_abs_diff']:.3g} (bound {i8['atol']:g}), "
+            f"top-1 agreement {i8['top1_agreement']:.3f} (bound {i8['min_top1']:g})"
         )
     return "; ".join(parts) or "ok"
 
