@@ -31,6 +31,7 @@ from cognet.core.decoding.request import DecodingRequest
 from cognet.core.errors import InputError
 from cognet.core.files import Reads, check_not_read
 from cognet.core.lock import claimed
+from cognet.core.manifest import VARIANTS
 from cognet.core.metrics import PATIENT_COLUMNS
 from cognet.runtime import preflight, reader, summary, writer
 from cognet.runtime.options import DEVICES, MAX_CODES, SELECTIONS, ScoreOptions
@@ -67,18 +68,21 @@ def score_options(func):
         *args, request, device, selection, variant, batch_size, threads, streams,
         max_history_visits, max_codes_per_visit, keep_columns, keep_all_columns, **kwargs
     ):  # fmt: skip
-        options = ScoreOptions(
-            request=request,
-            max_history_visits=max_history_visits,
-            device=device,
-            selection=selection,
-            variant=variant,
-            threads=threads,
-            streams=streams,
-            batch_size=batch_size,
-            max_codes_per_visit=max_codes_per_visit,
-            keep_columns=_kept(keep_columns, keep_all_columns),
-        )
+        try:
+            options = ScoreOptions(
+                request=request,
+                max_history_visits=max_history_visits,
+                device=device,
+                selection=selection,
+                variant=variant,
+                threads=threads,
+                streams=streams,
+                batch_size=batch_size,
+                max_codes_per_visit=max_codes_per_visit,
+                keep_columns=_kept(keep_columns, keep_all_columns),
+            )
+        except InputError as exc:  # a mix of options (--variant int8 --device cuda)
+            raise click.UsageError(str(exc)) from None
         return func(*args, options=options, **kwargs)
 
     # The option stacks of this file stay compact (fmt: off): an option reads as one unit on
@@ -93,8 +97,10 @@ def score_options(func):
                      help="Where each decoding step picks its candidates: device = the "
                           "model's search graphs, on the execution provider; host = numpy; "
                           "auto = device on a GPU, host on the CPU (faster there)."),
-        click.option("--variant", type=click.Choice(["fp16"]), default=None,
-                     help="Score with the model's float16 graphs (cognet-export --fp16)."),
+        click.option("--variant", type=click.Choice(VARIANTS), default=None,
+                     help="Score with the model's float16 graphs (cognet-export --fp16) or "
+                          "its int8 graphs, CPU only (cognet-export --int8); default: "
+                          "float32."),
         count_option("--batch-size",
                      help="Visits decoded together at most (default: 128 on the CPU, 512 on a "
                           "GPU); batches of long histories are cut smaller (at most 4,096 "

@@ -33,6 +33,10 @@ GPU_DEVICES = ("cuda", "tensorrt")
 # log-probabilities are copied back), "device" (the exported search graphs, on the step's
 # provider), "auto" (device on a GPU, host on the CPU: see runtime/search.py).
 SELECTIONS = ("auto", "host", "device")
+# The int8 graphs (`cognet.core.manifest.VARIANTS`) are for the CPU: ONNX Runtime has no CUDA
+# kernels for their quantized MatMuls (DynamicQuantizeLinear, uint8 x int8 MatMulInteger)
+# and runs them on the CPU, with copies both ways, inside a CUDA session (cognet.export.int8).
+CPU_VARIANTS = ("int8",)
 
 
 @dataclass(frozen=True)
@@ -44,7 +48,7 @@ class ScoreOptions:
     device: str = "auto"  # one of DEVICES; auto = CUDA when available, else CPU
     threads: int | None = None  # CPU threads in all
     streams: int | None = None  # batches decoded in parallel, threads // streams each
-    variant: str | None = None  # graphs of a manifest variant ("fp16"); None: float32
+    variant: str | None = None  # graphs of a manifest variant ("fp16", "int8"); None: float32
     # -- batching
     batch_size: int | None = None  # visits decoded together at most
     batch_slots: int | None = None  # cap on visits x longest history (past-medication slots)
@@ -63,6 +67,7 @@ class ScoreOptions:
             raise InputError(f"request must be a DecodingRequest, not {self.request!r}")
         if self.device not in DEVICES:
             raise InputError(f"unknown device {self.device!r}; choose from {_names(DEVICES)}")
+        check_variant_device(self.variant, self.device)
         if self.selection not in SELECTIONS:
             raise InputError(
                 f"unknown selection {self.selection!r}; choose from {_names(SELECTIONS)}"
@@ -126,6 +131,16 @@ class ScoreOptions:
 
 
 REQUEST_FIELDS = {f.name for f in fields(DecodingRequest)}
+
+
+def check_variant_device(variant: str | None, device: str) -> None:
+    """InputError for a CPU-only variant (CPU_VARIANTS) asked on a GPU device; with --device
+    auto such a variant runs on the CPU (`cognet.runtime.session.OrtModel`)."""
+    if variant in CPU_VARIANTS and device in GPU_DEVICES:
+        raise InputError(
+            f"the {variant} graphs run on the CPU only (ONNX Runtime's GPU providers have no "
+            f"kernels for their quantized MatMuls); use --device cpu, or drop --variant {variant}"
+        )
 
 
 def _names(choices: tuple[str, ...]) -> str:

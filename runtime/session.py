@@ -35,7 +35,7 @@ from cognet.core.graphspec import INIT_INPUTS, MEMORIES, cache_shapes, step_feed
 from cognet.core.manifest import GRAPHS, Manifest
 from cognet.runtime.encoder import Encoder, Encodings
 from cognet.runtime.graphcheck import check_io, check_search, probe
-from cognet.runtime.options import DEVICES, SELECTIONS
+from cognet.runtime.options import CPU_VARIANTS, DEVICES, SELECTIONS, check_variant_device
 from cognet.runtime.search import INIT_GATHER, ORT_TYPES, SEARCH_GRAPHS, SearchGraphs, bind_input
 
 log = logging.getLogger(__name__)
@@ -138,7 +138,9 @@ class OrtModel:
         gpu_path: bool = False,
     ):
         self.manifest = manifest
-        self.device = resolve_device(device)
+        check_variant_device(variant, device)
+        # --device auto with the int8 graphs: the CPU, whatever GPU is there
+        self.device = resolve_device("cpu" if variant in CPU_VARIANTS else device)
         opts = session_options(threads)
         self.threads = opts.intra_op_num_threads
         self.sessions: dict[str, ort.InferenceSession] = {}

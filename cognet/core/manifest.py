@@ -16,7 +16,8 @@ API (stable; the runtime codes against it):
     - `manifest.graph_spec(name, variant=None) -> GraphSpec` and
       `manifest.graph_path(name, variant=None) -> Path` for `name` in `GRAPHS`
       ("encoder", "decoder_init", "decoder_step") and `variant` None (float32) or a key of
-      `manifest.variants` (e.g. "fp16");
+      `manifest.variants` ("fp16", "int8"); InputError naming the variants there when the
+      model has no such variant;
     - `manifest.vocabulary() -> cognet.core.vocab.Vocab`;
     - `manifest.to_json()` / `Manifest.from_json(obj, model_dir=None)`.
 
@@ -25,7 +26,8 @@ n_proc, n_med, out_size), `special` (end, start, med_pad, diag_pad, proc_pad), `
 (`Vocab.to_json()`), `max_len`, `beam`, `ablation`, `ddi_pairs` (medication code pairs),
 `graphs` ({name: {file, sha256, inputs, outputs}}, every tensor as {name, dtype, shape}
 with symbolic axis names such as "N", "B", "T", "T+1" and integers for fixed axes),
-`variants` ({variant: {name: graph}}, e.g. "fp16" whose float tensors are float16),
+`variants` ({variant: {name: graph}}: "fp16", whose float tensors are float16, and "int8",
+whose MatMul weights are int8, for the CPU, with the float32 graphs' inputs and outputs),
 `checkpoint_sha256`, `versions` (torch, onnx, onnxruntime, cognet), `parity` (the
 exporter's validation report, or null when validation was skipped), `tensorrt` (null, or
 the engine cache folder and min/opt/max shape profiles of `cognet-export --tensorrt`) and
@@ -57,6 +59,7 @@ MAX_BEAM = 64
 MAX_STEPS = 1000  # max_len
 GRAPHS = ("encoder", "decoder_init", "decoder_step")
 DTYPES = ("int64", "float32", "float16", "float64", "bool")
+VARIANTS = ("fp16", "int8")  # the variants cognet-export writes (--fp16, --int8)
 
 
 @dataclass(frozen=True)
@@ -170,9 +173,11 @@ class Manifest:
         if variant is None:
             return self.graphs[name]
         if variant not in self.variants:
+            how = f"; re-export the model with cognet-export --{variant}"
             raise InputError(
                 f"{self._file()}: no {variant!r} variant "
-                f"(available: {sorted(self.variants) or 'none'})"
+                f"(available: {', '.join(sorted(self.variants)) or 'none'})"
+                f"{how if variant in VARIANTS else ''}"
             )
         return self.variants[variant][name]
 
