@@ -97,11 +97,12 @@ def _ints(text: str, name: str) -> tuple[int, ...]:
     default="all",
     show_default=True,
     help="Comma-separated subset of: torch-perpatient, torch-batched, ort-cpu, ort-cpu-device, "
-    "ort-cpu-fp16, ort-cpu-gpupath, ort-cuda, ort-cuda-host, ort-cuda-fp16, ort-cuda-streams, "
-    "ort-cuda-fp16-streams, ort-tensorrt, torch-cuda (-device / -host: the other candidate "
-    "selection, runtime/search.py; -fp16: the float16 graphs, agreement reported; -gpupath: "
-    "what a GPU runs, on the CPU, to measure its host side; -streams: 4 host threads feeding "
-    "the GPU).",
+    "ort-cpu-fp16, ort-cpu-int8, ort-cpu-gpupath, ort-cuda, ort-cuda-host, ort-cuda-fp16, "
+    "ort-cuda-streams, ort-cuda-fp16-streams, ort-tensorrt, torch-cuda (-device / -host: the "
+    "other candidate selection, runtime/search.py; -fp16 / -int8: the float16 / int8 graphs, "
+    "agreement reported, the demo model exported with its int8 graphs when -int8 is "
+    "selected; -gpupath: what a GPU runs, on the CPU, to measure its host side; -streams: 4 "
+    "host threads feeding the GPU).",
 )
 @count_option(
     "--threads", default=1, help="Intra-op threads of every engine (torch and ONNX Runtime alike)."
@@ -225,7 +226,7 @@ def _run(model_dir, checkpoint, data_dir, out: Path, settings, ddi_tradeoff: boo
     out.mkdir(parents=True, exist_ok=True)
     notes = []
     model_dir, checkpoint, labelled = _model_and_data(
-        model_dir, checkpoint, data_dir, out, quick, notes
+        model_dir, checkpoint, data_dir, out, quick, notes, int8="ort-cpu-int8" in settings.engines
     )
     ctx = make_context(model_dir, checkpoint, data_dir, out, settings, notes)
     started = time.perf_counter()
@@ -277,12 +278,15 @@ def _settings(sizes: dict, engine_names, threads, max_run_seconds, profile, refe
         raise click.UsageError(str(exc)) from None
 
 
-def _model_and_data(model_dir, checkpoint, data_dir, out: Path, quick: bool, notes: list):
+def _model_and_data(
+    model_dir, checkpoint, data_dir, out: Path, quick: bool, notes: list, int8: bool = False
+):
     """(model folder, torch checkpoint, labelled data): the demo model built under out/demo
-    when no --model is given, else the checkpoint whose hash matches the model's manifest."""
+    (with its int8 graphs when `int8`) when no --model is given, else the checkpoint whose
+    hash matches the model's manifest."""
     labelled = data_dir
     if model_dir is None:
-        model_dir, checkpoint, note = demo_model(out / "demo", quick)
+        model_dir, checkpoint, note = demo_model(out / "demo", quick, int8)
         notes.append(note)
         labelled = labelled or out / "demo" / "data"
     elif checkpoint is None:
@@ -343,9 +347,10 @@ def run_ddi_tradeoff(checkpoint, data_dir, out: Path, quick: bool, notes: list) 
     return {**result.to_json(), "data": str(data_dir), "split": "test"}
 
 
-def demo_model(root: Path, quick: bool = False) -> tuple[Path, Path, str]:
-    """The `make demo` model (synthetic data, short training, export) under root; reused
-    when already there. Returns (model dir, checkpoint dir, a note saying which)."""
+def demo_model(root: Path, quick: bool = False, int8: bool = False) -> tuple[Path, Path, str]:
+    """The `make demo` model (synthetic data, short training, export, with the int8 graphs
+    when `int8`) under root; reused when already there (a reused model without int8 graphs
+    skips ort-cpu-int8, with its reason). Returns (model dir, checkpoint dir, a note)."""
     model, ckpt = root / "model", root / "ckpt"
     if (model / "manifest.json").is_file() and (ckpt / "config.json").is_file():
         note = f"reused the demo model in {root} (delete it to rebuild)"
@@ -364,7 +369,7 @@ def demo_model(root: Path, quick: bool = False) -> tuple[Path, Path, str]:
     started = time.perf_counter()
     generate(root / "data", patients=patients, seed=0)
     train(root / "data", ckpt, TrainConfig(epochs=epochs, seed=0))
-    export(ckpt, model)
+    export(ckpt, model, int8=int8)
     note = (
         f"built the demo model in {root} ({patients} synthetic patients, {epochs} "
         f"epoch(s), {time.perf_counter() - started:.0f}s)"

@@ -15,6 +15,8 @@ recommended medication codes of each scored visit. Engines:
 - `ort-cpu-fp16`, `ort-cuda-fp16`: the runtime on the model's float16 graphs (`cognet-export
   --fp16`); their lists are compared with the reference and the agreement reported, not
   required (APPROXIMATE);
+- `ort-cpu-int8`: the runtime on the model's int8 graphs (`cognet-export --int8`, CPU only),
+  APPROXIMATE too; the demo model is exported with them when this engine is selected;
 - `ort-cpu-gpupath`: what a GPU runs, on the CPU provider (`OrtModel(gpu_path=True)`: IO
   binding into CPU memory, encodings gathered by init_gather, the split selection graphs):
   its Python time is the GPU path's host side, measurable without a GPU (`--profile`);
@@ -42,6 +44,7 @@ ORT_DEVICES = {
     "ort-cpu": "cpu",
     "ort-cpu-device": "cpu",
     "ort-cpu-fp16": "cpu",
+    "ort-cpu-int8": "cpu",
     "ort-cpu-gpupath": "cpu",
     "ort-cuda": "cuda",
     "ort-cuda-host": "cuda",
@@ -54,7 +57,12 @@ ENGINES = ("torch-perpatient", "torch-batched", *ORT_DEVICES, "torch-cuda")  # i
 # the candidate selection of each runtime engine (`cognet.runtime.options.SELECTIONS`)
 ORT_SELECTIONS = {"ort-cpu-device": "device", "ort-cuda-host": "host"}
 # the manifest variant
-ORT_VARIANTS = {"ort-cpu-fp16": "fp16", "ort-cuda-fp16": "fp16", "ort-cuda-fp16-streams": "fp16"}
+ORT_VARIANTS = {
+    "ort-cpu-fp16": "fp16",
+    "ort-cpu-int8": "int8",
+    "ort-cuda-fp16": "fp16",
+    "ort-cuda-fp16-streams": "fp16",
+}
 ORT_STREAMS = {"ort-cuda-streams": 4, "ort-cuda-fp16-streams": 4}  # host threads
 GPU_PATH = ("ort-cpu-gpupath",)  # the GPU's code path on the CPU provider
 APPROXIMATE = tuple(ORT_VARIANTS)  # their agreement with the reference reported
@@ -109,8 +117,9 @@ def availability(name: str, checkpoint: Path | None, model_dir: Path | None = No
     if name in ORT_VARIANTS and model_dir is not None:
         from cognet.core.manifest import load_manifest
 
-        if ORT_VARIANTS[name] not in load_manifest(model_dir, verify=False).variants:
-            return f"the model has no {ORT_VARIANTS[name]} graphs (cognet-export --fp16)"
+        variant = ORT_VARIANTS[name]
+        if variant not in load_manifest(model_dir, verify=False).variants:
+            return f"the model has no {variant} graphs (cognet-export --{variant})"
     if name in GPU_PATH and model_dir is not None:
         from cognet.core.manifest import load_manifest
 

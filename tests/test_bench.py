@@ -72,6 +72,7 @@ def test_unavailable_engines_are_skipped_with_a_reason(quick_run):
         "ort-cpu",
         "ort-cpu-device",
         "ort-cpu-fp16",
+        "ort-cpu-int8",
         "ort-cpu-gpupath",
         "ort-cuda",
         "ort-cuda-host",
@@ -211,6 +212,7 @@ def test_fp16_engine_reports_its_agreement(quick_run):
     _, out = quick_run
     engines = json.loads((out / "results.json").read_text())["engines"]
     assert "cognet-export --fp16" in engines["ort-cpu-fp16"]["reason"]
+    assert "cognet-export --int8" in engines["ort-cpu-int8"]["reason"]  # --model given
     guard = Guard(reference=object())
     guard.add(4, {"v1": ("A", "B"), "v2": ("C",)})
     got = guard.compare(4, {"v1": ("A",), "v2": ("C",)}, exact=False)
@@ -283,7 +285,9 @@ def test_guard_counts_a_float_tie_but_not_a_real_difference():
     assert guard.compare(4, {"v1": ("B", "A")}, exact=False)["ties"] == 0  # fp16: agreement
 
 
-@pytest.mark.parametrize("name", ["ort-cpu-fp16", "ort-cuda-fp16", "ort-cuda-streams"])
+@pytest.mark.parametrize(
+    "name", ["ort-cpu-fp16", "ort-cpu-int8", "ort-cuda-fp16", "ort-cuda-streams"]
+)
 def test_engine_options_hold_at_every_decoding(name):
     """An engine's variant and streams apply to set decoding as to beam search (the fp16
     engine once scored set decoding with the float32 graphs)."""
@@ -430,3 +434,17 @@ def test_each_pass_hands_back_freed_memory_before_its_peak_is_reset(monkeypatch)
         for job in jobs:
             job.one_pass()
     assert events == ["release", "reset", "run", "run"] * 4
+
+
+@pytest.mark.parametrize("int8", [False, True])
+def test_the_demo_model_has_int8_graphs_when_their_engine_runs(tmp_path, monkeypatch, int8):
+    """No --model: the demo model is exported with --int8 when ort-cpu-int8 is selected
+    (data, training and export recorded, not run)."""
+    from cognet.benchmarks import cli
+
+    exports = []
+    monkeypatch.setattr("cognet.data.synth.generate", lambda *args, **kwargs: None)
+    monkeypatch.setattr("cognet.training.train.train", lambda *args, **kwargs: None)
+    monkeypatch.setattr("cognet.export.export", lambda ckpt, model, **kw: exports.append(kw))
+    model, _, _ = cli._model_and_data(None, None, None, tmp_path, True, [], int8=int8)
+    assert model == tmp_path / "demo" / "model" and exports == [{"int8": int8}]
