@@ -82,7 +82,7 @@ threads_option = count_option(
     "--history-dropout",
     type=FiniteFloat(0, 1, max_open=True),
     help="Share of training visits with a history decoded without it, as first visits are "
-    "(drawn anew each epoch; default: 0).",
+    "(drawn anew each epoch; default: 0.6; reference: 0).",
 )
 @click.option(
     "--aux-loss",
