@@ -42,7 +42,7 @@ log = logging.getLogger(__name__)
 # - default: what won on the synthetic validation split (README "Training recipe"):
 #   embedding size 128 and the authors' embedding and attention dropout (compared on
 #   validation), residual dropout 0.3, 2 heads, feed-forward 512; at most 36 epochs
-#   (early stopping ends seeds 0 / 1 at epochs 24 / 26); validation NLL every epoch, early
+#   (early stopping ends seeds 0 / 1 at epochs 28 / 27); validation NLL every epoch, early
 #   stopping on it, the weights averaged over the last epochs (the window of lowest
 #   validation NLL), and set decoding with a threshold and a set rule chosen on validation;
 #   history dropout 0.6, chosen on the real MIMIC-III validation split.
@@ -91,8 +91,8 @@ MODEL_FIELDS = {f.name for f in fields(ModelConfig)} - {"n_diag", "n_proc", "n_m
 
 @dataclass(frozen=True)
 class TrainConfig:
-    # at most; early stopping ends the default recipe sooner (epochs 24 / 26 for seeds 0 / 1
-    # on the synthetic set: README "Training recipe")
+    # at most; early stopping ends the default recipe sooner (epochs 28 / 27 for seeds 0 / 1
+    # on the synthetic set, 22 / 25 on MIMIC-III: docs/guide/results.md)
     epochs: int = 36
     lr: float = 1e-3  # the authors' code; 1e-4 (the paper's text) learns ~5x slower here
     batch_size: int = 16  # patients per step (each brings all its visits)
