@@ -319,34 +319,31 @@ def validate(
     decode_ok = all(d["identical"] == d["visits"] for d in decoding.values())
     report = {"float32": outputs, "decoding": {**decoding, "passed": decode_ok}}
     passed = outputs["passed"] and decode_ok
-    if fp16_paths is not None:
-        log("parity: float16 outputs")
-        half = Graphs.load(fp16_paths, threads=1)
-        fp16 = compare_outputs(model, half, as_probs=True)
-        fp16["decoding"] = compare_decoding(model, half, vocab, patients, beams=(BEAM,))
-        fp16.update(
-            atol=FLOAT16_ATOL,
-            min_top1=FLOAT16_MIN_TOP1,
-            passed=fp16["max_abs_diff"] <= FLOAT16_ATOL
-            and fp16["top1_agreement"] >= FLOAT16_MIN_TOP1,
-        )
-        report["float16"] = fp16
-        passed = passed and fp16["passed"]
-    if int8_paths is not None:
-        log("parity: int8 outputs")
-        quantized = Graphs.load(int8_paths, threads=1)
-        int8 = compare_outputs(model, quantized, as_probs=True)
-        int8["decoding"] = compare_decoding(model, quantized, vocab, patients, beams=(BEAM,))
-        int8.update(
-            atol=INT8_ATOL,
-            min_top1=INT8_MIN_TOP1,
-            passed=int8["probs_max_abs_diff"] <= INT8_ATOL
-            and int8["top1_agreement"] >= INT8_MIN_TOP1,
-        )
-        report["int8"] = int8
-        passed = passed and int8["passed"]
+    variants = (
+        ("float16", fp16_paths, "max_abs_diff", FLOAT16_ATOL, FLOAT16_MIN_TOP1),
+        ("int8", int8_paths, "probs_max_abs_diff", INT8_ATOL, INT8_MIN_TOP1),
+    )
+    for name, files, diff, atol, min_top1 in variants:
+        if files is not None:
+            log(f"parity: {name} outputs")
+            report[name] = _variant_parity(model, files, vocab, patients, diff, atol, min_top1)
+            passed = passed and report[name]["passed"]
     report["passed"] = passed
     return report
+
+
+def _variant_parity(
+    model: COGNet, paths, vocab: Vocab, patients, diff: str, atol: float, min_top1: float
+) -> dict:
+    """A lower-precision variant's parity: its outputs as probabilities against torch, its
+    beam-4 lists, and whether `diff` (a key of `compare_outputs`) and the top-1 agreement
+    hold their bars."""
+    graphs = Graphs.load(paths, threads=1)
+    out = compare_outputs(model, graphs, as_probs=True)
+    out["decoding"] = compare_decoding(model, graphs, vocab, patients, beams=(BEAM,))
+    passed = out[diff] <= atol and out["top1_agreement"] >= min_top1
+    out.update(atol=atol, min_top1=min_top1, passed=passed)
+    return out
 
 
 def failure_summary(report: dict) -> str:
