@@ -61,6 +61,11 @@ threads_option = count_option(
     "The options below change the recipe's values.",
 )
 @count_option("--epochs", help="At most (default: 36; reference: 200).")
+@count_option(
+    "--members",
+    help="Networks trained apart (member i with seed --seed + 1000 i) and decoded as one "
+    "model: twice the training and scoring cost for 2 (default: 2; reference: 1).",
+)
 @click.option("--seed", default=0, show_default=True, type=int)
 @click.option(
     "--lr", type=FiniteFloat(0, min_open=True), help="Adam learning rate (default: 1e-3)."
@@ -159,8 +164,9 @@ def train(data_dir, out, threads, quiet, recipe, **config):
             if "val_jaccard" in r
             else ""
         )
+        member = f"member {r['member']}  " if "member" in r else ""
         click.echo(
-            f"epoch {r['epoch']:3d}  loss {r['loss']:.4f}  val nll {r['val_nll']:.4f}{greedy}  "
+            f"{member}epoch {r['epoch']:3d}  loss {r['loss']:.4f}  val nll {r['val_nll']:.4f}{greedy}  "
             f"({r['train_s']:.1f}s train, {r['epoch_s']:.1f}s total)"
             f"{'  *best' if r['best'] else ''}",
             err=True,
@@ -179,14 +185,9 @@ def train(data_dir, out, threads, quiet, recipe, **config):
             on_epoch=on_epoch,
             progress=(lambda **kw: bar(**kw)) if bar else None,
         )
-    weights = best["weights"]["epochs"]
-    kept = (
-        f"epoch {weights[0]}"
-        if len(weights) == 1
-        else f"epochs {weights[0]}-{weights[-1]} averaged"
-    )
+    kept = "; ".join(_weights_label(w) for w in best["members"])
     click.echo(
-        f"weights: {kept} (val nll {best['weights']['val_nll']:.4f}); decoding: "
+        f"weights: {kept}; decoding: "
         f"{Decoding.from_json(best['decoding']).label}; checkpoint written to {out}"
     )
     if best.get("ddi_target"):
@@ -194,3 +195,11 @@ def train(data_dir, out, threads, quiet, recipe, **config):
         from cognet.training.ddi_target import describe
 
         click.echo(describe(DDITarget.from_json(best["ddi_target"])))
+
+
+def _weights_label(chosen: dict) -> str:
+    """How one network's weights were chosen: "epoch 7 (val nll 1.2345)" or "epochs 5-9
+    averaged (...)"."""
+    epochs = chosen["epochs"]
+    kept = f"epoch {epochs[0]}" if len(epochs) == 1 else f"epochs {epochs[0]}-{epochs[-1]} averaged"
+    return f"{kept} (val nll {chosen['val_nll']:.4f})"

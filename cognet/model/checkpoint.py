@@ -2,6 +2,10 @@
 
 Loading never executes code: JSON, safetensors and a pickle-free npz. `load` checks what it
 reads (`cognet.model.checkpoint_checks`): files, hashes, vocabulary sizes, weight shapes.
+
+An ensemble (`cognet.model.ensemble.Ensemble`) is one checkpoint: config.json says how many
+members (`"members"`, absent for one network), model.safetensors holds member i's weights
+under `members.<i>.`, and the members share the configuration, vocabulary and graphs.
 """
 
 from __future__ import annotations
@@ -20,15 +24,17 @@ from cognet.core.errors import InputError, one_line, writing
 from cognet.core.files import atomic_path
 from cognet.core.vocab import Vocab
 from cognet.model import checkpoint_checks as checks
+from cognet.model.ensemble import Ensemble
 from cognet.model.network import COGNet, ModelConfig
 
 FORMAT_VERSION = 1
+MAX_MEMBERS = 16  # networks in one checkpoint at most (a value read from a file is checked)
 FILES = ("config.json", "vocab.json", "model.safetensors", "graphs.npz")
 
 
 def save(
     out: str | Path,
-    model: COGNet,
+    model: COGNet | Ensemble,
     vocab: Vocab,
     ehr_adj: np.ndarray,
     ddi_adj: np.ndarray,
@@ -64,6 +70,8 @@ def save(
                 "ddi_pairs": [list(p) for p in ddi_pairs],
                 "sha256": checks.file_hashes({n: tmp[n] for n in checks.HASHED}),
             }
+            if isinstance(model, Ensemble):
+                config["members"] = len(model.members)
             if decoding is not None:  # the model's default decoding (`cognet.core.decoding`)
                 config["decoding"] = decoding
             if ddi_target is not None:  # the model's default DDI policy (`DDITarget`)
@@ -77,8 +85,9 @@ def save(
     return out
 
 
-def load(path: str | Path, device: str = "cpu") -> tuple[COGNet, Vocab, dict]:
-    """Rebuild the model from a checkpoint directory: (model in eval mode, vocab, config).
+def load(path: str | Path, device: str = "cpu") -> tuple[COGNet | Ensemble, Vocab, dict]:
+    """Rebuild the model from a checkpoint directory: (model in eval mode: a `COGNet`, or
+    an `Ensemble` for a checkpoint of several members; vocab; config).
 
     The one loader of `cognet evaluate`, `cognet-export` and the benchmarks: a missing,
     damaged or mismatched file raises InputError naming it (`checkpoint_checks`)."""
@@ -110,11 +119,24 @@ def load(path: str | Path, device: str = "cpu") -> tuple[COGNet, Vocab, dict]:
     checks.check_sizes(path, vocab, cfg)
     checks.check_capacity(path, cfg)
     ehr, ddi = checks.read_graphs(path, cfg.n_med)
-    model = COGNet(cfg, ehr, ddi)
+    count = members(path, config)
+    nets = [COGNet(cfg, ehr, ddi) for _ in range(count)]
+    model = nets[0] if count == 1 else Ensemble(nets)
     weights = checks.read_weights(path)
     checks.check_weights(path, model.state_dict(), weights)
     model.load_state_dict(weights)
     return model.to(device).eval(), vocab, config
+
+
+def members(path: Path, config: dict) -> int:
+    """The number of networks a checkpoint's config.json declares (1 when it names none)."""
+    count = config.get("members", 1)
+    if not isinstance(count, int) or isinstance(count, bool) or not 1 <= count <= MAX_MEMBERS:
+        raise InputError(
+            f"{path / 'config.json'}: members must be an integer in [1, {MAX_MEMBERS}], "
+            f"not {count!r}"
+        )
+    return count
 
 
 def checkpoint_hash(path: str | Path) -> str:

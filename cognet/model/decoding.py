@@ -6,7 +6,9 @@ selectors the runtime uses (`cognet.core.decoding.beam.BeamSelector`,
 `cognet.core.decoding.sampling.SetSampler`) over `TorchSession`, the torch model's
 KV-cached decoder step; so torch and the runtime differ only by their float32 rounding. The
 rules: docs/INTERNALS.md "Beam search" and "Set decoding", `cognet.core.ddi` for the DDI
-policies, `cognet.core.decoding.defaults` for the defaults (beam 4, max length 45)."""
+policies, `cognet.core.decoding.defaults` for the defaults (beam 4, max length 45). An
+`Ensemble` decodes by the rules of `cognet.core.decoding.ensemble`, over one `TorchSession`
+per member."""
 
 from __future__ import annotations
 
@@ -21,10 +23,12 @@ from cognet.core.decoding import BEAM, MAX_LEN, Decoding
 from cognet.core.decoding.beam import BeamConfig, BeamSelector
 from cognet.core.decoding.draws import visit_keys
 from cognet.core.decoding.driver import run
+from cognet.core.decoding.ensemble import EnsembleSession, decode_ensemble_sets
 from cognet.core.decoding.sampling import SetConfig, decode_sets
 from cognet.core.history import Visit
 from cognet.core.vocab import Vocab
 from cognet.model.batching import make_batch, select_rows
+from cognet.model.ensemble import Ensemble, members_of
 from cognet.model.network import COGNet
 from cognet.model.session import TorchSession
 
@@ -41,7 +45,7 @@ class Decoded:
 
 @torch.no_grad()
 def beam_search(
-    model: COGNet,
+    model: COGNet | Ensemble,
     batch: dict[str, torch.Tensor],
     beam: int = BEAM,
     max_len: int = MAX_LEN,
@@ -53,17 +57,21 @@ def beam_search(
     model.eval()
     if rows is not None:
         batch = select_rows(batch, rows)
-    session = TorchSession(model)
+    sessions = [TorchSession(m) for m in members_of(model)]
+    memories = tuple(s.memories(batch) for s in sessions)
+    session, memories = (
+        (sessions[0], memories[0]) if len(sessions) == 1 else (EnsembleSession(sessions), memories)
+    )
     n = len(batch["target"])
     cfg = BeamConfig(end=model.cfg.n_med, beam=beam, max_len=max_len, ddi=ddi)
     adj = _ddi_adjacency(model) if ddi.active else None
-    res = run(session, session.memories(batch), n, BeamSelector(cfg, prauc=True, ddi_adj=adj), cfg)
+    res = run(session, memories, n, BeamSelector(cfg, prauc=True, ddi_adj=adj), cfg)
     return _decoded(res, n)
 
 
 @torch.no_grad()
 def set_decode(
-    model: COGNet,
+    model: COGNet | Ensemble,
     batch: dict[str, torch.Tensor],
     visit_ids: Sequence[str],
     decoding: Decoding,
@@ -78,15 +86,20 @@ def set_decode(
     n = len(batch["target"])
     if n != len(visit_ids):
         raise ValueError(f"{n} visits to decode but {len(visit_ids)} visit ids")
-    session = TorchSession(model)
+    sessions = [TorchSession(m) for m in members_of(model)]
     cfg = SetConfig.of(decoding, model.cfg.n_med, ddi)
     keys = visit_keys(visit_ids)
-    res = decode_sets(session, session.memories(batch), n, cfg, keys, _ddi_adjacency(model))
+    adj = _ddi_adjacency(model)
+    if len(sessions) == 1:
+        res = decode_sets(sessions[0], sessions[0].memories(batch), n, cfg, keys, adj)
+    else:
+        memories = [s.memories(batch) for s in sessions]
+        res = decode_ensemble_sets(sessions, memories, n, cfg, keys, adj)
     return _decoded(res, n)
 
 
 def decode_patients(
-    model: COGNet,
+    model: COGNet | Ensemble,
     vocab: Vocab,
     patients: Sequence[Sequence[Visit]],
     decoding: Decoding = Decoding(),
@@ -110,7 +123,7 @@ def decode_patients(
     return out
 
 
-def _ddi_adjacency(model: COGNet) -> np.ndarray:
+def _ddi_adjacency(model: COGNet | Ensemble) -> np.ndarray:
     """bool [M, M]: the model's DDI pairs."""
     return model.ddi_matrix().cpu().numpy() > 0
 
