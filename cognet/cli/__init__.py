@@ -10,7 +10,7 @@ import click
 
 from cognet.cli.data import data
 from cognet.cli.evaluate import evaluate
-from cognet.cli.train import train
+from cognet.cli.train import ensemble, train
 from cognet.core.clitools import OneLineGroup
 
 
@@ -29,4 +29,5 @@ def main() -> None:
 
 main.add_command(data)
 main.add_command(train)
+main.add_command(ensemble)
 main.add_command(evaluate)

@@ -1,4 +1,5 @@
-"""`cognet train`: a checkpoint from a dataset directory."""
+"""`cognet train`: a checkpoint from a dataset directory; `cognet ensemble`: one checkpoint
+from networks trained apart."""
 
 from __future__ import annotations
 
@@ -166,7 +167,8 @@ def train(data_dir, out, threads, quiet, recipe, **config):
         )
         member = f"member {r['member']}  " if "member" in r else ""
         click.echo(
-            f"{member}epoch {r['epoch']:3d}  loss {r['loss']:.4f}  val nll {r['val_nll']:.4f}{greedy}  "
+            f"{member}epoch {r['epoch']:3d}  loss {r['loss']:.4f}  "
+            f"val nll {r['val_nll']:.4f}{greedy}  "
             f"({r['train_s']:.1f}s train, {r['epoch_s']:.1f}s total)"
             f"{'  *best' if r['best'] else ''}",
             err=True,
@@ -195,6 +197,40 @@ def train(data_dir, out, threads, quiet, recipe, **config):
         from cognet.training.ddi_target import describe
 
         click.echo(describe(DDITarget.from_json(best["ddi_target"])))
+
+
+@click.command()
+@click.argument("checkpoints", nargs=-1, required=True, type=click.Path(file_okay=False))
+@click.option("--data", "data_dir", required=True, type=click.Path(exists=True, file_okay=False))
+@click.option("--out", required=True, type=click.Path(file_okay=False))
+@threads_option
+@handle_errors
+def ensemble(checkpoints, data_dir, out, threads):
+    """Combine checkpoints trained apart on one dataset with one recipe (seeds aside) into
+    one ensemble checkpoint; its decoding is tuned on the validation split, as `cognet
+    train --members N` tunes it (whose member i is the run of seed --seed + 1000 i).
+
+    \b
+    Example:
+      cognet train --data data --out ckpt_a --seed 0 --members 1
+      cognet train --data data --out ckpt_b --seed 1000 --members 1
+      cognet ensemble ckpt_a ckpt_b --data data --out ckpt
+    """
+    import torch
+
+    from cognet.model.checkpoint import FILES
+    from cognet.training.members import combine
+
+    setup_logging()
+    torch.set_num_threads(threads)
+    written = {"--out": (*FILES, "train_log.jsonl")}
+    reads = Reads(datasets=[data_dir], checkpoints=list(checkpoints))
+    with guarded("cognet ensemble", {"--out": out}, reads, written) as stage:
+        done = combine(checkpoints, data_dir, stage["--out"])
+    click.echo(
+        f"{len(checkpoints)} members; decoding: {Decoding.from_json(done['decoding']).label}; "
+        f"checkpoint written to {out}"
+    )
 
 
 def _weights_label(chosen: dict) -> str:

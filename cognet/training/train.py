@@ -18,25 +18,23 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from cognet.core import numbers as strict_json
 from cognet.core.ddi import require_pairs
 from cognet.core.decoding import DECODINGS, SAMPLES, Decoding
 from cognet.core.decoding.ensemble import member_seed
 from cognet.core.errors import InputError
-from cognet.core.files import writable_folder, write_text
-from cognet.core.history import load_split, train_vocabulary
+from cognet.core.files import writable_folder
 from cognet.core.metrics import evaluation_report, visit_results
 from cognet.core.numbers import finite
-from cognet.core.schema import DDI_FILE, read_dataset
+from cognet.core.schema import DDI_FILE
 from cognet.core.vocab import Vocab
-from cognet.model import checkpoint
 from cognet.model.batching import IGNORE, ddi_adjacency, ehr_adjacency, make_batch
 from cognet.model.checkpoint import MAX_MEMBERS
 from cognet.model.decoding import decode_patients
 from cognet.model.ensemble import Ensemble
 from cognet.model.network import COGNet, ModelConfig
 from cognet.training.loss import aux_loss, ddi_loss, teacher_forced
-from cognet.training.tuning import choose_average, set_decoding_for, validation_nll
+from cognet.training.members import Tuning, finish, read_splits
+from cognet.training.tuning import choose_average, validation_nll
 
 log = logging.getLogger(__name__)
 
@@ -280,7 +278,7 @@ def train(
     with every member's chosen weights under "members").
     """
     seed_everything(cfg.seed)
-    dataset, vocab, train_data, val_data = _read_splits(data_dir)
+    dataset, vocab, train_data, val_data = read_splits(data_dir)
     if cfg.ddi_target is not None:
         require_pairs(dataset.ddi_pairs, Path(data_dir) / DDI_FILE, "--ddi-target")
     if cfg.ddi_loss > 0:
@@ -292,8 +290,7 @@ def train(
     ddi = ddi_adjacency(dataset.ddi_pairs, vocab)
     out = Path(out)
     writable_folder(out, out)  # now, not after the epochs (checkpoint.save makes it)
-    ddi_bool = ddi > 0
-    nets, runs, history = [], [], []
+    nets, runs, history, bests = [], [], [], []
     for i in range(cfg.members):
         member = replace(cfg, seed=member_seed(cfg.seed, i))
         tag = {"member": i} if cfg.members > 1 else {}
@@ -308,28 +305,28 @@ def train(
             member, vocab, train_data, val_patients, ehr, ddi, report, progress, i > 0
         )
         nets.append(net)
-        runs.append({"seed": member.seed, "best": best, "weights": chosen, "epochs": epochs_run})
+        run = {"seed": member.seed, "best_epoch": best["epoch"], "weights": chosen}
+        runs.append({**run, "epochs_run": epochs_run})
+        bests.append(best)
     model = nets[0] if cfg.members == 1 else Ensemble(nets)
-    decoding, tuning, target = _stored_decoding(model, vocab, val_patients, ddi_bool, cfg)
-    best, chosen = runs[-1]["best"], runs[-1]["weights"]
-    train_info = _train_info(cfg, nets[0], best, chosen, runs[-1]["epochs"], data_dir, val_data)
-    if cfg.members > 1:
-        train_info["member_runs"] = [
-            {"seed": r["seed"], "best_epoch": r["best"]["epoch"], "weights": r["weights"],
-             "epochs_run": r["epochs"]}
-            for r in runs
-        ]
-    train_info.update(tuning)
-    checkpoint.save(
-        out, model.cpu(), vocab, ehr, ddi, dataset.ddi_pairs, train_info, decoding.to_json(), target
+    best, chosen = bests[-1], runs[-1]["weights"]
+    info = _train_info(cfg, nets[0], best, chosen, runs[-1]["epochs_run"], data_dir, val_data)
+    tuned = Tuning(val_patients, cfg.decoding, cfg.set_samples, cfg.ddi_target)
+    decoding, target = finish(
+        out, model, vocab, (ehr, ddi, dataset.ddi_pairs), info, runs, history, tuned
     )
-    write_text(out / "train_log.jsonl", "".join(strict_json.dumps(rec) + "\n" for rec in history))
-    return {**best, "weights": chosen, "decoding": decoding.to_json(), "ddi_target": target,
-            "members": [r["weights"] for r in runs]}
+    return {
+        **best,
+        "weights": chosen,
+        "decoding": decoding.to_json(),
+        "ddi_target": target,
+        "members": [r["weights"] for r in runs],
+    }
 
 
-def _train_network(cfg: TrainConfig, vocab, train_data, val_patients, ehr, ddi, report,
-                   progress, reseed: bool):
+def _train_network(
+    cfg: TrainConfig, vocab, train_data, val_patients, ehr, ddi, report, progress, reseed: bool
+):
     """One network trained with `cfg` (its seed): (the network in eval mode with the weights
     chosen on validation, the best epoch's record, which weights, epochs run). `reseed`:
     seed the generators anew first (a later member; the first was seeded by `train`)."""
@@ -385,22 +382,6 @@ def _train_info(cfg: TrainConfig, model: COGNet, best, chosen, epochs_run, data_
         "data": str(data_dir),
         "unknown_codes_val": val_data.unknown_codes,
     }
-
-
-def _read_splits(data_dir: str | Path):
-    """(dataset, train vocabulary, train split, val split); an InputError when either split
-    has no visit with known medications, said before any epoch."""
-    dataset = read_dataset(data_dir)
-    vocab = train_vocabulary(dataset.visits)
-    train_data = load_split(dataset.visits, vocab, "train")
-    val_data = load_split(dataset.visits, vocab, "val")
-    for split, data in (("train", train_data), ("val", val_data)):
-        if not data.patients:  # said before any epoch
-            raise InputError(
-                f"{data_dir}: the {split} split has no visit with known medications "
-                "(training learns on train and keeps the best epoch on val)"
-            )
-    return dataset, vocab, train_data, val_data
 
 
 def _optimiser(model: COGNet, cfg: TrainConfig, vocab: Vocab):
@@ -461,18 +442,3 @@ def _load_final_weights(
     model.load_state_dict(state)
     model.eval()
     return chosen
-
-
-def _stored_decoding(model: COGNet, vocab: Vocab, val_patients, ddi_bool, cfg: TrainConfig):
-    """(the decoding the checkpoint stores, its tuning record, the DDI target as JSON or
-    None): beam, or set decoding with its threshold tuned on val."""
-    decoding, tuning = Decoding(name="beam"), {}
-    if cfg.decoding == "set":
-        decoding, tuning = set_decoding_for(model, vocab, val_patients, ddi_bool, cfg.set_samples)
-    target = None
-    if cfg.ddi_target is not None:  # the model's default DDI policy and threshold
-        from cognet.training.ddi_target import choose_target
-
-        target, _ = choose_target(model, vocab, val_patients, ddi_bool, decoding, cfg.ddi_target)
-        target = target.to_json()
-    return decoding, tuning, target

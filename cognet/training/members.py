@@ -1,0 +1,184 @@
+"""The end of a training run, and ensembles of runs: the decoding tuned on validation, the
+checkpoint written (`finish`); and `combine`, the ensemble checkpoint of networks trained
+apart (`cognet ensemble`), the same checkpoint `cognet train --members K` writes when its
+members are those runs.
+
+`cognet train --members K` trains member i exactly as a one-member run of seed
+`member_seed(seed, i)` would, then tunes the decoding on the ensemble; `combine` loads such
+runs and does the same tuning, so the two give the same checkpoint (tests/test_ensemble.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from cognet.core import numbers as strict_json
+from cognet.core.decoding import Decoding
+from cognet.core.errors import InputError
+from cognet.core.files import write_text
+from cognet.core.history import load_split, train_vocabulary
+from cognet.core.schema import read_dataset
+from cognet.core.vocab import Vocab
+from cognet.model import checkpoint
+from cognet.model.batching import ddi_adjacency, ehr_adjacency
+from cognet.model.checkpoint import MAX_MEMBERS
+from cognet.model.checkpoint_checks import read_graphs
+from cognet.model.ensemble import Ensemble, members_of
+from cognet.model.network import COGNet
+from cognet.training.tuning import set_decoding_for
+
+# what a member's training record may differ in from another member's: its seed and what
+# its run gave (the rest is the recipe, which the members of one ensemble share)
+RUN_FIELDS = ("seed", "best_epoch", "weights", "epochs_run", "data", "unknown_codes_val")
+
+
+@dataclass(frozen=True)
+class Tuning:
+    """What the end of a run tunes on validation: the stored decoding ("set": threshold
+    and set rule tuned; "beam"), with `samples`, and the DDI target rate or None."""
+
+    val_patients: Sequence
+    decoding: str
+    samples: int
+    ddi_target: float | None
+
+
+def finish(
+    out: Path,
+    model: COGNet | Ensemble,
+    vocab: Vocab,
+    graphs: tuple[np.ndarray, np.ndarray, list],
+    info: dict,
+    member_runs: list[dict],
+    history: list[dict],
+    tuning: Tuning,
+) -> tuple[Decoding, dict | None]:
+    """Tune the decoding (and the DDI target) of `model` on validation and write the
+    checkpoint with its training record `info` (`member_runs`: each member's seed and
+    chosen weights, recorded for several members) and train_log.jsonl (`history`).
+    `graphs`: (EHR adjacency, DDI adjacency, DDI pairs). Returns (decoding, target JSON)."""
+    ehr, ddi, pairs = graphs
+    decoding, tuned, target = stored_decoding(model, vocab, ddi > 0, tuning)
+    if len(member_runs) > 1:
+        info["members"] = len(member_runs)
+        info["member_runs"] = member_runs
+    info.update(tuned)
+    checkpoint.save(out, model.cpu(), vocab, ehr, ddi, pairs, info, decoding.to_json(), target)
+    write_text(out / "train_log.jsonl", "".join(strict_json.dumps(r) + "\n" for r in history))
+    return decoding, target
+
+
+def stored_decoding(model, vocab: Vocab, ddi_bool: np.ndarray, tuning: Tuning):
+    """(the decoding the checkpoint stores, its tuning record, the DDI target as JSON or
+    None): beam, or set decoding with its threshold and rule tuned on validation."""
+    val = tuning.val_patients
+    decoding, record = Decoding(name="beam"), {}
+    if tuning.decoding == "set":
+        decoding, record = set_decoding_for(model, vocab, val, ddi_bool, tuning.samples)
+    target = None
+    if tuning.ddi_target is not None:  # the model's default DDI policy and threshold
+        from cognet.training.ddi_target import choose_target
+
+        target, _ = choose_target(model, vocab, val, ddi_bool, decoding, tuning.ddi_target)
+        target = target.to_json()
+    return decoding, record, target
+
+
+def combine(checkpoints: Sequence[str | Path], data_dir: str | Path, out: str | Path) -> dict:
+    """Write to `out` the ensemble of the one-network checkpoints `checkpoints`, trained
+    apart on the dataset `data_dir` with one recipe: the decoding tuned on its validation
+    split as `cognet train` tunes it. InputError (exit 2) when there are fewer than two or
+    more than MAX_MEMBERS, when one is itself an ensemble, or when they differ in anything
+    but their seed and what their runs gave (vocabulary, network, graphs, recipe), naming
+    the checkpoint and what differs. Returns the stored decoding and DDI target."""
+    if not 2 <= len(checkpoints) <= MAX_MEMBERS:
+        raise InputError(
+            f"an ensemble needs 2 to {MAX_MEMBERS} checkpoints, not {len(checkpoints)}"
+        )
+    dataset, vocab, train_data, val_data = read_splits(data_dir)
+    ehr = ehr_adjacency(train_data.patients, vocab.n_med)
+    ddi = ddi_adjacency(dataset.ddi_pairs, vocab)
+    nets, runs, history = [], [], []
+    first: dict | None = None
+    last: dict = {}
+    for i, path in enumerate(checkpoints):
+        model, member_vocab, config = checkpoint.load(path)
+        if len(members_of(model)) > 1:
+            raise InputError(f"{path}: already an ensemble ({config['members']} members)")
+        _same(path, "vocabulary", member_vocab.to_json(), vocab.to_json(), data_dir)
+        _same(
+            path, "DDI pairs", config["ddi_pairs"], [list(p) for p in dataset.ddi_pairs], data_dir
+        )
+        graphs = read_graphs(Path(path), vocab.n_med)
+        for name, have, want in zip(("EHR graph", "DDI graph"), graphs, (ehr, ddi), strict=True):
+            if not np.array_equal(have, want):
+                raise InputError(f"{path}: its {name} is not that of {data_dir}'s train split")
+        recipe = {k: v for k, v in _untuned(config["train"]).items() if k not in RUN_FIELDS}
+        first = recipe if first is None else first
+        _same(path, "training recipe", recipe, first, checkpoints[0])
+        train = last = config["train"]
+        nets.append(model)
+        runs.append({k: train[k] for k in ("seed", "best_epoch", "weights", "epochs_run")})
+        history += [{**r, "member": i} for r in _log(Path(path))]
+    assert first is not None
+    # the last member's record, as `cognet train` keeps (without its own tuning's)
+    info = _untuned(last)
+    info.update(seed=runs[0]["seed"], data=str(data_dir), unknown_codes_val=val_data.unknown_codes)
+    limit = first.get("val_max_patients")
+    val = val_data.patients[:limit] if limit else val_data.patients
+    tuning = Tuning(val, first["decoding"], first["set_samples"], first.get("ddi_target"))
+    decoding, target = finish(
+        Path(out), Ensemble(nets), vocab, (ehr, ddi, dataset.ddi_pairs), info, runs, history, tuning
+    )
+    return {"decoding": decoding.to_json(), "ddi_target": target, "members": runs}
+
+
+def read_splits(data_dir: str | Path):
+    """(dataset, train vocabulary, train split, val split); an InputError when either split
+    has no visit with known medications, said before any epoch."""
+    dataset = read_dataset(data_dir)
+    vocab = train_vocabulary(dataset.visits)
+    train_data = load_split(dataset.visits, vocab, "train")
+    val_data = load_split(dataset.visits, vocab, "val")
+    for split, data in (("train", train_data), ("val", val_data)):
+        if not data.patients:  # said before any epoch
+            raise InputError(
+                f"{data_dir}: the {split} split has no visit with known medications "
+                "(training learns on train and keeps the best epoch on val)"
+            )
+    return dataset, vocab, train_data, val_data
+
+
+def _untuned(train: dict) -> dict:
+    """A training record without what the run's own decoding tuning added (`finish`
+    records the ensemble's)."""
+    return {k: v for k, v in train.items() if not k.startswith("val_jaccard")}
+
+
+def _same(path, what: str, have, want, other) -> None:
+    if have != want:
+        if isinstance(have, dict) and isinstance(want, dict):
+            key = next(k for k in sorted(set(have) | set(want)) if have.get(k) != want.get(k))
+            what = f"{what} ({key}: {have.get(key)!r:.60} against {want.get(key)!r:.60})"
+        raise InputError(f"{path}: its {what} differs from {other}'s; members must share it")
+
+
+def _log(path: Path) -> list[dict]:
+    """The epoch records of a checkpoint's train_log.jsonl (none when it has none)."""
+    log = path / "train_log.jsonl"
+    if not log.is_file():
+        return []
+    records = []
+    for n, line in enumerate(log.read_text().splitlines(), 1):
+        try:
+            record = strict_json.loads(line)
+        except ValueError as exc:
+            raise InputError(f"{log}: line {n}: not a JSON record ({exc})") from None
+        if not isinstance(record, dict):
+            raise InputError(f"{log}: line {n}: not a JSON object")
+        records.append(record)
+    return records

@@ -1,0 +1,235 @@
+"""Ensembles of networks trained apart, on the torch side: the decoding rules
+(`cognet.core.decoding.ensemble`), the checkpoint of several members, `cognet train
+--members` and `cognet ensemble` (the same checkpoint from runs trained apart)."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from click.testing import CliRunner
+from tiny import make_case, make_tiny, random_checkpoint
+
+from cognet.cli import main
+from cognet.core.decoding import Decoding
+from cognet.core.decoding.draws import visit_keys
+from cognet.core.decoding.ensemble import (
+    EnsembleSession,
+    member_config,
+    member_seed,
+    mix_log_probs,
+)
+from cognet.core.decoding.sampling import SetConfig, set_marginals
+from cognet.model import checkpoint
+from cognet.model.batching import make_batch
+from cognet.model.decoding import decode_patients
+from cognet.model.ensemble import Ensemble, members_of
+from cognet.model.session import TorchSession
+
+TINY = ["--epochs", "2", "--dim", "16", "--threads", "1", "--quiet"]
+TIMINGS = ("train_s", "epoch_s")
+
+
+def _other(model, seed: int):
+    """A second member: the same network shape and graphs, other weights."""
+    other = copy.deepcopy(model)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in other.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * 0.3)
+    return other.eval()
+
+
+@pytest.fixture(scope="module")
+def case():
+    model, vocab, patients = make_case(n_med=12, n_patients=10, seed=3)
+    return Ensemble([model, _other(model, 1)]).eval(), vocab, patients
+
+
+@pytest.mark.filterwarnings("ignore:divide by zero")
+def test_mix_log_probs_is_the_log_of_the_mean_probability():
+    a = np.log(np.array([[0.7, 0.2, 0.1, 0.0]], np.float32))
+    b = np.log(np.array([[0.1, 0.1, 0.4, 0.0]], np.float32))
+    with np.errstate(divide="ignore"):
+        mixed = mix_log_probs([a, b])
+    assert mixed.dtype == np.float32
+    np.testing.assert_allclose(np.exp(mixed[0, :3]), [0.4, 0.15, 0.25], rtol=1e-6)
+    assert mixed[0, 3] == -np.inf  # every member gives it nothing: still nothing
+    one = np.log(np.array([[0.5, 0.5, 0.0, 0.0]], np.float32))
+    assert np.isfinite(mix_log_probs([one, b])[0, 2])  # one member's -inf is not the mix's
+
+
+def test_member_seeds_and_draws():
+    assert [member_seed(7, i) for i in range(3)] == [7, 1007, 2007]
+    cfg = SetConfig(end=5, samples=4, threshold=0.5, seed=3)
+    assert member_config(cfg, 0) == cfg and member_config(cfg, 2).seed == 5
+
+
+def test_set_decoding_averages_the_members_marginals(case):
+    """P(k in S) of the ensemble = the mean of each member's own set decoding, member i
+    drawing with seed + i."""
+    model, vocab, patients = case
+    decoding = Decoding(name="set", samples=8, threshold=0.3, estimator="stratified", seed=5)
+    got = np.stack([d.scores for d in decode_patients(model, vocab, patients, decoding)])
+    batch = make_batch(patients, vocab, targets=False)
+    keys = visit_keys([v.visit_id for p in patients for v in p])
+    cfg = SetConfig.of(decoding, vocab.n_med)
+    want = []
+    for i, net in enumerate(members_of(model)):
+        session = TorchSession(net)
+        m, _, _ = set_marginals(
+            session, session.memories(batch), len(keys), member_config(cfg, i), keys
+        )
+        want.append(m)
+    np.testing.assert_allclose(got, np.mean(want, 0), rtol=1e-6, atol=1e-7)
+    one = np.stack(
+        [d.scores for d in decode_patients(members_of(model)[0], vocab, patients, decoding)]
+    )
+    assert not np.allclose(got, one)  # the second member counts
+
+
+def test_beam_search_of_identical_members_is_the_member(case):
+    """The token-level mixture of K copies of one network is that network: the same lists
+    and scores at beam 1 and 4."""
+    model, vocab, patients = case
+    net = members_of(model)[0]
+    twins = Ensemble([net, copy.deepcopy(net)]).eval()
+    for beam in (1, 4):
+        decoding = Decoding(beam=beam)
+        alone = decode_patients(net, vocab, patients, decoding)
+        mixed = decode_patients(twins, vocab, patients, decoding)
+        assert [d.meds for d in mixed] == [d.meds for d in alone]
+        np.testing.assert_allclose([d.score for d in mixed], [d.score for d in alone], atol=1e-5)
+
+
+def test_beam_search_steps_on_the_mixture(case):
+    """Greedy decoding of an ensemble takes, at every step, the argmax of the mean of the
+    members' step probabilities (followed here by hand for the first two steps)."""
+    model, vocab, patients = case
+    batch = make_batch(patients[:3], vocab, targets=False)
+    sessions = [TorchSession(net) for net in members_of(model)]
+    ens = EnsembleSession(sessions)
+    n = len(batch["target"])
+    memories = tuple(s.memories(batch) for s in sessions)
+    cache = ens.empty_cache(n, 1)
+    tokens = np.full((n, 1), vocab.n_med + 1, np.int64)
+    parent = np.zeros((n, 1), np.int64)
+    out, cache = ens.step(tokens, parent, cache, memories, ("log_probs", "gate"))
+    probs = [
+        np.exp(s.step(tokens, parent, s.empty_cache(n, 1), m, ("log_probs",))[0]["log_probs"])
+        for s, m in zip(sessions, memories, strict=True)
+    ]
+    np.testing.assert_allclose(np.exp(out["log_probs"]), np.mean(probs, 0), rtol=1e-5, atol=1e-7)
+    first = np.argmax(out["log_probs"][:, 0], -1)
+    greedy = decode_patients(model, vocab, patients[:3], Decoding(beam=1))
+    assert [d.meds[0] if d.meds else vocab.n_med for d in greedy] == first.tolist()
+
+
+def test_checkpoint_round_trip_and_a_bad_member_count(tmp_path):
+    data, first = make_tiny(tmp_path)
+    nets = [checkpoint.load(c)[0] for c in (first, random_checkpoint(data, tmp_path / "c1", 1))]
+    ckpt = tmp_path / "ens"
+    n_med = nets[0].cfg.n_med
+    graphs = np.zeros((n_med, n_med), np.float32)
+    tiny_vocab = checkpoint.load(first)[1]
+    checkpoint.save(ckpt, Ensemble(nets), tiny_vocab, graphs, graphs, [], {"tiny": True})
+    loaded, _, config = checkpoint.load(ckpt)
+    assert config["members"] == 2 and isinstance(loaded, Ensemble)
+    for a, b in zip(members_of(loaded), nets, strict=True):
+        assert _same_weights(a, b)
+    for bad in (0, 17, "2", 1.5, True):
+        cfg = json.loads((ckpt / "config.json").read_text())
+        cfg["members"] = bad
+        (ckpt / "config.json").write_text(json.dumps(cfg))
+        res = CliRunner().invoke(main, ["evaluate", "--checkpoint", str(ckpt), "--data", str(data)])
+        assert res.exit_code == 2, res.output
+        assert f"{ckpt / 'config.json'}: members must be an integer in [1, 16]" in res.output
+    cfg["members"] = 1  # one network's weights cannot be read as two, nor two as one
+    (ckpt / "config.json").write_text(json.dumps(cfg))
+    res = CliRunner().invoke(main, ["evaluate", "--checkpoint", str(ckpt), "--data", str(data)])
+    assert res.exit_code == 2 and "Traceback" not in res.output
+
+
+def _same_weights(a, b) -> bool:
+    x, y = a.state_dict(), b.state_dict()
+    return x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
+
+
+def _train(data: Path, out: Path, *extra: str) -> None:
+    res = CliRunner().invoke(main, ["train", "--data", str(data), "--out", str(out), *TINY, *extra])
+    assert res.exit_code == 0, res.output
+
+
+def _log(ckpt: Path) -> list[dict]:
+    lines = (ckpt / "train_log.jsonl").read_text().splitlines()
+    return [{k: v for k, v in json.loads(x).items() if k not in TIMINGS} for x in lines]
+
+
+def test_train_members_is_the_ensemble_of_runs_trained_apart(tmp_path):
+    """`cognet train --members 2 --seed 4` = `cognet ensemble` of the one-network runs of
+    seeds 4 and 1004: the same config.json (weights' hashes included) and epoch records."""
+    data, _ = make_tiny(tmp_path)
+    _train(data, tmp_path / "both", "--seed", "4", "--members", "2")
+    for seed in (4, 1004):
+        _train(data, tmp_path / f"s{seed}", "--seed", str(seed), "--members", "1")
+    res = CliRunner().invoke(
+        main,
+        [
+            "ensemble",
+            str(tmp_path / "s4"),
+            str(tmp_path / "s1004"),
+            "--data",
+            str(data),
+            "--out",
+            str(tmp_path / "combined"),
+        ],
+    )
+    assert res.exit_code == 0, res.output
+    both = json.loads((tmp_path / "both" / "config.json").read_text())
+    combined = json.loads((tmp_path / "combined" / "config.json").read_text())
+    assert both["members"] == 2 and both == combined
+    assert [r["seed"] for r in both["train"]["member_runs"]] == [4, 1004]
+    assert _log(tmp_path / "both") == _log(tmp_path / "combined")
+    assert "members" not in json.loads((tmp_path / "s4" / "config.json").read_text())
+    # the first member is the one-network run of the same seed, weight for weight
+    ens, _, _ = checkpoint.load(tmp_path / "both")
+    alone, _, _ = checkpoint.load(tmp_path / "s4")
+    assert _same_weights(members_of(ens)[0], alone)
+
+
+def test_ensemble_refuses_what_cannot_be_one_model(tmp_path):
+    data, _ = make_tiny(tmp_path)
+    _train(data, tmp_path / "a", "--members", "1")
+    _train(data, tmp_path / "wide", "--members", "1", "--seed", "1", "--dim", "32")
+    _train(data, tmp_path / "pair", "--members", "2", "--epochs", "1")
+
+    def refused(*checkpoints: Path) -> str:
+        argv = [
+            "ensemble",
+            *map(str, checkpoints),
+            "--data",
+            str(data),
+            "--out",
+            str(tmp_path / "o"),
+        ]
+        res = CliRunner().invoke(main, argv)
+        assert res.exit_code == 2, res.output
+        assert "Traceback" not in res.output and not (tmp_path / "o" / "config.json").exists()
+        return res.output
+
+    assert "needs 2 to 16 checkpoints, not 1" in refused(tmp_path / "a")
+    assert "training recipe (model:" in refused(tmp_path / "a", tmp_path / "wide")
+    assert "already an ensemble (2 members)" in refused(tmp_path / "a", tmp_path / "pair")
+
+
+@pytest.mark.parametrize("bad", ["0", "17", "two"])
+def test_members_option_is_checked(tmp_path, bad):
+    data, _ = make_tiny(tmp_path)
+    res = CliRunner().invoke(
+        main, ["train", "--data", str(data), "--out", str(tmp_path / "c"), "--members", bad]
+    )
+    assert res.exit_code == 2 and "members" in res.output
