@@ -224,6 +224,8 @@ def test_ensemble_refuses_what_cannot_be_one_model(tmp_path):
     assert "needs 2 to 16 checkpoints, not 1" in refused(tmp_path / "a")
     assert "training recipe (model:" in refused(tmp_path / "a", tmp_path / "wide")
     assert "already an ensemble (2 members)" in refused(tmp_path / "a", tmp_path / "pair")
+    untrained = random_checkpoint(data, tmp_path / "random")  # not written by cognet train
+    assert "not a run of cognet train (config.json lacks" in refused(tmp_path / "a", untrained)
 
 
 @pytest.mark.parametrize("bad", ["0", "17", "two"])

@@ -34,6 +34,11 @@ from cognet.training.tuning import set_decoding_for
 # what a member's training record may differ in from another member's: its seed and what
 # its run gave (the rest is the recipe, which the members of one ensemble share)
 RUN_FIELDS = ("seed", "best_epoch", "weights", "epochs_run", "data", "unknown_codes_val")
+# fields the training record gained after checkpoints of this format were first written, with
+# the value such a checkpoint was trained with (its record lacks them)
+ADDED_FIELDS = {"ddi_loss": 0.0, "members": 1}
+# what a member's record must hold (`cognet train` writes them)
+TRAINED = ("seed", "best_epoch", "weights", "epochs_run", "decoding", "set_samples")
 
 
 @dataclass(frozen=True)
@@ -117,10 +122,14 @@ def combine(checkpoints: Sequence[str | Path], data_dir: str | Path, out: str | 
         for name, have, want in zip(("EHR graph", "DDI graph"), graphs, (ehr, ddi), strict=True):
             if not np.array_equal(have, want):
                 raise InputError(f"{path}: its {name} is not that of {data_dir}'s train split")
-        recipe = {k: v for k, v in _untuned(config["train"]).items() if k not in RUN_FIELDS}
+        train = {**ADDED_FIELDS, **_untuned(config["train"])}
+        lacking = [k for k in TRAINED if k not in train]
+        if lacking:
+            raise InputError(f"{path}: not a run of cognet train (config.json lacks {lacking[0]})")
+        recipe = {k: v for k, v in train.items() if k not in RUN_FIELDS}
         first = recipe if first is None else first
         _same(path, "training recipe", recipe, first, checkpoints[0])
-        train = last = config["train"]
+        last = train
         nets.append(model)
         runs.append({k: train[k] for k in ("seed", "best_epoch", "weights", "epochs_run")})
         history += [{**r, "member": i} for r in _log(Path(path))]
