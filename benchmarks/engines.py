@@ -4,8 +4,9 @@ An engine decodes a `workload.Batch` at a beam width and returns, untimed afterw
 recommended medication codes of each scored visit. Engines:
 
 - `torch-perpatient`: the paper's way (`benchmarks.perpatient`): one patient at a time, no
-  KV cache, a Python beam object per visit;
-- `torch-batched`: the torch reference batched beam search (`cognet.model.decoding.beam_search`);
+  KV cache, a Python beam object per visit (one network: skipped for an ensemble);
+- `torch-batched`: the torch reference batched beam search (`cognet.model.decoding.beam_search`,
+  an ensemble by its rules);
 - `torch-cuda`: the same on a CUDA device;
 - `ort-cpu`, `ort-cuda`, `ort-tensorrt`: the runtime (`cognet.runtime.Scorer`) on each
   ONNX Runtime execution provider, with its default candidate selection (`--selection auto`:
@@ -109,6 +110,8 @@ def availability(name: str, checkpoint: Path | None, model_dir: Path | None = No
             return "torch is not installed"
         if name == "torch-cuda" and not torch.cuda.is_available():
             return "torch.cuda.is_available() is False"
+        if name == "torch-perpatient" and _members(checkpoint) > 1:
+            return "the paper's per-patient decoding runs one network, not an ensemble"
         return None
     try:
         import onnxruntime as ort
@@ -211,15 +214,19 @@ class TorchBatched(_TorchBase):
     def list_scores(self, patients: Sequence[Sequence], lists: Sequence[Sequence[str]]):
         """float64 [N]: the model's log-probability of each patient's last visit getting
         lists[i] (medication codes in generation order, then END unless the list is as long
-        as the decoding allows): a beam's score, teacher forced; sums in float64."""
+        as the decoding allows): a beam's score, teacher forced; sums in float64. An
+        ensemble's steps are its members' token-level mixture, as its beam search scores
+        them (`cognet.core.decoding.ensemble.mix_log_probs`)."""
         import numpy as np
         import torch
 
         from cognet.core.decoding import MAX_LEN
+        from cognet.core.decoding.ensemble import mix_log_probs
         from cognet.model.batching import make_batch, select_rows
+        from cognet.model.ensemble import members_of
         from cognet.model.network import history_inputs
 
-        vocab, model = self.vocab, self.model
+        vocab = self.vocab
         index = {code: i for i, code in enumerate(vocab.medications)}
         ids = [[index[c] for c in meds] for meds in lists]
         width = max(map(len, ids), default=0) + 1
@@ -234,12 +241,17 @@ class TorchBatched(_TorchBase):
         batch = make_batch(patients, vocab, targets=False)
         batch = select_rows(batch, torch.as_tensor(_last_rows(patients)))
         batch = {k: v.to(self.device) for k, v in batch.items()}
+        steps = []  # each member's log_probs [N, width, V1]
         with torch.no_grad():
-            enc = model.encode_visits(batch["diagnoses"], batch["procedures"], batch["medications"])
-            memories = model.decoder_init(*history_inputs(batch, *enc, model.cfg))
-            logp = model.decode_teacher_forced(torch.as_tensor(tokens).to(self.device), memories)[0]
-        picked = logp.gather(2, torch.as_tensor(targets).to(self.device)[..., None])[..., 0]
-        return np.where(counted, picked.double().cpu().numpy(), 0.0).sum(1)
+            for model in members_of(self.model):
+                codes = (batch["diagnoses"], batch["procedures"], batch["medications"])
+                enc = model.encode_visits(*codes)
+                memories = model.decoder_init(*history_inputs(batch, *enc, model.cfg))
+                fed = torch.as_tensor(tokens).to(self.device)
+                steps.append(model.decode_teacher_forced(fed, memories)[0].cpu().numpy())
+        logp = steps[0] if len(steps) == 1 else mix_log_probs(steps)
+        picked = np.take_along_axis(logp, targets[..., None], 2)[..., 0]
+        return np.where(counted, picked.astype(np.float64), 0.0).sum(1)
 
 
 class TorchPerPatient(_TorchBase):
@@ -349,6 +361,21 @@ def nvidia_smi_memory_mb() -> float | None:
         if pid.strip() == str(os.getpid()):
             return float(used)
     return None
+
+
+def _members(checkpoint: Path) -> int:
+    """The networks of a checkpoint (`cognet.model.checkpoint.members`; 1 when unreadable:
+    loading it says why)."""
+    import json
+
+    from cognet.core.errors import InputError
+    from cognet.model.checkpoint import members
+
+    try:
+        config = json.loads((Path(checkpoint) / "config.json").read_text())
+        return members(Path(checkpoint), config) if isinstance(config, dict) else 1
+    except (OSError, ValueError, InputError):
+        return 1
 
 
 def _last_rows(patients: Sequence[Sequence]) -> list[int]:

@@ -25,13 +25,14 @@ import pyarrow.parquet as pq
 
 from cognet.core import numbers as strict_json
 from cognet.core.decoding.draws import visit_keys
+from cognet.core.decoding.ensemble import EnsembleSession, ensemble_marginals
 from cognet.core.decoding.sampling import SetConfig, set_marginals
 from cognet.core.manifest import load_manifest
 from cognet.core.metrics import summary_of
 from cognet.core.schema import split_rows
 from cognet.runtime import Scorer, reader
 from cognet.runtime.batches import encoder_budget
-from cognet.runtime.encoder import encode_plan, init_inputs
+from cognet.runtime.encoder import encode_plan, init_memories
 from cognet.runtime.plan import Assembler
 from cognet.runtime.session import OrtModel
 
@@ -62,9 +63,13 @@ def marginals(model_dir: Path, table: pa.Table, visits: int, configs, batch: int
         for lo in range(0, pick.size, step):
             part = pick[lo : lo + step]
             targets, histories = plan.targets[part], plan.histories.take(part)
-            memories = model.decoder.init(init_inputs(plan, enc, targets, histories))
+            memories, _ = init_memories(model.decoder, plan, enc, targets, histories)
             keys = visit_keys(ids[lo : lo + step])
-            est, _, _ = set_marginals(model.decoder, memories, part.size, cfg, keys)
+            if isinstance(model.decoder, EnsembleSession):  # the mean of its members'
+                members = model.decoder.members
+                est, _, _ = ensemble_marginals(members, memories, part.size, cfg, keys)
+            else:
+                est, _, _ = set_marginals(model.decoder, memories, part.size, cfg, keys)
             rows.append(est)
         out.append(np.concatenate(rows))
     return out

@@ -4,6 +4,12 @@ Writes the three graphs (`onnx_export`), their float16 and int8 variants (`fp16`
 checks their parity with the torch model (`validate`), optionally builds TensorRT engines
 (`tensorrt`), and writes `manifest.json` last (`cognet.core.manifest`): a directory whose
 parity failed holds `parity_report.json` and no manifest, so no runtime loads it.
+
+An ensemble checkpoint (`cognet.model.ensemble`) gives one model directory: each member's
+graphs, member 0's under the one-network names (`encoder.onnx`, ...), member i's with a
+`.member<i>` suffix (`encoder.member1.onnx`, `encoder.member1.fp16.onnx`, ...), plain names
+that the manifest's file checks accept (`cognet.core.files.confined`); the search graphs
+are shared.
 """
 
 from __future__ import annotations
@@ -14,12 +20,15 @@ from pathlib import Path
 from cognet.core import numbers as strict_json
 from cognet.core.ddi import ddi_matrix
 from cognet.core.decoding import BEAM, MAX_LEN
+from cognet.core.decoding.ensemble import MAX_MEMBERS
 from cognet.core.errors import InputError, ParityError, one_line, writing
 from cognet.core.files import remove, write_text
 from cognet.core.manifest import (
     GRAPHS,
+    VARIANTS,
     Dims,
     Manifest,
+    MemberGraphs,
     Special,
     check_manifest,
     write_manifest,
@@ -29,15 +38,25 @@ from cognet.export.search_graphs import SEARCH_FILES, write_search_graphs
 
 log = logging.getLogger(__name__)
 
-GRAPH_FILES = {name: f"{name}.onnx" for name in GRAPHS}
-FP16_FILES = {name: f"{name}.fp16.onnx" for name in GRAPHS}
-INT8_FILES = {name: f"{name}.int8.onnx" for name in GRAPHS}
+
+def graph_files(member: int = 0, variant: str | None = None) -> dict[str, str]:
+    """{graph: file name} of one member's graphs of a variant (None: float32)."""
+    suffix = (f".member{member}" if member else "") + (f".{variant}" if variant else "")
+    return {name: f"{name}{suffix}.onnx" for name in GRAPHS}
+
+
+GRAPH_FILES = graph_files()
+FP16_FILES = graph_files(variant="fp16")
+INT8_FILES = graph_files(variant="int8")
 REPORT_FILE = "parity_report.json"
 # every file an export writes but the manifest and the report (TensorRT's are in CACHE_DIR)
 MODEL_FILES = (
-    *GRAPH_FILES.values(),
-    *FP16_FILES.values(),
-    *INT8_FILES.values(),
+    *(
+        file
+        for member in range(MAX_MEMBERS)
+        for variant in (None, *VARIANTS)
+        for file in graph_files(member, variant).values()
+    ),
     *SEARCH_FILES.values(),
 )
 
@@ -90,29 +109,12 @@ def _export(
     model, vocab, config, checkpoint, out: Path, validate, fp16, int8, tensorrt, n_patients
 ):
     """`export` once the checkpoint is loaded and OUT is ready."""
-    import torch
-
-    from cognet.export.graphs import tensor_specs
     from cognet.model import checkpoint as ckpt
+    from cognet.model.ensemble import members_of
 
-    specs = tensor_specs(model)
-    paths = {name: out / GRAPH_FILES[name] for name in GRAPHS}
-    with torch.no_grad():
-        for name in GRAPHS:
-            log.info("exporting %s", name)
-            export_graph(model, name, paths[name])
-    graphs = {name: graph_spec(paths[name], name, specs) for name in GRAPHS}
-    variants, variant_paths = {}, {}
-    asked = (("fp16", fp16, FP16_FILES, write_fp16), ("int8", int8, INT8_FILES, write_int8))
-    for variant, wanted, files, write in asked:
-        if wanted:
-            log.info("writing the %s graphs", variant)
-            variant_paths[variant] = {name: out / files[name] for name in GRAPHS}
-            variants[variant] = {
-                name: write(paths[name], variant_paths[variant][name], name, specs)
-                for name in GRAPHS
-            }
-    fp16_paths = variant_paths.get("fp16")
+    # each member's graphs and variants, and their paths ({variant: {graph: path}})
+    exported = [_export_member(net, i, out, fp16, int8) for i, net in enumerate(members_of(model))]
+    paths = [p for _, p in exported]
 
     parity = None
     if validate:
@@ -122,14 +124,15 @@ def _export(
         parity = run_validation(
             model,
             vocab,
-            paths,
-            fp16_paths,
+            [p[None] for p in paths],
+            [p["fp16"] for p in paths] if fp16 else None,
             n_patients=n_patients,
             log=log.info,
-            int8_paths=variant_paths.get("int8"),
+            int8_paths=[p["int8"] for p in paths] if int8 else None,
         )
         # the operators TensorRT may meet (onnx_ops_allowlist.txt); the int8 graphs are CPU-only
-        parity["ops"] = sorted(_ops(paths.values()) | _ops((fp16_paths or {}).values()))
+        floats = [f for p in paths for v in (None, "fp16") for f in p.get(v, {}).values()]
+        parity["ops"] = sorted(_ops(floats))
         if not parity["passed"]:
             report = out / REPORT_FILE
             write_text(report, strict_json.dumps(parity, indent=1) + "\n")
@@ -150,14 +153,16 @@ def _export(
         beam=BEAM,
         ablation=cfg.ablation,
         ddi_pairs=pairs,
-        graphs=graphs,
-        variants=variants,
+        graphs=exported[0][0].graphs,
+        variants=exported[0][0].variants,
         checkpoint_sha256=ckpt.checkpoint_hash(checkpoint),
         versions=_versions(),
         parity=parity,
         decoding=config.get("decoding"),  # the checkpoint's tuned default, when it has one
         search=search,
         ddi_target=config.get("ddi_target"),  # its DDI target's policy and threshold, if any
+        members=len(exported),
+        member_graphs=tuple(graphs for graphs, _ in exported[1:]),
         model_dir=out,
     )
     if tensorrt:
@@ -167,6 +172,34 @@ def _export(
     check_manifest(manifest)  # the runtime's checks: never write a model it would refuse
     write_manifest(out, manifest)
     return manifest
+
+
+def _export_member(
+    net, member: int, out: Path, fp16: bool, int8: bool
+) -> tuple[MemberGraphs, dict[str | None, dict[str, Path]]]:
+    """One network's three graphs (member `member` of its model) and the variants asked:
+    their manifest entries, and their paths by variant (None: float32)."""
+    import torch
+
+    from cognet.export.graphs import tensor_specs
+
+    specs = tensor_specs(net)
+    paths = {None: {name: out / file for name, file in graph_files(member).items()}}
+    with torch.no_grad():
+        for name in GRAPHS:
+            log.info("exporting %s%s", name, f" of member {member}" if member else "")
+            export_graph(net, name, paths[None][name])
+    graphs = {name: graph_spec(paths[None][name], name, specs) for name in GRAPHS}
+    variants = {}
+    for variant, wanted, write in (("fp16", fp16, write_fp16), ("int8", int8, write_int8)):
+        if wanted:
+            log.info("writing the %s graphs", variant)
+            files = graph_files(member, variant)
+            paths[variant] = {name: out / file for name, file in files.items()}
+            variants[variant] = {
+                name: write(paths[None][name], paths[variant][name], name, specs) for name in GRAPHS
+            }
+    return MemberGraphs(graphs, variants), paths
 
 
 def _load_checkpoint(path: Path):

@@ -73,7 +73,8 @@ def provider_options(manifest: Manifest, graph: str, fp16: bool = False) -> dict
 
 
 def build_engines(manifest: Manifest, fp16: bool = False) -> Manifest:
-    """Build (and cache) one engine per graph by running it once at the profile's opt shape."""
+    """Build (and cache) one engine per graph (of every member of an ensemble: the shapes,
+    hence the profiles, are the same) by running it once at the profile's opt shape."""
     import numpy as np
     import onnxruntime as ort
 
@@ -81,10 +82,10 @@ def build_engines(manifest: Manifest, fp16: bool = False) -> Manifest:
 
     (Path(manifest.model_dir or ".") / CACHE_DIR).mkdir(exist_ok=True)
     entry = {"cache_dir": CACHE_DIR, "fp16": fp16, "profiles": {}}
-    for graph in GRAPHS:
+    for member, graph in ((m, g) for m in range(manifest.members) for g in GRAPHS):
         options = provider_options(manifest, graph, fp16)
         session = ort.InferenceSession(
-            str(manifest.graph_path(graph)),
+            str(manifest.graph_path(graph, member=member)),
             providers=[("TensorrtExecutionProvider", options), "CUDAExecutionProvider"],
         )
         if session.get_providers()[0] != "TensorrtExecutionProvider":

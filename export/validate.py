@@ -15,6 +15,11 @@ Two checks, both run by `cognet.export.export` unless `validate=False`:
    numpy beam search (`cognet.core.decoding.beam`) must return the medication lists of the torch
    reference `cognet.model.decoding.beam_search` on every visit.
 
+An ensemble (`cognet.model.ensemble`): each member's graphs against that member's network
+(check 1; the report keeps, per case and output, the worst member, and each member's worst
+diff under `members`), and the ensemble's lists, decoded through every member's graphs by
+the runtime's `EnsembleSession`, against the torch `Ensemble`'s (check 2).
+
 `copy_probs` are compared on visits with a history only: without one every slot has the
 bias NEG and the distribution (unused: the gate is 1) is float rounding noise.
 float16 (and int8) `log_probs` are compared as probabilities (exp of both sides): float16
@@ -43,6 +48,7 @@ from cognet.core.manifest import GRAPHS
 from cognet.core.vocab import Vocab
 from cognet.export.graphs import GRAPH_IO, WRAPPERS, Sizes, example_inputs
 from cognet.model.decoding import beam_search
+from cognet.model.ensemble import Ensemble, members_of
 from cognet.model.network import COGNet, ModelConfig, history_inputs
 
 FLOAT32_ATOL = 1e-4
@@ -180,6 +186,25 @@ def compare_outputs(model: COGNet, graphs: Graphs, as_probs: bool = False) -> di
     return report
 
 
+def worst_outputs(reports: Sequence[dict]) -> dict:
+    """The `compare_outputs` report of several members' graphs: at every case and output the
+    largest diff, the lowest top-1 agreement, and each member's own under `members` (one
+    member: its report as it is)."""
+    if len(reports) == 1:
+        return reports[0]
+    first = reports[0]
+    cases = {
+        name: {key: max(r["cases"][name][key] for r in reports) for key in case}
+        for name, case in first["cases"].items()
+    }
+    diffs = [k for k in ("max_abs_diff", "probs_max_abs_diff") if k in first]
+    out = {"cases": cases, "shapes": first["shapes"]}
+    out.update({k: max(r[k] for r in reports) for k in diffs})
+    out["top1_agreement"] = min(r["top1_agreement"] for r in reports)
+    out["members"] = [{k: r[k] for k in (*diffs, "top1_agreement")} for r in reports]
+    return out
+
+
 def max_abs_diff(ref: np.ndarray, got: np.ndarray) -> float:
     """The largest |ref - got|, infinite where a NaN or a lone infinity is on either side:
     `max(0.0, nan)` is 0.0, so a model of NaNs would otherwise match its graphs exactly.
@@ -221,7 +246,7 @@ def synthetic_patients(vocab: Vocab, n_patients: int, seed: int = 0) -> list[lis
 
 
 def onnx_beam_search(
-    graphs: Graphs,
+    graphs: Graphs | Sequence[Graphs],
     batch: dict[str, torch.Tensor],
     cfg: ModelConfig,
     end: int,
@@ -229,27 +254,32 @@ def onnx_beam_search(
     max_len: int = MAX_LEN,
 ) -> list[tuple[tuple[int, ...], float]]:
     """Decode the targets of `batch` (`cognet.model.batching.make_batch`) through the
-    exported graphs with the runtime's own decoder session and beam search
-    (`cognet.runtime.session.HostDecoder`, `cognet.core.decoding.beam`): the driver and
-    session that serve the model are the ones validated. The decoder-init inputs are
-    assembled as for the torch model (`history_inputs`). Returns (medications, score) per
-    visit."""
+    exported graphs (one network's, or each member's of an ensemble) with the runtime's own
+    decoder sessions and beam search (`cognet.runtime.session.HostDecoder`, over an
+    ensemble `cognet.core.decoding.ensemble.EnsembleSession`, `cognet.core.decoding.beam`):
+    the driver and sessions that serve the model are the ones validated. The decoder-init
+    inputs are assembled as for the torch model (`history_inputs`). Returns (medications,
+    score) per visit."""
     from cognet.core.decoding.beam import BeamConfig
     from cognet.core.decoding.beam import beam_search as runtime_beam_search
+    from cognet.core.decoding.ensemble import EnsembleSession
     from cognet.runtime.session import HostDecoder
 
-    enc = graphs.run("encoder", {k: batch[k].numpy() for k in ENCODER_INPUTS})
-    encodings = (torch.from_numpy(enc[k]) for k in ENCODER_OUTPUTS)
-    init = history_inputs(batch, *encodings, cfg)
-    inputs = {k: v.numpy() for k, v in zip(INIT_INPUTS, init, strict=True)}
-    session = HostDecoder(
-        graphs.sessions["decoder_init"], graphs.sessions["decoder_step"], cfg.heads, cfg.head_dim
-    )
+    sessions, memories = [], []
+    for member in [graphs] if isinstance(graphs, Graphs) else graphs:
+        enc = member.run("encoder", {k: batch[k].numpy() for k in ENCODER_INPUTS})
+        encodings = (torch.from_numpy(enc[k]) for k in ENCODER_OUTPUTS)
+        init = history_inputs(batch, *encodings, cfg)
+        inputs = {k: v.numpy() for k, v in zip(INIT_INPUTS, init, strict=True)}
+        step = member.sessions["decoder_step"]
+        sessions.append(HostDecoder(member.sessions["decoder_init"], step, cfg.heads, cfg.head_dim))
+        memories.append(sessions[-1].init(inputs))
+    if len(sessions) == 1:
+        session, memory = sessions[0], memories[0]
+    else:
+        session, memory = EnsembleSession(sessions), tuple(memories)
     result = runtime_beam_search(
-        session,
-        session.init(inputs),
-        len(batch["target"]),
-        BeamConfig(end=end, beam=beam, max_len=max_len),
+        session, memory, len(batch["target"]), BeamConfig(end=end, beam=beam, max_len=max_len)
     )
     return [
         (tuple(int(m) for m in meds), float(score))
@@ -259,14 +289,15 @@ def onnx_beam_search(
 
 @_one_torch_thread()
 def compare_decoding(
-    model: COGNet,
-    graphs: Graphs,
+    model: COGNet | Ensemble,
+    graphs: Graphs | Sequence[Graphs],
     vocab: Vocab,
     patients: Sequence[Sequence[Visit]],
     beams: Sequence[int] = (1, BEAM),
     chunk: int = 256,
 ) -> dict:
-    """Medication lists of the torch reference vs the ONNX-driven beam search, per beam size."""
+    """Medication lists of the torch reference vs the ONNX-driven beam search, per beam size
+    (an ensemble: one `Graphs` per member)."""
     from cognet.model.batching import make_batch
 
     report = {}
@@ -298,21 +329,21 @@ def compare_decoding(
 
 # -- the report -------------------------------------------------------------------------------
 def validate(
-    model: COGNet,
+    model: COGNet | Ensemble,
     vocab: Vocab,
-    paths: dict[str, Path],
-    fp16_paths: dict[str, Path] | None = None,
+    paths: Sequence[dict[str, Path]],
+    fp16_paths: Sequence[dict[str, Path]] | None = None,
     n_patients: int = 64,
     seed: int = 0,
     log: Callable[[str], None] = lambda _: None,
-    int8_paths: dict[str, Path] | None = None,
+    int8_paths: Sequence[dict[str, Path]] | None = None,
 ) -> dict:
     """Run every check; returns the parity report (`passed` says whether all passed), with
-    a "float16" / "int8" section for each variant given."""
-    graphs = Graphs.load(paths, threads=1)
+    a "float16" / "int8" section for each variant given. `paths`, `fp16_paths`,
+    `int8_paths`: {graph: path} of each member (`members_of(model)`)."""
     patients = synthetic_patients(vocab, n_patients, seed)
     log("parity: float32 outputs")
-    outputs = compare_outputs(model, graphs)
+    outputs, graphs = _outputs(model, paths)
     outputs.update(atol=FLOAT32_ATOL, passed=outputs["max_abs_diff"] <= FLOAT32_ATOL)
     log("parity: greedy and beam-4 decoding")
     decoding = compare_decoding(model, graphs, vocab, patients)
@@ -332,14 +363,26 @@ def validate(
     return report
 
 
+def _outputs(
+    model: COGNet | Ensemble, paths: Sequence[dict[str, Path]], as_probs: bool = False
+) -> tuple[dict, list[Graphs]]:
+    """(`compare_outputs` of each member's graphs against its network, worst member first
+    (`worst_outputs`); the members' graphs)."""
+    nets = members_of(model)
+    if len(paths) != len(nets):
+        raise ValueError(f"{len(nets)} networks but the graphs of {len(paths)}")
+    graphs = [Graphs.load(p, threads=1) for p in paths]
+    reports = [compare_outputs(n, g, as_probs) for n, g in zip(nets, graphs, strict=True)]
+    return worst_outputs(reports), graphs
+
+
 def _variant_parity(
-    model: COGNet, paths, vocab: Vocab, patients, diff: str, atol: float, min_top1: float
+    model: COGNet | Ensemble, paths, vocab: Vocab, patients, diff: str, atol, min_top1
 ) -> dict:
     """A lower-precision variant's parity: its outputs as probabilities against torch, its
     beam-4 lists, and whether `diff` (a key of `compare_outputs`) and the top-1 agreement
     hold their bars."""
-    graphs = Graphs.load(paths, threads=1)
-    out = compare_outputs(model, graphs, as_probs=True)
+    out, graphs = _outputs(model, paths, as_probs=True)
     out["decoding"] = compare_decoding(model, graphs, vocab, patients, beams=(BEAM,))
     passed = out[diff] <= atol and out["top1_agreement"] >= min_top1
     out.update(atol=atol, min_top1=min_top1, passed=passed)

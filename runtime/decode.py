@@ -1,7 +1,12 @@
 """Which selector decodes a batch: beam search or set decoding, with the selection in numpy
 on the host (`beam.BeamSelector`, `cognet.core.decoding.sampling.SetSampler`) or in the exported
 search graphs where the decoder runs (`search.BeamGraphSelector`, `search.SetGraphSampler`);
-every one runs the one loop of `cognet.core.decoding.driver`."""
+every one runs the one loop of `cognet.core.decoding.driver`.
+
+An ensemble (`cognet.core.decoding.ensemble.EnsembleSession`) decodes by the rules of that
+module: set decoding averages its members' P(k in S), each member's sampled on the host or
+in the search graphs; beam search decodes the token-level mixture, whose selection is on
+the host (no search graph mixes the members' steps)."""
 
 from __future__ import annotations
 
@@ -14,7 +19,14 @@ from cognet.core.ddi import DDIPolicy
 from cognet.core.decoding import Decoding
 from cognet.core.decoding.beam import BeamConfig, BeamResult, beam_search
 from cognet.core.decoding.draws import visit_keys
-from cognet.core.decoding.sampling import SetConfig, SetResult, decode_sets, set_result
+from cognet.core.decoding.ensemble import EnsembleSession, decode_ensemble_sets
+from cognet.core.decoding.sampling import (
+    SetConfig,
+    SetResult,
+    decode_sets,
+    set_marginals,
+    set_result,
+)
 from cognet.runtime import search
 
 
@@ -49,12 +61,24 @@ def decode(
     for explanations and beam search's PRAUC scores, which the numpy selectors give."""
     n = len(visit_ids)
     graphs = on_device and not explain
+    ensemble = isinstance(session, EnsembleSession)
     if isinstance(cfg, SetConfig):
         keys = visit_keys(visit_ids)
+        if ensemble:
+            marginals = _graph_marginals if graphs else set_marginals
+            return decode_ensemble_sets(
+                session.members, memories, n, cfg, keys, ddi_adj, explain, attention, marginals
+            )
         if graphs:
             marginals, _, steps = search.set_marginals(session, memories, n, cfg, keys)
             return set_result(marginals, steps, cfg, ddi_adj)
         return decode_sets(session, memories, n, cfg, keys, ddi_adj, explain, attention)
-    if graphs and not prauc:
+    if graphs and not prauc and not ensemble:
         return search.beam_search(session, memories, n, cfg, ddi_adj)
     return beam_search(session, memories, n, cfg, prauc, explain, ddi_adj, attention)
+
+
+def _graph_marginals(session, memories, n, cfg, keys, *_) -> tuple[np.ndarray, None, int]:
+    """`search.set_marginals` with `set_marginals`'s arguments (the DDI rule is in the
+    graphs; explanations never take this path)."""
+    return search.set_marginals(session, memories, n, cfg, keys)

@@ -11,7 +11,11 @@ graphs, buffers in the device's memory, from which `DeviceDecoder.init_gathered`
 each batch's decoder-init inputs there: encodings never cross to the host and back (on an
 H100 their round trip and regathering took about a third of the host's time,
 docs/gpu/results-h100-search.md). `HostEncoder` adapts any encoder callable (host arrays
-in and out; the tests plug torch in) to the same `PlanEncoder` interface."""
+in and out; the tests plug torch in) to the same `PlanEncoder` interface.
+
+An ensemble's members encode with their own encoders (`EnsembleEncoder`): one `Encodings`
+per member, in one shared layout (`MemberEncodings`), from which `init_memories` builds
+each member's memories with one index."""
 
 from __future__ import annotations
 
@@ -134,6 +138,25 @@ class Encoder:
         self.session.run_with_iobinding(io)
 
 
+class EnsembleEncoder:
+    """A `PlanEncoder` over the encoders of an ensemble's members: every call encoded by each
+    member into its own buffers (`MemberEncodings`)."""
+
+    def __init__(self, members: Iterable[PlanEncoder]):
+        self.members = tuple(members)
+
+    def new_encodings(self, lay: Layout) -> MemberEncodings:
+        return MemberEncodings(lay, tuple(m.new_encodings(lay) for m in self.members))
+
+    def encode_into(self, inputs: Mapping[str, np.ndarray], enc: MemberEncodings, k: int) -> None:
+        for member, encodings in zip(self.members, enc.members, strict=True):
+            member.encode_into(inputs, encodings, k)
+
+    def release(self, enc: MemberEncodings) -> None:
+        for member, encodings in zip(self.members, enc.members, strict=True):
+            member.release(encodings)
+
+
 @dataclass
 class Layout:
     """Where the encoder outputs of a chunk's rows go in two flat buffers, each encoder call's
@@ -223,6 +246,14 @@ class Encodings:
     visits: Any  # [layout.visit_rows, s]
 
 
+@dataclass
+class MemberEncodings:
+    """A chunk's encodings by each member of an ensemble (`EnsembleEncoder`), one layout."""
+
+    layout: Layout
+    members: tuple[Encodings, ...]
+
+
 def new_encodings(lay: Layout, dim: int, dtype=np.float32) -> Encodings:
     """Host buffers of a layout (zeros: the padding rows must be)."""
     z = np.zeros
@@ -279,10 +310,33 @@ def init_inputs(
 ) -> dict[str, np.ndarray]:
     """Decoder-init inputs (`graphspec.INIT_INPUTS`) of the visits `targets` (chunk rows),
     gathered on the host."""
-    gather, out = init_index(plan, enc.layout, targets, histories)
-    for name, buffer, _ in INIT_GATHERED:
-        out[name] = getattr(enc, buffer)[gather[name]]
-    return out
+    return _gathered(enc, *init_index(plan, enc.layout, targets, histories))
+
+
+def _gathered(enc: Encodings, gather: Mapping[str, np.ndarray], rest: Mapping) -> dict:
+    """`rest` and the inputs of `graphspec.INIT_GATHERED` taken from host buffers at the
+    buffer rows `gather` (`init_index`)."""
+    return {**rest, **{name: getattr(enc, buf)[gather[name]] for name, buf, _ in INIT_GATHERED}}
+
+
+def init_memories(
+    decoder, plan: Plan, enc: Encodings | MemberEncodings, targets: np.ndarray, histories
+) -> tuple[Any, dict[str, np.ndarray]]:
+    """(the decoder's memories of the visits `targets`, the decoder-init inputs that are no
+    encodings: `init_index`'s), each member's from its own encodings, gathered on the host
+    or, for encodings on a device, there (`DeviceDecoder.init_gathered`). An ensemble
+    (`MemberEncodings`, `decoder` an `EnsembleSession`): a tuple of the members' memories."""
+    gather, rest = init_index(plan, enc.layout, targets, histories)
+
+    def init(member, encodings: Encodings):
+        if isinstance(encodings.codes, np.ndarray):
+            return member.init(_gathered(encodings, gather, rest))
+        return member.init_gathered(encodings, gather, rest)
+
+    if isinstance(enc, MemberEncodings):
+        members = zip(decoder.members, enc.members, strict=True)
+        return tuple(init(m, e) for m, e in members), rest
+    return init(decoder, enc), rest
 
 
 def encode_plan(

@@ -20,7 +20,8 @@ from cognet.runtime.session import OrtModel, default_threads
 class ScoringModel:
     """An encoder (`encoder.PlanEncoder`), a decoder session (`cognet.core.decoding.driver`'s
     `DecoderSession`, with the runtime's `search` and `select_on_device`: `session.HostDecoder`
-    and `DeviceDecoder`) and what the model says about itself."""
+    and `DeviceDecoder`; for an ensemble, `encoder.EnsembleEncoder` and an `EnsembleSession`
+    over such decoders) and what the model says about itself."""
 
     encode: PlanEncoder
     decoder: Any

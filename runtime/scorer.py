@@ -11,6 +11,8 @@ Each chunk (whole patients, see `reader.chunks`) goes through four stages:
 - decode (`decode.decode`): the visits to score cut into batches of similar history and
   code lengths (`batches.cut_padded`), each batch's decoder init, then beam search or set
   decoding in the one loop of `cognet.core.decoding.driver`;
+  an ensemble's members each encode and init from their own graphs, and the batch decodes
+  by the rules of `cognet.core.decoding.ensemble`;
 - emit (`emit`): the output rows in input order, and the metrics with `--all`.
 Results come lazily, one `ScoredChunk` at a time, so a caller can write them as they arrive.
 
@@ -40,11 +42,12 @@ import pyarrow as pa
 from cognet.core.ddi import ddi_matrix, require_pairs
 from cognet.core.decoding import Decoding
 from cognet.core.decoding.beam import BeamResult
+from cognet.core.decoding.ensemble import member_sessions
 from cognet.core.vocab import Vocab
 from cognet.runtime import emit, reader
 from cognet.runtime.batches import Budgets, cut_padded
 from cognet.runtime.decode import decode, decoding_configs
-from cognet.runtime.encoder import PlanEncoder, encode_plan, init_index, init_inputs
+from cognet.runtime.encoder import PlanEncoder, encode_plan, init_memories
 from cognet.runtime.model import ScoringModel, open_model
 from cognet.runtime.options import ScoreOptions
 from cognet.runtime.outputs import ScoredChunk, rejects_table
@@ -263,19 +266,14 @@ class Scorer:
         """One batch (`part`: indices into plan.targets): its decoder init from the
         encodings (gathered on the host, or where they are), then its decoding."""
         targets, histories = plan.targets[part], plan.histories.take(part)
-        if isinstance(enc.codes, np.ndarray):
-            inputs = init_inputs(plan, enc, targets, histories)
-            memories = self.decoder.init(inputs)
-        else:  # encodings on the device: gathered there
-            rows, inputs = init_index(plan, enc.layout, targets, histories)
-            memories = self.decoder.init_gathered(enc, rows, inputs)
+        memories, inputs = init_memories(self.decoder, plan, enc, targets, histories)
         ids = plan.table.column("visit_id").take(targets).to_pylist()
         result = decode(
             self.decoder,
             memories,
             self.set_config or self.beam_config,
             ids,
-            on_device=self.decoder.select_on_device,
+            on_device=member_sessions(self.decoder)[0].select_on_device,
             prauc=score_all,
             explain=explain,
             ddi_adj=self._ddi_adj,

@@ -30,10 +30,11 @@ import numpy as np
 import onnxruntime as ort
 
 from cognet.core import tensorrt
+from cognet.core.decoding.ensemble import EnsembleSession
 from cognet.core.errors import InputError, one_line
 from cognet.core.graphspec import INIT_INPUTS, MEMORIES, cache_shapes, step_feed
 from cognet.core.manifest import GRAPHS, Manifest
-from cognet.runtime.encoder import Encoder, Encodings
+from cognet.runtime.encoder import Encoder, Encodings, EnsembleEncoder
 from cognet.runtime.graphcheck import check_io, check_search, probe
 from cognet.runtime.options import CPU_VARIANTS, DEVICES, SELECTIONS, check_variant_device
 from cognet.runtime.search import INIT_GATHER, ORT_TYPES, SEARCH_GRAPHS, SearchGraphs, bind_input
@@ -123,6 +124,11 @@ def session_options(threads: int | None) -> ort.SessionOptions:
 class OrtModel:
     """The encoder, decoder-init and decoder-step sessions of a model directory.
 
+    An ensemble (`Manifest.members` > 1): every member's sessions, on the same provider,
+    threads and variant, and one set of search graphs for all; `encoder` is then an
+    `encoder.EnsembleEncoder` and `decoder` a `cognet.core.decoding.ensemble.EnsembleSession`
+    over the members' decoders, and `sessions` member 0's.
+
     gpu_path: on the CPU provider, run what a GPU runs (IO binding into CPU memory,
     encodings gathered by init_gather, the split selection graphs, gathers by the take
     graphs): the tests check it against the host path, and cognet-bench's ort-cpu-gpupath
@@ -143,23 +149,8 @@ class OrtModel:
         self.device = resolve_device("cpu" if variant in CPU_VARIANTS else device)
         opts = session_options(threads)
         self.threads = opts.intra_op_num_threads
-        self.sessions: dict[str, ort.InferenceSession] = {}
-        for name in GRAPHS:
-            path = manifest.graph_path(name, variant)
-            wanted = providers(self.device, manifest, name)
-            try:
-                self.sessions[name] = ort.InferenceSession(
-                    str(path), opts, providers=wanted, disabled_optimizers=self._disabled()
-                )
-            except Exception as exc:  # noqa: BLE001 - any load failure is a bad model file
-                raise InputError(f"{path}: cannot load the ONNX graph ({one_line(exc)})") from None
-            spec = manifest.graph_spec(name, variant)
-            check_io(name, path, self.sessions[name], spec, manifest.dims)
-            probe(name, path, self.sessions[name], manifest)
-            got = self.sessions[name].get_providers()
-            first = wanted[0] if isinstance(wanted[0], str) else wanted[0][0]
-            if first not in got:
-                log.warning("%s: requested %s, onnxruntime runs %s", name, first, got)
+        members = [self._open(opts, variant, m) for m in range(manifest.members)]
+        self.sessions: dict[str, ort.InferenceSession] = members[0]
         self.providers = self.sessions["decoder_step"].get_providers()
         gpu = self.providers[0] in (CUDA, TRT)
         if gpu_path and (gpu or not manifest.search):
@@ -167,33 +158,64 @@ class OrtModel:
                              "model with the search graphs")  # fmt: skip
         self.on_device = gpu or gpu_path
         bound = ("cuda", 0) if gpu else ("cpu", 0)  # where device tensors live
-        init, step = self.sessions["decoder_init"], self.sessions["decoder_step"]
-        if self.on_device:
-            self.decoder = DeviceDecoder(init, step, manifest, device=bound)
-        else:
-            self.decoder = HostDecoder(init, step, manifest.dims.heads, manifest.dims.head_dim)
+        decoders = [
+            DeviceDecoder(m["decoder_init"], m["decoder_step"], manifest, device=bound)
+            if self.on_device
+            else HostDecoder(
+                m["decoder_init"], m["decoder_step"], manifest.dims.heads, manifest.dims.head_dim
+            )
+            for m in members
+        ]
         self.selection = self._selection(selection)
-        self.decoder.search = None
+        search = None
         if self.selection == "device" or (self.on_device and self.manifest.search):
-            search = {}
-            wanted = [(CUDA, {"device_id": 0, "use_tf32": "0"}), CPU] if gpu else [CPU]
-            for name, spec in manifest.search.items():
-                path = Path(manifest.model_dir or ".") / spec.file
-                try:
-                    search[name] = ort.InferenceSession(str(path), opts, providers=wanted)
-                except Exception as exc:  # noqa: BLE001 - any load failure is a bad model file
-                    raise InputError(
-                        f"{path}: cannot load the ONNX graph ({one_line(exc)})"
-                    ) from None
-                check_search(path, search[name], spec, manifest.dims)
-            self.decoder.search = SearchGraphs(search, bound if self.on_device else None)
-        # select on the device: always for the take graphs on a GPU, per step when chosen
-        self.decoder.select_on_device = self.selection == "device"
-        self.encoder = Encoder(
-            self.sessions["encoder"],
-            manifest.dims.dim,
-            self.decoder.search if self.on_device else None,
-        )
+            search = SearchGraphs(self._search(opts, gpu), bound if self.on_device else None)
+        for decoder in decoders:
+            decoder.search = search
+            # select on the device: always for the take graphs on a GPU, per step when chosen
+            decoder.select_on_device = self.selection == "device"
+        encoders = [
+            Encoder(m["encoder"], manifest.dims.dim, search if self.on_device else None)
+            for m in members
+        ]
+        if len(members) == 1:
+            self.decoder, self.encoder = decoders[0], encoders[0]
+        else:
+            self.decoder, self.encoder = EnsembleSession(decoders), EnsembleEncoder(encoders)
+
+    def _open(self, opts, variant: str | None, member: int) -> dict[str, ort.InferenceSession]:
+        """The checked sessions of one member's three graphs."""
+        manifest, sessions = self.manifest, {}
+        for name in GRAPHS:
+            path = manifest.graph_path(name, variant, member)
+            wanted = providers(self.device, manifest, name)
+            try:
+                sessions[name] = ort.InferenceSession(
+                    str(path), opts, providers=wanted, disabled_optimizers=self._disabled()
+                )
+            except Exception as exc:  # noqa: BLE001 - any load failure is a bad model file
+                raise InputError(f"{path}: cannot load the ONNX graph ({one_line(exc)})") from None
+            spec = manifest.graph_spec(name, variant, member)
+            check_io(name, path, sessions[name], spec, manifest.dims)
+            probe(name, path, sessions[name], manifest)
+            got = sessions[name].get_providers()
+            first = wanted[0] if isinstance(wanted[0], str) else wanted[0][0]
+            if first not in got:
+                log.warning("%s: requested %s, onnxruntime runs %s", name, first, got)
+        return sessions
+
+    def _search(self, opts, gpu: bool) -> dict[str, ort.InferenceSession]:
+        """The checked sessions of the search graphs, on the decoder's device."""
+        search = {}
+        wanted = [(CUDA, {"device_id": 0, "use_tf32": "0"}), CPU] if gpu else [CPU]
+        for name, spec in self.manifest.search.items():
+            path = Path(self.manifest.model_dir or ".") / spec.file
+            try:
+                search[name] = ort.InferenceSession(str(path), opts, providers=wanted)
+            except Exception as exc:  # noqa: BLE001 - any load failure is a bad model file
+                raise InputError(f"{path}: cannot load the ONNX graph ({one_line(exc)})") from None
+            check_search(path, search[name], spec, self.manifest.dims)
+        return search
 
     def _disabled(self) -> list[str]:
         """Graph optimisations left out. On the CPU, SkipLayerNormFusion: its fused kernel is

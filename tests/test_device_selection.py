@@ -126,13 +126,14 @@ def test_device_selection_of_a_model_without_search_graphs_is_refused(tiny_many,
 @pytest.fixture(scope="module")
 def trained_many(tmp_path_factory):
     """A real-size synthetic dataset (131 medications, 860 patients, > 2,000 visits), a
-    checkpoint trained 2 epochs with the default recipe and its export."""
+    checkpoint of one network trained 2 epochs with the default recipe and its export (an
+    ensemble's beam search selects on the host: tests/test_ensemble_runtime.py)."""
     root = tmp_path_factory.mktemp("search_trained")
     runner = CliRunner()
     for args in (
         ["data", "synth", "--out", str(root / "data"), "--patients", "860", "--seed", "5"],
         ["train", "--data", str(root / "data"), "--out", str(root / "ckpt"), "--epochs", "2",
-         "--threads", "1", "--quiet"],
+         "--threads", "1", "--members", "1", "--quiet"],
     ):  # fmt: skip
         res = runner.invoke(cognet_main, args)
         assert res.exit_code == 0, res.output

@@ -13,11 +13,11 @@ API (stable; the runtime codes against it):
 - `write_manifest(model_dir, manifest) -> Path`: write `manifest.json` atomically.
 - `file_sha256(path) -> str`: the hex sha256 of a file, as stored in the manifest.
 - `Manifest` (frozen dataclass) and its parts `Dims`, `Special`, `TensorSpec`, `GraphSpec`:
-    - `manifest.graph_spec(name, variant=None) -> GraphSpec` and
-      `manifest.graph_path(name, variant=None) -> Path` for `name` in `GRAPHS`
-      ("encoder", "decoder_init", "decoder_step") and `variant` None (float32) or a key of
-      `manifest.variants` ("fp16", "int8"); InputError naming the variants there when the
-      model has no such variant;
+    - `manifest.graph_spec(name, variant=None, member=0) -> GraphSpec` and
+      `manifest.graph_path(name, variant=None, member=0) -> Path` for `name` in `GRAPHS`
+      ("encoder", "decoder_init", "decoder_step"), `variant` None (float32) or a key of
+      `manifest.variants` ("fp16", "int8") and `member` in range(`manifest.members`);
+      InputError naming the variants there when the model has no such variant;
     - `manifest.vocabulary() -> cognet.core.vocab.Vocab`;
     - `manifest.to_json()` / `Manifest.from_json(obj, model_dir=None)`.
 
@@ -35,7 +35,9 @@ the engine cache folder and min/opt/max shape profiles of `cognet-export --tenso
 `search` ({name: graph} of the search graphs, `cognet.export.search_graphs`; absent in
 models exported before them) and `ddi_target` (null, or the DDI policy, set rule and
 threshold chosen on validation for a DDI-rate target, `cognet.core.ddi.DDITarget`: the model's
-default policy, `Manifest.default_target`).
+default policy, `Manifest.default_target`) and, for an ensemble (`cognet.core.decoding.ensemble`),
+`members` (absent: 1) and `member_graphs` ([{graphs, variants}] of members 1.., with member
+0's variants; member 0's are `graphs` and `variants`; the search graphs serve them all).
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ from typing import Any
 from cognet.core import numbers as strict_json
 from cognet.core.ddi import DDITarget
 from cognet.core.decoding import Decoding
+from cognet.core.decoding.ensemble import MAX_MEMBERS
 from cognet.core.errors import InputError, one_line
 from cognet.core.files import confined, write_text
 from cognet.core.vocab import Vocab
@@ -114,6 +117,34 @@ class GraphSpec:
 
 
 @dataclass(frozen=True)
+class MemberGraphs:
+    """The graphs of one more member of an ensemble (`Manifest.member_graphs`)."""
+
+    graphs: dict[str, GraphSpec]
+    variants: dict[str, dict[str, GraphSpec]] = field(default_factory=dict)
+
+    def to_json(self) -> dict:
+        return {
+            "graphs": _specs_json(self.graphs),
+            "variants": {v: _specs_json(gs) for v, gs in self.variants.items()},
+        }
+
+    @classmethod
+    def from_json(cls, obj: dict) -> MemberGraphs:
+        return cls(
+            _specs(obj["graphs"]), {v: _specs(gs) for v, gs in obj.get("variants", {}).items()}
+        )
+
+
+def _specs(obj: dict) -> dict[str, GraphSpec]:
+    return {k: GraphSpec.from_json(g) for k, g in obj.items()}
+
+
+def _specs_json(specs: dict[str, GraphSpec]) -> dict:
+    return {k: g.to_json() for k, g in specs.items()}
+
+
+@dataclass(frozen=True)
 class Dims:
     dim: int  # s
     heads: int  # H
@@ -157,21 +188,27 @@ class Manifest:
     search: dict[str, GraphSpec] = field(default_factory=dict)
     # the DDI target's policy, rule and threshold (`cognet.core.ddi.DDITarget.to_json`); None: none
     ddi_target: dict | None = None
+    # an ensemble's network count and the graphs of members 1.. (`check_manifest` checks them)
+    members: int = 1
+    member_graphs: tuple[MemberGraphs, ...] = ()
     format_version: int = FORMAT_VERSION
     # Where the manifest was loaded from (not serialised); graph paths are relative to it.
     model_dir: Path | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
-        missing = [g for g in GRAPHS if g not in self.graphs]
-        if missing:
-            raise ValueError(f"manifest lacks graphs {missing}")
-        for name, graphs in self.variants.items():
-            if sorted(graphs) != sorted(GRAPHS):
-                raise ValueError(f"variant {name!r} must hold the graphs {GRAPHS}")
+        for member in (self, *self.member_graphs):
+            missing = [g for g in GRAPHS if g not in member.graphs]
+            if missing:
+                raise ValueError(f"manifest lacks graphs {missing}")
+            for name, graphs in member.variants.items():
+                if sorted(graphs) != sorted(GRAPHS):
+                    raise ValueError(f"variant {name!r} must hold the graphs {GRAPHS}")
 
-    def graph_spec(self, name: str, variant: str | None = None) -> GraphSpec:
+    def graph_spec(self, name: str, variant: str | None = None, member: int = 0) -> GraphSpec:
+        # member 0's graphs are the manifest's own: a one-network model has no other
+        graphs = self if member == 0 else self.member_graphs[member - 1]
         if variant is None:
-            return self.graphs[name]
+            return graphs.graphs[name]
         if variant not in self.variants:
             how = f"; re-export the model with cognet-export --{variant}"
             raise InputError(
@@ -179,10 +216,10 @@ class Manifest:
                 f"(available: {', '.join(sorted(self.variants)) or 'none'})"
                 f"{how if variant in VARIANTS else ''}"
             )
-        return self.variants[variant][name]
+        return graphs.variants[variant][name]
 
-    def graph_path(self, name: str, variant: str | None = None) -> Path:
-        return Path(self.model_dir or ".") / self.graph_spec(name, variant).file
+    def graph_path(self, name: str, variant: str | None = None, member: int = 0) -> Path:
+        return Path(self.model_dir or ".") / self.graph_spec(name, variant, member).file
 
     def default_decoding(self) -> Decoding:
         """The decoding this model was tuned for (beam for a model without one)."""
@@ -215,18 +252,22 @@ class Manifest:
             "beam": self.beam,
             "ablation": self.ablation,
             "ddi_pairs": [list(p) for p in self.ddi_pairs],
-            "graphs": {k: g.to_json() for k, g in self.graphs.items()},
-            "variants": {
-                v: {k: g.to_json() for k, g in gs.items()} for v, gs in self.variants.items()
-            },
+            "graphs": _specs_json(self.graphs),
+            "variants": {v: _specs_json(gs) for v, gs in self.variants.items()},
             "checkpoint_sha256": self.checkpoint_sha256,
             "versions": dict(self.versions),
             "parity": self.parity,
             "tensorrt": self.tensorrt,
             "decoding": self.decoding,
-            "search": {k: g.to_json() for k, g in self.search.items()},
+            "search": _specs_json(self.search),
             "ddi_target": self.ddi_target,
-        }
+        } | self._members_json()
+
+    def _members_json(self) -> dict[str, Any]:
+        """The ensemble's fields; none for one network (its manifest is as before them)."""
+        if self.members == 1 and not self.member_graphs:
+            return {}
+        return {"members": self.members, "member_graphs": [m.to_json() for m in self.member_graphs]}
 
     @classmethod
     def from_json(cls, obj: dict, model_dir: str | Path | None = None) -> Manifest:
@@ -241,18 +282,17 @@ class Manifest:
             beam=int(obj["beam"]),
             ablation=str(obj["ablation"]),
             ddi_pairs=tuple((str(a), str(b)) for a, b in obj["ddi_pairs"]),
-            graphs={k: GraphSpec.from_json(g) for k, g in obj["graphs"].items()},
-            variants={
-                v: {k: GraphSpec.from_json(g) for k, g in gs.items()}
-                for v, gs in obj.get("variants", {}).items()
-            },
+            graphs=_specs(obj["graphs"]),
+            variants={v: _specs(gs) for v, gs in obj.get("variants", {}).items()},
             checkpoint_sha256=str(obj["checkpoint_sha256"]),
             versions=dict(obj.get("versions", {})),
             parity=obj.get("parity"),
             tensorrt=obj.get("tensorrt"),
             decoding=obj.get("decoding"),
-            search={k: GraphSpec.from_json(g) for k, g in obj.get("search", {}).items()},
+            search=_specs(obj.get("search", {})),
             ddi_target=obj.get("ddi_target"),
+            members=obj.get("members", 1),  # as read: `check_manifest` checks it
+            member_graphs=tuple(MemberGraphs.from_json(m) for m in obj.get("member_graphs", [])),
             model_dir=None if model_dir is None else Path(model_dir),
         )
 
@@ -332,10 +372,14 @@ def check_manifest(manifest: Manifest) -> None:
         raise bad("beam", f"{manifest.beam} is above {MAX_BEAM}")
     if manifest.max_len > MAX_STEPS:
         raise bad("max_len", f"{manifest.max_len} is above {MAX_STEPS}")
+    _check_members(manifest, bad)
     manifest.default_decoding()  # an InputError naming the decoding field
     manifest.default_target()  # and the ddi_target field
     groups = [("graphs", manifest.graphs), ("search", manifest.search)]
     groups += [(f"variants.{v}", gs) for v, gs in manifest.variants.items()]
+    for i, member in enumerate(manifest.member_graphs, 1):
+        groups += [(f"member_graphs.{i}.graphs", member.graphs)]
+        groups += [(f"member_graphs.{i}.variants.{v}", gs) for v, gs in member.variants.items()]
     for group, specs in groups:
         for name, spec in specs.items():
             where = f"{file}: field '{group}.{name}.file'"
@@ -354,6 +398,25 @@ def check_manifest(manifest: Manifest) -> None:
         confined(folder, trt.get("cache_dir"), f"{file}: field 'tensorrt.cache_dir'")
 
 
+def _check_members(manifest: Manifest, bad) -> None:
+    """`members` an integer in [1, MAX_MEMBERS], with the graphs of every member but the
+    first in `member_graphs`, each with member 0's variants."""
+    count = manifest.members
+    if not isinstance(count, int) or isinstance(count, bool) or not 1 <= count <= MAX_MEMBERS:
+        raise bad("members", f"{count!r} is not an integer in [1, {MAX_MEMBERS}]")
+    if len(manifest.member_graphs) != count - 1:
+        raise bad(
+            "member_graphs",
+            f"{len(manifest.member_graphs)} entries, but {count} members need {count - 1}",
+        )
+    for i, member in enumerate(manifest.member_graphs, 1):
+        if sorted(member.variants) != sorted(manifest.variants):
+            raise bad(
+                f"member_graphs.{i}.variants",
+                f"{sorted(member.variants)}, but member 0 has {sorted(manifest.variants)}",
+            )
+
+
 def _axis(a: object) -> bool:
     """A tensor axis: a symbolic name or a fixed size."""
     return (isinstance(a, str) and bool(a)) or (
@@ -362,9 +425,11 @@ def _axis(a: object) -> bool:
 
 
 def verify_graphs(manifest: Manifest) -> None:
-    """Check that every graph file (all variants) exists and matches its sha256."""
-    specs = [manifest.graphs[g] for g in GRAPHS]
-    specs += [gs[g] for gs in manifest.variants.values() for g in GRAPHS]
+    """Check that every graph file (all members and variants) exists and matches its sha256."""
+    specs = []
+    for member in (manifest, *manifest.member_graphs):
+        specs += [member.graphs[g] for g in GRAPHS]
+        specs += [gs[g] for gs in member.variants.values() for g in GRAPHS]
     specs += list(manifest.search.values())
     for spec in specs:
         folder = Path(manifest.model_dir or ".")

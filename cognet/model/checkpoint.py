@@ -20,6 +20,7 @@ from safetensors.torch import save_file
 
 from cognet.core import numbers as strict_json
 from cognet.core.ddi import DDITarget
+from cognet.core.decoding.ensemble import MAX_MEMBERS
 from cognet.core.errors import InputError, one_line, writing
 from cognet.core.files import atomic_path
 from cognet.core.vocab import Vocab
@@ -28,7 +29,6 @@ from cognet.model.ensemble import Ensemble
 from cognet.model.network import COGNet, ModelConfig
 
 FORMAT_VERSION = 1
-MAX_MEMBERS = 16  # networks in one checkpoint at most (a value read from a file is checked)
 FILES = ("config.json", "vocab.json", "model.safetensors", "graphs.npz")
 
 

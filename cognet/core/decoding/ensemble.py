@@ -18,7 +18,7 @@ steps by 0.0014 Jaccard, and beat one network with twice the samples by 0.0012.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -27,6 +27,7 @@ import numpy as np
 from cognet.core.decoding.sampling import SetConfig, SetResult, set_marginals, set_result
 
 MEMBER_SEED_STRIDE = 1000  # member i of a run with seed S trains with seed S + 1000 i
+MAX_MEMBERS = 16  # networks in one checkpoint or model directory at most (counts read are checked)
 
 
 def member_seed(seed: int, member: int) -> int:
@@ -97,6 +98,11 @@ class EnsembleSession:
         return tuple(m.take(v, rows) for m, v in zip(self.members, value, strict=True))
 
 
+def member_sessions(session: Any) -> tuple:
+    """The sessions of a decoder: an `EnsembleSession`'s members, or the one session."""
+    return session.members if isinstance(session, EnsembleSession) else (session,)
+
+
 def ensemble_marginals(
     sessions: Sequence[Any],
     memories: Sequence[Any],
@@ -106,13 +112,16 @@ def ensemble_marginals(
     ddi_adj: np.ndarray | None = None,
     explain: bool = False,
     attention: bool = False,
+    marginals: Callable[..., tuple[np.ndarray, dict | None, int]] = set_marginals,
 ) -> tuple[np.ndarray, dict | None, int]:
     """(P(k in S) float64 [n, M], the explanation sums or None, decoder steps run) of the
-    members' sequence-level mixture: the mean of each member's `set_marginals` (member i
-    with `member_config(cfg, i)`); the explanation sums are pooled (their counts add)."""
+    members' sequence-level mixture: the mean of each member's `marginals` (`set_marginals`,
+    or the runtime's search graphs with its signature; member i with `member_config(cfg,
+    i)`); the explanation sums are pooled (their counts add). One member gives its own
+    marginals exactly."""
     total, pooled, steps = None, None, 0
     for i, (session, mem) in enumerate(zip(sessions, memories, strict=True)):
-        m, sums, s = set_marginals(
+        m, sums, s = marginals(
             session, mem, n, member_config(cfg, i), keys, ddi_adj, explain, attention
         )
         total = m if total is None else total + m
@@ -131,13 +140,14 @@ def decode_ensemble_sets(
     ddi_adj: np.ndarray | None = None,
     explain: bool = False,
     attention: bool = False,
+    marginals: Callable[..., tuple[np.ndarray, dict | None, int]] = set_marginals,
 ) -> SetResult:
     """The set of each of the n visits under the ensemble (`ensemble_marginals`), with what
     `sampling.decode_sets` gives for one network."""
-    marginals, sums, steps = ensemble_marginals(
-        sessions, memories, n, cfg, keys, ddi_adj, explain, attention
+    mean, sums, steps = ensemble_marginals(
+        sessions, memories, n, cfg, keys, ddi_adj, explain, attention, marginals
     )
-    return set_result(marginals, steps, cfg, ddi_adj, (sums or {}) if explain else None)
+    return set_result(mean, steps, cfg, ddi_adj, (sums or {}) if explain else None)
 
 
 def _pool(a: dict | None, b: dict | None) -> dict | None:
