@@ -240,6 +240,23 @@ def test_a_bad_members_value_exits_2_naming_the_file(ensemble, tmp_path, members
     assert not out.exists()
 
 
+def test_an_ensemble_has_its_own_format_version(ensemble, tmp_path):
+    """Version 2 for an ensemble's manifest, so that a runtime from before ensembles refuses
+    it instead of serving member 0 alone; a manifest without members keeps version 1."""
+    from cognet.core.errors import InputError
+
+    assert json.loads((ensemble / "model" / "manifest.json").read_text())["format_version"] == 2
+    old = _manifest_with(ensemble / "model", tmp_path / "old", format_version=1)
+    with pytest.raises(InputError, match=r"version 1 \(expected 2 for an ensemble\)"):
+        load_manifest(old, verify=False)
+    bare = _manifest_with(ensemble / "model", tmp_path / "bare")
+    data = json.loads((bare / "manifest.json").read_text())
+    del data["members"], data["member_graphs"]
+    (bare / "manifest.json").write_text(json.dumps(data))
+    with pytest.raises(InputError, match=r"version 2 \(expected 1\)"):
+        load_manifest(bare, verify=False)
+
+
 def test_a_missing_or_odd_member_is_refused(ensemble, tmp_path):
     from cognet.core.errors import InputError
 

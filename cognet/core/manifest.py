@@ -7,7 +7,8 @@ API (stable; the runtime codes against it):
 
 - `load_manifest(model_dir, verify=True) -> Manifest`: read `model_dir/manifest.json`.
   Raises `cognet.core.errors.InputError` (one line naming the file) when the directory or the
-  manifest is missing or malformed, when `format_version` is not `FORMAT_VERSION`, or - with
+  manifest is missing or malformed, when `format_version` is not `FORMAT_VERSION` (an
+  ensemble's: `ENSEMBLE_FORMAT_VERSION`), or - with
   `verify` - when a graph file (of the main graphs and of every variant) is missing or its
   sha256 differs from the manifest's.
 - `write_manifest(model_dir, manifest) -> Path`: write `manifest.json` atomically.
@@ -56,6 +57,9 @@ from cognet.core.files import confined, write_text
 from cognet.core.vocab import Vocab
 
 FORMAT_VERSION = 1
+# an ensemble's manifest: a runtime from before ensembles refuses it by its version rather
+# than serving member 0 alone (it would not know the member fields)
+ENSEMBLE_FORMAT_VERSION = 2
 MANIFEST_FILE = "manifest.json"
 LIMIT = 10_000_000  # above any size, id or opset a model has
 MAX_BEAM = 64
@@ -243,7 +247,7 @@ class Manifest:
 
     def to_json(self) -> dict[str, Any]:
         return {
-            "format_version": self.format_version,
+            "format_version": ENSEMBLE_FORMAT_VERSION if self._members_json() else FORMAT_VERSION,
             "opset": self.opset,
             "dims": vars(self.dims).copy(),
             "special": vars(self.special).copy(),
@@ -315,11 +319,13 @@ def load_manifest(model_dir: str | Path, verify: bool = True) -> Manifest:
         obj = strict_json.loads(path.read_text())  # NaN and Infinity are refused
     except (OSError, UnicodeDecodeError, ValueError) as exc:
         raise InputError(f"{path}: unreadable manifest ({one_line(exc)})") from None
-    if not isinstance(obj, dict) or obj.get("format_version") != FORMAT_VERSION:
-        found = obj.get("format_version") if isinstance(obj, dict) else None
+    found = obj.get("format_version") if isinstance(obj, dict) else None
+    ensemble = isinstance(obj, dict) and "members" in obj
+    expected = ENSEMBLE_FORMAT_VERSION if ensemble else FORMAT_VERSION
+    if found != expected or isinstance(found, bool):
         raise InputError(
-            f"{path}: unsupported model format version {found!r} "
-            f"(expected {FORMAT_VERSION}); re-export the model with cognet-export"
+            f"{path}: unsupported model format version {found!r} (expected {expected}"
+            f"{' for an ensemble' if ensemble else ''}); re-export the model with cognet-export"
         )
     try:
         manifest = Manifest.from_json(obj, model_dir)
