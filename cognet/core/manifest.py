@@ -8,9 +8,8 @@ API (stable; the runtime codes against it):
 - `load_manifest(model_dir, verify=True) -> Manifest`: read `model_dir/manifest.json`.
   Raises `cognet.core.errors.InputError` (one line naming the file) when the directory or the
   manifest is missing or malformed, when `format_version` is not `FORMAT_VERSION` (an
-  ensemble's: `ENSEMBLE_FORMAT_VERSION`), or - with
-  `verify` - when a graph file (of the main graphs and of every variant) is missing or its
-  sha256 differs from the manifest's.
+  ensemble's: `ENSEMBLE_FORMAT_VERSION`), or - with `verify` - when a graph file (of the
+  main graphs and of every variant) is missing or its sha256 differs from the manifest's.
 - `write_manifest(model_dir, manifest) -> Path`: write `manifest.json` atomically.
 - `file_sha256(path) -> str`: the hex sha256 of a file, as stored in the manifest.
 - `Manifest` (frozen dataclass) and its parts `Dims`, `Special`, `TensorSpec`, `GraphSpec`:
@@ -57,9 +56,7 @@ from cognet.core.files import confined, write_text
 from cognet.core.vocab import Vocab
 
 FORMAT_VERSION = 1
-# an ensemble's manifest: a runtime from before ensembles refuses it by its version rather
-# than serving member 0 alone (it would not know the member fields)
-ENSEMBLE_FORMAT_VERSION = 2
+ENSEMBLE_FORMAT_VERSION = 2  # older runtimes refuse it rather than serve member 0 alone
 MANIFEST_FILE = "manifest.json"
 LIMIT = 10_000_000  # above any size, id or opset a model has
 MAX_BEAM = 64
@@ -323,9 +320,10 @@ def load_manifest(model_dir: str | Path, verify: bool = True) -> Manifest:
     ensemble = isinstance(obj, dict) and "members" in obj
     expected = ENSEMBLE_FORMAT_VERSION if ensemble else FORMAT_VERSION
     if found != expected or isinstance(found, bool):
+        what = f"{expected} for an ensemble" if ensemble else expected
         raise InputError(
-            f"{path}: unsupported model format version {found!r} (expected {expected}"
-            f"{' for an ensemble' if ensemble else ''}); re-export the model with cognet-export"
+            f"{path}: unsupported model format version {found!r} (expected {what}); "
+            "re-export the model with cognet-export"
         )
     try:
         manifest = Manifest.from_json(obj, model_dir)
@@ -410,17 +408,13 @@ def _check_members(manifest: Manifest, bad) -> None:
     count = manifest.members
     if not isinstance(count, int) or isinstance(count, bool) or not 1 <= count <= MAX_MEMBERS:
         raise bad("members", f"{count!r} is not an integer in [1, {MAX_MEMBERS}]")
-    if len(manifest.member_graphs) != count - 1:
-        raise bad(
-            "member_graphs",
-            f"{len(manifest.member_graphs)} entries, but {count} members need {count - 1}",
-        )
+    n = len(manifest.member_graphs)
+    if n != count - 1:
+        raise bad("member_graphs", f"{n} entries, but {count} members need {count - 1}")
     for i, member in enumerate(manifest.member_graphs, 1):
-        if sorted(member.variants) != sorted(manifest.variants):
-            raise bad(
-                f"member_graphs.{i}.variants",
-                f"{sorted(member.variants)}, but member 0 has {sorted(manifest.variants)}",
-            )
+        have, want = sorted(member.variants), sorted(manifest.variants)
+        if have != want:
+            raise bad(f"member_graphs.{i}.variants", f"{have}, but member 0 has {want}")
 
 
 def _axis(a: object) -> bool:
