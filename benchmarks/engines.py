@@ -241,17 +241,21 @@ class TorchBatched(_TorchBase):
         batch = make_batch(patients, vocab, targets=False)
         batch = select_rows(batch, torch.as_tensor(_last_rows(patients)))
         batch = {k: v.to(self.device) for k, v in batch.items()}
-        steps = []  # each member's log_probs [N, width, V1]
+        steps = []  # each member's log_probs [N, width, V1], where it ran
         with torch.no_grad():
             for model in members_of(self.model):
                 codes = (batch["diagnoses"], batch["procedures"], batch["medications"])
                 enc = model.encode_visits(*codes)
                 memories = model.decoder_init(*history_inputs(batch, *enc, model.cfg))
                 fed = torch.as_tensor(tokens).to(self.device)
-                steps.append(model.decode_teacher_forced(fed, memories)[0].cpu().numpy())
-        logp = steps[0] if len(steps) == 1 else mix_log_probs(steps)
-        picked = np.take_along_axis(logp, targets[..., None], 2)[..., 0]
-        return np.where(counted, picked.astype(np.float64), 0.0).sum(1)
+                steps.append(model.decode_teacher_forced(fed, memories)[0])
+        picks = torch.as_tensor(targets).to(self.device)[..., None]
+        if len(steps) == 1:  # one network: only the picked entries leave the device
+            picked = steps[0].gather(2, picks)[..., 0].double().cpu().numpy()
+        else:
+            logp = mix_log_probs([x.cpu().numpy() for x in steps])
+            picked = np.take_along_axis(logp, targets[..., None], 2)[..., 0].astype(np.float64)
+        return np.where(counted, picked, 0.0).sum(1)
 
 
 class TorchPerPatient(_TorchBase):
