@@ -298,3 +298,23 @@ def test_export_refused_after_corruption(exported, tmp_path):
     (out / "decoder_step.onnx").write_bytes(bytes(data))
     with pytest.raises(InputError, match="sha256 does not match"):
         load_manifest(out)
+
+
+def test_float32_parity_compares_log_probs_above_the_floor():
+    """A float32 rounding of a near-impossible medication's log-probability (a relative
+    error of 1.25e-4 on p = 4e-5, as measured on a trained MIMIC-III network) does not fail
+    the export; a probability that moves across the floor, or a NaN, still does."""
+    ref = np.log(np.array([0.6, 0.3, 0.1 - 4e-5, 4e-5], np.float32))
+    rounded = ref.copy()
+    rounded[3] += 1.25e-4
+    assert val.max_abs_diff(ref, rounded) > val.FLOAT32_ATOL  # raw: would fail
+    assert val.max_abs_diff(val.floored(ref), val.floored(rounded)) == 0.0
+    wrong = ref.copy()
+    wrong[3] = np.log(np.float32(0.01))  # 4e-5 -> 0.01: a real error
+    assert val.max_abs_diff(val.floored(ref), val.floored(wrong)) > 1.0
+    close = ref.copy()
+    close[1] += 2e-4  # above the floor, compared as before
+    assert val.max_abs_diff(val.floored(ref), val.floored(close)) > val.FLOAT32_ATOL
+    nan = ref.copy()
+    nan[3] = np.nan
+    assert val.max_abs_diff(val.floored(ref), val.floored(nan)) == float("inf")
