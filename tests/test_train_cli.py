@@ -43,7 +43,8 @@ def test_train_then_evaluate(tiny, tmp_path):
     assert stored.name == "set" and stored.samples == 16 and stored.threshold is not None
     assert f"decoding: {stored.label};" in res.output  # the set rule chosen on validation
     log = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
-    assert [r["epoch"] for r in log] == [1, 2]
+    # the default trains two members, each its own epochs
+    assert [(r["member"], r["epoch"]) for r in log] == [(0, 1), (0, 2), (1, 1), (1, 2)]
     report = tmp_path / "r.json"
     preds = tmp_path / "p.parquet"
     res = runner.invoke(
