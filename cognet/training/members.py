@@ -18,6 +18,7 @@ import numpy as np
 
 from cognet.core import numbers as strict_json
 from cognet.core.decoding import Decoding
+from cognet.core.decoding.ensemble import MAX_MEMBERS
 from cognet.core.errors import InputError
 from cognet.core.files import write_text
 from cognet.core.history import load_split, train_vocabulary
@@ -25,7 +26,6 @@ from cognet.core.schema import read_dataset
 from cognet.core.vocab import Vocab
 from cognet.model import checkpoint
 from cognet.model.batching import ddi_adjacency, ehr_adjacency
-from cognet.model.checkpoint import MAX_MEMBERS
 from cognet.model.checkpoint_checks import read_graphs
 from cognet.model.ensemble import Ensemble, members_of
 from cognet.model.network import COGNet

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from cognet.core.ddi import require_pairs
 from cognet.core.decoding import DECODINGS, SAMPLES, Decoding
-from cognet.core.decoding.ensemble import member_seed
+from cognet.core.decoding.ensemble import MAX_MEMBERS, member_seed
 from cognet.core.errors import InputError
 from cognet.core.files import writable_folder
 from cognet.core.metrics import evaluation_report, visit_results
@@ -28,7 +28,6 @@ from cognet.core.numbers import finite
 from cognet.core.schema import DDI_FILE
 from cognet.core.vocab import Vocab
 from cognet.model.batching import IGNORE, ddi_adjacency, ehr_adjacency, make_batch
-from cognet.model.checkpoint import MAX_MEMBERS
 from cognet.model.decoding import decode_patients
 from cognet.model.ensemble import Ensemble
 from cognet.model.network import COGNet, ModelConfig
