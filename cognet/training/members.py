@@ -114,6 +114,13 @@ def combine(checkpoints: Sequence[str | Path], data_dir: str | Path, out: str | 
         model, member_vocab, config = checkpoint.load(path)
         if len(members_of(model)) > 1:
             raise InputError(f"{path}: already an ensemble ({config['members']} members)")
+        train = {**ADDED_FIELDS, **_untuned(config["train"])}
+        lacking = [k for k in TRAINED if k not in train]
+        if lacking:
+            raise InputError(f"{path}: not a run of cognet train (config.json lacks {lacking[0]})")
+        recipe = {k: v for k, v in train.items() if k not in RUN_FIELDS}
+        first = recipe if first is None else first
+        _same(path, "training recipe", recipe, first, checkpoints[0])
         _same(path, "vocabulary", member_vocab.to_json(), vocab.to_json(), data_dir)
         _same(
             path, "DDI pairs", config["ddi_pairs"], [list(p) for p in dataset.ddi_pairs], data_dir
@@ -122,13 +129,6 @@ def combine(checkpoints: Sequence[str | Path], data_dir: str | Path, out: str | 
         for name, have, want in zip(("EHR graph", "DDI graph"), graphs, (ehr, ddi), strict=True):
             if not np.array_equal(have, want):
                 raise InputError(f"{path}: its {name} is not that of {data_dir}'s train split")
-        train = {**ADDED_FIELDS, **_untuned(config["train"])}
-        lacking = [k for k in TRAINED if k not in train]
-        if lacking:
-            raise InputError(f"{path}: not a run of cognet train (config.json lacks {lacking[0]})")
-        recipe = {k: v for k, v in train.items() if k not in RUN_FIELDS}
-        first = recipe if first is None else first
-        _same(path, "training recipe", recipe, first, checkpoints[0])
         last = train
         nets.append(model)
         runs.append({k: train[k] for k in ("seed", "best_epoch", "weights", "epochs_run")})
@@ -173,7 +173,7 @@ def _same(path, what: str, have, want, other) -> None:
         if isinstance(have, dict) and isinstance(want, dict):
             key = next(k for k in sorted(set(have) | set(want)) if have.get(k) != want.get(k))
             what = f"{what} ({key}: {have.get(key)!r:.60} against {want.get(key)!r:.60})"
-        raise InputError(f"{path}: its {what} differs from {other}'s; members must share it")
+        raise InputError(f"{path}: not the same {what} as {other}; members must share it")
 
 
 def _log(path: Path) -> list[dict]:
