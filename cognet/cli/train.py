@@ -165,9 +165,9 @@ def train(data_dir, out, threads, quiet, recipe, **config):
             if "val_jaccard" in r
             else ""
         )
-        member = f"member {r['member']}  " if "member" in r else ""
+        member = f"  member {r['member']}" if "member" in r else ""  # every line opens "epoch"
         click.echo(
-            f"{member}epoch {r['epoch']:3d}  loss {r['loss']:.4f}  "
+            f"epoch {r['epoch']:3d}{member}  loss {r['loss']:.4f}  "
             f"val nll {r['val_nll']:.4f}{greedy}  "
             f"({r['train_s']:.1f}s train, {r['epoch_s']:.1f}s total)"
             f"{'  *best' if r['best'] else ''}",
