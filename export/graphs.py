@@ -1,13 +1,20 @@
 """The three exported graphs as torch modules, their example inputs and their I/O specs.
 
-Each wrapper calls exactly one of `COGNet.encode_visits`, `COGNet.decoder_init`,
-`COGNet.decoder_step`, so the ONNX graphs compute what the torch reference computes. The
-step wrapper holds E_g (`COGNet.graph_embeddings()`) as a constant: the medication graphs
-are fixed after training, so the two GCNs are not part of any exported graph.
+The encoder and decoder-init wrappers call `COGNet.encode_visits` and `COGNet.decoder_init`.
+The step wrapper (`StepGraph`) computes `COGNet.decoder_step` with its cache as the token
+prefix of every row (`graphspec.STEP_CACHE_INPUTS`): the decoder has one layer and no
+position embeddings, so the embedding, query, key and value of a token depend on the token
+alone, and the step reads them from tables of every token made here (E_g, the medication
+graphs' embeddings, included: the graphs are fixed after training, so the two GCNs are not
+part of any exported graph). Per step the graph gathers each row's keys and values from
+the tables (a few KB that stay in the CPU's cache) instead of reading, reordering and
+rewriting a KV cache that grows with every step. `ReferenceStep` is what the step is
+checked against: the model's own `decoder_step`, fed the KV cache of the same prefix.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -44,23 +51,69 @@ class InitGraph(nn.Module):
 
 
 class StepGraph(nn.Module):
+    """`COGNet.decoder_step` over the token prefix: tokens, parent [N, B], past_tokens
+    [N, B, T] -> log_probs, gate, copy_probs, diag_attention, present_tokens [N, B, T + 1]."""
+
+    def __init__(self, model: COGNet):
+        super().__init__()
+        self.model = model
+        attn, h, dh = model.self_attn, model.cfg.heads, model.cfg.head_dim
+        with torch.no_grad():
+            x = model.med_emb.weight + model.graph_embeddings()  # [V1 + 2, s]: each token's x
+            q = attn.q(x).view(-1, h, dh) * (1.0 / math.sqrt(dh))
+            # [H, V1 + 2, dh]: a gather along axis 1 gives [H, N, B, T + 1, dh]
+            k, v = (f(x).view(-1, h, dh).transpose(0, 1) for f in (attn.k, attn.v))
+            for name, table in (("x_table", x), ("q_table", q), ("k_table", k), ("v_table", v)):
+                self.register_buffer(name, table.detach().contiguous())
+
+    def forward(self, tokens: Tensor, parent: Tensor, past_tokens: Tensor, *memories: Tensor):
+        n, b = tokens.shape
+        prefix = reorder(past_tokens, parent)
+        prefix = torch.cat([prefix, tokens.unsqueeze(-1)], -1)  # [N, B, T + 1]
+        q = self.q_table[tokens].permute(2, 0, 1, 3).unsqueeze(-2)  # [H, N, B, 1, dh]
+        key, value = self.k_table[:, prefix], self.v_table[:, prefix]  # [H, N, B, T + 1, dh]
+        att = (q @ key.transpose(-1, -2)).softmax(-1)  # [H, N, B, 1, T + 1]
+        y = (att @ value).squeeze(-2).permute(1, 2, 0, 3).reshape(n, b, -1)  # [N, B, s]
+        x = self.x_table[tokens]
+        out = self.model._finish(x, self.model.self_attn.out(y), memories)
+        return (*out, prefix)
+
+
+class ReferenceStep(nn.Module):
+    """The torch model's own step on StepGraph's inputs: `COGNet.decoder_step` fed the KV
+    cache of the prefix (`kv_cache`), what the exported step must compute."""
+
     def __init__(self, model: COGNet):
         super().__init__()
         self.model = model
         with torch.no_grad():
             self.register_buffer("graph_emb", model.graph_embeddings().detach().clone())
 
-    def forward(
-        self,
-        tokens: Tensor,
-        parent: Tensor,
-        past_key: Tensor,
-        past_value: Tensor,
-        *memories: Tensor,
-    ):
-        return self.model.decoder_step(
-            tokens, parent, past_key, past_value, *memories, graph=self.graph_emb, attention=True
+    def forward(self, tokens: Tensor, parent: Tensor, past_tokens: Tensor, *memories: Tensor):
+        cache = kv_cache(self.model, past_tokens, self.graph_emb)
+        out = self.model.decoder_step(
+            tokens, parent, *cache, *memories, graph=self.graph_emb, attention=True
         )
+        present = torch.cat([reorder(past_tokens, parent), tokens.unsqueeze(-1)], -1)
+        return (*out[:4], present)
+
+
+def reorder(past: Tensor, parent: Tensor) -> Tensor:
+    """Each row's prefix continued from its parent beam: past [N, B, T] gathered along B."""
+    n, b = parent.shape
+    rows = (torch.arange(n, device=parent.device).unsqueeze(1) * b + parent).reshape(-1)
+    return past.flatten(0, 1)[rows].view(past.shape)
+
+
+def kv_cache(model: COGNet, prefix: Tensor, graph: Tensor) -> tuple[Tensor, Tensor]:
+    """(past_key, past_value) of `COGNet.decoder_step` after the tokens `prefix` [N, B, T]:
+    the step's self-attention keys and values of each token, in its layout
+    (`graphspec.cache_shapes`)."""
+    attn, (n, b, t) = model.self_attn, prefix.shape
+    x = model._embed_tokens(prefix, graph)  # [N, B, T, s]
+    shape = (n, b, t, attn.heads, attn.head_dim)
+    key = attn.k(x).view(shape).permute(0, 1, 3, 4, 2)  # [N, B, H, dh, T]
+    return key.contiguous(), attn.v(x).view(shape).transpose(2, 3).contiguous()
 
 
 @dataclass(frozen=True)
@@ -115,14 +168,12 @@ def tensor_specs(model: COGNet) -> dict[str, TensorSpec]:
         "has_history": (f32, ("N",)),
         "tokens": (i64, ("N", "B")),
         "parent": (i64, ("N", "B")),
-        "past_key": (f32, ("N", "B", h, dh, "T")),
-        "past_value": (f32, ("N", "B", h, "T", dh)),
+        "past_tokens": (i64, ("N", "B", "T")),
         "log_probs": (f32, ("N", "B", v1)),
         "gate": (f32, ("N", "B")),
         "copy_probs": (f32, ("N", "B", "S")),
         "diag_attention": (f32, ("N", h, "B", "Ld")),
-        "present_key": (f32, ("N", "B", h, dh, "T+1")),
-        "present_value": (f32, ("N", "B", h, "T+1", dh)),
+        "present_tokens": (i64, ("N", "B", "T+1")),
     }
     return {name: TensorSpec(name, dtype, shape) for name, (dtype, shape) in table.items()}
 
@@ -184,13 +235,11 @@ def example_inputs(model: COGNet, sizes: Sizes, seed: int = 0) -> dict[str, Tens
         }
         memories = model.decoder_init(*(init[k] for k in INIT_INPUTS))
         memories = dict(zip(INIT_OUTPUTS, memories, strict=True))
-        shape_k = (n, sizes.B, cfg.heads, cfg.head_dim, sizes.T)
-        shape_v = (n, sizes.B, cfg.heads, sizes.T, cfg.head_dim)
+        # the tokens a row may be fed: medications, END and START (never PAD)
         step = {
             "tokens": torch.randint(0, cfg.n_med + 2, (n, sizes.B), generator=g),
             "parent": torch.randint(0, sizes.B, (n, sizes.B), generator=g),
-            "past_key": normal(*shape_k),
-            "past_value": normal(*shape_v),
+            "past_tokens": torch.randint(0, cfg.n_med + 2, (n, sizes.B, sizes.T), generator=g),
         }
     return {
         "diagnoses": diagnoses,

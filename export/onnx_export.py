@@ -149,8 +149,9 @@ _MOVES = {
 
 
 def cache_tensors(graph, sources=STEP_CACHE_INPUTS) -> set[str]:
-    """Names of the tensors of an ONNX graph that hold the KV cache: the inputs `sources` and
-    what data-movement operators make of them (up to the MatMuls that consume them)."""
+    """Names of the tensors of an ONNX graph that hold the step's cache: the inputs `sources`
+    (the token prefix; a KV cache's names for models exported before) and what
+    data-movement operators make of them (up to the ops that consume them)."""
     found = set(sources)
     for node in graph.node:  # topological order
         if node.op_type in _MOVES and node.input and node.input[0] in found:
@@ -158,12 +159,13 @@ def cache_tensors(graph, sources=STEP_CACHE_INPUTS) -> set[str]:
     return found
 
 
-def _literal_zeros(proto) -> None:
-    """allowzero=1 on the Reshapes of the KV cache (empty at T = 0): their target shapes come
-    from Shape ops, so a 0 is a real size, as in torch, not "copy the input's dim"."""
+def _literal_zeros(proto, sources=STEP_CACHE_INPUTS) -> None:
+    """allowzero=1 on the Reshapes of the step's cache (`sources`; empty at T = 0): their
+    target shapes come from Shape ops, so a 0 is a real size, as in torch, not "copy the
+    input's dim"."""
     from onnx import helper
 
-    cache = cache_tensors(proto.graph)
+    cache = cache_tensors(proto.graph, sources)
     for node in proto.graph.node:
         if node.op_type == "Reshape" and node.input[0] in cache:
             kept = [a for a in node.attribute if a.name != "allowzero"]

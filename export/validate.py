@@ -47,7 +47,7 @@ from cognet.core.graphspec import ENCODER_INPUTS, ENCODER_OUTPUTS, INIT_INPUTS
 from cognet.core.history import Visit
 from cognet.core.manifest import GRAPHS
 from cognet.core.vocab import Vocab
-from cognet.export.graphs import GRAPH_IO, WRAPPERS, Sizes, example_inputs
+from cognet.export.graphs import GRAPH_IO, WRAPPERS, ReferenceStep, Sizes, example_inputs
 from cognet.model.decoding import beam_search
 from cognet.model.ensemble import Ensemble, members_of
 from cognet.model.network import COGNet, ModelConfig, history_inputs
@@ -141,16 +141,16 @@ def compare_outputs(model: COGNet, graphs: Graphs, as_probs: bool = False) -> di
     """Max abs diff of every output of every graph at every shape case, and top-1 agreement.
     as_probs: `log_probs` compared as probabilities, whose worst diff (with `gate` and
     `copy_probs`) is also reported as `probs_max_abs_diff`."""
+    # the step graph against the model's own KV-cached step (`ReferenceStep`)
     modules = {name: WRAPPERS[name](model).eval() for name in GRAPHS}
+    modules["decoder_step"] = ReferenceStep(model).eval()
     cases, top1_same, top1_rows = {}, 0, 0
     for name, (sizes, lengths) in SHAPE_CASES.items():
         case: dict[str, float] = {}
         full = example_inputs(model, replace(sizes, T=max(lengths)))
         for t in lengths:
             # the step at cache length t: a prefix of the longest cache
-            inputs = dict(
-                full, past_key=full["past_key"][..., :t], past_value=full["past_value"][..., :t, :]
-            )
+            inputs = dict(full, past_tokens=full["past_tokens"][..., :t])
             graph_names = GRAPHS if t == lengths[0] else ("decoder_step",)
             for graph in graph_names:
                 ins, outs = GRAPH_IO[graph]

@@ -19,6 +19,8 @@ from cognet.core.graphspec import (
     ENCODER_INPUTS,
     ENCODER_OUTPUTS,
     INIT_INPUTS,
+    KV_STEP_INPUTS,
+    KV_STEP_OUTPUTS,
     MEMORIES,
     STEP_INPUTS,
     STEP_OUTPUTS,
@@ -27,12 +29,14 @@ from cognet.core.manifest import Dims, GraphSpec, Manifest
 from cognet.runtime.search import ORT_TYPES
 
 # What each graph must take and give (`cognet.core.graphspec`); `diag_attention` is optional
-# (models exported before it lack it).
+# (models exported before it lack it), and so is the step's cache: the token prefix, or the
+# KV cache of models exported before it.
 GRAPH_IO = {
     "encoder": (ENCODER_INPUTS, ENCODER_OUTPUTS),
     "decoder_init": (INIT_INPUTS, MEMORIES),
     "decoder_step": (STEP_INPUTS, tuple(n for n in STEP_OUTPUTS if n != "diag_attention")),
 }
+KV_STEP_IO = (KV_STEP_INPUTS, tuple(n for n in KV_STEP_OUTPUTS if n != "diag_attention"))
 
 
 def check_io(
@@ -45,6 +49,8 @@ def check_io(
     name and axis, rather than at its first run."""
     inputs, outputs = GRAPH_IO[name]
     got_in = [i.name for i in session.get_inputs()]
+    if name == "decoder_step" and "past_key" in got_in:
+        inputs, outputs = KV_STEP_IO
     got_out = {o.name for o in session.get_outputs()}
     if sorted(got_in) != sorted(inputs) or not got_out.issuperset(outputs):
         raise InputError(

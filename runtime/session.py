@@ -32,7 +32,16 @@ import onnxruntime as ort
 from cognet.core import tensorrt
 from cognet.core.decoding.ensemble import EnsembleSession
 from cognet.core.errors import InputError, one_line
-from cognet.core.graphspec import INIT_INPUTS, MEMORIES, cache_shapes, step_feed
+from cognet.core.graphspec import (
+    INIT_INPUTS,
+    KV_CACHE_INPUTS,
+    KV_CACHE_OUTPUTS,
+    MEMORIES,
+    STEP_CACHE_INPUTS,
+    STEP_CACHE_OUTPUTS,
+    cache_shapes,
+    step_feed,
+)
 from cognet.core.manifest import GRAPHS, Manifest
 from cognet.runtime.encoder import Encoder, Encodings, EnsembleEncoder
 from cognet.runtime.graphcheck import check_io, check_search, probe
@@ -247,11 +256,32 @@ def input_dtypes(session: ort.InferenceSession) -> dict[str, np.dtype]:
     return {i.name: np.dtype(ORT_TYPES.get(i.type, "float32")) for i in session.get_inputs()}
 
 
+class StepCache:
+    """The cache a step graph carries from step to step: the token prefix of every row
+    (`graphspec.STEP_CACHE_INPUTS`, int64 [N, B, T]), or the KV cache of a model exported
+    before it (past_key, past_value, in the graph's float type)."""
+
+    def __init__(self, step: ort.InferenceSession, heads: int, head_dim: int):
+        types = input_dtypes(step)
+        self.kv = "past_key" in types
+        self.inputs = KV_CACHE_INPUTS if self.kv else STEP_CACHE_INPUTS
+        self.outputs = KV_CACHE_OUTPUTS if self.kv else STEP_CACHE_OUTPUTS
+        self._type = types["past_key"] if self.kv else np.dtype(np.int64)
+        self._heads, self._head_dim = heads, head_dim
+
+    def empty(self, n: int, width: int) -> tuple[np.ndarray, ...]:
+        """The cache of n visits x width rows before the first step (T = 0)."""
+        if not self.kv:
+            return (np.zeros((n, width, 0), np.int64),)
+        key, value = cache_shapes(n, width, self._heads, self._head_dim)
+        return np.zeros(key, self._type), np.zeros(value, self._type)
+
+
 class HostDecoder:
     """Decoder init and step on the CPU provider (numpy arrays throughout).
 
     Inputs are cast to the types the graphs declare: the assembly builds float32 arrays,
-    which the float16 variant takes as float16 (its memories and cache stay float16; its
+    which the float16 variant takes as float16 (its memories stay float16; its
     log-probabilities leave the step as float32)."""
 
     def __init__(
@@ -259,8 +289,7 @@ class HostDecoder:
     ):
         self._init, self._step = init, step
         self._init_types = input_dtypes(init)
-        self._cache_type = input_dtypes(step)["past_key"]
-        self._heads, self._head_dim = heads, head_dim
+        self._cache = StepCache(step, heads, head_dim)
         # what `step` can return (models exported before `diag_attention` lack it)
         self.step_outputs = tuple(o.name for o in step.get_outputs())
         self.search: SearchGraphs | None = None  # the search graphs, on the CPU provider
@@ -271,16 +300,16 @@ class HostDecoder:
         out = self._init.run(list(MEMORIES), feed)
         return dict(zip(MEMORIES, out, strict=True))
 
-    def empty_cache(self, n: int, beam: int) -> tuple[np.ndarray, np.ndarray]:
-        key, value = cache_shapes(n, beam, self._heads, self._head_dim)
-        return np.zeros(key, self._cache_type), np.zeros(value, self._cache_type)
+    def empty_cache(self, n: int, beam: int) -> tuple[np.ndarray, ...]:
+        return self._cache.empty(n, beam)
 
     def step(
         self, tokens: np.ndarray, parent: np.ndarray, cache, memories, outputs: Sequence[str]
     ) -> tuple[dict[str, np.ndarray], Any]:
-        feed = step_feed(tokens, parent, cache, memories)
-        out = self._step.run([*outputs, "present_key", "present_value"], feed)
-        return dict(zip(outputs, out[: len(outputs)], strict=True)), (out[-2], out[-1])
+        feed = step_feed(tokens, parent, cache, memories, self._cache.inputs)
+        out = self._step.run([*outputs, *self._cache.outputs], feed)
+        k = len(outputs)
+        return dict(zip(outputs, out[:k], strict=True)), tuple(out[k:])
 
     def step_log_probs(self, tokens: np.ndarray, parent: np.ndarray, cache, memories):
         """(log_probs [n, B, V1], the next cache) of one step, for the search graphs."""
@@ -311,8 +340,7 @@ class DeviceDecoder:
         self._init, self._step = init, step
         self._device = device  # ("cpu", 0) runs the same bindings on the CPU (tests)
         self._init_types = input_dtypes(init)
-        self._cache_type = input_dtypes(step)["past_key"]
-        self._heads, self._head_dim = manifest.dims.heads, manifest.dims.head_dim
+        self._cache = StepCache(step, manifest.dims.heads, manifest.dims.head_dim)
         self.step_outputs = tuple(o.name for o in step.get_outputs())
         self.search: SearchGraphs | None = None  # the search graphs, on the device
         self.select_on_device = False  # select in the search graphs (--selection device)
@@ -347,35 +375,35 @@ class DeviceDecoder:
         _, gathered = self.search.run(INIT_GATHER[enc.codes.data_type()], feeds, (), tuple(rows))
         return self.init({**rest, **gathered})
 
-    def empty_cache(self, n: int, beam: int) -> tuple[np.ndarray, np.ndarray]:
-        return HostDecoder.empty_cache(self, n, beam)
+    def empty_cache(self, n: int, beam: int) -> tuple[np.ndarray, ...]:
+        return self._cache.empty(n, beam)
 
     def step(
         self, tokens: np.ndarray, parent: np.ndarray, cache, memories, outputs: Sequence[str]
     ) -> tuple[dict[str, np.ndarray], Any]:
         io = self._step.io_binding()
-        for name, value in step_feed(tokens, parent, cache, memories).items():
+        for name, value in step_feed(tokens, parent, cache, memories, self._cache.inputs).items():
             self._bind(io, name, value)
         for name in outputs:
             io.bind_output(name, "cpu")
-        io.bind_output("present_key", *self._device)
-        io.bind_output("present_value", *self._device)
+        for name in self._cache.outputs:
+            io.bind_output(name, *self._device)
         self._step.run_with_iobinding(io)
         out = io.get_outputs()  # in binding order
         host = {name: np.array(out[i].numpy(), copy=True) for i, name in enumerate(outputs)}
-        return host, (out[-2], out[-1])
+        return host, tuple(out[len(outputs) :])
 
     def step_log_probs(self, tokens: np.ndarray, parent: np.ndarray, cache, memories):
         """(log_probs [n, B, V1] left on the device, the next cache) of one step, for the
         search graphs."""
         io = self._step.io_binding()
-        for name, value in step_feed(tokens, parent, cache, memories).items():
+        for name, value in step_feed(tokens, parent, cache, memories, self._cache.inputs).items():
             self._bind(io, name, value)
-        for name in ("log_probs", "present_key", "present_value"):
+        for name in ("log_probs", *self._cache.outputs):
             io.bind_output(name, *self._device)
         self._step.run_with_iobinding(io)
         out = io.get_outputs()
-        return out[0], (out[1], out[2])
+        return out[0], tuple(out[1:])
 
     def take(self, value, rows: np.ndarray):
         search = self.search

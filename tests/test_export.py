@@ -24,7 +24,13 @@ from cognet.core.vocab import Vocab
 from cognet.export import FP16_FILES, GRAPH_FILES, OPSET, cache_tensors, export
 from cognet.export import validate as val
 from cognet.export.cli import main
-from cognet.export.graphs import GRAPH_IO, Sizes, StepGraph, example_inputs, tensor_specs
+from cognet.export.graphs import (
+    GRAPH_IO,
+    ReferenceStep,
+    Sizes,
+    example_inputs,
+    tensor_specs,
+)
 from cognet.export.search_graphs import SEARCH_FILES
 from cognet.model import checkpoint
 from cognet.model.network import COGNet
@@ -114,8 +120,8 @@ def test_fp16_variant_types(exported):
     step = manifest.graph_spec("decoder_step", "fp16")
     dtypes = {t.name: t.dtype for t in (*step.inputs, *step.outputs)}
     assert dtypes["log_probs"] == "float32"  # beam scores accumulate in float32
-    assert dtypes["past_key"] == dtypes["copy_onehot"] == dtypes["gate"] == "float16"
-    assert dtypes["tokens"] == "int64"
+    assert dtypes["copy_onehot"] == dtypes["gate"] == "float16"
+    assert dtypes["tokens"] == dtypes["past_tokens"] == dtypes["present_tokens"] == "int64"
     for name in GRAPHS:
         onnx.checker.check_model(onnx.load(str(out / FP16_FILES[name])), full_check=True)
 
@@ -137,10 +143,10 @@ def test_operators_are_in_the_allowlist(exported):
     assert not ops & {"If", "Loop", "Scan", "ScatterElements", "ScatterND"}
 
 
-def test_no_transpose_over_the_kv_cache(exported, tmp_path):
-    """The cache layout (keys [.., dh, T]) makes the step's attention two plain MatMuls; the
-    step graph, before and after ONNX Runtime's optimisations, transposes nothing that
-    depends on the cache."""
+def test_step_cache_is_the_token_prefix(exported, tmp_path):
+    """The step carries no keys or values between steps, only each row's tokens (int64);
+    the keys and values it gathers by them from its tables go straight into the attention's
+    two MatMuls, with nothing transposed, before and after ONNX Runtime's optimisations."""
     step = exported.out / GRAPH_FILES["decoder_step"]
     opts = ort.SessionOptions()
     opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
@@ -148,12 +154,24 @@ def test_no_transpose_over_the_kv_cache(exported, tmp_path):
     ort.InferenceSession(str(step), opts, providers=["CPUExecutionProvider"])
     for path in (step, tmp_path / "step.opt.onnx"):
         graph = onnx.load(str(path)).graph
+        io = {v.name: v.type.tensor_type.elem_type for v in (*graph.input, *graph.output)}
+        assert io["past_tokens"] == io["present_tokens"] == onnx.TensorProto.INT64
+        assert not {"past_key", "past_value", "present_key", "present_value"} & set(io)
         cache = cache_tensors(graph)
-        assert {"past_key", "past_value", "present_key", "present_value"} <= cache
-        transposes = [
-            n.name for n in graph.node if n.op_type == "Transpose" and n.input[0] in cache
-        ]
-        assert transposes == [], path.name
+        assert {"past_tokens", "present_tokens"} <= cache
+        gathered = {
+            out
+            for n in graph.node
+            if n.op_type == "Gather" and n.input[1] in cache
+            for out in n.output
+        }
+        users = [n.op_type for n in graph.node if set(n.input) & gathered]
+        assert len(gathered) == 2 and sorted(users) in (
+            ["MatMul", "Transpose"],  # keys transposed for q @ k^T: fused below
+            ["FusedMatMul", "MatMul"],
+        ), path.name
+        if path.name == "step.opt.onnx":
+            assert sorted(users) == ["FusedMatMul", "MatMul"]
 
 
 # -- parity -----------------------------------------------------------------------------------
@@ -190,16 +208,18 @@ def test_parity_at_shape_case(exported, case):
 
 
 def test_step_accepts_an_empty_cache(exported):
-    """Exported with T = 2, run at T = 0 (the first step) and at T = 45."""
+    """Exported with T = 2, run at T = 0 (the first step) and at T = 45, against the model's
+    own KV-cached step fed the same prefix."""
     _, out, model, _, _ = exported
     graphs = val.Graphs.load(_graph_paths(out), threads=1)
-    step = StepGraph(model)
+    step = ReferenceStep(model)
     for t in (0, 45):
         inputs = example_inputs(model, Sizes(N=2, B=4, T=t))
         with torch.no_grad():
             ref = step(*(inputs[k] for k in STEP_INPUTS))
         got = graphs.run("decoder_step", {k: inputs[k].numpy() for k in STEP_INPUTS})
-        assert got["present_key"].shape[-1] == got["present_value"].shape[-2] == t + 1
+        assert got["present_tokens"].shape == (2, 4, t + 1)
+        np.testing.assert_array_equal(got["present_tokens"], ref[-1].numpy())
         np.testing.assert_allclose(got["log_probs"], ref[0].numpy(), atol=val.FLOAT32_ATOL)
 
 

@@ -59,32 +59,42 @@ MEMORIES = (
 )
 INIT_OUTPUTS = MEMORIES
 
-STEP_CACHE_INPUTS = ("past_key", "past_value")  # [N, B, H, dh, T] and [N, B, H, T, dh]
+# The step's self-attention cache: the tokens each row has been fed so far (its prefix). The
+# decoder has one layer and no position embeddings, so a token's query, key and value depend
+# on the token alone: the exported step looks them up in tables of every token (computed at
+# export) instead of carrying keys and values from step to step (docs/DESIGN.md, "The
+# decoder step's cache"). The torch model's own step keeps the KV cache (KV_CACHE_INPUTS),
+# and so do the step graphs of models exported before.
+STEP_CACHE_INPUTS = ("past_tokens",)  # int64 [N, B, T]
+STEP_CACHE_OUTPUTS = ("present_tokens",)  # int64 [N, B, T + 1]
+KV_CACHE_INPUTS = ("past_key", "past_value")  # [N, B, H, dh, T] and [N, B, H, T, dh]
+KV_CACHE_OUTPUTS = ("present_key", "present_value")  # [N, B, H, dh, T + 1], [N, B, H, T + 1, dh]
 STEP_INPUTS = ("tokens", "parent", *STEP_CACHE_INPUTS, *MEMORIES)  # tokens/parent int64 [N, B]
+KV_STEP_INPUTS = ("tokens", "parent", *KV_CACHE_INPUTS, *MEMORIES)
 
 
 def cache_shapes(n: int, beam: int, heads: int, head_dim: int, length: int = 0) -> tuple:
-    """The shapes of STEP_CACHE_INPUTS (past_key, past_value) after `length` steps; the
+    """The shapes of KV_CACHE_INPUTS (past_key, past_value) after `length` steps; the
     first step's cache is empty (length 0)."""
     return (n, beam, heads, head_dim, length), (n, beam, heads, length, head_dim)
 
 
-def step_feed(tokens, parent, cache, memories) -> dict:
-    """A decoder step's inputs by their STEP_INPUTS names: tokens, parent, the cache
-    (past_key, past_value) and the memories of the decoder init."""
-    feed = dict(zip(STEP_INPUTS[:2] + STEP_CACHE_INPUTS, (tokens, parent, *cache), strict=True))
+def step_feed(tokens, parent, cache, memories, cache_names=STEP_CACHE_INPUTS) -> dict:
+    """A decoder step's inputs by name: tokens, parent, the cache (`cache_names`: the token
+    prefix, or a KV cache) and the memories of the decoder init."""
+    feed = dict(zip(("tokens", "parent", *cache_names), (tokens, parent, *cache), strict=True))
     feed.update(memories)
     return feed
 
 
-STEP_OUTPUTS = (
+STEP_HEADS = (
     "log_probs",  # [N, B, V1] log of the copy-or-predict mixture
     "gate",  # [N, B]     w_g, the weight of the generated distribution
     "copy_probs",  # [N, B, S]  copy distribution over the history slots
     "diag_attention",  # [N, H, B, Ld] diagnosis cross-attention weights (explanations)
-    "present_key",  # [N, B, H, dh, T + 1]
-    "present_value",  # [N, B, H, T + 1, dh]
 )
+STEP_OUTPUTS = (*STEP_HEADS, *STEP_CACHE_OUTPUTS)
+KV_STEP_OUTPUTS = (*STEP_HEADS, *KV_CACHE_OUTPUTS)
 
 # The search graphs of `cognet-export` (export/search_graphs.py), run by the runtime
 # (`cognet.runtime.search`): their inputs, the outputs that come to the host each step and

@@ -9,12 +9,11 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 import torch
 
-from cognet.core.graphspec import INIT_INPUTS
-from cognet.core.graphspec import STEP_OUTPUTS as GRAPH_STEP_OUTPUTS
+from cognet.core.graphspec import INIT_INPUTS, KV_STEP_OUTPUTS, STEP_HEADS
 from cognet.model.network import COGNet, history_inputs
 
-# what `step` can return: every step output of the exported decoder step
-STEP_OUTPUTS = tuple(o for o in GRAPH_STEP_OUTPUTS if o not in ("present_key", "present_value"))
+# what `step` can return: every step output of the exported decoder step but its cache
+STEP_OUTPUTS = STEP_HEADS
 
 
 class TorchSession:
@@ -60,7 +59,7 @@ class TorchSession:
         tok = torch.from_numpy(tokens).to(self.device)
         par = torch.from_numpy(parent).to(self.device)
         out = self.model.decoder_step(tok, par, *cache, *memories, graph=self.graph, attention=True)
-        got = dict(zip(GRAPH_STEP_OUTPUTS, out, strict=True))
+        got = dict(zip(KV_STEP_OUTPUTS, out, strict=True))
         cache = (got["present_key"], got["present_value"])
         return {k: got[k].float().cpu().numpy() for k in outputs}, cache
 
