@@ -61,6 +61,10 @@ def test_mix_log_probs_is_the_log_of_the_mean_probability():
     assert mixed[0, 3] == -np.inf  # every member gives it nothing: still nothing
     one = np.log(np.array([[0.5, 0.5, 0.0, 0.0]], np.float32))
     assert np.isfinite(mix_log_probs([one, b])[0, 2])  # one member's -inf is not the mix's
+    three = mix_log_probs([a, b, one])  # any number of members: the mean of the three
+    np.testing.assert_allclose(np.exp(three[0, :3]), [1.3 / 3, 0.8 / 3, 0.5 / 3], rtol=1e-6)
+    assert three[0, 3] == -np.inf
+    np.testing.assert_array_equal(mix_log_probs([a]), a)  # one member: itself
 
 
 def test_member_seeds_and_draws():
