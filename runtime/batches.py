@@ -35,7 +35,7 @@ ENCODE_CELLS, GPU_ENCODE_CELLS = 1 << 18, 1 << 24
 CPU_ENCODE_BATCH, GPU_ENCODE_BATCH = 64, 4096  # visits per encoder call
 
 
-# Visits decoded together. CPU: small batches keep a batch's memories and KV cache in the
+# Visits decoded together. CPU: small batches keep a batch's memories and cache in the
 # core's cache (2 cores, beam 4: 64 -> 936 visits/s, 128 -> 985, 256 -> 648). GPU: many rows,
 # within the N <= 512 shape profile of the TensorRT engines built by cognet-export.
 CPU_BATCH, GPU_BATCH = 128, 512

@@ -21,7 +21,7 @@ What decides the speed (figures: BENCHMARKS.md, "Where the time goes in ort-cpu"
 - Parallel streams: on the CPU each core decodes its own batch with a single-threaded
   session rather than one batch on several intra-op threads (whose spinning is off: it
   took the core the Python side needs).
-- Small CPU batches (`batches.CPU_BATCH`): past them a batch's memories and KV cache no longer fit
+- Small CPU batches (`batches.CPU_BATCH`): past them a batch's memories and cache no longer fit
   the core's cache; batches of long histories are cut smaller (CPU_BATCH_SLOTS), and so
   are those of long code lists (`batches`: memory stays bounded on every padded axis).
 - Most of the time goes to the decoder step graph, then the encoder; the Python side

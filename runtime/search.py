@@ -5,8 +5,8 @@ the log-probabilities [n, B, V1] stay where the step computed them (on a GPU: on
 Per step only [n, B] values cross to the host: the parent, token, chosen log-probability and
 liveness of each beam (for the trace back, `beam.trace_back`), the finished flags and the
 scores (to tell when a visit is done), or for set decoding the drawn tokens and finished
-flags. The `used` masks, the set decoding's hazard sums, the KV cache and the memories stay
-on the device; finished visits leave the batch by the `take_*` graphs (a gather on the
+flags. The `used` masks, the set decoding's hazard sums, the step's cache and the memories
+stay on the device; finished visits leave the batch by the `take_*` graphs (a gather on the
 device). The rules are those of the numpy selectors (`beam.BeamSelector`,
 `cognet.core.decoding.sampling.SetSampler`), which remain the path for explanations and for the
 PRAUC scores of beam search; both run in the one loop of `cognet.core.decoding.driver`, and tests

@@ -323,7 +323,7 @@ class HostDecoder:
 
 
 class DeviceDecoder:
-    """Decoder init and step on CUDA / TensorRT with IO binding: memories and the KV cache
+    """Decoder init and step on CUDA / TensorRT with IO binding: memories and the step's cache
     stay on the device; tokens and parents are bound from host arrays each step and only
     the requested outputs (log-probabilities, ...) are copied back.
 
