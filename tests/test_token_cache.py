@@ -7,6 +7,7 @@ from __future__ import annotations
 import io
 import json
 import shutil
+import warnings
 from contextlib import redirect_stderr
 from pathlib import Path
 
@@ -120,7 +121,13 @@ def _kv_model(tiny_model, dst: Path) -> Path:
     shapes.update({k: list(v) for k, v in axes.items()})
     dynamic = {k: {i: a for i, a in enumerate(shapes[k]) if isinstance(a, str)} for k in shapes}
     path = dst / entry["file"]
-    with redirect_stderr(io.StringIO()), torch.no_grad(), _zero_safe_flatten():
+    with (
+        redirect_stderr(io.StringIO()),
+        warnings.catch_warnings(),
+        torch.no_grad(),
+        _zero_safe_flatten(),
+    ):
+        warnings.simplefilter("ignore")  # the tracer's notes on the embedding's padding
         torch.onnx.export(
             _KVStep(model).eval(),
             tuple(feeds[k] for k in KV_STEP_INPUTS),
