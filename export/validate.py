@@ -142,8 +142,8 @@ def compare_outputs(model: COGNet, graphs: Graphs, as_probs: bool = False) -> di
     as_probs: `log_probs` compared as probabilities, whose worst diff (with `gate` and
     `copy_probs`) is also reported as `probs_max_abs_diff`."""
     # the step graph against the model's own KV-cached step (`ReferenceStep`)
-    modules = {name: WRAPPERS[name](model).eval() for name in GRAPHS}
-    modules["decoder_step"] = ReferenceStep(model).eval()
+    wrappers = {**WRAPPERS, "decoder_step": ReferenceStep}
+    modules = {name: wrappers[name](model).eval() for name in GRAPHS}
     cases, top1_same, top1_rows = {}, 0, 0
     for name, (sizes, lengths) in SHAPE_CASES.items():
         case: dict[str, float] = {}

@@ -80,6 +80,14 @@ class ModelConfig:
         return cls(**obj)
 
 
+def reorder(past: Tensor, parent: Tensor) -> Tensor:
+    """A step's cache [N, B, ...] continued from each row's parent beam (parent [N, B]):
+    gathered along B."""
+    n, b = parent.shape
+    rows = (torch.arange(n, device=parent.device).unsqueeze(1) * b + parent).reshape(-1)
+    return past.flatten(0, 1)[rows].view(past.shape)
+
+
 def _bias(mask: Tensor) -> Tensor:
     """0 where mask is 1, NEG where it is 0."""
     return (1.0 - mask) * NEG
@@ -339,10 +347,7 @@ class COGNet(nn.Module):
         attn = self.self_attn
         if graph is None:
             graph = self.graph_embeddings()
-        # continue each row from its parent beam: gather the cache along B
-        rows = (torch.arange(n, device=tokens.device).unsqueeze(1) * b + parent).reshape(-1)
-        past_key = past_key.flatten(0, 1)[rows].view(past_key.shape)
-        past_value = past_value.flatten(0, 1)[rows].view(past_value.shape)
+        past_key, past_value = reorder(past_key, parent), reorder(past_value, parent)
         x = self._embed_tokens(tokens, graph)  # [N, B, s]
         shape = (n, b, attn.heads, 1, attn.head_dim)
         q = attn.q(x).view(shape) * (1.0 / math.sqrt(attn.head_dim))
