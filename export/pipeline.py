@@ -141,7 +141,9 @@ def _export(
     cfg = model.cfg
     pairs = tuple((str(a), str(b)) for a, b in config.get("ddi_pairs", []))
     # the adjacency the runtime builds from the manifest's pairs (`Scorer`), as a constant
-    search = write_search_graphs(out, cfg.out_size, ddi_matrix(vocab, pairs), OPSET)
+    search = write_search_graphs(
+        out, cfg.out_size, ddi_matrix(vocab, pairs), OPSET, members=len(exported)
+    )
     manifest = Manifest(
         opset=OPSET,
         dims=Dims(

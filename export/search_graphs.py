@@ -26,6 +26,9 @@ also follow; tests hold the two equal, visit by visit.
 - `take_<dtype>` and `take_<dtype>_<r>d` (`graphspec.take_graph_name`): rows (Gather on
   axis 0) of a matrix, or of a rank-r tensor (r = 1, 3, 4, 5): finished visits leave the
   batch on the device.
+- `mix_log_probs` (ensembles only): the members' step log-probabilities mixed token by
+  token, in float64 like the host's `mix_log_probs`, so that an ensemble's beam search
+  selects on the device too.
 - `init_gather_<dtype>` (float32, float16): the decoder-init inputs gathered from the
   encoder outputs where the encoder wrote them (`cognet.runtime.encoder.Layout`): from the
   flat `codes` and `visits` buffers and one index tensor per input (`<input>_rows`), the
@@ -51,6 +54,8 @@ from cognet.core.graphspec import (
     BEAM_SELECT_STATE,
     DDI_INPUTS,
     INIT_GATHERED,
+    MIX_GRAPH,
+    MIX_OUTPUT,
     SET_SELECT_HOST,
     SET_SELECT_INPUTS,
     SET_SELECT_STATE,
@@ -58,6 +63,7 @@ from cognet.core.graphspec import (
     TAKE_INPUTS,
     TAKE_OUTPUT,
     TAKE_RANKS,
+    mix_inputs,
     take_graph_name,
 )
 from cognet.core.manifest import GraphSpec, TensorSpec, file_sha256
@@ -80,6 +86,7 @@ SEARCH_FILES = {
     "set_select_ddi": "set_select_ddi.onnx",
     **{name: f"{name}.onnx" for name in TAKES},
     **{f"init_gather_{t}": f"init_gather_{t}.onnx" for t in INIT_GATHER_TYPES},
+    MIX_GRAPH: f"{MIX_GRAPH}.onnx",
 }
 # A candidate at or below this is impossible (-inf): far below any hypothesis score (45 steps
 # of log-probabilities >= log 1e-20, DDI penalties of sane size) and above float32's lowest.
@@ -297,10 +304,35 @@ def init_gather_graph(dtype: str, opset: int) -> onnx.ModelProto:
     return g.model(opset)
 
 
+def mix_graph(v1: int, members: int, opset: int) -> onnx.ModelProto:
+    """The token-level mixture of `members` networks' step log-probabilities, computed as
+    `cognet.core.decoding.ensemble.mix_log_probs` computes it on the host: in float64, a
+    running logaddexp (max + log(1 + exp(-|a - b|))) less log K, rounded once to float32.
+    -inf is clamped to -1e300 first (so that two -inf never meet in a subtraction); a token
+    every member gives -inf ends at about -1e300, which float32 rounds back to -inf."""
+    g = _Graph(MIX_GRAPH)
+    dims = ["N", "B", v1]
+    floor = g.const(-1e300, np.float64)
+    parts = [
+        g.op("Max", g.op("Cast", g.input(name, F32, dims), to=F64), floor)
+        for name in mix_inputs(members)
+    ]
+    one = g.const(1.0, np.float64)
+    mixed = parts[0]
+    for part in parts[1:]:
+        gap = g.op("Neg", g.op("Abs", g.op("Sub", mixed, part)))
+        lift = g.op("Log", g.op("Add", one, g.op("Exp", gap)))
+        mixed = g.op("Add", g.op("Max", mixed, part), lift)
+    mixed = g.op("Sub", mixed, g.const(np.log(members), np.float64))
+    g.output(g.op("Cast", mixed, to=F32), MIX_OUTPUT, F32, dims)
+    return g.model(opset)
+
+
 def write_search_graphs(
-    out: Path, v1: int, ddi_adj: np.ndarray, opset: int
+    out: Path, v1: int, ddi_adj: np.ndarray, opset: int, members: int = 1
 ) -> dict[str, GraphSpec]:
-    """Write every search graph into the model directory `out`; their manifest entries."""
+    """Write every search graph into the model directory `out` (the mixture graph for an
+    ensemble of `members` >= 2 networks); their manifest entries."""
     models = {
         **{
             _beam_name(ddi, split): beam_select_graph(v1, ddi_adj if ddi else None, opset, split)
@@ -311,6 +343,7 @@ def write_search_graphs(
         "set_select_ddi": set_select_graph(v1, ddi_adj, opset),
         **{name: take_graph(t, opset, rank) for name, (t, rank) in TAKES.items()},
         **{f"init_gather_{t}": init_gather_graph(t, opset) for t in INIT_GATHER_TYPES},
+        **({MIX_GRAPH: mix_graph(v1, members, opset)} if members > 1 else {}),
     }
     specs = {}
     for name, model in models.items():

@@ -5,8 +5,9 @@ every one runs the one loop of `cognet.core.decoding.driver`.
 
 An ensemble (`cognet.core.decoding.ensemble.EnsembleSession`) decodes by the rules of that
 module: set decoding averages its members' P(k in S), each member's sampled on the host or
-in the search graphs; beam search decodes the token-level mixture, whose selection is on
-the host (no search graph mixes the members' steps)."""
+in the search graphs; beam search decodes the token-level mixture, selected on the host, or
+in the search graphs when the model has the mixture graph that mixes the members' steps
+where they ran (models exported before it select on the host)."""
 
 from __future__ import annotations
 
@@ -73,7 +74,7 @@ def decode(
             marginals, _, steps = search.set_marginals(session, memories, n, cfg, keys)
             return set_result(marginals, steps, cfg, ddi_adj)
         return decode_sets(session, memories, n, cfg, keys, ddi_adj, explain, attention)
-    if graphs and not prauc and not ensemble:
+    if graphs and not prauc and (not ensemble or session.search is not None):
         return search.beam_search(session, memories, n, cfg, ddi_adj)
     return beam_search(session, memories, n, cfg, prauc, explain, ddi_adj, attention)
 

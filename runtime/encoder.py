@@ -145,6 +145,18 @@ class EnsembleEncoder:
     def __init__(self, members: Iterable[PlanEncoder]):
         self.members = tuple(members)
 
+    @property
+    def search(self) -> SearchGraphs | None:
+        """The search graphs that gather every member's encodings on the device, or None
+        where any member's stay on the host."""
+        found = [getattr(m, "search", None) for m in self.members]
+        return found[0] if all(s is not None for s in found) else None
+
+    @property
+    def dtype(self) -> np.dtype:
+        """The encodings' type (the members share their variant)."""
+        return getattr(self.members[0], "dtype", np.dtype(np.float32))
+
     def new_encodings(self, lay: Layout) -> MemberEncodings:
         return MemberEncodings(lay, tuple(m.new_encodings(lay) for m in self.members))
 

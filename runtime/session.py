@@ -37,6 +37,7 @@ from cognet.core.graphspec import (
     KV_CACHE_INPUTS,
     KV_CACHE_OUTPUTS,
     MEMORIES,
+    MIX_GRAPH,
     STEP_CACHE_INPUTS,
     STEP_CACHE_OUTPUTS,
     cache_shapes,
@@ -191,6 +192,9 @@ class OrtModel:
             self.decoder, self.encoder = decoders[0], encoders[0]
         else:
             self.decoder, self.encoder = EnsembleSession(decoders), EnsembleEncoder(encoders)
+            if search is not None and MIX_GRAPH in search.sessions:  # mixed where it ran
+                self.decoder.search = search
+                self.decoder.select_on_device = self.selection == "device"
 
     def _open(self, opts, variant: str | None, member: int) -> dict[str, ort.InferenceSession]:
         """The checked sessions of one member's three graphs."""

@@ -24,6 +24,7 @@ from cognet.core import metrics
 from cognet.core.ddi import ddi_matrix
 from cognet.core.decoding import Decoding
 from cognet.core.decoding.ensemble import EnsembleSession
+from cognet.core.graphspec import MIX_GRAPH
 from cognet.core.history import patients_from_table
 from cognet.core.manifest import load_manifest
 from cognet.core.metrics import visit_results
@@ -99,6 +100,7 @@ def test_export_writes_and_validates_every_member(ensemble):
     assert all(m["max_abs_diff"] <= 1e-4 for m in parity["float32"]["members"])
     beam4 = parity["decoding"]["beam4"]
     assert beam4["identical"] == beam4["visits"] >= 64  # 64 patients' visits
+    assert manifest.search[MIX_GRAPH].inputs[1].name == "log_probs_1"  # the mixture of both
 
 
 def test_the_ensemble_is_not_one_of_its_members(ensemble):
@@ -163,9 +165,12 @@ def test_search_graphs_decode_the_ensemble_like_torch(ensemble, name, path):
     opts = ScoreOptions.of(device="cpu", threads=1, batch_size=16, **options)
     if path == "gpu-path":
         scorer = Scorer(open_model(ensemble / "model", opts, gpu_path=True), opts)
+        assert scorer.encode.search is not None  # every member's encodings gathered there
     else:
         scorer = Scorer(ensemble / "model", opts.with_fields(selection="device"))
     assert all(m.select_on_device for m in scorer.decoder.members)
+    # beam search selects in the graphs too: the members' steps mixed by the mixture graph
+    assert scorer.decoder.select_on_device and scorer.decoder.search is not None
     # every visit a target of its own patient: without --all, whose beam search PRAUC
     # scores are the host path's
     out = pa.concat_tables([c.recommendations for c in scorer.score_table(as_targets(table))])

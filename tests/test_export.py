@@ -17,7 +17,7 @@ from click.testing import CliRunner
 from tiny import make_tiny
 
 from cognet.core.errors import InputError
-from cognet.core.graphspec import STEP_INPUTS, STEP_OUTPUTS
+from cognet.core.graphspec import MIX_GRAPH, STEP_INPUTS, STEP_OUTPUTS
 from cognet.core.history import patients_from_table
 from cognet.core.manifest import GRAPHS, Manifest, load_manifest
 from cognet.core.vocab import Vocab
@@ -69,11 +69,12 @@ def _graph_paths(model_dir: Path, files=GRAPH_FILES) -> dict[str, Path]:
 # -- the model directory ----------------------------------------------------------------------
 def test_model_directory_holds_graphs_and_manifest(exported):
     manifest, out, model, vocab, _ = exported
+    search = {k: v for k, v in SEARCH_FILES.items() if k != MIX_GRAPH}  # one network: no mixture
     assert sorted(p.name for p in out.iterdir()) == sorted(
-        ["manifest.json", *GRAPH_FILES.values(), *FP16_FILES.values(), *SEARCH_FILES.values()]
+        ["manifest.json", *GRAPH_FILES.values(), *FP16_FILES.values(), *search.values()]
     )
     loaded = load_manifest(out)
-    assert {name: g.file for name, g in loaded.search.items()} == SEARCH_FILES
+    assert {name: g.file for name, g in loaded.search.items()} == search
     assert loaded.to_json() == manifest.to_json()
     cfg = model.cfg
     assert loaded.opset == OPSET >= 18

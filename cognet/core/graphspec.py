@@ -124,6 +124,17 @@ SET_SELECT_INPUTS = (
 SET_SELECT_HOST = ("token_out", "finished_out")  # int64 / bool [N, S]
 SET_SELECT_STATE = ("used_out", "hazard_out")  # bool [N, S, V1], float64 [N, M]
 DDI_INPUTS = ("penalty", "hard")  # float32 [] and bool [] of the `_ddi` variants
+# An ensemble's token-level mixture on the device (`mix_log_probs`, written for models of
+# K >= 2 members): member i's log_probs float32 [N, B, V1] in, their mixture out (float32).
+MIX_GRAPH = "mix_log_probs"
+MIX_OUTPUT = "log_probs"
+
+
+def mix_inputs(members: int) -> tuple[str, ...]:
+    """The inputs of the mixture graph of `members` networks, in member order."""
+    return tuple(f"log_probs_{i}" for i in range(members))
+
+
 TAKE_INPUTS = ("x", "rows")  # [N, ...] and int64 [K]
 TAKE_OUTPUT = "y"  # [K, ...]
 

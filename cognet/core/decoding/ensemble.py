@@ -9,7 +9,8 @@ each member's step.
   members' draws are independent. The set rule then reads the mean.
 - Beam search: a sequence-level mixture has no step distribution to search, so beam search
   decodes the *token-level* mixture, log (1/K sum_i Pr_i[k]) at each step
-  (`EnsembleSession`, the usual ensemble of sequence models).
+  (`EnsembleSession`, the usual ensemble of sequence models), mixed on the host or, on a
+  GPU, by the exported mixture graph where the steps ran.
 
 Why both: on the real MIMIC-III validation split (docs/guide/results-mimic3.md) two members'
 averaged P(k in S) beat the token-level mixture sampled with the same number of decoder
@@ -26,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from cognet.core.decoding.sampling import SetConfig, SetResult, set_marginals, set_result
+from cognet.core.graphspec import MIX_GRAPH, MIX_OUTPUT, mix_inputs
 
 MEMBER_SEED_STRIDE = 1000  # member i of a run with seed S trains with seed S + 1000 i
 MAX_MEMBERS = 16  # networks in one checkpoint or model directory at most (counts read are checked)
@@ -60,7 +62,9 @@ class EnsembleSession:
     their token-level mixture: every member steps on the same tokens and parents with its
     own cache and memories (handles are K-tuples); the log-probabilities are mixed
     (`mix_log_probs`), the explanation outputs (gate, copy distribution, diagnosis
-    attention) averaged. Selection runs on the host (no search graphs)."""
+    attention) averaged. Selection runs on the host, or, where the runtime gives the
+    ensemble the search graphs (`search`: a model exported with the mixture graph,
+    `graphspec.MIX_GRAPH`), where the members' steps ran (`step_log_probs`)."""
 
     search = None
     select_on_device = False
@@ -96,6 +100,19 @@ class EnsembleSession:
             else:
                 mixed[name] = np.mean(np.stack(parts), 0).astype(parts[0].dtype)
         return mixed, tuple(caches)
+
+    def step_log_probs(self, tokens, parent, cache, memories) -> tuple[Any, tuple]:
+        """(the members' token-level mixture [n, W, V1] left where the steps ran, the next
+        caches): each member's `step_log_probs`, mixed by the mixture graph of `search`
+        (float64 like `mix_log_probs`, so the selection sees the host's values)."""
+        got, caches = [], []
+        for member, c, mem in zip(self.members, cache, memories, strict=True):
+            logp, c = member.step_log_probs(tokens, parent, c, mem)
+            got.append(logp)
+            caches.append(c)
+        feeds = dict(zip(mix_inputs(len(got)), got, strict=True))
+        _, mixed = self.search.run(MIX_GRAPH, feeds, (), (MIX_OUTPUT,))
+        return mixed[MIX_OUTPUT], tuple(caches)
 
     def take(self, value: tuple, rows: np.ndarray) -> tuple:
         return tuple(m.take(v, rows) for m, v in zip(self.members, value, strict=True))
