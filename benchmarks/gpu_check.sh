@@ -9,12 +9,16 @@
 #      the GPU), ort-cuda-fp16 (the float16 graphs, when the model has them: cognet-export
 #      --fp16) and ort-cuda-fp16-streams (both) against torch-cuda, the correctness reference
 #      (BENCH_ENGINES to choose);
-#   4. runs `pytest -m gpu` (ort-cuda on both selections, TopK ties on CUDA, set decoding and
-#      torch-cuda against the torch reference, the CLI);
-#   5. runs cognet-bench on 16,384 visits with the model's set decoding, ort-cuda against
+#   4. runs cognet-bench on 16,384 visits with the model's set decoding, ort-cuda against
 #      torch-cuda (BENCH2_ENGINES=ort-cuda,ort-cuda-host,torch-cuda adds the host selection);
-#   6. writes results-<gpu>.json / .md / .png (step 3, with where ort-cuda's time goes),
-#      results-<gpu>-set.* (step 5) and the logs under $OUT (default gpu-check/).
+#   5. with SCORE_VISITS, scores that file with set decoding and beam 4, float32 and float16;
+#   6. runs `pytest -m gpu` (ort-cuda on both selections, TopK ties on CUDA, set decoding and
+#      torch-cuda against the torch reference, the CLI), last, so that the measurements
+#      come first when time runs short;
+#   7. writes results-<gpu>.json / .md / .png (step 3, with where ort-cuda's time goes),
+#      results-<gpu>-set.* (step 4), gpu-mem.csv (the GPU's memory in use, each second) and
+#      the logs under $OUT (default gpu-check/). Each step has a time limit (BENCH_S,
+#      BENCH2_S, SCORE_S, PYTEST_S seconds) and each run of a bench one (RUN_S, RUN2_S).
 #
 # Usage (from the repository root):  WHEELS=.whl MODEL=bench/demo bash benchmarks/gpu_check.sh
 # MODEL holds model/ (cognet-export --fp16 of this version: older exports lack graphs the GPU
@@ -83,29 +87,48 @@ print("decoder:", type(model.decoder).__name__, "selection:", model.selection,
 EOF
 gpu=$($PY -c "import torch; print(torch.cuda.get_device_name(0).split()[1].lower())" 2>/dev/null || echo gpu)
 
+# the GPU's memory in use, once a second, through every step below (gpu-mem.csv)
+nvidia-smi --query-gpu=timestamp,memory.used --format=csv,noheader -l 1 >"$OUT/gpu-mem.csv" 2>/dev/null &
+smi=$!
+trap 'kill $smi 2>/dev/null' EXIT
+
 # 3. the benchmark at beam 4 (the acceptance): ort-cuda against torch-cuda on 65,536 visits
 BENCH_ENGINES=${BENCH_ENGINES:-ort-cuda,ort-cuda-streams,ort-cuda-fp16,ort-cuda-fp16-streams,torch-cuda}
 log "cognet-bench beam 4: $BENCH_ENGINES"
 timeout ${BENCH_S:-240} "$bin/cognet-bench" --model "$MODEL/model" --checkpoint "$MODEL/ckpt" \
     --out "$OUT/bench" --engines "$BENCH_ENGINES" --reference torch-cuda --beams 4 \
     --batch-sizes 4096,16384,65536 --visits 65536 --repeats ${REPEATS:-1} --past-visits '' \
-    --input-sizes '' --no-ddi-tradeoff --max-run-seconds 60 2>&1 \
+    --input-sizes '' --no-ddi-tradeoff --max-run-seconds ${RUN_S:-60} 2>&1 \
     | tee "$OUT/bench.log" | grep -v "^\s*$" | grep -v "plugin EP" | tail -20
 
-# 4. the GPU tests
+# 4. set decoding on 16,384 visits: ort-cuda against torch-cuda
+log "cognet-bench set: ort-cuda, torch-cuda"
+timeout ${BENCH2_S:-100} "$bin/cognet-bench" --model "$MODEL/model" --checkpoint "$MODEL/ckpt" \
+    --out "$OUT/bench2" --engines ${BENCH2_ENGINES:-ort-cuda,torch-cuda} --reference torch-cuda \
+    --beams set --batch-sizes ${BENCH2_SIZES:-4096,16384} --visits ${BENCH2_VISITS:-16384} \
+    --repeats 1 --past-visits '' --input-sizes '' --no-ddi-tradeoff --no-profile \
+    --max-run-seconds ${RUN2_S:-40} 2>&1 \
+    | tee "$OUT/bench2.log" | grep -v "^\s*$" | grep -v "plugin EP" | tail -12
+# 5. optional: the float16 graphs' own bars on real visits. SCORE_VISITS (a Parquet file of
+#    visits, the test split's say) is scored on the GPU with set decoding and beam 4, float32
+#    and float16; the Jaccard and the list agreement are computed afterwards from the outputs.
+if [ -n "${SCORE_VISITS:-}" ]; then
+    for dec in ${SCORE_DECODINGS:-set beam}; do for variant in fp32 fp16; do
+        log "cognet-batch score $SCORE_VISITS: $dec, $variant"
+        extra=(); [ "$variant" = fp16 ] && extra=(--variant fp16)
+        timeout ${SCORE_S:-40} "$bin/cognet-batch" score "$SCORE_VISITS" --model "$MODEL/model" \
+            --out "$OUT/score-$dec-$variant.parquet" --device cuda --decoding $dec --all --quiet \
+            --summary-json "$OUT/score-$dec-$variant.json" "${extra[@]}" 2>&1 | tail -2
+    done; done
+fi
+for ext in json md; do cp "$OUT/bench2/results.$ext" "$OUT/results-$gpu-set.$ext" 2>/dev/null; done
+for ext in json md; do cp "$OUT/bench/results.$ext" "$OUT/results-$gpu.$ext" 2>/dev/null; done
+cp "$OUT/bench/throughput.png" "$OUT/throughput-$gpu.png" 2>/dev/null
+
+# 6. the GPU tests, last: the measurements come first where time runs short
 log "pytest -m gpu"
 timeout ${PYTEST_S:-200} $PY -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider 2>&1 \
     | tee "$OUT/pytest-gpu.log" | tail -15
 
-# 5. set decoding on 16,384 visits: ort-cuda against torch-cuda
-log "cognet-bench set: ort-cuda, torch-cuda"
-timeout ${BENCH2_S:-100} "$bin/cognet-bench" --model "$MODEL/model" --checkpoint "$MODEL/ckpt" \
-    --out "$OUT/bench2" --engines ${BENCH2_ENGINES:-ort-cuda,torch-cuda} --reference torch-cuda \
-    --beams set --batch-sizes 4096,16384 --visits 16384 --repeats 1 --past-visits '' \
-    --input-sizes '' --no-ddi-tradeoff --no-profile --max-run-seconds 40 2>&1 \
-    | tee "$OUT/bench2.log" | grep -v "^\s*$" | grep -v "plugin EP" | tail -12
-for ext in json md; do cp "$OUT/bench2/results.$ext" "$OUT/results-$gpu-set.$ext" 2>/dev/null; done
-for ext in json md; do cp "$OUT/bench/results.$ext" "$OUT/results-$gpu.$ext" 2>/dev/null; done
-cp "$OUT/bench/throughput.png" "$OUT/throughput-$gpu.png" 2>/dev/null
 rm -rf "$OUT/bench" "$OUT/bench2" "$OUT/demo"
 log "done: $(ls "$OUT" | tr '\n' ' ')"
