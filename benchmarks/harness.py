@@ -1,19 +1,17 @@
 """The measurement loop: every engine on the same batches, timed, guarded, summarised.
 
 For each beam width and batch size, a block: every engine warms up on one untimed batch,
-then the engines take turns, one pass over the same batches each, `repeats` times (so that
-a machine whose load drifts slows them alike; a time budget stops the repeats of a slow
-engine early and skips a larger batch size whose pass would take too long). Reported per
-run: the median over repeats of visits/s and generated medications/s, per-batch latency
-percentiles over all repeats, the peak RSS of the process during the engine's passes
-(Linux: VmHWM, reset before each pass) and the GPU memory where relevant, and whether every
-recommendation equals torch-batched's (`matches_reference`).
+then the engines take turns, one pass over the same batches each, `repeats` times (a machine
+whose load drifts slows them alike; a time budget stops the repeats of a slow engine early
+and skips a larger batch size whose pass would take too long). Each pass is reported as it
+ends; per run: the median over repeats of visits/s and medications/s, per-batch latency
+percentiles, the peak RSS of the process during the engine's passes (Linux VmHWM, reset
+before each pass), GPU memory where relevant, and whether every recommendation equals
+the reference's (`matches_reference`).
 
-The slow `torch-perpatient` engine runs once per beam width on a small subset of the
-visits, one patient per batch. Scaling series: throughput against the number of past
-visits, and end to end through `cognet-batch score` against the input size (`child`: a
-subprocess per point, its wall time from process start to the output file, and its own
-peak RSS). The correctness guard is `guard`, the /proc probes `probes`.
+`torch-perpatient` runs once per beam width on a subset, one patient per batch. Scaling
+series: throughput against past visits, and end to end through `cognet-batch score` against
+input size (`child`: a subprocess per point). The guard is `guard`, the /proc probes `probes`.
 """
 
 from __future__ import annotations
@@ -41,7 +39,6 @@ from cognet.benchmarks.workload import Batch, Pool, with_history
 from cognet.core.manifest import load_manifest
 
 log = logging.getLogger(__name__)
-
 PERPATIENT = "torch-perpatient"
 SERIES_ENGINES = ("torch-batched", "ort-cpu", "ort-cuda", "ort-tensorrt", "torch-cuda")
 
@@ -95,6 +92,7 @@ class Job:
             self.latencies.append(time.perf_counter() - t0)
         self.seconds.append(time.perf_counter() - begin)
         self.peak_rss = max(self.peak_rss, peak_rss_mb())
+        self.engine.after_pass()
         if len(self.seconds) == 1:
             for batch, out in zip(self.batches, outputs, strict=True):
                 self.recs.update(self.engine.recommendations(batch, out))
@@ -130,11 +128,16 @@ class Job:
 
 
 def measure_block(
-    jobs: Sequence[Job], beam: int, repeats: int, guard: Guard, max_s: float = float("inf")
+    jobs: Sequence[Job],
+    beam: int,
+    repeats: int,
+    guard: Guard,
+    max_s: float = float("inf"),
+    say: Callable[[str], None] | None = None,
 ) -> list[dict]:
-    """Run the jobs' passes interleaved (pass 1 of every engine, then pass 2, ...), so that
-    a machine whose load changes over time slows every engine alike; returns one record per
-    job that ran (a failed job has `error` set and no record)."""
+    """Run the jobs' passes interleaved (pass 1 of every engine, then pass 2, ...): a load
+    that drifts slows every engine alike. One record per job that ran (a failed job has
+    `error` set); `say` gets a line per pass as it ends (a run cut short still reports)."""
     reference = guard.reference.name if guard.reference is not None else None
     for job in jobs:
         job.engine.prepare(beam, job.batch_size)
@@ -159,6 +162,8 @@ def measure_block(
                 continue
             if job.engine.name == reference and len(job.seconds) == 1:
                 guard.add(beam, job.recs)
+            if say is not None:
+                say(_pass_line(job, beam))
     records = []
     for job in jobs:
         job.gpu_mb = job.engine.gpu_memory_mb()
@@ -176,6 +181,15 @@ def measure_block(
 
 
 RECS = "_recs"  # a record's recommendations, until `recompare`
+
+
+def _pass_line(job: Job, beam: int) -> str:
+    n, s = sum(len(b) for b in job.batches), job.seconds[-1]
+    return (
+        f"  pass {len(job.seconds)}: {job.engine.name} ({job.mode}) {eng.decoding_label(beam)} "
+        f"batch {job.batch_size}: {n / s:,.1f} visits/s ({n} visits in {s:.2f} s, peak RSS "
+        f"{job.peak_rss:,.0f} MB)"
+    )
 
 
 def recompare(runs: list[dict], guard: Guard) -> None:
@@ -200,7 +214,7 @@ def run_all(ctx: Context, settings: Settings, say: Callable[[str], None] = print
         rates: dict[str, tuple[float, float]] = {}  # visits/s at the last batch size, its fall
         for i, bs in enumerate(settings.batch_sizes):
             jobs = _block_jobs(ctx, settings, loaded, beam, i, bs, rates, over_budget, say)
-            for run in measure_block(jobs, beam, settings.repeats, guard, settings.max_run_s):
+            for run in measure_block(jobs, beam, settings.repeats, guard, settings.max_run_s, say):
                 run["threads"] = settings.threads
                 runs.append(run)
                 _update_rate(rates, run)

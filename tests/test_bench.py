@@ -409,33 +409,6 @@ def test_agreement_counts_identical_lists_and_missing_visits(tmp_path, capsys):
     assert "no column visit_id, medications" in capsys.readouterr().err
 
 
-def test_each_pass_hands_back_freed_memory_before_its_peak_is_reset(monkeypatch):
-    """A pass's peak RSS must not include what the engine before it freed: glibc keeps freed
-    heap pages resident, so the reset comes after a release, before every pass."""
-    from cognet.benchmarks import harness
-
-    events = []
-
-    class Engine:
-        name = "fake"
-
-        def run(self, batch):
-            events.append("run")
-            return batch
-
-        def recommendations(self, batch, out):
-            return {}
-
-    monkeypatch.setattr(harness, "release_memory", lambda: events.append("release") or 0.0)
-    monkeypatch.setattr(harness, "reset_peak_rss", lambda: events.append("reset") or True)
-    monkeypatch.setattr(harness, "peak_rss_mb", lambda: 1.0)
-    jobs = [harness.Job(Engine(), 2, [[1], [2]], [1]) for _ in range(2)]
-    for _ in range(2):
-        for job in jobs:
-            job.one_pass()
-    assert events == ["release", "reset", "run", "run"] * 4
-
-
 @pytest.mark.parametrize("int8", [False, True])
 def test_the_demo_model_has_int8_graphs_when_their_engine_runs(tmp_path, monkeypatch, int8):
     """No --model: the demo model is exported with --int8 when ort-cpu-int8 is selected

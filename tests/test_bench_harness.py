@@ -1,0 +1,85 @@
+"""The bench's measurement loop (`cognet.benchmarks.harness`): what each pass does around
+the engine's runs, and what it reports as it ends."""
+
+from __future__ import annotations
+
+from cognet.benchmarks import harness
+from cognet.benchmarks.guard import Guard
+
+
+def test_each_pass_hands_back_freed_memory_before_its_peak_is_reset(monkeypatch):
+    """A pass's peak RSS must not include what the engine before it freed: glibc keeps freed
+    heap pages resident, so the reset comes after a release, before every pass."""
+    events = []
+
+    class Engine:
+        name = "fake"
+
+        def run(self, batch):
+            events.append("run")
+            return batch
+
+        def recommendations(self, batch, out):
+            return {}
+
+        def after_pass(self):
+            events.append("after")
+
+    monkeypatch.setattr(harness, "release_memory", lambda: events.append("release") or 0.0)
+    monkeypatch.setattr(harness, "reset_peak_rss", lambda: events.append("reset") or True)
+    monkeypatch.setattr(harness, "peak_rss_mb", lambda: 1.0)
+    jobs = [harness.Job(Engine(), 2, [[1], [2]], [1]) for _ in range(2)]
+    for _ in range(2):
+        for job in jobs:
+            job.one_pass()
+    # and the engine hands back what it cached (torch's CUDA cache) after every pass
+    assert events == ["release", "reset", "run", "run", "after"] * 4
+
+
+def test_each_pass_is_reported_as_it_ends(monkeypatch):
+    """A block reports every pass when it ends, engines in turn, so that a run stopped from
+    outside still shows what it measured; a pass that fails ends its engine's lines."""
+    monkeypatch.setattr(harness, "release_memory", lambda: 0.0)
+    monkeypatch.setattr(harness, "reset_peak_rss", lambda: True)
+    monkeypatch.setattr(harness, "peak_rss_mb", lambda: 12.0)
+
+    class Engine:
+        providers: list = []
+
+        def __init__(self, name, fail_on=None):
+            self.name, self.fail_on, self.passes = name, fail_on, 0
+
+        def prepare(self, beam, batch_size):
+            pass
+
+        def run(self, batch):
+            if batch == ["v1"]:  # the first batch of a pass
+                self.passes += 1
+            if self.passes == self.fail_on:
+                raise RuntimeError("out of memory")
+            return batch
+
+        def recommendations(self, batch, out):
+            return {v: () for v in batch}
+
+        def gpu_memory_mb(self):
+            return None
+
+        def release(self):
+            pass
+
+        def after_pass(self):
+            pass
+
+    batches = [["v1"], ["v2", "v3"]]
+    jobs = [
+        harness.Job(Engine("a"), 2, batches, ["w"]),
+        harness.Job(Engine("b", 2), 2, batches, ["w"]),
+    ]
+    lines = []
+    records = harness.measure_block(jobs, 4, 3, Guard(None), say=lines.append)
+    heads = [line.split(":")[0].strip() + " " + line.split()[2] for line in lines]
+    assert heads == ["pass 1 a", "pass 1 b", "pass 2 a", "pass 3 a"]
+    assert all("beam 4 batch 2:" in line and "3 visits in" in line for line in lines)
+    assert "peak RSS 12 MB" in lines[0]
+    assert [r["engine"] for r in records] == ["a"] and jobs[1].error.endswith("out of memory")
