@@ -6,10 +6,14 @@ prefix of every row (`graphspec.STEP_CACHE_INPUTS`): the decoder has one layer a
 position embeddings, so the embedding, query, key and value of a token depend on the token
 alone, and the step reads them from tables of every token made here (E_g, the medication
 graphs' embeddings, included: the graphs are fixed after training, so the two GCNs are not
-part of any exported graph). Per step the graph gathers each row's keys and values from
-the tables (67 KB each at s = 128, which stay in the CPU's cache) instead of reading, reordering and
-rewriting a KV cache that grows with every step. `ReferenceStep` is what the step is
-checked against: the model's own `decoder_step`, fed the KV cache of the same prefix.
+part of any exported graph). Per step the graph gathers each row's values from the tables
+(67 KB each at s = 128, which stay in the CPU's cache) instead of reading, reordering and
+rewriting a KV cache that grows with every step; its self-attention scores come from one
+more table, of every (query token, key token) pair's scaled score (H floats per pair, 140
+KB for 131 medications and 2 heads; up to `SCORE_TABLE_MAX` entries, else q . k per step):
+a gather of H floats per prefix token instead of a gather of s floats and a dot product.
+`ReferenceStep` is what the step is checked against: the model's own `decoder_step`, fed
+the KV cache of the same prefix.
 """
 
 from __future__ import annotations
@@ -30,6 +34,10 @@ from cognet.core.graphspec import (
 )
 from cognet.core.manifest import TensorSpec
 from cognet.model.network import COGNet, reorder
+
+# The largest score table (floats: (V1 + 2)^2 x H) a step graph holds: 16 MB, about 1,400
+# medications at 2 heads; larger vocabularies compute q . k per step.
+SCORE_TABLE_MAX = 1 << 22
 
 
 class EncoderGraph(nn.Module):
@@ -63,16 +71,30 @@ class StepGraph(nn.Module):
             q = attn.q(x).view(-1, h, dh) * (1.0 / math.sqrt(dh))
             # [H, V1 + 2, dh]: a gather along axis 1 gives [H, N, B, T + 1, dh]
             k, v = (f(x).view(-1, h, dh).transpose(0, 1) for f in (attn.k, attn.v))
-            for name, table in (("x_table", x), ("q_table", q), ("k_table", k), ("v_table", v)):
+            tables = {"x_table": x, "v_table": v}
+            self.tokens = x.shape[0]
+            if self.tokens**2 * h <= SCORE_TABLE_MAX:
+                # [(V1 + 2)^2, H]: the scaled score of query token a against key token b at
+                # row a (V1 + 2) + b, each a float64 dot product rounded once
+                scores = torch.einsum("ahd,hbd->abh", q.double(), k.double())
+                tables["score_table"] = scores.reshape(-1, h).float()
+            else:
+                tables.update(q_table=q, k_table=k)
+            for name, table in tables.items():
                 self.register_buffer(name, table.detach().contiguous())
 
     def forward(self, tokens: Tensor, parent: Tensor, past_tokens: Tensor, *memories: Tensor):
         n, b = tokens.shape
         prefix = reorder(past_tokens, parent)
         prefix = torch.cat([prefix, tokens.unsqueeze(-1)], -1)  # [N, B, T + 1]
-        q = self.q_table[tokens].permute(2, 0, 1, 3).unsqueeze(-2)  # [H, N, B, 1, dh]
-        key, value = self.k_table[:, prefix], self.v_table[:, prefix]  # [H, N, B, T + 1, dh]
-        att = (q @ key.transpose(-1, -2)).softmax(-1)  # [H, N, B, 1, T + 1]
+        if hasattr(self, "score_table"):  # one gather of H scores per prefix token
+            pair = tokens.unsqueeze(-1) * self.tokens + prefix  # [N, B, T + 1]
+            scores = self.score_table[pair].permute(3, 0, 1, 2).unsqueeze(-2)
+        else:
+            q = self.q_table[tokens].permute(2, 0, 1, 3).unsqueeze(-2)  # [H, N, B, 1, dh]
+            scores = q @ self.k_table[:, prefix].transpose(-1, -2)  # keys [H, N, B, T + 1, dh]
+        att = scores.softmax(-1)  # [H, N, B, 1, T + 1]
+        value = self.v_table[:, prefix]  # [H, N, B, T + 1, dh]
         y = (att @ value).squeeze(-2).permute(1, 2, 0, 3).reshape(n, b, -1)  # [N, B, s]
         x = self.x_table[tokens]
         out = self.model._finish(x, self.model.self_attn.out(y), memories)

@@ -145,9 +145,10 @@ def test_operators_are_in_the_allowlist(exported):
 
 
 def test_step_cache_is_the_token_prefix(exported, tmp_path):
-    """The step carries no keys or values between steps, only each row's tokens (int64);
-    the keys and values it gathers by them from its tables go straight into the attention's
-    two MatMuls, with nothing transposed, before and after ONNX Runtime's optimisations."""
+    """The step carries no keys or values between steps, only each row's tokens (int64); the
+    values it gathers by them from its table go straight into the attention's MatMul, and
+    the attention's scores are gathered from the table of token pairs straight into its
+    Softmax (no q . k), before and after ONNX Runtime's optimisations."""
     step = exported.out / GRAPH_FILES["decoder_step"]
     opts = ort.SessionOptions()
     opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
@@ -160,19 +161,15 @@ def test_step_cache_is_the_token_prefix(exported, tmp_path):
         assert not {"past_key", "past_value", "present_key", "present_value"} & set(io)
         cache = cache_tensors(graph)
         assert {"past_tokens", "present_tokens"} <= cache
-        gathered = {
-            out
-            for n in graph.node
-            if n.op_type == "Gather" and n.input[1] in cache
-            for out in n.output
-        }
-        users = [n.op_type for n in graph.node if set(n.input) & gathered]
-        assert len(gathered) == 2 and sorted(users) in (
-            ["MatMul", "Transpose"],  # keys transposed for q @ k^T: fused below
-            ["FusedMatMul", "MatMul"],
-        ), path.name
-        if path.name == "step.opt.onnx":
-            assert sorted(users) == ["FusedMatMul", "MatMul"]
+        gathers = [n for n in graph.node if n.op_type == "Gather"]
+        by_prefix = {out for n in gathers if n.input[1] in cache for out in n.output}
+        users = [n.op_type for n in graph.node if set(n.input) & by_prefix]
+        assert len(by_prefix) == 1 and users == ["MatMul"], path.name
+        (scores,) = [n.output[0] for n in gathers if n.input[0] == "score_table"]
+        moved = cache_tensors(graph, (scores,))
+        users = {n.op_type for n in graph.node if set(n.input) & moved}
+        assert "Softmax" in users and users <= {"Softmax", "Transpose", "Unsqueeze"}, path.name
+        assert not {"k_table", "q_table"} & {i.name for i in graph.initializer}
 
 
 # -- parity -----------------------------------------------------------------------------------

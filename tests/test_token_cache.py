@@ -29,7 +29,7 @@ from cognet.core.graphspec import (
     STEP_OUTPUTS,
 )
 from cognet.core.manifest import file_sha256, load_manifest
-from cognet.export import OPSET, export
+from cognet.export import OPSET, export, graphs
 from cognet.export.graphs import ReferenceStep, Sizes, StepGraph, example_inputs, kv_cache
 from cognet.export.onnx_export import _literal_zeros, _zero_safe_flatten
 from cognet.model import checkpoint
@@ -47,15 +47,22 @@ def tiny_model(tmp_path_factory):
     return data, ckpt, out, model.eval()
 
 
+@pytest.mark.parametrize("score_table", [True, False])
 @pytest.mark.parametrize("n,b,t", [(1, 1, 0), (1, 1, 3), (3, 4, 0), (3, 4, 7), (2, 4, 45)])
-def test_step_graph_computes_the_models_kv_step(tiny_model, n, b, t):
+def test_step_graph_computes_the_models_kv_step(tiny_model, n, b, t, score_table, monkeypatch):
     """StepGraph (tables, token prefix) against `COGNet.decoder_step` fed the KV cache of
-    the same prefix, at several shapes: every output within float32 rounding, the next
-    prefix exactly the parents' prefixes with the new tokens."""
+    the same prefix, at several shapes, with the self-attention scores from the table of
+    token pairs and (a vocabulary over its size bound) from q . k: every output within
+    float32 rounding, the next prefix exactly the parents' prefixes with the new tokens."""
     model = tiny_model[3]
+    if not score_table:
+        monkeypatch.setattr(graphs, "SCORE_TABLE_MAX", 0)
     inputs = example_inputs(model, Sizes(N=n, B=b, T=t, Ld=6, Lp=3, S=5), seed=t)
+    step = StepGraph(model)
+    assert hasattr(step, "score_table") == score_table
+    assert hasattr(step, "k_table") != score_table
     with torch.no_grad():
-        got = StepGraph(model)(*(inputs[k] for k in STEP_INPUTS))
+        got = step(*(inputs[k] for k in STEP_INPUTS))
         ref = ReferenceStep(model)(*(inputs[k] for k in STEP_INPUTS))
     for name, g, r in zip(STEP_OUTPUTS, got, ref, strict=True):
         if name == "present_tokens":
@@ -175,3 +182,31 @@ def test_a_model_with_a_kv_cache_step_scores_the_same(tiny_model, tmp_path, deco
     assert len(lists[0]) >= 200
     same = sum(lists[0][v] == lists[1][v] for v in lists[0])
     assert same == len(lists[0]) if decoding == "beam" else same >= 0.99 * len(lists[0])
+
+
+def test_the_exported_score_table_validates_and_scores_like_q_dot_k(
+    tiny_model, tmp_path, monkeypatch
+):
+    """The exported step with its self-attention scores from the token-pair table (the
+    default) and without it (a vocabulary over the table's bound): each passes export
+    validation (the graph against the torch model's step at every prefix length) and both
+    give the same beam-4 lists."""
+    data, ckpt, out, _ = tiny_model
+    monkeypatch.setattr(graphs, "SCORE_TABLE_MAX", 0)
+    export(ckpt, tmp_path / "qk", validate=True)
+    monkeypatch.undo()
+    export(ckpt, tmp_path / "table", validate=True)
+    table = pq.read_table(data / "visits.parquet")
+    lists = []
+    for name, has_table in (("table", True), ("qk", False)):
+        proto = onnx.load(str(tmp_path / name / "decoder_step.onnx"))
+        names = {i.name for i in proto.graph.initializer}
+        assert ("score_table" in names) == has_table and ("k_table" in names) != has_table
+        request = DecodingRequest(decoding="beam")
+        scorer = Scorer(tmp_path / name, device="cpu", threads=1, request=request)
+        got = {}
+        for chunk in scorer.score_table(table, score_all=True):
+            rec = chunk.recommendations.to_pydict()
+            got.update(zip(rec["visit_id"], map(tuple, rec["medications"]), strict=True))
+        lists.append(got)
+    assert len(lists[0]) >= 200 and lists[0] == lists[1]
