@@ -42,6 +42,7 @@ TIE = 1e-5
 TIE_CHECKS = 256
 # Differing visits decoded again by the reference alone, at most, per comparison (as above).
 SOLO_CHECKS = 256
+CPU_CHUNK, GPU_CHUNK = 32, 4096  # patients per untimed call of the reference (`Guard.chunk`)
 
 
 class Guard:
@@ -49,6 +50,10 @@ class Guard:
 
     def __init__(self, reference: eng.Engine | None):
         self.reference = reference
+        # patients per untimed reference call: torch-batched's fastest on a CPU; on a GPU
+        # (torch-cuda) large batches are, and 65,536 visits in calls of 32 would take minutes
+        on_gpu = getattr(reference, "device", "cpu") != "cpu"
+        self.chunk = GPU_CHUNK if on_gpu else CPU_CHUNK
         # (beam, visit_id) -> every distinct answer of the reference, first one first
         self.recs: dict[tuple[int, str], list[tuple[str, ...]]] = {}
         self.patients: dict[str, list] = {}  # visit_id -> its patient (the tie check)
@@ -56,19 +61,22 @@ class Guard:
         # (beam, visit_id) -> the reference's answer for the visit decoded alone
         self._alone: dict[tuple[int, str], tuple[str, ...]] = {}
 
-    def ensure(self, batches: Sequence[Batch], beam: int, chunk: int = 32) -> None:
-        """Decode (untimed, `chunk` patients at a time: torch-batched's fastest) the visits
-        of `batches` that have no reference yet."""
+    def ensure(self, batches: Sequence[Batch], beam: int) -> None:
+        """Decode (untimed, `self.chunk` patients at a time) the visits of `batches` that
+        have no reference yet; then the reference hands back what it cached on the device."""
         if self.reference is None:
             return
         for b in batches:
             self.patients.update((p[-1].visit_id, p) for p in b.patients)
         todo = [p for b in batches for p in b.patients if (beam, p[-1].visit_id) not in self.recs]
-        self.reference.prepare(beam, chunk)
-        for lo in range(0, len(todo), chunk):
-            part = todo[lo : lo + chunk]
+        if not todo:
+            return
+        self.reference.prepare(beam, self.chunk)
+        for lo in range(0, len(todo), self.chunk):
+            part = todo[lo : lo + self.chunk]
             batch = Batch(None, part, [p[-1].visit_id for p in part])  # torch needs no table
             self.add(beam, self.reference.recommendations(batch, self.reference.run(batch)))
+        self.reference.after_pass()
 
     def add(self, beam: int, recs: dict[str, tuple[str, ...]]) -> None:
         for vid, meds in recs.items():

@@ -3,6 +3,8 @@ the engine's runs, and what it reports as it ends."""
 
 from __future__ import annotations
 
+import pytest
+
 from cognet.benchmarks import harness
 from cognet.benchmarks.guard import Guard
 
@@ -83,3 +85,40 @@ def test_each_pass_is_reported_as_it_ends(monkeypatch):
     assert all("beam 4 batch 2:" in line and "3 visits in" in line for line in lines)
     assert "peak RSS 12 MB" in lines[0]
     assert [r["engine"] for r in records] == ["a"] and jobs[1].error.endswith("out of memory")
+
+
+@pytest.mark.parametrize("device,calls", [("cpu", [32, 8]), ("cuda", [40])])
+def test_the_reference_decodes_in_chunks_that_suit_its_device(device, calls):
+    """The guard's untimed reference decodes 32 patients a call on a CPU (torch-batched's
+    fastest) and up to 4,096 on a GPU, each visit once, then hands back what it cached."""
+    from types import SimpleNamespace
+
+    from cognet.benchmarks.workload import Batch
+
+    seen = []
+
+    class Reference:
+        def __init__(self):
+            self.device = device
+
+        def prepare(self, beam, batch_size):
+            seen.append(("prepare", beam, batch_size))
+
+        def run(self, batch):
+            seen.append(("run", len(batch)))
+            return [("A",)] * len(batch)
+
+        def recommendations(self, batch, out):
+            return dict(zip(batch.visit_ids, out, strict=True))
+
+        def after_pass(self):
+            seen.append(("after",))
+
+    patients = [[SimpleNamespace(visit_id=f"v{i}")] for i in range(40)]
+    batch = Batch(None, patients, [p[-1].visit_id for p in patients])
+    guard = Guard(Reference())
+    guard.ensure([batch], 4)
+    guard.ensure([batch], 4)  # nothing left to decode: no call
+    chunk = 4096 if device == "cuda" else 32
+    assert seen == [("prepare", 4, chunk), *(("run", n) for n in calls), ("after",)]
+    assert guard.recs[(4, "v39")] == [("A",)]
