@@ -1,10 +1,9 @@
 """The measurement loop: every engine on the same batches, timed, guarded, summarised.
 
-For each beam width and batch size, a block: every engine warms up on one untimed batch,
-then the engines take turns, one pass over the same batches each, `repeats` times (a machine
-whose load drifts slows them alike; a time budget stops the repeats of a slow engine early
-and skips a larger batch size whose pass would take too long). Each pass is reported as it
-ends; per run: the median over repeats of visits/s and medications/s, per-batch latency
+For each beam width and batch size, a block (`block`): every engine warms up on one
+untimed batch, then the engines take turns, one pass over the same batches each, `repeats`
+times (a time budget stops the repeats of a slow engine early and skips a larger batch size
+whose pass would take too long). Each pass is reported as it ends; per run: the median over repeats of visits/s and medications/s, per-batch latency
 percentiles, the peak RSS of the process during the engine's passes (Linux VmHWM, reset
 before each pass), GPU memory where relevant, and whether every recommendation equals
 the reference's (`matches_reference`).
@@ -17,179 +16,23 @@ input size (`child`: a subprocess per point). The guard is `guard`, the /proc pr
 from __future__ import annotations
 
 import logging
-import time
-from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable
+from dataclasses import asdict
 
 import numpy as np
 
 from cognet.benchmarks import engines as eng
+from cognet.benchmarks.block import RECS, Job, measure_block
 from cognet.benchmarks.child import input_size_series
 from cognet.benchmarks.guard import Guard
-from cognet.benchmarks.probes import (
-    loadavg,
-    machine_info,
-    peak_rss_mb,
-    release_memory,
-    reset_peak_rss,
-    workload_info,
-)
+from cognet.benchmarks.probes import loadavg, machine_info, workload_info
 from cognet.benchmarks.settings import Context, Settings
-from cognet.benchmarks.workload import Batch, Pool, with_history
+from cognet.benchmarks.workload import Pool, with_history
 from cognet.core.manifest import load_manifest
 
 log = logging.getLogger(__name__)
 PERPATIENT = "torch-perpatient"
 SERIES_ENGINES = ("torch-batched", "ort-cpu", "ort-cuda", "ort-tensorrt", "torch-cuda")
-
-
-# -- one block of runs -------------------------------------------------------------------------
-@dataclass
-class Job:
-    """One engine's run inside a block: its batches and what was measured."""
-
-    engine: eng.Engine
-    batch_size: int
-    batches: list[Batch]
-    warmup: Batch
-    # request: each batch is its own call (per-batch latency); stream: the whole run in one
-    # call, which the runtime chunks, sorts and batches itself (what cognet-batch does)
-    mode: str = "request"
-    seconds: list[float] = field(default_factory=list)  # per repeat
-    latencies: list[float] = field(default_factory=list)  # per batch, all repeats
-    recs: dict[str, tuple[str, ...]] = field(default_factory=dict)
-    warmup_s: float = 0.0
-    rss_before: float = 0.0
-    peak_rss: float = 0.0
-    exact_rss: bool = True
-    gpu_mb: float | None = None
-    error: str | None = None
-
-    def finished(self, repeats: int, max_s: float) -> bool:
-        n = len(self.seconds)
-        # no repeat starts that would end past the budget (the first always runs)
-        return (
-            self.error is not None
-            or n >= repeats
-            or (n > 0 and sum(self.seconds) + self.seconds[-1] > max_s)
-        )
-
-    def warm_up(self) -> None:
-        started = time.perf_counter()
-        self.engine.run(self.warmup)
-        self.warmup_s = time.perf_counter() - started
-
-    def one_pass(self) -> None:
-        # hand back what the engine before this one freed (glibc keeps freed heap pages
-        # resident), so that its memory does not count as this pass's peak
-        release_memory()
-        self.exact_rss = reset_peak_rss()
-        outputs = []
-        begin = time.perf_counter()
-        for batch in self.batches:
-            t0 = time.perf_counter()
-            outputs.append(self.engine.run(batch))
-            self.latencies.append(time.perf_counter() - t0)
-        self.seconds.append(time.perf_counter() - begin)
-        self.peak_rss = max(self.peak_rss, peak_rss_mb())
-        self.engine.after_pass()
-        if len(self.seconds) == 1:
-            for batch, out in zip(self.batches, outputs, strict=True):
-                self.recs.update(self.engine.recommendations(batch, out))
-
-    def record(self, beam: int) -> dict:
-        visits = sum(len(b) for b in self.batches)
-        meds = sum(len(m) for m in self.recs.values())
-        lat = np.asarray(self.latencies) * 1e3
-        median_s = float(np.median(self.seconds))
-        quantiles = {f"p{q}": float(np.percentile(lat, q)) for q in (50, 90, 99)}
-        if self.mode == "stream":  # one call per pass: no per-batch latency to report
-            quantiles = dict.fromkeys(quantiles)
-        return {
-            "engine": self.engine.name,
-            "mode": self.mode,
-            "batch_size": self.batch_size,
-            "beam": beam,
-            "visits": visits,
-            "batches": len(self.batches),
-            "repeats": len(self.seconds),
-            "visits_per_s": visits / median_s,
-            "meds_per_s": meds / median_s,
-            "meds_per_visit": meds / visits,
-            "latency_ms": quantiles,
-            "seconds": [round(x, 4) for x in self.seconds],
-            "warmup_s": self.warmup_s,
-            "peak_rss_mb": self.peak_rss,
-            "rss_before_mb": self.rss_before,
-            "peak_rss_exact": self.exact_rss,
-            "gpu_mem_mb": self.gpu_mb,
-            "providers": self.engine.providers,
-        }
-
-
-def measure_block(
-    jobs: Sequence[Job],
-    beam: int,
-    repeats: int,
-    guard: Guard,
-    max_s: float = float("inf"),
-    say: Callable[[str], None] | None = None,
-) -> list[dict]:
-    """Run the jobs' passes interleaved (pass 1 of every engine, then pass 2, ...): a load
-    that drifts slows every engine alike. One record per job that ran (a failed job has
-    `error` set); `say` gets a line per pass as it ends (a run cut short still reports)."""
-    reference = guard.reference.name if guard.reference is not None else None
-    for job in jobs:
-        job.engine.prepare(beam, job.batch_size)
-    if all(job.engine.name != reference for job in jobs):
-        guard.ensure([b for job in jobs for b in job.batches], beam)
-    for job in jobs:
-        job.rss_before = release_memory()
-        try:
-            job.warm_up()
-        except Exception as exc:  # noqa: BLE001 - an engine failing is a result
-            log.exception("%s failed", job.engine.name)
-            job.error = f"failed: {type(exc).__name__}: {exc}"
-    while not all(job.finished(repeats, max_s) for job in jobs):
-        for job in jobs:
-            if job.finished(repeats, max_s):
-                continue
-            try:
-                job.one_pass()
-            except Exception as exc:  # noqa: BLE001
-                log.exception("%s failed", job.engine.name)
-                job.error = f"failed: {type(exc).__name__}: {exc}"
-                continue
-            if job.engine.name == reference and len(job.seconds) == 1:
-                guard.add(beam, job.recs)
-            if say is not None:
-                say(_pass_line(job, beam))
-    records = []
-    for job in jobs:
-        job.gpu_mb = job.engine.gpu_memory_mb()
-        job.engine.release()
-        if job.error is None:
-            if job.engine.name != reference:
-                guard.ensure(job.batches, beam)
-            # compared again at the end (`recompare`), once every reference answer is known
-            exact = job.engine.name not in eng.APPROXIMATE
-            records.append(
-                {**job.record(beam), **guard.compare(beam, job.recs, exact), RECS: job.recs}
-            )
-    release_memory()
-    return records
-
-
-RECS = "_recs"  # a record's recommendations, until `recompare`
-
-
-def _pass_line(job: Job, beam: int) -> str:
-    n, s = sum(len(b) for b in job.batches), job.seconds[-1]
-    return (
-        f"  pass {len(job.seconds)}: {job.engine.name} ({job.mode}) {eng.decoding_label(beam)} "
-        f"batch {job.batch_size}: {n / s:,.1f} visits/s ({n} visits in {s:.2f} s, peak RSS "
-        f"{job.peak_rss:,.0f} MB)"
-    )
 
 
 def recompare(runs: list[dict], guard: Guard) -> None:

@@ -1,11 +1,12 @@
-"""The bench's measurement loop (`cognet.benchmarks.harness`): what each pass does around
-the engine's runs, and what it reports as it ends."""
+"""The bench's measurement loop (`cognet.benchmarks.block`): what each pass does around
+the engine's runs, what it reports as it ends, when an engine's memory goes back, and how
+the guard's reference decodes."""
 
 from __future__ import annotations
 
 import pytest
 
-from cognet.benchmarks import harness
+from cognet.benchmarks import block
 from cognet.benchmarks.guard import Guard
 
 
@@ -27,10 +28,10 @@ def test_each_pass_hands_back_freed_memory_before_its_peak_is_reset(monkeypatch)
         def after_pass(self):
             events.append("after")
 
-    monkeypatch.setattr(harness, "release_memory", lambda: events.append("release") or 0.0)
-    monkeypatch.setattr(harness, "reset_peak_rss", lambda: events.append("reset") or True)
-    monkeypatch.setattr(harness, "peak_rss_mb", lambda: 1.0)
-    jobs = [harness.Job(Engine(), 2, [[1], [2]], [1]) for _ in range(2)]
+    monkeypatch.setattr(block, "release_memory", lambda: events.append("release") or 0.0)
+    monkeypatch.setattr(block, "reset_peak_rss", lambda: events.append("reset") or True)
+    monkeypatch.setattr(block, "peak_rss_mb", lambda: 1.0)
+    jobs = [block.Job(Engine(), 2, [[1], [2]], [1]) for _ in range(2)]
     for _ in range(2):
         for job in jobs:
             job.one_pass()
@@ -41,9 +42,9 @@ def test_each_pass_hands_back_freed_memory_before_its_peak_is_reset(monkeypatch)
 def test_each_pass_is_reported_as_it_ends(monkeypatch):
     """A block reports every pass when it ends, engines in turn, so that a run stopped from
     outside still shows what it measured; a pass that fails ends its engine's lines."""
-    monkeypatch.setattr(harness, "release_memory", lambda: 0.0)
-    monkeypatch.setattr(harness, "reset_peak_rss", lambda: True)
-    monkeypatch.setattr(harness, "peak_rss_mb", lambda: 12.0)
+    monkeypatch.setattr(block, "release_memory", lambda: 0.0)
+    monkeypatch.setattr(block, "reset_peak_rss", lambda: True)
+    monkeypatch.setattr(block, "peak_rss_mb", lambda: 12.0)
 
     class Engine:
         providers: list = []
@@ -75,11 +76,11 @@ def test_each_pass_is_reported_as_it_ends(monkeypatch):
 
     batches = [["v1"], ["v2", "v3"]]
     jobs = [
-        harness.Job(Engine("a"), 2, batches, ["w"]),
-        harness.Job(Engine("b", 2), 2, batches, ["w"]),
+        block.Job(Engine("a"), 2, batches, ["w"]),
+        block.Job(Engine("b", 2), 2, batches, ["w"]),
     ]
     lines = []
-    records = harness.measure_block(jobs, 4, 3, Guard(None), say=lines.append)
+    records = block.measure_block(jobs, 4, 3, Guard(None), say=lines.append)
     heads = [line.split(":")[0].strip() + " " + line.split()[2] for line in lines]
     assert heads == ["pass 1 a", "pass 1 b", "pass 2 a", "pass 3 a"]
     assert all("beam 4 batch 2:" in line and "3 visits in" in line for line in lines)
@@ -122,3 +123,68 @@ def test_the_reference_decodes_in_chunks_that_suit_its_device(device, calls):
     chunk = 4096 if device == "cuda" else 32
     assert seen == [("prepare", 4, chunk), *(("run", n) for n in calls), ("after",)]
     assert guard.recs[(4, "v39")] == [("A",)]
+
+
+def test_an_engine_hands_back_its_memory_when_its_last_pass_ends(monkeypatch):
+    """With one pass each (a GPU run), engine a is released before engine b warms up, so
+    their memory never shares the device; an engine run in two modes (request and stream)
+    is released once, after the last pass of both, with its device memory read first."""
+    monkeypatch.setattr(block, "release_memory", lambda: 0.0)
+    monkeypatch.setattr(block, "reset_peak_rss", lambda: True)
+    monkeypatch.setattr(block, "peak_rss_mb", lambda: 1.0)
+    events = []
+
+    class Engine:
+        providers: list = []
+
+        def __init__(self, name):
+            self.name = name
+
+        def prepare(self, beam, batch_size):
+            events.append(("prepare", self.name))
+
+        def run(self, batch):
+            events.append(("warm" if batch == ["w"] else "run", self.name))
+            return batch
+
+        def recommendations(self, batch, out):
+            return {v: () for v in batch}
+
+        def gpu_memory_mb(self):
+            events.append(("gpu", self.name))
+            return 7.0
+
+        def release(self):
+            events.append(("release", self.name))
+
+        def after_pass(self):
+            pass
+
+    a, b = Engine("a"), Engine("b")
+    batches = [["v1"]]
+    jobs = [
+        block.Job(a, 1, batches, ["w"]),
+        block.Job(b, 1, batches, ["w"]),
+        block.Job(b, 1, batches, ["w"], mode="stream"),
+    ]
+    records = block.measure_block(jobs, 4, 1, Guard(None))
+    assert events == [
+        ("prepare", "a"),
+        ("prepare", "b"),
+        ("prepare", "b"),
+        ("warm", "a"),
+        ("run", "a"),
+        ("gpu", "a"),
+        ("release", "a"),
+        ("warm", "b"),
+        ("run", "b"),
+        ("warm", "b"),
+        ("run", "b"),
+        ("gpu", "b"),
+        ("release", "b"),
+    ]
+    assert [(r["engine"], r["mode"], r["gpu_mem_mb"]) for r in records] == [
+        ("a", "request", 7.0),
+        ("b", "request", 7.0),
+        ("b", "stream", 7.0),
+    ]
