@@ -27,7 +27,7 @@ also follow; tests hold the two equal, visit by visit.
   axis 0) of a matrix, or of a rank-r tensor (r = 1, 3, 4, 5): finished visits leave the
   batch on the device.
 - `mix_log_probs` (ensembles only): the members' step log-probabilities mixed token by
-  token, in float64 like the host's `mix_log_probs`, so that an ensemble's beam search
+  token, in float64 as the host's `mix_log_probs` mixes them, so that an ensemble's beam search
   selects on the device too.
 - `init_gather_<dtype>` (float32, float16): the decoder-init inputs gathered from the
   encoder outputs where the encoder wrote them (`cognet.runtime.encoder.Layout`): from the
@@ -305,9 +305,10 @@ def init_gather_graph(dtype: str, opset: int) -> onnx.ModelProto:
 
 
 def mix_graph(v1: int, members: int, opset: int) -> onnx.ModelProto:
-    """The token-level mixture of `members` networks' step log-probabilities, computed as
-    `cognet.core.decoding.ensemble.mix_log_probs` computes it on the host: in float64, a
-    running logaddexp (max + log(1 + exp(-|a - b|))) less log K, rounded once to float32.
+    """The token-level mixture of `members` networks' step log-probabilities, the value
+    `cognet.core.decoding.ensemble.mix_log_probs` gives on the host (at most 1 ulp apart):
+    in float64, a running logaddexp (max + log(1 + exp(-|a - b|))) less log K, rounded once
+    to float32 (the host sums exponentials; this form holds for any finite input).
     -inf is clamped to -1e300 first (so that two -inf never meet in a subtraction); a token
     every member gives -inf ends at about -1e300, which float32 rounds back to -inf."""
     g = _Graph(MIX_GRAPH)

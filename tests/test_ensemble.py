@@ -67,6 +67,34 @@ def test_mix_log_probs_is_the_log_of_the_mean_probability():
     np.testing.assert_array_equal(mix_log_probs([a]), a)  # one member: itself
 
 
+@pytest.mark.parametrize("members,shape", [(2, (3, 4, 9)), (2, (64, 4, 132)), (3, (16, 16, 40))])
+def test_mix_log_probs_equals_the_running_logaddexp(members, shape):
+    """The sum of exponentials gives what a running logaddexp gives, value for value (at most
+    1 ulp of float32), with the model's floor, -inf, and values beyond float64's exp (which
+    are taken again by logaddexp)."""
+    rng = np.random.default_rng(members)
+    parts = [np.log(rng.dirichlet(np.full(shape[-1], 0.3), shape[:-1])) for _ in range(members)]
+    parts = [np.maximum(x, np.log(1e-20)).astype(np.float32) for x in parts]
+    parts[0][0, 0, :3] = -np.inf  # one member's -inf, and every member's
+    parts[1][0, 0, :2] = -np.inf
+    parts[-1][0, 0, :2] = -np.inf
+    for i, x in enumerate(parts):  # exp gives 0 for every member
+        x[0, 1, 0] = -800.0 - 100 * i
+    wide = [x.astype(np.float64) for x in parts]
+    want = np.logaddexp(wide[0], wide[1])
+    for x in wide[2:]:
+        want = np.logaddexp(want, x)
+    want = (want - np.log(members)).astype(np.float32)
+    got = mix_log_probs(parts)
+    assert got.dtype == np.float32 and got.shape == shape
+    assert (got[0, 0, :2] == -np.inf).all() and np.isfinite(got[0, 0, 2])
+    assert got[0, 1, 0] == pytest.approx(-800.0 - np.log(members), abs=1e-3)
+    finite = np.isfinite(want)
+    np.testing.assert_array_equal(np.isfinite(got), finite)
+    ulps = np.abs(got[finite].view(np.int32).astype(np.int64) - want[finite].view(np.int32))
+    assert ulps.max() <= 1
+
+
 def test_member_seeds_and_draws():
     assert [member_seed(7, i) for i in range(3)] == [7, 1007, 2007]
     cfg = SetConfig(end=5, samples=4, threshold=0.5, seed=3)
