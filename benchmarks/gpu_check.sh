@@ -37,7 +37,7 @@ log() { echo "[gpu_check $(date +%T)] $*"; }
 
 # 1. onnxruntime-gpu and the project
 if [ ! -d /tmp/site/onnxruntime ] && ls "$WHEELS"/ortxz.part-* >/dev/null 2>&1; then
-    # the wheel's onnxruntime/ and dist-info, xz-compressed (3 parts of 62 MiB, not 4 of 61)
+    # the wheel's onnxruntime/ and dist-info, xz-compressed (benchmarks/gpu_prepare.sh)
     mkdir -p /tmp/site
     cat "$WHEELS"/ortxz.part-* | $PY -c "import sys, tarfile; tarfile.open(fileobj=sys.stdin.buffer, mode='r|xz').extractall('/tmp/site')" \
         || { log "cannot unpack $WHEELS/ortxz.part-*"; rm -rf /tmp/site; exit 2; }
