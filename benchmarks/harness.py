@@ -3,10 +3,11 @@
 For each beam width and batch size, a block (`block`): every engine warms up on one
 untimed batch, then the engines take turns, one pass over the same batches each, `repeats`
 times (a time budget stops the repeats of a slow engine early and skips a larger batch size
-whose pass would take too long). Each pass is reported as it ends; per run: the median over repeats of visits/s and medications/s, per-batch latency
-percentiles, the peak RSS of the process during the engine's passes (Linux VmHWM, reset
-before each pass), GPU memory where relevant, and whether every recommendation equals
-the reference's (`matches_reference`).
+whose pass would take too long). Each pass is reported as it ends; per run: the median
+over repeats of visits/s and medications/s, per-batch latency percentiles, the peak RSS of
+the process during the engine's passes (Linux VmHWM, reset before each pass), GPU memory
+where relevant, and whether every recommendation equals the reference's
+(`matches_reference`).
 
 `torch-perpatient` runs once per beam width on a subset, one patient per batch. Scaling
 series: throughput against past visits, and end to end through `cognet-batch score` against
