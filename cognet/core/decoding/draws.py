@@ -78,7 +78,13 @@ def uniforms(
         order_key = _mix(x ^ _STRATUM)
     n = u.shape[0]
     if estimator == "stratified" or prefix is None:
-        prefix = np.zeros((n, samples), np.uint64)
+        # one group per visit: its samples' ranks by the random key (a sort per visit, as
+        # the general path's sort by visit and key orders them; keys never tie in practice,
+        # and a stable sort breaks a tie by sample as that one does)
+        order = np.argsort(order_key, axis=1, kind="stable")
+        rank = np.empty((n, samples), np.float64)
+        np.put_along_axis(rank, order, np.arange(samples, dtype=np.float64)[None, :], axis=1)
+        return (rank + u) / samples
     row = np.repeat(np.arange(n), samples)
     group = prefix.ravel()
     order = np.lexsort((order_key.ravel(), group, row))  # by visit, prefix, random key
