@@ -73,6 +73,7 @@ def run_all(ctx: Context, settings: Settings, say: Callable[[str], None] = print
         "input_size": input_size_series(ctx, settings, say),
     }
     profile = profile_best(ctx, settings, runs, say) if settings.profile else None
+    set_profile = profile_best(ctx, settings, runs, say, eng.SET) if settings.profile else None
     machine["load_average_end"] = loadavg()
     return {
         "machine": machine,
@@ -87,6 +88,7 @@ def run_all(ctx: Context, settings: Settings, say: Callable[[str], None] = print
         "runs_over_budget": over_budget,
         "series": series,
         "profile": profile,
+        "set_profile": set_profile,
         "notes": ctx.notes,
     }
 
@@ -194,19 +196,24 @@ def _engines_json(loaded: dict, skipped: dict) -> dict:
     }
 
 
-def profile_best(ctx: Context, settings: Settings, runs: list[dict], say) -> dict | None:
-    """Profile the runtime at the widest beam measured and its best batch size (and mode):
-    ort-cuda where it ran, else ort-cpu, else ort-cpu-gpupath (the GPU path's host side:
-    `--engines ort-cpu-gpupath` profiles it)."""
+def profile_best(
+    ctx: Context, settings: Settings, runs: list[dict], say, beam: int | None = None
+) -> dict | None:
+    """Profile the runtime at its best batch size (and mode) for a decoding: the widest beam
+    measured by default, or `beam` (eng.SET: the set decoding). ort-cuda where it ran, else
+    ort-cpu, else ort-cpu-gpupath (the GPU path's host side: `--engines ort-cpu-gpupath`
+    profiles it). None when no such run was measured."""
     ran = {r["engine"] for r in runs}
     engine = next((e for e in ("ort-cuda", "ort-cpu", "ort-cpu-gpupath") if e in ran), None)
     if engine is None:
         return None
     mine = [r for r in runs if r["engine"] == engine]
+    if beam is None:
+        beam = max((r["beam"] for r in mine if r["beam"] != eng.SET), default=None)
+    mine = [r for r in mine if r["beam"] == beam]
     if not mine:
         return None
-    beam = max(r["beam"] for r in mine)
-    best = max((r for r in mine if r["beam"] == beam), key=lambda r: r["visits_per_s"])
+    best = max(mine, key=lambda r: r["visits_per_s"])
     bs, visits = best["batch_size"], max(best["batch_size"], settings.visits)
     batches = (
         ctx.pool.batches(bs, visits)
@@ -221,8 +228,8 @@ def profile_best(ctx: Context, settings: Settings, runs: list[dict], say) -> dic
     out["mode"] = best["mode"]
     graphs = ", ".join(f"{g} {v['share']:.0%}" for g, v in out["graphs"].items())
     say(
-        f"profile {_label(engine, best['mode'])} beam {beam} batch {bs}: {graphs}, "
-        f"Python {out['python_share']:.0%}"
+        f"profile {_label(engine, best['mode'])} {eng.decoding_label(beam)} batch {bs}: "
+        f"{graphs}, Python {out['python_share']:.0%}"
     )
     return out
 

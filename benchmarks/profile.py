@@ -40,11 +40,16 @@ def profile_ort(
     top: int = 10,
     gpu_path: bool = False,
 ) -> dict:
+    """The three passes of the module docstring over `batches`, at beam width `beam` or
+    the model's set decoding (`beam` = engines.SET)."""
+
     def scorer():
+        from cognet.benchmarks.engines import SET
         from cognet.benchmarks.engines import scorer as open_scorer
         from cognet.runtime import ScoreOptions
 
-        options = ScoreOptions.of(beam=beam, device=device, threads=threads, batch_size=batch_size)
+        decoding = {"decoding": "set"} if beam == SET else {"beam": beam}
+        options = ScoreOptions.of(**decoding, device=device, threads=threads, batch_size=batch_size)
         s = open_scorer(model_dir, options, gpu_path)
         list(s.score_table(batches[0].table))  # warm-up
         return s

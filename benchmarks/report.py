@@ -56,8 +56,9 @@ def markdown(results: dict) -> str:
     lines += _engines_table(results["engines"])
     lines += _past_visits_section(results)
     lines += _input_size_section(results)
-    if results.get("profile"):
-        lines += _profile_section(results["profile"])
+    for key in ("profile", "set_profile"):
+        if results.get(key):
+            lines += _profile_section(results[key])
     lines += _over_budget_lines(results.get("runs_over_budget") or [])
     if results.get("ddi_tradeoff"):
         lines += ["", *_tradeoff_section(results["ddi_tradeoff"])]
@@ -204,7 +205,7 @@ def _profile_section(prof: dict) -> list[str]:
     the Python functions with the most own time."""
     lines = [
         "",
-        f"## Where the time goes: {_label(prof)}, beam {prof['beam']}, batch "
+        f"## Where the time goes: {_label(prof)}, {decoding_label(prof['beam'])}, batch "
         f"{prof['batch_size']} ({prof['visits']} visits, {prof['wall_s']:.2f}s)",
         "",
         "| part | seconds | share of wall time |",
@@ -213,7 +214,7 @@ def _profile_section(prof: dict) -> list[str]:
     for graph, v in prof["graphs"].items():
         lines.append(f"| graph `{graph}` | {v['seconds']:.2f} | {v['share']:.0%} |")
     lines.append(
-        f"| Python (beam driver, assembly, Arrow) | {prof['python_s']:.2f} | "
+        f"| Python (decoding driver, assembly, Arrow) | {prof['python_s']:.2f} | "
         f"{prof['python_share']:.0%} |"
     )
     for graph, ops in prof["operators"].items():

@@ -9,7 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
+from tiny import with_set_decoding
 
+from cognet.benchmarks import engines as eng
 from cognet.benchmarks.cli import main
 from cognet.benchmarks.guard import Guard
 from cognet.benchmarks.perpatient import decode_perpatient
@@ -291,8 +293,6 @@ def test_guard_counts_a_float_tie_but_not_a_real_difference():
 def test_engine_options_hold_at_every_decoding(name):
     """An engine's variant and streams apply to set decoding as to beam search (the fp16
     engine once scored set decoding with the float32 graphs)."""
-    from cognet.benchmarks import engines as eng
-
     engine = object.__new__(eng.OrtEngine)  # its options only: no model loaded
     engine.device, engine.threads = eng.ORT_DEVICES[name], 1
     engine.selection = eng.ORT_SELECTIONS.get(name, "auto")
@@ -317,6 +317,25 @@ def test_profile_of_the_gpu_path_on_the_cpu(tiny):
     assert out["engine"] == "ort-cpu-gpupath"
     assert {"init_gather_float32", "beam_select_split", "decoder_step"} <= set(out["graphs"])
     assert 0 < out["python_share"] < 1
+
+
+def test_profile_of_set_decoding(tiny, tmp_path):
+    """The profile of a set decoding: the sampler's steps in the decoder graphs, its Python
+    (the sampler) among the functions, and the harness's choice of the set runs."""
+    import pyarrow.parquet as pq
+
+    from cognet.benchmarks.harness import profile_best
+    from cognet.benchmarks.profile import profile_ort
+    from cognet.benchmarks.workload import Batch, mask_last_visits
+
+    model = with_set_decoding(tiny / "model", tmp_path, "manifest.json")
+    table = mask_last_visits(pq.read_table(tiny / "data" / "visits.parquet").slice(0, 60))
+    out = profile_ort(model, [Batch(table, [], [])], eng.SET, 64, 1, top=40)
+    assert out["beam"] == eng.SET and out["engine"] == "ort-cpu"
+    assert {"encoder", "decoder_step"} <= set(out["graphs"])
+    assert any("sampling.py" in f["function"] for f in out["python_functions"])
+    runs = [{"engine": "ort-cpu", "beam": 4, "batch_size": 8, "visits_per_s": 1.0}]
+    assert profile_best(None, None, runs, print, eng.SET) is None  # no set run, no profile
 
 
 def test_guard_scores_a_bounded_number_of_differences():
