@@ -142,8 +142,9 @@ class SetSampler:
         cfg, end = self.cfg, self.cfg.end
         # Only the open samples are computed: a finished sample's distribution is all on
         # END, so it adds nothing below END to the sums and draws END again (26% of a set
-        # decoding's rows are such samples). The sums over a visit's samples run in sample
-        # order as before, exact zeros left out, so every value is the same bit for bit.
+        # decoding's rows are such samples). A visit's open samples are summed together
+        # (reduceat), so the totals depend on its own rows alone and differ from a sum over
+        # every row by summation order only (a few ulps: <= 3.3e-16 measured).
         vis, smp = np.nonzero(~self.finished)  # visit-major, samples in order
         tokens = np.full(self.finished.shape, end, np.int64)
         if vis.size:
