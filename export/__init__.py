@@ -1,7 +1,9 @@
 """cognet.export: a trained checkpoint -> a model directory the torch-free runtime serves.
 
-`export(checkpoint, out)` writes `encoder.onnx`, `decoder_init.onnx`, `decoder_step.onnx`
-(plus `*.fp16.onnx` with `fp16=True`, `*.int8.onnx` with `int8=True`) and `manifest.json`
+`export(checkpoint, out)` writes `encoder.onnx`, `decoder_init.onnx`, `decoder_step.onnx`,
+the encoder cut by kind of code (`encoder_diag.onnx`, `encoder_proc.onnx`,
+`encoder_med.onnx`; `PART_FILES`), plus `*.fp16.onnx` with `fp16=True`, `*.int8.onnx` with
+`int8=True`, and `manifest.json`
 (`cognet.core.manifest`), after checking the graphs (`onnx.checker`, symbolic input axes)
 and, unless `validate=False`, their parity with the torch model (`cognet.export.validate`).
 
@@ -13,7 +15,7 @@ used.
 
 from cognet.export.errors import ExportError, TensorRTUnavailable
 from cognet.export.onnx_export import OPSET, cache_tensors
-from cognet.export.pipeline import FP16_FILES, GRAPH_FILES, INT8_FILES, export
+from cognet.export.pipeline import FP16_FILES, GRAPH_FILES, INT8_FILES, PART_FILES, export
 
 __all__ = [
     "export",
@@ -23,5 +25,6 @@ __all__ = [
     "GRAPH_FILES",
     "FP16_FILES",
     "INT8_FILES",
+    "PART_FILES",
     "cache_tensors",
 ]

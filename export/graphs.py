@@ -27,6 +27,7 @@ from torch import Tensor, nn
 from cognet.core.graphspec import (
     ENCODER_INPUTS,
     ENCODER_OUTPUTS,
+    ENCODER_PARTS,
     INIT_INPUTS,
     INIT_OUTPUTS,
     STEP_INPUTS,
@@ -197,6 +198,7 @@ GRAPH_IO = {
     "encoder": (ENCODER_INPUTS, ENCODER_OUTPUTS),
     "decoder_init": (INIT_INPUTS, INIT_OUTPUTS),
     "decoder_step": (STEP_INPUTS, STEP_OUTPUTS),
+    **ENCODER_PARTS,  # cut from the encoder graph (`onnx_export.write_encoder_parts`)
 }
 WRAPPERS = {"encoder": EncoderGraph, "decoder_init": InitGraph, "decoder_step": StepGraph}
 

@@ -203,6 +203,30 @@ def graph_spec(
     return GraphSpec(path.name, file_sha256(path), tuple(map(typed, ins)), tuple(map(typed, outs)))
 
 
+def write_encoder_parts(
+    src: Path, files: dict[str, Path], specs: dict[str, TensorSpec]
+) -> dict[str, GraphSpec]:
+    """The encoder graph file `src` cut into one graph per kind of code
+    (`graphspec.ENCODER_PARTS`: each part's nodes are the encoder's nodes its outputs need,
+    unchanged), checked and written to `files` ({part: path}); their manifest entries."""
+    import onnx
+    from onnx.utils import Extractor
+
+    from cognet.core.graphspec import ENCODER_PARTS
+
+    cut = Extractor(onnx.load(str(src)))
+    out = {}
+    for name, (ins, outs) in ENCODER_PARTS.items():
+        part = cut.extract_model(list(ins), list(outs))
+        part.graph.name = name
+        onnx.checker.check_model(part, full_check=True)
+        _check_io(part, name, specs)
+        with atomic_path(files[name]) as tmp:
+            onnx.save(part, str(tmp))
+        out[name] = graph_spec(files[name], name, specs)
+    return out
+
+
 def write_fp16(src: Path, dst: Path, name: str, specs: dict[str, TensorSpec]) -> GraphSpec:
     """The float16 variant of the graph file `src`, checked and written to `dst`."""
     import onnx

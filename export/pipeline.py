@@ -1,6 +1,8 @@
 """The export pipeline: a checkpoint -> a model directory (`cognet.export.export`).
 
-Writes the three graphs (`onnx_export`), their float16 and int8 variants (`fp16`, `int8`),
+Writes the three graphs (`onnx_export`), the encoder cut into one graph per kind of code
+(`encoder_diag.onnx`, `encoder_proc.onnx`, `encoder_med.onnx`: the runtime's CPU encoding
+pads each kind alone), their float16 and int8 variants (`fp16`, `int8`),
 checks their parity with the torch model (`validate`), optionally builds TensorRT engines
 (`tensorrt`), and writes `manifest.json` last (`cognet.core.manifest`): a directory whose
 parity failed holds `parity_report.json` and no manifest, so no runtime loads it.
@@ -23,6 +25,7 @@ from cognet.core.decoding import BEAM, MAX_LEN
 from cognet.core.decoding.ensemble import MAX_MEMBERS
 from cognet.core.errors import InputError, ParityError, one_line, writing
 from cognet.core.files import remove, write_text
+from cognet.core.graphspec import ENCODER_PARTS
 from cognet.core.manifest import (
     GRAPHS,
     VARIANTS,
@@ -33,21 +36,34 @@ from cognet.core.manifest import (
     check_manifest,
     write_manifest,
 )
-from cognet.export.onnx_export import OPSET, export_graph, graph_spec, write_fp16, write_int8
+from cognet.export.onnx_export import (
+    OPSET,
+    export_graph,
+    graph_spec,
+    write_encoder_parts,
+    write_fp16,
+    write_int8,
+)
 from cognet.export.search_graphs import SEARCH_FILES, write_search_graphs
 
 log = logging.getLogger(__name__)
 
 
-def graph_files(member: int = 0, variant: str | None = None) -> dict[str, str]:
+def graph_files(member: int = 0, variant: str | None = None, names=GRAPHS) -> dict[str, str]:
     """{graph: file name} of one member's graphs of a variant (None: float32)."""
     suffix = (f".member{member}" if member else "") + (f".{variant}" if variant else "")
-    return {name: f"{name}{suffix}.onnx" for name in GRAPHS}
+    return {name: f"{name}{suffix}.onnx" for name in names}
+
+
+def part_files(member: int = 0) -> dict[str, str]:
+    """{part: file name} of one member's encoder parts (float32 only)."""
+    return graph_files(member, names=ENCODER_PARTS)
 
 
 GRAPH_FILES = graph_files()
 FP16_FILES = graph_files(variant="fp16")
 INT8_FILES = graph_files(variant="int8")
+PART_FILES = part_files()
 REPORT_FILE = "parity_report.json"
 # every file an export writes but the manifest and the report (TensorRT's are in CACHE_DIR)
 MODEL_FILES = (
@@ -57,6 +73,7 @@ MODEL_FILES = (
         for variant in (None, *VARIANTS)
         for file in graph_files(member, variant).values()
     ),
+    *(file for member in range(MAX_MEMBERS) for file in part_files(member).values()),
     *SEARCH_FILES.values(),
 )
 
@@ -179,7 +196,8 @@ def _export(
 def _export_member(
     net, member: int, out: Path, fp16: bool, int8: bool
 ) -> tuple[MemberGraphs, dict[str | None, dict[str, Path]]]:
-    """One network's three graphs (member `member` of its model) and the variants asked:
+    """One network's three graphs (member `member` of its model), its encoder cut by kind of
+    code (`write_encoder_parts`) and the variants asked:
     their manifest entries, and their paths by variant (None: float32)."""
     import torch
 
@@ -192,6 +210,8 @@ def _export_member(
             log.info("exporting %s%s", name, f" of member {member}" if member else "")
             export_graph(net, name, paths[None][name])
     graphs = {name: graph_spec(paths[None][name], name, specs) for name in GRAPHS}
+    parts = {name: out / file for name, file in part_files(member).items()}
+    graphs |= write_encoder_parts(paths[None]["encoder"], parts, specs)
     variants = {}
     for variant, wanted, write in (("fp16", fp16, write_fp16), ("int8", int8, write_int8)):
         if wanted:

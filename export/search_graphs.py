@@ -30,7 +30,7 @@ also follow; tests hold the two equal, visit by visit.
   token, in float64 as the host's `mix_log_probs` mixes them, so that an ensemble's beam search
   selects on the device too.
 - `init_gather_<dtype>` (float32, float16): the decoder-init inputs gathered from the
-  encoder outputs where the encoder wrote them (`cognet.runtime.encoder.Layout`): from the
+  encoder outputs where the encoder wrote them (`cognet.runtime.layout.Layout`): from the
   flat `codes` and `visits` buffers and one index tensor per input (`<input>_rows`), the
   seven encoding inputs of `decoder_init`, so that encodings never cross to the host.
 

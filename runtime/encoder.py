@@ -1,17 +1,19 @@
 """Encoding, the second stage of scoring (plan -> encode -> decode -> emit).
 
-Every row of a chunk that is scored or serves as history is encoded once (`encode_plan`),
-in calls of similar lengths. The outputs stay as each call returned them, call after call,
-in two flat buffers (`Layout`), from which the padded decoder-init inputs of each batch are
+Every row of a chunk that is scored or serves as history is encoded once (`encode_plan`), in
+calls of similar lengths (`layout.encoder_calls`; on the CPU, one kind of code per call, by
+the encoder parts). The outputs stay as each call returned them, call after call, in two
+flat buffers (`layout.Layout`), from which the padded decoder-init inputs of each batch are
 gathered (`init_index`: integer rows only; `init_inputs` gathers them on the host).
 
-`Encoder`, the ONNX Runtime encoder session, writes each call's outputs straight into their
-place by IO binding: host arrays on the CPU or, on a GPU whose model has the `init_gather`
-graphs, buffers in the device's memory, from which `DeviceDecoder.init_gathered` builds
-each batch's decoder-init inputs there: encodings never cross to the host and back (on an
-H100 their round trip and regathering took about a third of the host's time,
-docs/gpu/results-h100-search.md). `HostEncoder` adapts any encoder callable (host arrays
-in and out; the tests plug torch in) to the same `PlanEncoder` interface.
+`Encoder`, the ONNX Runtime encoder session (and its parts), writes each call's outputs
+straight into their place by IO binding: host arrays on the CPU or, on a GPU whose model has
+the `init_gather` graphs, buffers in the device's memory, from which
+`DeviceDecoder.init_gathered` builds each batch's decoder-init inputs there: encodings never
+cross to the host and back (on an H100 their round trip and regathering took about a third
+of the host's time, docs/gpu/results-h100-search.md). `HostEncoder` adapts any encoder
+callable (host arrays in and out; the tests plug torch in) to the same `PlanEncoder`
+interface.
 
 An ensemble's members encode with their own encoders (`EnsembleEncoder`): one `Encodings`
 per member, in one shared layout (`MemberEncodings`), from which `init_memories` builds
@@ -27,10 +29,15 @@ from typing import Any, Protocol
 import numpy as np
 import onnxruntime as ort
 
-from cognet.core.graphspec import ENCODER_OUTPUTS, INIT_GATHERED, TAKE_INPUTS, TAKE_OUTPUT
+from cognet.core.graphspec import (
+    ENCODER_OUTPUTS,
+    INIT_GATHERED,
+    TAKE_INPUTS,
+    TAKE_OUTPUT,
+)
 from cognet.core.history import history_index
 from cognet.core.vocab import Vocab
-from cognet.runtime.batches import cut_padded
+from cognet.runtime.layout import Layout, encoder_calls
 from cognet.runtime.plan import Plan
 from cognet.runtime.search import INIT_GATHER, ORT_TYPES, SearchGraphs
 
@@ -72,8 +79,16 @@ class Encoder:
     a device that has the `init_gather` graphs, buffers on that device (the encodings then
     never leave it: `DeviceDecoder.init_gathered`). Called with inputs: host arrays."""
 
-    def __init__(self, session: ort.InferenceSession, dim: int, search: SearchGraphs | None):
+    def __init__(
+        self,
+        session: ort.InferenceSession,
+        dim: int,
+        search: SearchGraphs | None,
+        parts: Mapping[str, ort.InferenceSession] | None = None,
+    ):
         self.session, self.dim = session, dim
+        self.parts = dict(parts) if parts else None  # {part: session} of ENCODER_PARTS
+        self.split = self.parts is not None
         types = {o.name: o.type for o in session.get_outputs()}
         self.dtype = np.dtype(ORT_TYPES[types["diag_enc"]])
         self._gather = INIT_GATHER.get(types["diag_enc"])
@@ -128,14 +143,17 @@ class Encoder:
         take.run_with_iobinding(io)
 
     def encode_into(self, inputs: Mapping[str, np.ndarray], enc: Encodings, k: int) -> None:
-        """Run encoder call k of the layout; its outputs land in their place in `enc`."""
-        io = self.session.io_binding()
+        """Run encoder call k of the layout (the encoder graph, or the encoder part of its
+        one kind); its outputs land in their place in `enc`."""
+        part = enc.layout.part(k)
+        session = self.session if part is None else self.parts[part]
+        io = session.io_binding()
         for key, value in inputs.items():
             io.bind_cpu_input(key, np.ascontiguousarray(value))
         device = None if self.search is None else self.search.device
         for name, (buffer, first, shape) in enc.layout.outputs(k).items():
             bind_rows(io, name, getattr(enc, buffer), first, shape, device)
-        self.session.run_with_iobinding(io)
+        session.run_with_iobinding(io)
 
 
 class EnsembleEncoder:
@@ -153,6 +171,11 @@ class EnsembleEncoder:
         return found[0] if all(s is not None for s in found) else None
 
     @property
+    def split(self) -> bool:
+        """Whether every member encodes by its parts, one kind of code per call."""
+        return all(getattr(m, "split", False) for m in self.members)
+
+    @property
     def dtype(self) -> np.dtype:
         """The encodings' type (the members share their variant)."""
         return getattr(self.members[0], "dtype", np.dtype(np.float32))
@@ -167,85 +190,6 @@ class EnsembleEncoder:
     def release(self, enc: MemberEncodings) -> None:
         for member, encodings in zip(self.members, enc.members, strict=True):
             member.release(encodings)
-
-
-@dataclass
-class Layout:
-    """Where the encoder outputs of a chunk's rows go in two flat buffers, each encoder call's
-    outputs one after the other, as the call returned them (a plain copy, or the call writes
-    them in place):
-
-    - codes [code_rows, s]: per call of n visits, its diag_enc [n, Ld, s], proc_enc
-      [n, Lp, s] and med_enc [n, Lm, s], each flattened to rows; the last row is zero and
-      padding positions point at it;
-    - visits [visit_rows, s]: per call, its v_d [n, s] then v_p [n, s]; the last row zero.
-
-    Each output's region starts at a multiple of ALIGN_ROWS rows; the rows between regions
-    are never written nor read. at[kind][row]: the buffer row of a chunk row's first code of
-    that kind (its j-th code at + j), or of its v_d / v_p; only encoded rows have one."""
-
-    parts: list[np.ndarray]  # the chunk rows of each encoder call, in call order
-    widths: np.ndarray  # int64 [calls, 3]: padded code width of diagnoses, procedures, meds
-    code_at: np.ndarray  # int64 [calls, 3]: first buffer row of each output of each call
-    visit_at: np.ndarray  # int64 [calls]: buffer row of each call's first v_d
-    at: dict[str, np.ndarray]  # "diag", "proc", "meds", "v_d", "v_p" -> int64 [chunk rows]
-    code_rows: int
-    visit_rows: int
-
-    def outputs(self, k: int) -> dict[str, tuple[str, int, tuple[int, ...]]]:
-        """{encoder output: (its buffer, first row there, shape without the last axis)} of
-        call k."""
-        n = int(self.parts[k].size)
-        (ld, lp, lm), (d, p, m) = self.widths[k].tolist(), self.code_at[k].tolist()
-        v = int(self.visit_at[k])
-        return {
-            "diag_enc": ("codes", d, (n, ld)),
-            "proc_enc": ("codes", p, (n, lp)),
-            "med_enc": ("codes", m, (n, lm)),
-            "v_d": ("visits", v, (n,)),
-            "v_p": ("visits", v + _aligned(n), (n,)),
-        }
-
-
-# Every output's region starts at a multiple of this many rows: 16-byte aligned for any
-# width in float16 or float32 (a graph writes there; vectorised GPU kernels load 16 bytes).
-ALIGN_ROWS = 8
-
-
-def layout(plan: Plan, parts: list[np.ndarray]) -> Layout:
-    """The buffer layout of encoder calls over `parts` (chunk rows per call)."""
-    raggeds = (plan.diag, plan.proc, plan.meds)
-    sizes = np.array([p.size for p in parts], np.int64)
-    widths = np.array(
-        [[max(1, int(r.lengths[p].max(initial=0))) for r in raggeds] for p in parts], np.int64
-    ).reshape(-1, 3)
-    cells = _aligned(widths * sizes[:, None]).ravel()  # call by call, kind by kind
-    code_at = (np.cumsum(cells) - cells).reshape(-1, 3)
-    visits = 2 * _aligned(sizes)  # v_d, then v_p
-    visit_at = np.cumsum(visits) - visits
-    at = {kind: np.zeros(plan.rows, np.int64) for kind in ("diag", "proc", "meds", "v_d", "v_p")}
-    if parts:
-        rows = np.concatenate(parts)
-        call = np.repeat(np.arange(len(parts)), sizes)
-        i = np.arange(rows.size) - np.repeat(np.cumsum(sizes) - sizes, sizes)  # place in call
-        for j, kind in enumerate(("diag", "proc", "meds")):
-            at[kind][rows] = code_at[call, j] + i * widths[call, j]
-        at["v_d"][rows] = visit_at[call] + i
-        at["v_p"][rows] = visit_at[call] + _aligned(sizes)[call] + i
-    return Layout(
-        list(parts),
-        widths,
-        code_at,
-        visit_at,
-        at,
-        int(cells.sum()) + 1,
-        int(visits.sum()) + 1,
-    )
-
-
-def _aligned(rows):
-    """rows rounded up to a multiple of ALIGN_ROWS."""
-    return -(-rows // ALIGN_ROWS) * ALIGN_ROWS
 
 
 @dataclass
@@ -272,13 +216,16 @@ def new_encodings(lay: Layout, dim: int, dtype=np.float32) -> Encodings:
     return Encodings(lay, z((lay.code_rows, dim), dtype), z((lay.visit_rows, dim), dtype))
 
 
-def encoder_inputs(plan: Plan, rows: np.ndarray, vocab: Vocab) -> dict[str, np.ndarray]:
-    """Padded id matrices [len(rows), L] of `graphspec.ENCODER_INPUTS`."""
-    return {
-        "diagnoses": plan.diag.pad(rows, vocab.diag_pad),
-        "procedures": plan.proc.pad(rows, vocab.proc_pad),
-        "medications": plan.meds.pad(rows, vocab.med_pad),
-    }
+def encoder_inputs(
+    plan: Plan, rows: np.ndarray, vocab: Vocab, kinds=(True, True, True)
+) -> dict[str, np.ndarray]:
+    """Padded id matrices [len(rows), L] of `graphspec.ENCODER_INPUTS` (of the kinds asked)."""
+    every = (
+        ("diagnoses", plan.diag, vocab.diag_pad),
+        ("procedures", plan.proc, vocab.proc_pad),
+        ("medications", plan.meds, vocab.med_pad),
+    )
+    return {name: r.pad(rows, pad) for (name, r, pad), on in zip(every, kinds, strict=True) if on}
 
 
 def store_encodings(enc: Encodings, k: int, out: Mapping[str, np.ndarray]) -> None:
@@ -360,19 +307,14 @@ def encode_plan(
     run: Callable[[Callable, Iterable], Iterable] = map,
 ) -> Encodings:
     """Encode every row of a plan that is scored or serves as history (`plan.encode_rows`),
-    in calls of at most `batch` visits and `cells` padded codes of each kind (`cut_padded`),
-    on `run`'s streams; similar lengths pad little: rows are grouped by medication count,
-    then diagnoses + procedures."""
-    rows = plan.encode_rows
-    rows = rows[
-        np.lexsort(((plan.diag.lengths + plan.proc.lengths)[rows], plan.meds.lengths[rows] // 4))
-    ]
-    lengths = [ragged.lengths[rows] for ragged in (plan.diag, plan.proc, plan.meds)]
-    parts = cut_padded(rows, lengths, [cells] * 3, batch, squared=True)
-    enc = encoder.new_encodings(layout(plan, parts))
+    in the calls of `layout.encoder_calls` (by kind of code for an encoder that runs its
+    parts, `split`), on `run`'s streams."""
+    lay = encoder_calls(plan, getattr(encoder, "split", False), cells, batch)
+    parts = lay.parts
+    enc = encoder.new_encodings(lay)
 
     def encode(k: int) -> None:
-        encoder.encode_into(encoder_inputs(plan, parts[k], vocab), enc, k)
+        encoder.encode_into(encoder_inputs(plan, parts[k], vocab, lay.kinds[k]), enc, k)
 
     for _ in run(encode, range(len(parts))):
         pass

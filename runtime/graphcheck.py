@@ -18,6 +18,7 @@ from cognet.core.errors import InputError, one_line
 from cognet.core.graphspec import (
     ENCODER_INPUTS,
     ENCODER_OUTPUTS,
+    ENCODER_PARTS,
     INIT_INPUTS,
     KV_STEP_INPUTS,
     KV_STEP_OUTPUTS,
@@ -35,6 +36,7 @@ GRAPH_IO = {
     "encoder": (ENCODER_INPUTS, ENCODER_OUTPUTS),
     "decoder_init": (INIT_INPUTS, MEMORIES),
     "decoder_step": (STEP_INPUTS, tuple(n for n in STEP_OUTPUTS if n != "diag_attention")),
+    **ENCODER_PARTS,
 }
 KV_STEP_IO = (KV_STEP_INPUTS, tuple(n for n in KV_STEP_OUTPUTS if n != "diag_attention"))
 

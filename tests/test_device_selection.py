@@ -246,14 +246,13 @@ def test_init_gathered_on_the_device_equals_the_host_assembly(tiny_many, batch):
     from init_gather: exactly the memories of the host assembly."""
     from cognet.runtime.batches import cut_padded
     from cognet.runtime.encoder import (
-        ALIGN_ROWS,
         encoder_inputs,
         init_index,
         init_inputs,
-        layout,
         new_encodings,
         store_encodings,
     )
+    from cognet.runtime.layout import ALIGN_ROWS, layout
     from cognet.runtime.plan import Assembler
 
     model, bound, encoder = _bound(tiny_many / "model")

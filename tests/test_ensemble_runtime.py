@@ -26,7 +26,7 @@ from cognet.core.decoding import Decoding
 from cognet.core.decoding.ensemble import EnsembleSession
 from cognet.core.graphspec import MIX_GRAPH
 from cognet.core.history import patients_from_table
-from cognet.core.manifest import load_manifest
+from cognet.core.manifest import GRAPHS, load_manifest
 from cognet.core.metrics import visit_results
 from cognet.export.cli import main as export_main
 from cognet.model import checkpoint
@@ -270,7 +270,8 @@ def test_a_missing_or_odd_member_is_refused(ensemble, tmp_path):
     with pytest.raises(InputError, match=r"decoder_step\.member1\.onnx: graph file missing"):
         load_manifest(model)
     data = json.loads((model / "manifest.json").read_text())
-    data["member_graphs"][0]["variants"] = {"fp16": data["member_graphs"][0]["graphs"]}
+    graphs = data["member_graphs"][0]["graphs"]
+    data["member_graphs"][0]["variants"] = {"fp16": {g: graphs[g] for g in GRAPHS}}
     (model / "manifest.json").write_text(json.dumps(data))
     with pytest.raises(InputError, match=r"'member_graphs\.1\.variants'"):
         load_manifest(model, verify=False)

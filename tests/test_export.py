@@ -17,11 +17,11 @@ from click.testing import CliRunner
 from tiny import make_tiny
 
 from cognet.core.errors import InputError
-from cognet.core.graphspec import MIX_GRAPH, STEP_INPUTS, STEP_OUTPUTS
+from cognet.core.graphspec import ENCODER_PARTS, MIX_GRAPH, STEP_INPUTS, STEP_OUTPUTS
 from cognet.core.history import patients_from_table
 from cognet.core.manifest import GRAPHS, Manifest, load_manifest
 from cognet.core.vocab import Vocab
-from cognet.export import FP16_FILES, GRAPH_FILES, OPSET, cache_tensors, export
+from cognet.export import FP16_FILES, GRAPH_FILES, OPSET, PART_FILES, cache_tensors, export
 from cognet.export import validate as val
 from cognet.export.cli import main
 from cognet.export.graphs import (
@@ -72,6 +72,7 @@ def test_model_directory_holds_graphs_and_manifest(exported):
     search = {k: v for k, v in SEARCH_FILES.items() if k != MIX_GRAPH}  # one network: no mixture
     assert sorted(p.name for p in out.iterdir()) == sorted(
         ["manifest.json", *GRAPH_FILES.values(), *FP16_FILES.values(), *search.values()]
+        + list(PART_FILES.values())
     )
     loaded = load_manifest(out)
     assert {name: g.file for name, g in loaded.search.items()} == search
@@ -114,6 +115,32 @@ def test_graph_io_and_symbolic_axes(exported):
                 if isinstance(s, str)
             )
         assert manifest.graph_spec(name).input_names == ins
+
+
+def test_encoder_parts_compute_the_encoders_outputs(exported):
+    """Each encoder part takes one kind of code and gives that kind's outputs of the encoder
+    graph, bit for bit (the same nodes), at several shapes; the manifest names them."""
+    manifest, out, model, _, _ = exported
+    full = ort.InferenceSession(
+        str(out / GRAPH_FILES["encoder"]), providers=["CPUExecutionProvider"]
+    )
+    parts = {
+        name: ort.InferenceSession(str(out / PART_FILES[name]), providers=["CPUExecutionProvider"])
+        for name in ENCODER_PARTS
+    }
+    assert manifest.encoder_parts
+    for name, (ins, outs) in ENCODER_PARTS.items():
+        assert manifest.graph_spec(name).input_names == ins
+        assert manifest.graph_spec(name).output_names == outs
+        assert [i.name for i in parts[name].get_inputs()] == list(ins)
+    for n, lengths in ((2, (3, 2, 4)), (5, (7, 1, 2)), (3, (2, 6, 1))):
+        inputs = example_inputs(model, Sizes(N=n, Ld=lengths[0], Lp=lengths[1], Lm=lengths[2]))
+        feed = {k: inputs[k].numpy() for k in GRAPH_IO["encoder"][0]}
+        want = dict(zip(GRAPH_IO["encoder"][1], full.run(None, feed), strict=True))
+        for name, (ins, outs) in ENCODER_PARTS.items():
+            got = parts[name].run(None, {k: feed[k] for k in ins})
+            for o, value in zip(outs, got, strict=True):
+                np.testing.assert_array_equal(value, want[o], err_msg=f"{name} {o} at N={n}")
 
 
 def test_fp16_variant_types(exported):

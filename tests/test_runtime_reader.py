@@ -18,10 +18,10 @@ from cognet.runtime import reader
 from cognet.runtime.encoder import (
     encoder_inputs,
     init_inputs,
-    layout,
     new_encodings,
     store_encodings,
 )
+from cognet.runtime.layout import layout
 from cognet.runtime.plan import (
     REASONS,
     REJECTED,
@@ -137,18 +137,34 @@ def test_duplicates_are_found_across_chunks():
     assert asm.plan(table).reject_reasons() == {"duplicate_visit_id": table.num_rows}
 
 
-def test_init_inputs_equal_the_torch_batching():
+@pytest.mark.parametrize("by_kind", [False, True], ids=["every-kind", "one-kind-per-call"])
+def test_init_inputs_equal_the_torch_batching(by_kind):
     """Encoded in several calls of shuffled rows (each padded to its own widths), laid out
-    call after call, gathered back: the torch batching's inputs, zeros at padding."""
+    call after call, gathered back: the torch batching's inputs, zeros at padding. By kind:
+    each call encodes one kind of code (as the encoder parts do), each kind's rows in
+    their own order, medications only of the rows that serve as history."""
     model, vocab, _ = make_case()
     table = visits_table(vocab, 12, seed=1)
     plan = Assembler(vocab, score_all=True).plan(table)
-    rows = np.random.default_rng(0).permutation(plan.encode_rows)
-    parts = [rows[:1], rows[1:6], rows[6:]]
-    enc = new_encodings(layout(plan, parts), model.cfg.dim)
+    rng = np.random.default_rng(0)
+    rows = rng.permutation(plan.encode_rows)
+    parts, kinds = [rows[:1], rows[1:6], rows[6:]], None
+    if by_kind:
+        with_meds = np.unique(plan.histories.covered())  # the only medications read
+        assert 0 < with_meds.size < plan.encode_rows.size
+        cuts = [rng.permutation(r) for r in (rows, rows, with_meds)]
+        parts = [c[:2] for c in cuts] + [c[2:] for c in cuts]
+        kinds = np.tile(np.eye(3, dtype=bool), (2, 1))
+    lay = layout(plan, parts, kinds)
+    enc = new_encodings(lay, model.cfg.dim)
     for k, part in enumerate(parts):
         out = torch_encoder(model)(encoder_inputs(plan, part, vocab))
-        store_encodings(enc, k, out)
+        assert (
+            set(lay.outputs(k)) == ({"diag_enc", "v_d"}, {"proc_enc", "v_p"}, {"med_enc"})[k % 3]
+            if by_kind
+            else set(out)
+        )
+        store_encodings(enc, k, out)  # only the outputs of the call's kinds
     ours = init_inputs(plan, enc, plan.targets, plan.histories)
     batch = make_batch(list(patients_from_table(table, vocab)), vocab, targets=False)
     with torch.no_grad():

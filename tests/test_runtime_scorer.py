@@ -3,6 +3,9 @@ reference (`cognet.evaluation.evaluate`), output schema, explanations, history t
 
 from __future__ import annotations
 
+import json
+import shutil
+
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -13,6 +16,8 @@ from cognet.core import metrics
 from cognet.core import metrics as evaluation  # runtime/evaluation.py merged into metrics
 from cognet.core.ddi import ddi_matrix
 from cognet.core.decoding import Decoding
+from cognet.core.errors import InputError
+from cognet.core.graphspec import ENCODER_PARTS
 from cognet.core.history import patients_from_table
 from cognet.core.manifest import load_manifest
 from cognet.core.metrics import visit_results
@@ -74,6 +79,36 @@ def test_onnx_runtime_equals_torch_reference(tiny, reference, batch_size, stream
     for key in metrics.METRICS:
         assert ours[key]["mean"] == pytest.approx(reference["report"][key]["mean"], abs=1e-6)
     assert ours["n_visits"] == reference["report"]["n_visits"]
+
+
+def test_models_without_encoder_parts_score_the_same(tiny, reference, tmp_path):
+    """The encoder parts serve the CPU's float32 scoring (each kind of code encoded on its
+    own); a model exported before them (its manifest without them, their files gone)
+    encodes with the one encoder graph, and scores the same lists. A manifest naming only
+    some of the parts is refused."""
+    with_parts = Scorer(tiny / "model", device="cpu")
+    assert with_parts.encode.split
+    old = tmp_path / "model"
+    shutil.copytree(tiny / "model", old)
+    data = json.loads((old / "manifest.json").read_text())
+    for name in ENCODER_PARTS:
+        (old / data["graphs"].pop(name)["file"]).unlink()
+    (old / "manifest.json").write_text(json.dumps(data))
+    without = Scorer(old, device="cpu")
+    assert not without.encode.split and not load_manifest(old).encoder_parts
+    got = {
+        name: _score(scorer, reference["visits"], score_all=True)[1].to_pylist()
+        for name, scorer in (("parts", with_parts), ("one graph", without))
+    }
+    assert len(got["parts"]) == reference["visits"].num_rows
+    for a, b in zip(got["parts"], got["one graph"], strict=True):
+        assert (a["visit_id"], a["medications"]) == (b["visit_id"], b["medications"])
+        np.testing.assert_allclose(a["probabilities"], b["probabilities"], rtol=1e-5, atol=1e-6)
+    data = json.loads((tiny / "model" / "manifest.json").read_text())
+    del data["graphs"]["encoder_med"]
+    (old / "manifest.json").write_text(json.dumps(data))
+    with pytest.raises(InputError, match="malformed manifest.*encoder parts"):
+        load_manifest(old, verify=False)
 
 
 def test_batches_are_cut_by_visits_and_by_padded_history():

@@ -21,23 +21,24 @@ API (stable; the runtime codes against it):
     - `manifest.vocabulary() -> cognet.core.vocab.Vocab`;
     - `manifest.to_json()` / `Manifest.from_json(obj, model_dir=None)`.
 
-`manifest.json` fields: `format_version`, `opset`, `dims` (dim, heads, head_dim, n_diag,
-n_proc, n_med, out_size), `special` (end, start, med_pad, diag_pad, proc_pad), `vocab`
+`manifest.json` fields: `format_version`, `opset`, `dims` (dim, heads, head_dim, n_diag, n_proc,
+n_med, out_size), `special` (end, start, med_pad, diag_pad, proc_pad), `vocab`
 (`Vocab.to_json()`), `max_len`, `beam`, `ablation`, `ddi_pairs` (medication code pairs),
-`graphs` ({name: {file, sha256, inputs, outputs}}, every tensor as {name, dtype, shape}
-with symbolic axis names such as "N", "B", "T", "T+1" and integers for fixed axes),
-`variants` ({variant: {name: graph}}: "fp16", whose float tensors are float16, and "int8",
-whose MatMul weights are int8, for the CPU, with the float32 graphs' inputs and outputs),
-`checkpoint_sha256`, `versions` (torch, onnx, onnxruntime, cognet), `parity` (the
-exporter's validation report, or null when validation was skipped), `tensorrt` (null, or
-the engine cache folder and min/opt/max shape profiles of `cognet-export --tensorrt`) and
-`decoding` (the model's default decoding, `cognet.core.decoding.Decoding`; null: beam) and
-`search` ({name: graph} of the search graphs, `cognet.export.search_graphs`; absent in
-models exported before them) and `ddi_target` (null, or the DDI policy, set rule and
-threshold chosen on validation for a DDI-rate target, `cognet.core.ddi.DDITarget`: the model's
-default policy, `Manifest.default_target`) and, for an ensemble (`cognet.core.decoding.ensemble`),
-`members` (absent: 1) and `member_graphs` ([{graphs, variants}] of members 1.., with member
-0's variants; member 0's are `graphs` and `variants`; the search graphs serve them all).
+`graphs` ({name: {file, sha256, inputs, outputs}}, every tensor as {name, dtype, shape} with
+symbolic axis names such as "N", "B", "T", "T+1" and integers for fixed axes; besides `GRAPHS`,
+optionally all three `graphspec.ENCODER_PARTS`, float32, absent in models exported before them),
+`variants` ({variant: {name: graph}}: "fp16", whose float tensors are float16, and "int8", whose
+MatMul weights are int8, for the CPU, with the float32 graphs' inputs and outputs),
+`checkpoint_sha256`, `versions` (torch, onnx, onnxruntime, cognet), `parity` (the exporter's
+validation report, or null when validation was skipped), `tensorrt` (null, or the engine cache
+folder and min/opt/max shape profiles of `cognet-export --tensorrt`) and `decoding` (the model's
+default decoding, `cognet.core.decoding.Decoding`; null: beam) and `search` ({name: graph} of
+the search graphs, `cognet.export.search_graphs`; absent in models exported before them) and
+`ddi_target` (null, or the DDI policy, set rule and threshold chosen on validation for a
+DDI-rate target, `cognet.core.ddi.DDITarget`: the model's default policy,
+`Manifest.default_target`) and, for an ensemble (`cognet.core.decoding.ensemble`), `members`
+(absent: 1) and `member_graphs` ([{graphs, variants}] of members 1.., with member 0's variants;
+member 0's are `graphs` and `variants`; the search graphs serve them all).
 """
 
 from __future__ import annotations
@@ -53,6 +54,15 @@ from cognet.core.decoding import Decoding
 from cognet.core.decoding.ensemble import MAX_MEMBERS
 from cognet.core.errors import InputError, one_line
 from cognet.core.files import confined, write_text
+from cognet.core.graphspec import ENCODER_PARTS
+from cognet.core.manifest_graphs import (  # noqa: F401 - DTYPES and TensorSpec: part of this API
+    DTYPES,
+    GraphSpec,
+    MemberGraphs,
+    TensorSpec,
+    specs_from_json,
+    specs_json,
+)
 from cognet.core.vocab import Vocab
 
 FORMAT_VERSION = 1
@@ -62,87 +72,7 @@ LIMIT = 10_000_000  # above any size, id or opset a model has
 MAX_BEAM = 64
 MAX_STEPS = 1000  # max_len
 GRAPHS = ("encoder", "decoder_init", "decoder_step")
-DTYPES = ("int64", "float32", "float16", "float64", "bool")
 VARIANTS = ("fp16", "int8")  # the variants cognet-export writes (--fp16, --int8)
-
-
-@dataclass(frozen=True)
-class TensorSpec:
-    name: str
-    dtype: str  # one of DTYPES
-    shape: tuple[str | int, ...]  # symbolic axis names (str) or fixed sizes (int)
-
-    def to_json(self) -> dict:
-        return {"name": self.name, "dtype": self.dtype, "shape": list(self.shape)}
-
-    @classmethod
-    def from_json(cls, obj: dict) -> TensorSpec:
-        if obj["dtype"] not in DTYPES:
-            raise ValueError(f"unknown dtype {obj['dtype']!r}")
-        return cls(str(obj["name"]), obj["dtype"], tuple(obj["shape"]))
-
-
-@dataclass(frozen=True)
-class GraphSpec:
-    file: str  # relative to the model directory
-    sha256: str
-    inputs: tuple[TensorSpec, ...]
-    outputs: tuple[TensorSpec, ...]
-
-    @property
-    def input_names(self) -> tuple[str, ...]:
-        return tuple(t.name for t in self.inputs)
-
-    @property
-    def output_names(self) -> tuple[str, ...]:
-        return tuple(t.name for t in self.outputs)
-
-    def to_json(self) -> dict:
-        return {
-            "file": self.file,
-            "sha256": self.sha256,
-            "inputs": [t.to_json() for t in self.inputs],
-            "outputs": [t.to_json() for t in self.outputs],
-        }
-
-    @classmethod
-    def from_json(cls, obj: dict) -> GraphSpec:
-        if not isinstance(obj["file"], str):  # 5 is no file name, though str(5) is
-            raise TypeError(f"a graph file is a name, not {obj['file']!r}")
-        return cls(
-            obj["file"],
-            str(obj["sha256"]),
-            tuple(TensorSpec.from_json(t) for t in obj["inputs"]),
-            tuple(TensorSpec.from_json(t) for t in obj["outputs"]),
-        )
-
-
-@dataclass(frozen=True)
-class MemberGraphs:
-    """The graphs of one more member of an ensemble (`Manifest.member_graphs`)."""
-
-    graphs: dict[str, GraphSpec]
-    variants: dict[str, dict[str, GraphSpec]] = field(default_factory=dict)
-
-    def to_json(self) -> dict:
-        return {
-            "graphs": _specs_json(self.graphs),
-            "variants": {v: _specs_json(gs) for v, gs in self.variants.items()},
-        }
-
-    @classmethod
-    def from_json(cls, obj: dict) -> MemberGraphs:
-        return cls(
-            _specs(obj["graphs"]), {v: _specs(gs) for v, gs in obj.get("variants", {}).items()}
-        )
-
-
-def _specs(obj: dict) -> dict[str, GraphSpec]:
-    return {k: GraphSpec.from_json(g) for k, g in obj.items()}
-
-
-def _specs_json(specs: dict[str, GraphSpec]) -> dict:
-    return {k: g.to_json() for k, g in specs.items()}
 
 
 @dataclass(frozen=True)
@@ -201,6 +131,9 @@ class Manifest:
             missing = [g for g in GRAPHS if g not in member.graphs]
             if missing:
                 raise ValueError(f"manifest lacks graphs {missing}")
+            parts = [g for g in ENCODER_PARTS if g in member.graphs]
+            if parts and len(parts) != len(ENCODER_PARTS):
+                raise ValueError(f"manifest has encoder parts {parts}, not all of {ENCODER_PARTS}")
             for name, graphs in member.variants.items():
                 if sorted(graphs) != sorted(GRAPHS):
                     raise ValueError(f"variant {name!r} must hold the graphs {GRAPHS}")
@@ -221,6 +154,11 @@ class Manifest:
 
     def graph_path(self, name: str, variant: str | None = None, member: int = 0) -> Path:
         return Path(self.model_dir or ".") / self.graph_spec(name, variant, member).file
+
+    @property
+    def encoder_parts(self) -> bool:
+        """Whether every member has the encoder cut by kind of code (`ENCODER_PARTS`)."""
+        return all(ENCODER_PARTS.keys() <= m.graphs.keys() for m in (self, *self.member_graphs))
 
     def default_decoding(self) -> Decoding:
         """The decoding this model was tuned for (beam for a model without one)."""
@@ -253,14 +191,14 @@ class Manifest:
             "beam": self.beam,
             "ablation": self.ablation,
             "ddi_pairs": [list(p) for p in self.ddi_pairs],
-            "graphs": _specs_json(self.graphs),
-            "variants": {v: _specs_json(gs) for v, gs in self.variants.items()},
+            "graphs": specs_json(self.graphs),
+            "variants": {v: specs_json(gs) for v, gs in self.variants.items()},
             "checkpoint_sha256": self.checkpoint_sha256,
             "versions": dict(self.versions),
             "parity": self.parity,
             "tensorrt": self.tensorrt,
             "decoding": self.decoding,
-            "search": _specs_json(self.search),
+            "search": specs_json(self.search),
             "ddi_target": self.ddi_target,
         } | self._members_json()
 
@@ -283,14 +221,14 @@ class Manifest:
             beam=int(obj["beam"]),
             ablation=str(obj["ablation"]),
             ddi_pairs=tuple((str(a), str(b)) for a, b in obj["ddi_pairs"]),
-            graphs=_specs(obj["graphs"]),
-            variants={v: _specs(gs) for v, gs in obj.get("variants", {}).items()},
+            graphs=specs_from_json(obj["graphs"]),
+            variants={v: specs_from_json(gs) for v, gs in obj.get("variants", {}).items()},
             checkpoint_sha256=str(obj["checkpoint_sha256"]),
             versions=dict(obj.get("versions", {})),
             parity=obj.get("parity"),
             tensorrt=obj.get("tensorrt"),
             decoding=obj.get("decoding"),
-            search=_specs(obj.get("search", {})),
+            search=specs_from_json(obj.get("search", {})),
             ddi_target=obj.get("ddi_target"),
             members=obj.get("members", 1),  # as read: `check_manifest` checks it
             member_graphs=tuple(MemberGraphs.from_json(m) for m in obj.get("member_graphs", [])),
@@ -428,7 +366,7 @@ def verify_graphs(manifest: Manifest) -> None:
     """Check that every graph file (all members and variants) exists and matches its sha256."""
     specs = []
     for member in (manifest, *manifest.member_graphs):
-        specs += [member.graphs[g] for g in GRAPHS]
+        specs += list(member.graphs.values())  # GRAPHS and the encoder parts
         specs += [gs[g] for gs in member.variants.values() for g in GRAPHS]
     specs += list(manifest.search.values())
     for spec in specs:
