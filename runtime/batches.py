@@ -104,3 +104,28 @@ def cut_padded(
         parts.append(order[lo : lo + take])
         lo += take
     return parts
+
+
+def least_padded(
+    orders: Sequence[tuple[np.ndarray, Sequence[np.ndarray]]],
+    budgets: Sequence[int],
+    batch_size: int,
+) -> list[np.ndarray]:
+    """The batches (`cut_padded`) of the candidate order (order, its widths per axis) whose
+    batches pad least: visits x the longest width, summed over batches and axes (the
+    decoder's per-visit memories, where a history slot and a code cost a step about the
+    same: ~2 x dim multiply-adds per row). The first of equals wins."""
+    best: tuple[int, list[np.ndarray]] | None = None
+    for order, widths in orders:
+        parts = cut_padded(order, widths, budgets, batch_size)
+        if not parts:
+            return parts
+        sizes = np.array([p.size for p in parts], np.int64)
+        starts = np.cumsum(sizes) - sizes
+        cells = sum(
+            int((np.maximum.reduceat(np.maximum(w, 1), starts) * sizes).sum()) for w in widths
+        )
+        if best is None or cells < best[0]:
+            best = (cells, parts)
+    assert best is not None, "no candidate order"
+    return best[1]

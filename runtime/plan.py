@@ -152,6 +152,13 @@ def rare_first_rank(vocab: Vocab) -> np.ndarray:
     return rank
 
 
+# The history-slot buckets of the candidate decoding orders (`Plan.decode_orders`): None,
+# exact slot counts; k, floor(k log2(1 + slots)) (buckets 2^(1/k) wide: 19% at 4, 41% at 2).
+# The synthetic benchmark's 4,096 visits (1.5 past visits each) padded to 347k memory
+# positions exactly, 289k by buckets of 41% (batch 128; 192k real): beam 4 1.04x.
+SLOT_BUCKETS = (None, 4, 2)
+
+
 @dataclass
 class Plan:
     """What to do with the rows of one chunk (row = position in the chunk)."""
@@ -183,14 +190,21 @@ class Plan:
         found = np.bincount(self.reason[self.reason >= 0], minlength=len(REASONS))
         return {r: int(c) for r, c in zip(REASONS, found, strict=True) if c}
 
-    def decode_order(self) -> tuple[np.ndarray, list[np.ndarray]]:
-        """Targets (indices into `targets`) sorted by history slots, then code count, and
-        the padded widths of each in that order: history slots, diagnoses, procedures (the
-        decoder's batches are cut in this order: similar visits pad little)."""
+    def decode_orders(self) -> list[tuple[np.ndarray, list[np.ndarray]]]:
+        """Candidate orders of the targets (indices into `targets`) for cutting the decoder's
+        batches, each with the padded widths of its visits in that order (history slots,
+        diagnoses, procedures): by history slots, exactly or in buckets (`SLOT_BUCKETS`),
+        then by code count. A batch pads every visit's memories to its longest on each
+        axis; exact slots leave the code lists unsorted among visits of close histories,
+        buckets sort them at the price of some slots (`batches.least_padded` chooses)."""
         slots = self.histories.sums(self.meds.lengths)
         diag, proc = self.diag.lengths[self.targets], self.proc.lengths[self.targets]
-        order = np.lexsort((diag + proc, slots))
-        return order, [slots[order], diag[order], proc[order]]
+        orders = []
+        for k in SLOT_BUCKETS:
+            key = slots if k is None else np.floor(np.log2(1 + slots) * k).astype(np.int64)
+            order = np.lexsort((diag + proc, key))
+            orders.append((order, [slots[order], diag[order], proc[order]]))
+        return orders
 
 
 class Assembler:

@@ -9,7 +9,8 @@ Each chunk (whole patients, see `reader.chunks`) goes through four stages:
   histories;
 - encode (`encoder.encode_plan`): every needed visit once, in calls of similar lengths;
 - decode (`decode.decode`): the visits to score cut into batches of similar history and
-  code lengths (`batches.cut_padded`), each batch's decoder init, then beam search or set
+  code lengths (`batches.least_padded` of `Plan.decode_orders`), each batch's decoder
+  init, then beam search or set
   decoding in the one loop of `cognet.core.decoding.driver`;
   an ensemble's members each encode and init from their own graphs, and the batch decodes
   by the rules of `cognet.core.decoding.ensemble`;
@@ -45,7 +46,7 @@ from cognet.core.decoding.beam import BeamResult
 from cognet.core.decoding.ensemble import member_sessions
 from cognet.core.vocab import Vocab
 from cognet.runtime import emit, reader
-from cognet.runtime.batches import Budgets, cut_padded
+from cognet.runtime.batches import Budgets, least_padded
 from cognet.runtime.decode import decode, decoding_configs
 from cognet.runtime.encoder import PlanEncoder, encode_plan, init_memories
 from cognet.runtime.model import ScoringModel, open_model
@@ -221,9 +222,8 @@ class Scorer:
         enc = encode_plan(
             self.encode, plan, self.vocab, budgets.encode_cells, budgets.encode_batch, self._map
         )
-        order, widths = plan.decode_order()
         cuts = (budgets.batch_slots, budgets.batch_codes, budgets.batch_codes)
-        parts = cut_padded(order, widths, cuts, budgets.batch_size)
+        parts = least_padded(plan.decode_orders(), cuts, budgets.batch_size)
         try:
             results = list(
                 self._map(lambda part: self._decode(plan, enc, part, score_all, explain), parts)

@@ -24,7 +24,7 @@ from cognet.core.metrics import visit_results
 from cognet.model import checkpoint
 from cognet.model.decoding import decode_patients
 from cognet.runtime import OUTPUT_SCHEMA, Scorer
-from cognet.runtime.batches import CPU_BATCH_SLOTS, cut_padded
+from cognet.runtime.batches import CPU_BATCH_SLOTS, cut_padded, least_padded
 
 torch.set_num_threads(1)
 
@@ -121,6 +121,23 @@ def test_batches_are_cut_by_visits_and_by_padded_history():
     assert np.array_equal(np.concatenate(parts), order)
     one = cut_padded(order, [slots], [1 << 30], batch_size=100)
     assert [p.tolist() for p in one] == [order.tolist()]
+
+
+def test_the_order_that_pads_least_is_cut():
+    """Of the candidate orders, the batches of the one whose memories pad least: sorting by
+    exact history slots leaves the code lists unsorted; slot buckets sort them."""
+    slots, codes = np.array([4, 5, 6, 7]), np.array([30, 1, 30, 1])
+    exact, bucketed = np.arange(4), np.lexsort((codes, slots // 4))  # one bucket: [1, 3, 0, 2]
+    orders = [(o, [slots[o], codes[o]]) for o in (exact, bucketed)]
+    budgets = [1 << 20] * 2
+    # exact: [0 1] [2 3] pad 2 x (5 + 30) + 2 x (7 + 30) = 144; buckets: [1 3] [0 2] 88
+    assert [p.tolist() for p in least_padded(orders, budgets, 2)] == [[1, 3], [0, 2]]
+    assert [p.tolist() for p in least_padded(orders[::-1], budgets, 2)] == [[1, 3], [0, 2]]
+    # the first of equal candidates wins; no visits, no batches
+    twice = least_padded([orders[0], orders[0]], budgets, 2)
+    assert [p.tolist() for p in twice] == [[0, 1], [2, 3]]
+    empty = np.zeros(0, np.int64)
+    assert least_padded([(empty, [empty, empty])], [8, 8], 2) == []
 
 
 def test_default_scores_only_unknown_medications(tiny, reference):
