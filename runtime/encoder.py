@@ -45,7 +45,10 @@ from cognet.runtime.search import INIT_GATHER, ORT_TYPES, SearchGraphs
 class PlanEncoder(Protocol):
     """What the scorer needs of an encoder: buffers for a chunk's layout, each call's
     outputs written into their place, and the buffers handed back once the chunk is
-    decoded."""
+    decoded. `split`: it encodes one kind of code per call (the encoder parts), or all three
+    together."""
+
+    split: bool
 
     def new_encodings(self, lay: Layout) -> Encodings: ...
 
@@ -57,6 +60,8 @@ class PlanEncoder(Protocol):
 class HostEncoder:
     """A `PlanEncoder` over an encoder callable (inputs -> `graphspec.ENCODER_OUTPUTS`, host
     arrays), its outputs copied into host buffers."""
+
+    split = False  # the callable encodes the three kinds together
 
     def __init__(
         self, encode: Callable[[Mapping[str, np.ndarray]], Mapping[str, np.ndarray]], dim: int
@@ -173,7 +178,7 @@ class EnsembleEncoder:
     @property
     def split(self) -> bool:
         """Whether every member encodes by its parts, one kind of code per call."""
-        return all(getattr(m, "split", False) for m in self.members)
+        return all(m.split for m in self.members)
 
     @property
     def dtype(self) -> np.dtype:
@@ -309,7 +314,7 @@ def encode_plan(
     """Encode every row of a plan that is scored or serves as history (`plan.encode_rows`),
     in the calls of `layout.encoder_calls` (by kind of code for an encoder that runs its
     parts, `split`), on `run`'s streams."""
-    lay = encoder_calls(plan, getattr(encoder, "split", False), cells, batch)
+    lay = encoder_calls(plan, encoder.split, cells, batch)
     parts = lay.parts
     enc = encoder.new_encodings(lay)
 

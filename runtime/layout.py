@@ -66,12 +66,12 @@ class Layout:
         return None if on.all() else PART_OF[KINDS[int(np.flatnonzero(on)[0])]]
 
 
-# The kinds of code, as `Plan` holds them; each kind's encoder outputs and encoder part
+# The kinds of code, as `Plan` holds them and in the order of `ENCODER_INPUTS` and
+# `ENCODER_PARTS`; each kind's encoder part and its outputs
 KINDS = ("diag", "proc", "meds")
-INPUT_OF = dict(zip(KINDS, ENCODER_INPUTS, strict=True))
-PART_OF = {kind: part for part, (ins, _) in ENCODER_PARTS.items() for kind in KINDS
-           if INPUT_OF[kind] == ins[0]}  # fmt: skip
-OUT = {kind: ENCODER_PARTS[PART_OF[kind]][1] for kind in KINDS}
+PART_OF = dict(zip(KINDS, ENCODER_PARTS, strict=True))
+OUT = {kind: ENCODER_PARTS[part][1] for kind, part in PART_OF.items()}
+assert [ENCODER_PARTS[p][0] for p in PART_OF.values()] == [(i,) for i in ENCODER_INPUTS]
 
 
 # Every output's region starts at a multiple of this many rows: 16-byte aligned for any

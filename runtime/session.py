@@ -190,9 +190,7 @@ class OrtModel:
                 m["encoder"],
                 manifest.dims.dim,
                 search if self.on_device else None,
-                {part: m[part] for part in ENCODER_PARTS}
-                if ENCODER_PARTS.keys() <= m.keys()
-                else None,
+                {part: m[part] for part in ENCODER_PARTS if part in m},  # none: no parts
             )
             for m in members
         ]
