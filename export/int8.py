@@ -34,8 +34,9 @@ import logging
 from contextlib import contextmanager
 from pathlib import Path
 
-# The only operator type quantized: the exported graphs hold no Gemm (torch's Linear on 3-D
-# inputs exports as MatMul + Add), and dynamic quantization has no integer Gemm anyway.
+# The only operator type quantized: the graphs as torch exports them hold no Gemm (torch's
+# Linear on 3-D inputs exports as MatMul + Add; the float32 files get their Gemms after the
+# variants are written, `linear_fusion`), and dynamic quantization has no integer Gemm.
 QUANTIZED_OPS = ("MatMul",)
 # Modules of `cognet.model.network.COGNet` whose MatMuls stay float32: the step's heads
 # (generation logits, copy query, gate), found by the exporter's node names ("/gen_head/...").

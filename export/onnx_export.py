@@ -203,6 +203,20 @@ def graph_spec(
     return GraphSpec(path.name, file_sha256(path), tuple(map(typed, ins)), tuple(map(typed, outs)))
 
 
+def fuse_linear_layers(path: Path, name: str, specs: dict[str, TensorSpec]) -> None:
+    """Rewrite the float32 graph file `path` with its linear layers as two-dimensional Gemms
+    (`cognet.export.linear_fusion`), checked, in place."""
+    import onnx
+
+    from cognet.export.linear_fusion import fuse_linears
+
+    proto = onnx.load(str(path))
+    if fuse_linears(proto):
+        _check_io(proto, name, specs)
+        with atomic_path(path) as tmp:
+            onnx.save(proto, str(tmp))
+
+
 def write_encoder_parts(
     src: Path, files: dict[str, Path], specs: dict[str, TensorSpec]
 ) -> dict[str, GraphSpec]:

@@ -1,8 +1,9 @@
 """The export pipeline: a checkpoint -> a model directory (`cognet.export.export`).
 
-Writes the three graphs (`onnx_export`), the encoder cut into one graph per kind of code
-(`encoder_diag.onnx`, `encoder_proc.onnx`, `encoder_med.onnx`: the runtime's CPU encoding
-pads each kind alone), their float16 and int8 variants (`fp16`, `int8`),
+Writes the three graphs (`onnx_export`), their float16 and int8 variants (`fp16`, `int8`),
+the float32 graphs' linear layers as Gemms (`linear_fusion`), the encoder cut into one graph
+per kind of code (`encoder_diag.onnx`, `encoder_proc.onnx`, `encoder_med.onnx`: the
+runtime's CPU encoding pads each kind alone),
 checks their parity with the torch model (`validate`), optionally builds TensorRT engines
 (`tensorrt`), and writes `manifest.json` last (`cognet.core.manifest`): a directory whose
 parity failed holds `parity_report.json` and no manifest, so no runtime loads it.
@@ -39,6 +40,7 @@ from cognet.core.manifest import (
 from cognet.export.onnx_export import (
     OPSET,
     export_graph,
+    fuse_linear_layers,
     graph_spec,
     write_encoder_parts,
     write_fp16,
@@ -209,9 +211,6 @@ def _export_member(
         for name in GRAPHS:
             log.info("exporting %s%s", name, f" of member {member}" if member else "")
             export_graph(net, name, paths[None][name])
-    graphs = {name: graph_spec(paths[None][name], name, specs) for name in GRAPHS}
-    parts = {name: out / file for name, file in part_files(member).items()}
-    graphs |= write_encoder_parts(paths[None]["encoder"], parts, specs)
     variants = {}
     for variant, wanted, write in (("fp16", fp16, write_fp16), ("int8", int8, write_int8)):
         if wanted:
@@ -221,6 +220,12 @@ def _export_member(
             variants[variant] = {
                 name: write(paths[None][name], paths[variant][name], name, specs) for name in GRAPHS
             }
+    # the float32 graphs' linear layers as Gemms, after the variants: int8 quantizes MatMuls
+    for name in GRAPHS:
+        fuse_linear_layers(paths[None][name], name, specs)
+    graphs = {name: graph_spec(paths[None][name], name, specs) for name in GRAPHS}
+    parts = {name: out / file for name, file in part_files(member).items()}
+    graphs |= write_encoder_parts(paths[None]["encoder"], parts, specs)
     return MemberGraphs(graphs, variants), paths
 
 

@@ -63,11 +63,27 @@ def test_export_writes_the_int8_graphs_and_names_them_in_the_manifest(exported):
         assert {"DynamicQuantizeLinear", "MatMulInteger"} <= _ops(model / spec.file)
 
 
-def test_the_step_heads_stay_float32(exported):
+def _as_exported(exported: Exported, name: str, out: Path) -> Path:
+    """Graph `name` of the checkpoint as torch exports it: what the int8 variant is quantized
+    from (the float32 files have their linear layers fused afterwards, `linear_fusion`)."""
+    import torch
+
+    from cognet.export.onnx_export import export_graph
+    from cognet.model import checkpoint
+
+    net, _, _ = checkpoint.load(exported.root / "ckpt")
+    path = out / f"{name}.onnx"
+    with torch.no_grad():
+        export_graph(net, name, path)
+    return path
+
+
+def test_the_step_heads_stay_float32(exported, tmp_path):
     """The generation, copy and gate heads are found by name in the step graph (a renamed
     module would otherwise be quantized silently) and keep their float32 MatMul."""
     model = exported.root / "model"
-    heads = kept_float32(onnx.load(str(model / GRAPH_FILES["decoder_step"])).graph)
+    step = _as_exported(exported, "decoder_step", tmp_path)
+    heads = kept_float32(onnx.load(str(step)).graph)
     assert sorted(h.split("/")[1] for h in heads) == sorted(FLOAT32_MODULES)
     quantized = onnx.load(str(model / INT8_FILES["decoder_step"])).graph
     left = {n.name for n in quantized.node if n.op_type == "MatMul"}
@@ -75,10 +91,9 @@ def test_the_step_heads_stay_float32(exported):
 
 
 def test_int8_graphs_are_byte_identical_for_the_same_graph(exported, tmp_path):
-    model = exported.root / "model"
     for name in GRAPHS:
         again = tmp_path / f"{name}.int8.onnx"
-        quantize(model / GRAPH_FILES[name], again)
+        quantize(_as_exported(exported, name, tmp_path), again)
         assert file_sha256(again) == exported.manifest.graph_spec(name, "int8").sha256, name
 
 
