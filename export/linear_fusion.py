@@ -87,9 +87,7 @@ def fuse_linears(proto) -> int:
             extra.append(consts[name])
         return name
 
-    def flatten(x: str, k: int, emit) -> str:
-        if ranks[x] == 2:
-            return x
+    def flatten(x: str, k: int, emit) -> str:  # x of rank >= 3
         if x not in flat:
             src = producer.get(x)
             if src is not None and src.op_type == "Relu" and src.input[0] in flat:
