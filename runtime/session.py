@@ -314,6 +314,9 @@ class HostDecoder:
         self.step_outputs = tuple(o.name for o in step.get_outputs())
         self.search: SearchGraphs | None = None  # the search graphs, on the CPU provider
         self.select_on_device = False  # select in the search graphs (--selection device)
+        # the cache is the token prefix: set decoding steps only its open rows
+        # (`cognet.core.decoding.narrow`)
+        self.prefix_cache = not self._cache.kv
 
     def init(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         feed = {k: np.asarray(inputs[k], self._init_types[k]) for k in INIT_INPUTS}
@@ -364,6 +367,7 @@ class DeviceDecoder:
         self.step_outputs = tuple(o.name for o in step.get_outputs())
         self.search: SearchGraphs | None = None  # the search graphs, on the device
         self.select_on_device = False  # select in the search graphs (--selection device)
+        self.prefix_cache = False  # handles on the device: every row steps
 
     def _to_device(self, array: np.ndarray) -> ort.OrtValue:
         return ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(array), *self._device)

@@ -18,6 +18,8 @@ class FixedSession:
     """A decoder whose next-token distribution is a fixed q per visit (the driver masks
     what a sample already holds): P(k in S) has a closed form by enumeration."""
 
+    prefix_cache = False  # its cache is not the token prefix: the one loop
+
     def __init__(self, q: np.ndarray):
         self.q = np.log(np.asarray(q, np.float32))  # [n, V1]
         self.calls = 0

@@ -21,6 +21,7 @@ class TorchSession:
 
     step_outputs = STEP_OUTPUTS
     search = None
+    prefix_cache = False  # the KV cache; the reference steps every row
 
     def __init__(self, model: COGNet):
         self.model = model

@@ -44,6 +44,10 @@ class DecoderSession(Protocol):
 
     step_outputs: tuple[str, ...]
     search: Any
+    # the cache is the token prefix (`graphspec.STEP_CACHE_INPUTS`: one int64 array [n, W,
+    # T]) and the memories a dict of arrays: set decoding can step chosen rows alone
+    # (`cognet.core.decoding.narrow`)
+    prefix_cache: bool
 
     def init(self, inputs: Mapping[str, np.ndarray]) -> Any:
         """Per-visit memories from the decoder-init inputs (`graphspec.INIT_INPUTS`)."""

@@ -88,6 +88,7 @@ class EnsembleSession:
 
     search = None
     select_on_device = False
+    prefix_cache = False  # set decoding runs each member's own session
 
     def __init__(self, members: Sequence[Any]):
         if len(members) < 2:

@@ -39,7 +39,7 @@ from typing import Any
 import numpy as np
 
 from cognet.core.ddi import DDIPolicy, apply_step_penalty, check_adjacency
-from cognet.core.decoding import SAMPLES, SET_RULES, Decoding, driver
+from cognet.core.decoding import SAMPLES, SET_RULES, Decoding, driver, narrow
 from cognet.core.decoding.draws import Draws
 from cognet.core.decoding.driver import COMPACT_AT, LoopConfig, step_outputs
 from cognet.core.decoding.explain import add_emissions, set_explanations
@@ -164,6 +164,10 @@ class SetSampler:
         self.draws.drawn(tokens)
         return tokens, parent, self.finished.all(1)  # samples never change rows
 
+    def open(self) -> np.ndarray:
+        """bool [R, S]: the samples not finished, whose step output `select` reads."""
+        return ~self.finished
+
     def finish(self, t, newly, rows) -> None:
         # an estimate may pass 1 (an unbiased sum, not a probability): clip it
         self.out[rows[newly]] = np.minimum(self.hazard[rows[newly]] / self.cfg.samples, 1.0)
@@ -192,7 +196,8 @@ def set_marginals(
     """(P(k in S) float64 [n, M], the explanation sums or None, steps run) of the n visits
     whose memories come from `session.init` (a `cognet.core.decoding.driver.DecoderSession`)."""
     sampler = SetSampler(cfg, keys, ddi_adj, explain, attention)
-    return driver.run(session, memories, n, sampler, cfg)
+    loop = narrow.run if narrow.applies(session, sampler) else driver.run
+    return loop(session, memories, n, sampler, cfg)
 
 
 def _step_distribution(log_probs, used, finished, end, policy, ddi_adj) -> np.ndarray:
