@@ -140,7 +140,9 @@ class NarrowSession:
         open_ = self.selector.open()
         count = open_.sum(1)
         if t == 0:  # every sample has fed START alone: one row a visit, every visit
-            logp = self._call(visits, np.ascontiguousarray(tokens[:, :1]), 1, t, None)
+            fed = np.ascontiguousarray(tokens[:, :1])
+            past = np.zeros((visits.size, 1, 0), np.int64)
+            logp = self._run(fed, past, blocks.memories)
             where = np.broadcast_to(np.arange(visits.size)[:, None], tokens.shape)
             return {"log_probs": _Rows(logp, where)}, cache
         row_of = np.full(blocks.order.size, -1, np.int64)
@@ -161,7 +163,7 @@ class NarrowSession:
                 slots = np.argsort(~open_[rows], axis=1, kind="stable")[:, :c]
                 spare = np.arange(c) >= count[rows][:, None]
                 slots = np.where(spare, slots[:, :1], slots)
-            packed.append(self._call(rows, slots, c, t, (lo, hi)))
+            packed.append(self._call(lo, hi, slots, t))
             where[rows] = (
                 offset
                 + np.arange(rows.size)[:, None] * c
@@ -185,22 +187,23 @@ class NarrowSession:
                 calls.append((lo, hi, c))
         return calls
 
-    def _call(self, rows, slots, c, t, span) -> np.ndarray:
-        """float32 [len(rows) * c, V1]: one step call of width c on the batch rows `rows`:
-        block rows `span` = (first, end), the samples `slots` [n, c] (None: all, in
-        order); or, `span` None, every visit at the first step, `slots` its tokens."""
-        blocks = self.blocks
-        if span is None:  # the first step: every visit, in the loop's order
-            mem, past, fed = blocks.memories, np.zeros((rows.size, 1, 0), np.int64), slots
-        else:
-            a, b = span
-            mem = {k: v[a:b] for k, v in blocks.memories.items()}
-            prefix = blocks.prefix[a:b, :, : t + 1]
-            if slots is not None:
-                prefix = np.take_along_axis(prefix, slots[..., None], axis=1)
-            past = np.ascontiguousarray(prefix[..., :t])
-            fed = np.ascontiguousarray(prefix[..., t])
-        par = np.ascontiguousarray(np.broadcast_to(np.arange(c, dtype=np.int64), fed.shape))
+    def _call(self, a: int, b: int, slots, t: int) -> np.ndarray:
+        """float32 [(b - a) * c, V1]: step t's call on the block rows [a, b), the samples
+        `slots` [b - a, c] of each (None: all W, in order)."""
+        prefix = self.blocks.prefix[a:b, :, : t + 1]
+        if slots is not None:
+            prefix = np.take_along_axis(prefix, slots[..., None], axis=1)
+        mem = {k: v[a:b] for k, v in self.blocks.memories.items()}
+        return self._run(
+            np.ascontiguousarray(prefix[..., t]), np.ascontiguousarray(prefix[..., :t]), mem
+        )
+
+    def _run(self, fed: np.ndarray, past: np.ndarray, mem: dict) -> np.ndarray:
+        """float32 [n * c, V1]: the real session's step on tokens `fed` [n, c] after the
+        prefixes `past` [n, c, T] (`parent` the identity)."""
+        par = np.ascontiguousarray(
+            np.broadcast_to(np.arange(fed.shape[1], dtype=np.int64), fed.shape)
+        )
         got, _ = self.session.step(fed, par, (past,), mem, ("log_probs",))
         logp = got["log_probs"]
         return logp.reshape(-1, logp.shape[-1])
