@@ -19,10 +19,10 @@ also follow; tests hold the two equal, visit by visit.
   max(V1, B^2) values, which ONNX Runtime's CUDA TopK sorts in one block with the index as
   tie-break (its radix path, for longer rows, does not promise the order of ties). The CPU
   runs the one-stage graphs (3x faster there), a GPU the split ones.
-- `set_select` (and `set_select_ddi`): one sampling step of set decoding in float64, from
+- `set_select` (and `set_select_ddi`): one sampling step of set decoding, from
   log_probs [N, S, V1], `used`, `finished`, the step's uniforms u [N, S] (counter-based, from
   the host) and the running hazard sums [N, M]: the drawn tokens and the next used / finished
-  / hazard.
+  / hazard. As the host's sampler: float32 exponentials, float64 from the normalisation on.
 - `take_<dtype>` and `take_<dtype>_<r>d` (`graphspec.take_graph_name`): rows (Gather on
   axis 0) of a matrix, or of a rank-r tensor (r = 1, 3, 4, 5): finished visits leave the
   batch on the device.
@@ -249,14 +249,22 @@ def set_select_graph(v1: int, ddi_adj: np.ndarray | None, opset: int) -> onnx.Mo
     )
     ax1, ax2 = g.const([1], np.int64), g.const([2], np.int64)
     fin3 = g.op("Unsqueeze", finished, ax2)
-    # a finished sample: all its mass on END (log 0 there, -inf elsewhere through the mask)
-    logp = g.op("Cast", g.op("Where", fin3, g.const(0.0, np.float32), logp32), to=F64)
+    # a finished sample: all its mass on END (log 0 there, -inf elsewhere)
+    logp = g.op("Where", fin3, g.const(0.0, np.float32), logp32)
     if ddi_adj is not None:
-        logp = _ddi_penalty(g, logp, used, _adjacency(ddi_adj, v1), F64)
+        logp = _ddi_penalty(g, logp, used, _adjacency(ddi_adj, v1), None)
     not_end = g.const(np.arange(v1) != end, bool)
+    neg_inf, zero = g.const(-np.inf, np.float32), g.const(0.0, np.float32)
+    logp = g.op("Where", g.op("And", fin3, not_end), neg_inf, logp)
+    # float32 exponentials, held medications 0, then float64 (the host's
+    # `_step_distribution`): unshifted, but for a row whose sum falls below 2^-100, which is
+    # shifted by its largest log-probability not held
     held = g.op("And", g.op("Not", fin3), used)
-    logp = g.op("Add", logp, _bias(g, g.op("Or", g.op("And", fin3, not_end), held), F64))
-    e = g.op("Exp", g.op("Sub", logp, g.op("ReduceMax", logp, ax2, keepdims=1)))
+    e = g.op("Cast", g.op("Where", held, zero, g.op("Exp", logp)), to=F64)
+    low = g.op("Less", g.op("ReduceSum", e, ax2, keepdims=1), g.const(2.0**-100, np.float64))
+    top = g.op("ReduceMax", g.op("Where", held, neg_inf, logp), ax2, keepdims=1)
+    shifted = g.op("Exp", g.op("Sub", logp, g.op("Where", low, top, zero)))
+    e = g.op("Cast", g.op("Where", held, zero, shifted), to=F64)
     p = g.op("Div", e, g.op("ReduceSum", e, ax2, keepdims=1))
     meds = g.op("Slice", p, g.const([0], np.int64), g.const([end], np.int64), ax2)
     hazard_next = g.op("Add", hazard, g.op("ReduceSum", meds, ax1, keepdims=0))

@@ -196,9 +196,10 @@ def test_device_selection_sets_equal_the_host_and_torch_on_a_trained_model(
 def test_the_gpu_bindings_run_on_the_cpu_equal_the_host_path(tiny_many, options, monkeypatch):
     """What a GPU runs (encoder outputs written into device buffers and gathered there by
     init_gather, IO binding, the split TopK graphs, gathers by the take graphs), bound to CPU
-    memory: the lists of the numpy selection; chunks of several sizes, each reusing the
-    device buffers of the one before when they are long enough. The host path in the one
-    loop, as the GPU path runs it (the narrowed loop: tests/test_narrow.py)."""
+    memory: the lists of the numpy selection (set decoding's scores to float32 rounding);
+    chunks of several sizes, each reusing the device buffers of the one before when they
+    are long enough. The host path in the one loop, as the GPU path runs it (the narrowed
+    loop: tests/test_narrow.py)."""
     monkeypatch.setattr(narrow, "applies", lambda *_: False)
     model, bound, encoder = _bound(tiny_many / "model")
     calls = {"chunks": 0, "allocations": 0}
@@ -222,7 +223,13 @@ def test_the_gpu_bindings_run_on_the_cpu_equal_the_host_path(tiny_many, options,
         )
     }
     assert len(runs["host"]) >= 2000
-    assert runs["bound"] == runs["host"]
+    if options["decoding"] == "set":  # float32 exponentials, ONNX Runtime's and numpy's
+        # up to 2 ulps apart: the same medications, the scores to float32 rounding
+        for got, want in zip(runs["bound"], runs["host"], strict=True):
+            assert got["medications"] == want["medications"], got["visit_id"]
+            assert got["score"] == pytest.approx(want["score"], rel=2e-6), got["visit_id"]
+    else:
+        assert runs["bound"] == runs["host"]
     assert 2 * calls["chunks"] > calls["allocations"] + 10  # 2 buffers a chunk unless reused
 
 

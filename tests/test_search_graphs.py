@@ -142,11 +142,56 @@ def test_set_select_graph_equals_the_numpy_sampling_step(policy):
         cum = np.cumsum(p, -1)
         token = np.minimum((cum < (u * cum[..., -1])[..., None]).sum(-1), end)
         np.testing.assert_array_equal(got["token_out"], token)
-        np.testing.assert_allclose(got["hazard_out"], hazard + p[..., :end].sum(1), rtol=1e-12)
+        # the exponentials are float32, ONNX Runtime's and numpy's up to 2 ulps apart
+        np.testing.assert_allclose(got["hazard_out"], hazard + p[..., :end].sum(1), rtol=5e-7)
         nxt = used.copy()
         nxt[np.arange(n)[:, None], np.arange(s), token] = True
         np.testing.assert_array_equal(got["used_out"], nxt)
         np.testing.assert_array_equal(got["finished_out"], finished | (token == end))
+
+
+def _softmax64(raw, used, finished, end):
+    """The step distribution in float64 throughout, shifted by the maximum (the reference)."""
+    logp = raw.astype(np.float64)
+    logp[used] = -np.inf
+    logp[finished] = -np.inf
+    logp[finished, end] = 0.0
+    e = np.exp(logp - logp.max(-1, keepdims=True))
+    return e / e.sum(-1, keepdims=True)
+
+
+@pytest.mark.parametrize(
+    "low, rtol", [(0.0, 5e-7), (-160.0, 1e-5)], ids=["model-range", "sum-below-2^-100"]
+)
+def test_set_select_step_is_the_float64_softmax_to_float32_accuracy(low, rtol):
+    """The float32 exponentials of the host and of `set_select`: every probability within
+    float32 rounding of the float64 softmax, also for rows whose unshifted exponentials
+    would underflow (log-probabilities near -160: shifted by their maximum first, in
+    float32, which rounds the difference); the graph's draws equal the host's."""
+    v1, n, s = 29, 64, 16
+    end = v1 - 1
+    rng = np.random.default_rng(11)
+    raw = np.log(rng.dirichlet(np.full(v1, 0.5), size=(n, s))).astype(np.float32)
+    raw = np.maximum(raw, np.float32(np.log(1e-20)))  # the model's floor
+    raw[: n // 2] += np.float32(low)  # half the visits far below the model's range
+    used = rng.random((n, s, v1)) < 0.3
+    used[..., end] = False
+    finished = rng.random((n, s)) < 0.2
+    p = _step_distribution(raw, used, finished, end, DDIPolicy(), None)
+    want = _softmax64(raw, used, finished, end)
+    np.testing.assert_allclose(p, want, rtol=rtol, atol=1e-300)
+    assert np.allclose(p.sum(-1), 1.0, rtol=1e-12)
+    sess = _session(set_select_graph(v1, None, 18))
+    u = uniforms(5, np.arange(n, dtype=np.uint64), s, 0)
+    feeds = {"log_probs": raw, "used": used, "finished": finished, "uniforms": u,
+             "hazard": np.zeros((n, end))}  # fmt: skip
+    names = [o.name for o in sess.get_outputs()]
+    got = dict(zip(names, sess.run(None, feeds), strict=True))
+    cum = np.cumsum(p, -1)
+    np.testing.assert_array_equal(
+        got["token_out"], np.minimum((cum < (u * cum[..., -1])[..., None]).sum(-1), end)
+    )
+    np.testing.assert_allclose(got["hazard_out"], p[..., :end].sum(1), rtol=5e-7)
 
 
 @pytest.mark.parametrize("dtype", list(TAKE_TYPES))

@@ -200,20 +200,52 @@ def set_marginals(
     return loop(session, memories, n, sampler, cfg)
 
 
+_TINY = 2.0**-100  # a row whose unshifted exponentials sum below this is shifted first
+
+
 def _step_distribution(log_probs, used, finished, end, policy, ddi_adj) -> np.ndarray:
     """float64 [..., V1]: each sample's next-token distribution: Pr with the medications
     it holds masked (and the DDI policy applied), renormalised; a finished sample (bool
-    `finished` [...], or None where every row is open) has all its mass on END."""
-    logp = log_probs.astype(np.float64)
-    apply_step_penalty(logp, used, ddi_adj, policy)
-    np.copyto(logp, -np.inf, where=used)  # in place: 3x faster than logp[used] = -inf
-    if finished is not None and finished.any():
-        logp[finished] = -np.inf
-        logp[finished, end] = 0.0
-    logp -= logp.max(-1, keepdims=True)
-    p = np.exp(logp, out=logp)
-    p /= p.sum(-1, keepdims=True)
+    `finished` [...], or None where every row is open) has all its mass on END.
+
+    The exponentials are float32, of the log-probabilities as given: numpy's float32 exp is
+    vectorised where its float64 exp is scalar on a CPU without AVX-512 (3.8x faster at
+    2,048 rows x 133), and each is within 2 float32 ulps of the exact value of the float32
+    log-probability, which carries as much rounding itself. No shift by the row's maximum:
+    the model's log-probabilities lie in [log 1e-20, 0] (its floor) and END's is never held,
+    so a row's sum is at least 1e-20; a row whose sum falls below 2^-100 all the same (other
+    inputs, a DDI penalty) is computed again from its log-probabilities less their maximum.
+    The DDI penalty is subtracted in float32; the normalisation and all that follows (sums,
+    CDF) are float64. The search graphs' `set_select` computes the same."""
+    x = _logits(log_probs, used, finished, end, policy, ddi_adj)
+    keep = ~used  # a held medication: 0 (2x faster than copyto -inf before the exp)
+    if finished is not None:
+        keep |= finished[..., None]  # a finished sample: END alone, whatever it holds
+    e = np.exp(x, out=x)
+    np.multiply(e, keep, out=e)
+    p = e.astype(np.float64)
+    total = p.sum(-1, keepdims=True)
+    low = total[..., 0] < _TINY
+    if low.any():
+        y = _logits(log_probs[low], used[low], None if finished is None else finished[low],
+                    end, policy, ddi_adj)  # fmt: skip
+        y[~keep[low]] = -np.inf
+        y -= y.max(-1, keepdims=True)
+        p[low] = np.exp(y, out=y)
+        total[low] = p[low].sum(-1, keepdims=True)
+    p /= total
     return p
+
+
+def _logits(log_probs, used, finished, end, policy, ddi_adj) -> np.ndarray:
+    """float32 [..., V1], a new array: the log-probabilities with the DDI policy applied and
+    a finished sample's mass on END (0 there, -inf elsewhere); held medications as given."""
+    x = np.array(log_probs, np.float32)
+    apply_step_penalty(x, used, ddi_adj, policy)
+    if finished is not None and finished.any():
+        x[finished] = -np.inf
+        x[finished, end] = 0.0
+    return x
 
 
 def decode_sets(
