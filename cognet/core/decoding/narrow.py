@@ -84,7 +84,9 @@ class _Blocks:
 
     def lower(self, visits: np.ndarray, target: np.ndarray) -> None:
         """Move `visits` down to the blocks `target` (>= their own), block by block: the
-        movers of a block change rows with the visits in its last rows that stay."""
+        movers of a block change rows with the visits in its last rows that stay. The rows
+        of the memories and prefixes move once, at the end (`_move`)."""
+        src = None  # the row whose contents each row takes, where any moved
         for lvl in range(len(self.start) - 2):
             movers = visits[(self.level[visits] == lvl) & (target > lvl)]
             if movers.size == 0:
@@ -97,16 +99,21 @@ class _Blocks:
             moving[movers] = True
             stay = tail[~moving[self.order[tail]]]
             if out.size:
-                self._swap(out, stay)
+                src = np.arange(self.order.size) if src is None else src
+                src[out], src[stay] = src[stay], src[out]
+                va, vb = self.order[out], self.order[stay]
+                self.order[out], self.order[stay] = vb, va
+                self.at[vb], self.at[va] = out, stay
             self.start[lvl + 1] = end - movers.size
             self.level[movers] = lvl + 1
+        if src is not None:
+            self._move(src)
 
-    def _swap(self, a: np.ndarray, b: np.ndarray) -> None:
+    def _move(self, src: np.ndarray) -> None:
+        """Each row r of the memories and prefixes takes the contents of row src[r]."""
+        rows = np.flatnonzero(src != np.arange(src.size))
         for value in (*self.memories.values(), self.prefix):
-            value[a], value[b] = value[b], value[a].copy()
-        va, vb = self.order[a], self.order[b]
-        self.order[a], self.order[b] = vb, va
-        self.at[vb], self.at[va] = a, b
+            value[rows] = value[src[rows]]
 
 
 class NarrowSession:
@@ -150,7 +157,8 @@ class NarrowSession:
         gone = blocks.order[: blocks.start[-2]]
         gone = gone[row_of[gone] < 0]  # over, and compacted out of the batch since
         blocks.lower(
-            np.r_[visits, gone], np.r_[self.level_of[count], np.full_like(gone, len(self.widths))]
+            np.concatenate([visits, gone]),
+            np.concatenate([self.level_of[count], np.full_like(gone, len(self.widths))]),
         )
         rank = np.cumsum(open_, axis=1) - 1  # each open sample's slot
         where = np.zeros(tokens.shape, np.int64)

@@ -150,7 +150,7 @@ class SetSampler:
         if vis.size:
             logp = got["log_probs"][vis, smp]
             p = _step_distribution(logp, self.used[vis, smp], None, end, cfg.ddi, self.ddi_adj)
-            first = np.flatnonzero(np.r_[True, vis[1:] != vis[:-1]])
+            first = np.flatnonzero(np.concatenate(([True], vis[1:] != vis[:-1])))
             self.hazard[rows[vis[first]]] += np.add.reduceat(p[:, :end], first, axis=0)
             u = self.draws.at(t, rows)[vis, smp]
             cum = np.cumsum(p, -1, out=p)  # p is not needed after this
