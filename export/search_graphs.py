@@ -141,26 +141,14 @@ def _adjacency(ddi_adj: np.ndarray, v1: int) -> np.ndarray:
     return out
 
 
-def _ddi_penalty(g: _Graph, logp: str, used: str, adj: np.ndarray, cast_to: int | None) -> str:
-    """logp lowered by penalty x interacting pairs with the hypothesis, or -inf where `hard`
-    and it interacts (the rules of `cognet.core.ddi`; the penalty product is float32)."""
+def _ddi_penalty(g: _Graph, logp: str, used: str, adj: np.ndarray) -> str:
+    """float32 logp lowered by penalty x interacting pairs with the hypothesis, or -inf
+    where `hard` and it interacts (the rules of `cognet.core.ddi`)."""
     penalty, hard = (g.input(name, t, []) for name, t in zip(DDI_INPUTS, (F32, BOOL), strict=True))
     clashes = g.op("MatMul", g.op("Cast", used, to=F32), g.const(adj, np.float32))
-    lowered = g.op("Mul", penalty, clashes)
-    if cast_to is not None:
-        lowered = g.op("Cast", lowered, to=cast_to)
-    soft = g.op("Sub", logp, lowered)
+    soft = g.op("Sub", logp, g.op("Mul", penalty, clashes))
     blocked = g.op("And", hard, g.op("Greater", clashes, g.const(0.0, np.float32)))
-    if cast_to is None:
-        return g.op("Where", blocked, g.const(-np.inf, np.float32), soft)
-    return g.op("Add", soft, _bias(g, blocked, cast_to))
-
-
-def _bias(g: _Graph, mask: str, to: int) -> str:
-    """0 or -inf where `mask`, as type `to`: adding it masks exactly (x + 0 = x), and the
-    Where stays float32 (ONNX Runtime's CUDA Where has no float64 kernel)."""
-    zero, neg_inf = g.const(0.0, np.float32), g.const(-np.inf, np.float32)
-    return g.op("Cast", g.op("Where", mask, neg_inf, zero), to=to)
+    return g.op("Where", blocked, g.const(-np.inf, np.float32), soft)
 
 
 def beam_select_graph(
@@ -181,7 +169,7 @@ def beam_select_graph(
     ax2 = g.const([2], np.int64)
     raw = logp
     if ddi_adj is not None:
-        logp = _ddi_penalty(g, logp, used, _adjacency(ddi_adj, v1), None)
+        logp = _ddi_penalty(g, logp, used, _adjacency(ddi_adj, v1))
     scores3 = g.op("Unsqueeze", scores, ax2)
     cand = g.op("Where", used, neg_inf, g.op("Add", scores3, logp))
     is_end = g.const(np.arange(v1) == end, bool)
@@ -252,7 +240,7 @@ def set_select_graph(v1: int, ddi_adj: np.ndarray | None, opset: int) -> onnx.Mo
     # a finished sample: all its mass on END (log 0 there, -inf elsewhere)
     logp = g.op("Where", fin3, g.const(0.0, np.float32), logp32)
     if ddi_adj is not None:
-        logp = _ddi_penalty(g, logp, used, _adjacency(ddi_adj, v1), None)
+        logp = _ddi_penalty(g, logp, used, _adjacency(ddi_adj, v1))
     not_end = g.const(np.arange(v1) != end, bool)
     neg_inf, zero = g.const(-np.inf, np.float32), g.const(0.0, np.float32)
     logp = g.op("Where", g.op("And", fin3, not_end), neg_inf, logp)
