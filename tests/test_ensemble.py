@@ -16,8 +16,10 @@ from tiny import make_case, make_tiny, random_checkpoint
 
 from cognet.cli import main
 from cognet.core.decoding import Decoding
+from cognet.core.decoding.beam import BeamConfig, beam_search, mixed_top_k, top_k_stable
 from cognet.core.decoding.draws import visit_keys
 from cognet.core.decoding.ensemble import (
+    MEMBER_LOG_PROBS,
     EnsembleSession,
     member_config,
     member_seed,
@@ -159,6 +161,79 @@ def test_beam_search_steps_on_the_mixture(case):
     first = np.argmax(out["log_probs"][:, 0], -1)
     greedy = decode_patients(model, vocab, patients[:3], Decoding(beam=1))
     assert [d.meds[0] if d.meds else vocab.n_med for d in greedy] == first.tolist()
+
+
+def _log_softmax_rows(rng, shape, ties: bool) -> np.ndarray:
+    x = rng.standard_normal(shape) * 3
+    if ties:
+        x = np.round(x)  # many equal log-probabilities
+    x = x - np.log(np.exp(x).sum(-1, keepdims=True))
+    return np.maximum(x, np.log(1e-20)).astype(np.float32)
+
+
+def _mixed_candidates(members, scores, used, finished, end):
+    """BeamSelector's candidates from the fully mixed log-probabilities (the reference)."""
+    cand = scores[:, :, None] + mix_log_probs(members)
+    np.copyto(cand, np.float32(-np.inf), where=used)
+    cand[finished] = -np.inf
+    cand[finished, end] = scores[finished]
+    return cand.reshape(cand.shape[0], -1)
+
+
+@pytest.mark.parametrize("members", [2, 3])
+@pytest.mark.parametrize("k", [1, 4])
+@pytest.mark.parametrize("ties", [False, True])
+def test_mixed_top_k_equals_the_top_k_of_the_whole_mixture(members, k, ties):
+    """Mixing only the candidates that can be among the k best changes nothing: the same
+    picks, in the same order, with the same float32 scores, for held medications, finished
+    beams, ties (identical members too), members giving -inf, beams still at -inf (the first
+    step), rows with fewer than k finite candidates, and scores far below 0."""
+    rng = np.random.default_rng(10 * members + k + ties)
+    r, v1, end = 60, 13, 12
+    parts = [_log_softmax_rows(rng, (r, k, v1), ties) for _ in range(members)]
+    parts[1][:10] = parts[0][:10]  # members that agree
+    parts[-1][10:15, :, 3] = -np.inf  # a member that rules a token out
+    scores = -np.round(np.abs(rng.standard_normal((r, k))) * 5, 1 if ties else 6)
+    scores = scores.astype(np.float32)
+    scores[15:20, 1:] = -np.inf  # the first step: beam 0 alone
+    scores[20:25] *= 400  # long hypotheses: about -2,000
+    used = rng.random((r, k, v1)) < 0.3
+    used[25:30] = True  # nothing left but END...
+    used[25:30, :, end] = False
+    used[30:33] = True  # ...or nothing at all: fewer than k finite candidates
+    finished = rng.random((r, k)) < 0.2
+    finished[30:33] = False
+    finished[:15] = False
+    want_idx, want_val = top_k_stable(_mixed_candidates(parts, scores, used, finished, end), k)
+    got_idx, got_val = mixed_top_k(tuple(parts), scores, used, finished, end, k)
+    np.testing.assert_array_equal(got_idx, want_idx)
+    np.testing.assert_array_equal(got_val, want_val)
+    assert np.isneginf(got_val[30:33]).all()  # the rows without a finite candidate
+    assert np.isfinite(got_val[:15]).all()
+
+
+def test_beam_search_of_an_ensemble_mixes_lazily_and_decides_alike(case):
+    """An ensemble's step leaves its mixture unmixed until read; beam search without PRAUC
+    scores selects from the members' log-probabilities (`mixed_top_k`) and finds what it
+    finds from the whole mixture (with PRAUC scores, which read every token)."""
+    model, vocab, patients = case
+    batch = make_batch(patients, vocab, targets=False)
+    sessions = [TorchSession(net) for net in members_of(model)]
+    ens = EnsembleSession(sessions)
+    memories = tuple(s.memories(batch) for s in sessions)
+    n = len(batch["target"])
+    tokens = np.full((n, 1), vocab.n_med + 1, np.int64)
+    out, _ = ens.step(tokens, np.zeros((n, 1), np.int64), ens.empty_cache(n, 1), memories,
+                      ("log_probs",))  # fmt: skip
+    assert "log_probs" not in out and len(out[MEMBER_LOG_PROBS]) == 2
+    np.testing.assert_array_equal(out["log_probs"], mix_log_probs(out[MEMBER_LOG_PROBS]))
+    cfg = BeamConfig(end=vocab.n_med, max_len=20, beam=4)
+    lazy = beam_search(ens, memories, n, cfg)
+    whole = beam_search(ens, memories, n, cfg, prauc=True)
+    assert [m.tolist() for m in lazy.meds] == [m.tolist() for m in whole.meds]
+    np.testing.assert_array_equal(lazy.score, whole.score)
+    for a, b in zip(lazy.med_probs, whole.med_probs, strict=True):
+        np.testing.assert_array_equal(a, b)
 
 
 def test_checkpoint_round_trip_and_a_bad_member_count(tmp_path):

@@ -40,6 +40,7 @@ from cognet.core.ddi import (
 )
 from cognet.core.decoding import BEAM, driver
 from cognet.core.decoding.driver import DecoderSession, LoopConfig, step_outputs
+from cognet.core.decoding.ensemble import MEMBER_LOG_PROBS, mix_log_probs
 from cognet.core.decoding.explain import beam_shares
 
 NEG_INF = np.float32(-np.inf)
@@ -116,6 +117,73 @@ def top_k_stable(cand: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
         idx[bad] = order
         val[bad] = np.take_along_axis(sub, order, 1)
     return idx, val
+
+
+def mixed_top_k(
+    members: tuple[np.ndarray, ...],
+    scores: np.ndarray,
+    used: np.ndarray | None,
+    finished: np.ndarray,
+    end: int,
+    k: int,
+) -> tuple[np.ndarray, np.ndarray]:
+    """`top_k_stable` of the candidates `BeamSelector` builds from the token-level mixture of
+    the members' log-probabilities [R, B, V1] (no DDI penalty), with the same result, while
+    mixing only the candidates that can be among the k best.
+
+    The mixture log(1/K sum_i exp(a_i)) lies in [max_i a_i - log K, max_i a_i]. A
+    candidate's score bounded above by its members' maximum that falls more than log K
+    below the k-th largest such bound is below k others whatever the mixture: only the rest
+    are mixed (about 1% of the tokens at beam 4), by `mix_log_probs` itself (the same bits),
+    and ranked in flat order, so that ties break alike. The margin (log K + 0.007, and
+    1e-6 of the bound) covers the float32 roundings of the bounds and of the scores' sums.
+    A row with fewer than k finite bounds keeps every candidate."""
+    r, b, v1 = members[0].shape
+    width = b * v1
+    bound = members[0].copy() if len(members) == 1 else np.maximum(members[0], members[1])
+    for part in members[2:]:
+        np.maximum(bound, part, out=bound)
+    bound += scores[:, :, None]
+    if used is not None:
+        np.copyto(bound, NEG_INF, where=used)
+    if finished.any():  # a finished beam proposes only END, with its frozen score
+        bound[finished] = NEG_INF
+        bound[finished, end] = scores[finished]
+    flat = bound.reshape(r, width)
+    kth = _kth_largest(flat, k)
+    cut = kth - (np.float32(np.log(len(members)) + 0.007) + np.abs(kth) * np.float32(1e-6))
+    cut[~(np.isfinite(kth) | (kth == NEG_INF))] = NEG_INF  # NaN, +inf: keep every candidate
+    idx = np.flatnonzero(flat >= cut[:, None])  # row-major: each row's in flat order
+    at, beam = idx // width, idx // v1  # row, and row * B + beam, of each candidate
+    value = scores.reshape(-1)[beam] + mix_log_probs([m.reshape(-1)[idx] for m in members])
+    if used is not None:
+        value[used.reshape(-1)[idx]] = NEG_INF
+    done = finished.reshape(-1)[beam]
+    if done.any():
+        token = idx[done] % v1
+        value[done] = np.where(token == end, scores.reshape(-1)[beam[done]], NEG_INF)
+    counts = np.bincount(at, minlength=r)
+    pos = np.arange(idx.size) - (np.cumsum(counts) - counts)[at]
+    packed = np.full((r, max(int(counts.max(initial=0)), k)), NEG_INF, np.float32)
+    where = np.zeros(packed.shape, np.int64)
+    packed[at, pos], where[at, pos] = value, idx - at * width
+    chosen, best = top_k_stable(packed, k)
+    return np.take_along_axis(where, chosen, 1), best
+
+
+def _kth_largest(values: np.ndarray, k: int) -> np.ndarray:
+    """[n]: the k-th largest of each row of values [n, m] (k passes of argmax, each taking
+    its maximum out; the row restored: 2x faster than np.partition at 682 x 528)."""
+    rows = np.arange(values.shape[0])
+    taken = np.empty((k, rows.size), np.int64)
+    kept = np.empty((k, rows.size), values.dtype)
+    for j in range(k):
+        taken[j] = i = values.argmax(axis=1)
+        kept[j] = values[rows, i]
+        values[rows, i] = NEG_INF
+    for j in range(k - 1, -1, -1):
+        values[rows, taken[j]] = kept[j]
+    return kept[-1]
 
 
 class BeamRule:
@@ -196,25 +264,26 @@ class BeamSelector(BeamRule):
         self.used: np.ndarray | None = None  # bool [R, B, V1]: medications in each hypothesis
 
     def select(self, t, out, rows, parent):
-        b, end, policy = self.width, self.cfg.end, self.cfg.ddi
-        scores, finished, used = self.scores, self.finished, self.used
-        raw = out["log_probs"]  # [R, B, V1]
-        r, v1 = raw.shape[0], raw.shape[2]
-        if policy.mode != "off" and used is not None:
-            cand = scores[:, :, None] + _penalise(raw, used, self.ddi_adj, policy)
+        b, end = self.width, self.cfg.end
+        finished, used = self.finished, self.used
+        # an ensemble's members, mixed where they can matter (the whole mixture is read for
+        # PRAUC scores and by the DDI penalty)
+        members = out.get(MEMBER_LOG_PROBS)
+        raw = None if self.prauc or self.cfg.ddi.mode != "off" else members
+        if raw is None:
+            raw = out["log_probs"]  # [R, B, V1]
+            pick, self.scores = top_k_stable(self._candidates(raw), b)
         else:
-            cand = scores[:, :, None] + raw
-        if used is not None:
-            np.copyto(cand, NEG_INF, where=used)
-        if finished.any():  # a finished beam proposes only END, with its frozen score
-            cand[finished] = NEG_INF
-            cand[finished, end] = scores[finished]
-        pick, self.scores = top_k_stable(cand.reshape(r, b * v1), b)
+            pick, self.scores = mixed_top_k(members, self.scores, used, finished, end, b)
+        r, v1 = pick.shape[0], (members[0] if raw is members else raw).shape[2]
         parent, tokens = np.divmod(pick, v1)
         row_ix = np.arange(r)[:, None]
         live = ~finished[row_ix, parent]
-        chosen = raw[row_ix, parent, tokens]
-        used = np.zeros(raw.shape, bool) if used is None else used[row_ix, parent]
+        if raw is members:
+            chosen = mix_log_probs([m[row_ix, parent, tokens] for m in members])
+        else:
+            chosen = raw[row_ix, parent, tokens]
+        used = np.zeros((r, b, v1), bool) if used is None else used[row_ix, parent]
         used[row_ix, np.arange(b), tokens] = True
         self.used, self.finished = used, ~live | (tokens == end)
         self.trace.append(
@@ -231,6 +300,21 @@ class BeamSelector(BeamRule):
             )
         )
         return tokens, parent, self.over()
+
+    def _candidates(self, raw: np.ndarray) -> np.ndarray:
+        """float32 [R, B * V1]: each hypothesis's score after each token (held medications
+        -inf, the DDI policy applied; a finished beam proposes only END, at its score)."""
+        scores, used, finished, policy = self.scores, self.used, self.finished, self.cfg.ddi
+        if policy.mode != "off" and used is not None:
+            cand = scores[:, :, None] + _penalise(raw, used, self.ddi_adj, policy)
+        else:
+            cand = scores[:, :, None] + raw
+        if used is not None:
+            np.copyto(cand, NEG_INF, where=used)
+        if finished.any():  # a finished beam proposes only END, with its frozen score
+            cand[finished] = NEG_INF
+            cand[finished, self.cfg.end] = scores[finished]
+        return cand.reshape(cand.shape[0], -1)
 
     def held(self, newly: np.ndarray) -> np.ndarray:
         return self.used[newly, :, : self.cfg.end]

@@ -29,6 +29,9 @@ import numpy as np
 from cognet.core.decoding.sampling import SetConfig, SetResult, set_marginals, set_result
 from cognet.core.graphspec import MIX_GRAPH, MIX_OUTPUT, mix_inputs
 
+# An ensemble step's outputs carry its members' log-probabilities under this name, beside their
+# mixture (`StepOutputs`): beam search selects from them without mixing every token.
+MEMBER_LOG_PROBS = "member_log_probs"
 MEMBER_SEED_STRIDE = 1000  # member i of a run with seed S trains with seed S + 1000 i
 MAX_MEMBERS = 16  # networks in one checkpoint or model directory at most (counts read are checked)
 
@@ -77,14 +80,26 @@ def mix_log_probs(log_probs: Sequence[np.ndarray]) -> np.ndarray:
     return out
 
 
+class StepOutputs(dict):
+    """An ensemble step's outputs: the members' log-probabilities (`MEMBER_LOG_PROBS`, a
+    tuple) and, on first reading of "log_probs", their mixture (`mix_log_probs`), kept. Beam
+    search without PRAUC scores or a DDI penalty never reads it (`beam.mixed_top_k`)."""
+
+    def __missing__(self, key: str) -> np.ndarray:
+        if key != "log_probs" or MEMBER_LOG_PROBS not in self:
+            raise KeyError(key)
+        mixed = self["log_probs"] = mix_log_probs(self[MEMBER_LOG_PROBS])
+        return mixed
+
+
 class EnsembleSession:
     """A `cognet.core.decoding.driver.DecoderSession` over K member sessions that decodes
     their token-level mixture: every member steps on the same tokens and parents with its
     own cache and memories (handles are K-tuples); the log-probabilities are mixed
-    (`mix_log_probs`), the explanation outputs (gate, copy distribution, diagnosis
-    attention) averaged. Selection runs on the host, or, where the runtime gives the
-    ensemble the search graphs (`search`: a model exported with the mixture graph,
-    `graphspec.MIX_GRAPH`), where the members' steps ran (`step_log_probs`)."""
+    (`mix_log_probs`, when read: `StepOutputs`), the explanation outputs (gate, copy
+    distribution, diagnosis attention) averaged. Selection runs on the host, or, where the
+    runtime gives the ensemble the search graphs (`search`: a model exported with the
+    mixture graph, `graphspec.MIX_GRAPH`), where the members' steps ran (`step_log_probs`)."""
 
     search = None
     select_on_device = False
@@ -113,11 +128,11 @@ class EnsembleSession:
             out, c = member.step(tokens, parent, c, mem, outputs)
             got.append(out)
             caches.append(c)
-        mixed = {}
+        mixed = StepOutputs()
         for name in outputs:
             parts = [g[name] for g in got]
             if name == "log_probs":
-                mixed[name] = mix_log_probs(parts)
+                mixed[MEMBER_LOG_PROBS] = tuple(parts)  # mixed when read
             else:
                 mixed[name] = np.mean(np.stack(parts), 0).astype(parts[0].dtype)
         return mixed, tuple(caches)
