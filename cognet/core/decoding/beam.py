@@ -266,20 +266,22 @@ class BeamSelector(BeamRule):
     def select(self, t, out, rows, parent):
         b, end = self.width, self.cfg.end
         finished, used = self.finished, self.used
-        # an ensemble's members, mixed where they can matter (the whole mixture is read for
-        # PRAUC scores and by the DDI penalty)
+        # an ensemble's members, mixed where they can matter (PRAUC scores and the DDI
+        # penalty read the whole mixture)
         members = out.get(MEMBER_LOG_PROBS)
-        raw = None if self.prauc or self.cfg.ddi.mode != "off" else members
-        if raw is None:
-            raw = out["log_probs"]  # [R, B, V1]
-            pick, self.scores = top_k_stable(self._candidates(raw), b)
-        else:
+        lazy = members is not None and not self.prauc and self.cfg.ddi.mode == "off"
+        if lazy:
+            raw, v1 = None, members[0].shape[2]
             pick, self.scores = mixed_top_k(members, self.scores, used, finished, end, b)
-        r, v1 = pick.shape[0], (members[0] if raw is members else raw).shape[2]
+        else:
+            raw = out["log_probs"]  # [R, B, V1]
+            v1 = raw.shape[2]
+            pick, self.scores = top_k_stable(self._candidates(raw), b)
+        r = pick.shape[0]
         parent, tokens = np.divmod(pick, v1)
         row_ix = np.arange(r)[:, None]
         live = ~finished[row_ix, parent]
-        if raw is members:
+        if lazy:
             chosen = mix_log_probs([m[row_ix, parent, tokens] for m in members])
         else:
             chosen = raw[row_ix, parent, tokens]
