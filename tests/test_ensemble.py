@@ -187,7 +187,7 @@ def test_mixed_top_k_equals_the_top_k_of_the_whole_mixture(members, k, ties):
     """Mixing only the candidates that can be among the k best changes nothing: the same
     picks, in the same order, with the same float32 scores, for held medications, finished
     beams, ties (identical members too), members giving -inf, beams still at -inf (the first
-    step), rows with fewer than k finite candidates, and scores far below 0."""
+    step), rows with fewer than k finite candidates, a NaN, and scores far below 0."""
     rng = np.random.default_rng(10 * members + k + ties)
     r, v1, end = 60, 13, 12
     parts = [_log_softmax_rows(rng, (r, k, v1), ties) for _ in range(members)]
@@ -204,8 +204,10 @@ def test_mixed_top_k_equals_the_top_k_of_the_whole_mixture(members, k, ties):
     finished = rng.random((r, k)) < 0.2
     finished[30:33] = False
     finished[:15] = False
-    want_idx, want_val = top_k_stable(_mixed_candidates(parts, scores, used, finished, end), k)
-    got_idx, got_val = mixed_top_k(tuple(parts), scores, used, finished, end, k)
+    parts[0][33, 0, 5] = np.nan  # a broken step: the row is ranked as the whole mixture's
+    with np.errstate(invalid="ignore"):  # the NaN
+        want_idx, want_val = top_k_stable(_mixed_candidates(parts, scores, used, finished, end), k)
+        got_idx, got_val = mixed_top_k(tuple(parts), scores, used, finished, end, k)
     np.testing.assert_array_equal(got_idx, want_idx)
     np.testing.assert_array_equal(got_val, want_val)
     assert np.isneginf(got_val[30:33]).all()  # the rows without a finite candidate
