@@ -25,7 +25,7 @@
 # MODEL holds model/ (cognet-export --fp16 of this version: older exports lack graphs the GPU
 # path uses) and ckpt/ (its checkpoint); without it the demo model is built on the GPU first.
 # The wheel must match the machine's CUDA (onnxruntime-gpu >= 1.27 for CUDA 13); see
-# BENCHMARKS.md "GPU" for how it was carried there.
+# docs/guide/gpu.md "Running the GPU check" for how it is carried there.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-check}
