@@ -1,4 +1,4 @@
-"""Agreement of the runtime with the torch reference (README "Set decoding").
+"""Agreement of the runtime with the torch reference (user guide "Set decoding").
 
     cognet evaluate --checkpoint CKPT --data DATA --predictions ref.parquet
     cognet-batch score test.parquet --model MODEL --all --out run.parquet ...

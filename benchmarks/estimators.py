@@ -1,4 +1,4 @@
-"""The set decoding's estimators measured on the validation split (README "Set decoding").
+"""The set decoding's estimators measured on the validation split (user guide "Set decoding").
 
     python -m cognet.benchmarks.estimators --model MODEL --data DATA [--visits 200]
         [--reference 4096] [--samples 8,16,32,64] [--estimators plain,stratified]

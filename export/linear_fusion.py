@@ -14,12 +14,10 @@ all the tensors that shape inference gives the same ones. A Relu between two lin
 into the first Gemm (FusedGemm). The products are the same; MLAS starts each sum from the
 bias instead of adding it at the end, so float32 results differ by reassociation only.
 
-Measured on the default model (two heads of 64, feed-forward 512), 1 thread, alternating in
-one process (BENCHMARKS.md, "What each lever gave on its own"): the decoder step alone on
-rows captured from beam search and set decoding 1.02-1.13x, the encoder parts 1.07-1.10x, a
-whole beam-4 pass 1.03x. Applied to the float32 graphs only: the int8 variant's dynamic
-quantization has no integer Gemm, so its graphs are written from the unfused ones. Gemm,
-Relu, Shape, Concat and Reshape are standard operators (`onnx_ops_allowlist.txt`).
+A few percent faster on the CPU (BENCHMARKS.md "What was tried"). Applied to the float32
+graphs only: the int8 variant's dynamic quantization has no integer Gemm, so its graphs are
+written from the unfused ones. Gemm, Relu, Shape, Concat and Reshape are standard operators
+(`onnx_ops_allowlist.txt`).
 """
 
 from __future__ import annotations

@@ -10,8 +10,8 @@ gathered (`init_index`: integer rows only; `init_inputs` gathers them on the hos
 straight into their place by IO binding: host arrays on the CPU or, on a GPU whose model has
 the `init_gather` graphs, buffers in the device's memory, from which
 `DeviceDecoder.init_gathered` builds each batch's decoder-init inputs there: encodings never
-cross to the host and back (on an H100 their round trip and regathering took about a third
-of the host's time, docs/gpu/results-h100-search.md). `HostEncoder` adapts any encoder
+cross to the host and back (their round trip and regathering were a large share of the
+GPU path's host time: BENCHMARKS.md "What was tried"). `HostEncoder` adapts any encoder
 callable (host arrays in and out; the tests plug torch in) to the same `PlanEncoder`
 interface.
 
@@ -111,7 +111,7 @@ class Encoder:
         the device when it can gather there, at least as long as the layout needs, the last
         chunk's reused when long enough and `release`d (allocating and freeing device memory
         synchronises the device; not measured). Host buffers are fresh per chunk: reusing
-        them measured slower (BENCHMARKS.md, "The GPU path's host side")."""
+        them measured slower (BENCHMARKS.md "What was tried")."""
         if self.search is None:
             return new_encodings(lay, self.dim, self.dtype)
         with self._lock:

@@ -17,8 +17,7 @@ Each chunk (whole patients, see `reader.chunks`) goes through four stages:
 - emit (`emit`): the output rows in input order, and the metrics with `--all`.
 Results come lazily, one `ScoredChunk` at a time, so a caller can write them as they arrive.
 
-What decides the speed (figures: BENCHMARKS.md, "Where the time goes in ort-cpu" and
-"Findings"; the batch constants of `batches` carry their own sweeps):
+What decides the speed (figures: BENCHMARKS.md "Latest results" and "What was tried"):
 - Parallel streams: on the CPU each core decodes its own batch with a single-threaded
   session rather than one batch on several intra-op threads (whose spinning is off: it
   took the core the Python side needs).

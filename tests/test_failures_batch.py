@@ -1,10 +1,10 @@
 """`cognet-batch score`: bad inputs and faults, one test per case, through the CLI.
 
-Never corrupt, never surprise (README "Failure behaviour"). With tests/test_failures_memory.py
+Never corrupt, never surprise (user guide "Failure behaviour"). With tests/test_failures_memory.py
 (one wide visit), tests/test_failures_train.py (the `cognet train` / `evaluate` /
 `cognet-export` cases) and tests/test_failures_outputs.py, this is `make failures`.
 
-Sections, one per behaviour of the README table: one writer per OUT, an OUT that is an
+Sections, one per behaviour of that page's table: one writer per OUT, an OUT that is an
 input, checks before work, resume refuses a damaged work folder, swapped
 graphs, small things, --keep-columns, the resume signature. An error case asserts the exit
 code, one line without a traceback, the message, and that no output is left.

@@ -1,5 +1,5 @@
 """`cognet-batch score` keeps its memory bounded: one visit holding a whole vocabulary of
-diagnoses (README "Failure behaviour") costs at most twice the peak memory of the same run
+diagnoses (user guide "Failure behaviour") costs at most twice the peak memory of the same run
 without it."""
 
 from __future__ import annotations

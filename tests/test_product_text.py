@@ -46,3 +46,102 @@ def test_the_product_names_no_issue_number():
         for line, match in issue_numbers(path.read_text(errors="replace"))
     ]
     assert not hits, "issue numbers in the product:\n" + "\n".join(hits)
+
+
+# -- cited sections exist ----------------------------------------------------------------
+# A citation names a page and a section of it: `README "Set decoding"`, `README's "Python
+# API"`, `README §Results`, `user guide "Training recipe"`, `docs/INTERNALS.md "Beam search"`,
+# `BENCHMARKS.md, "Method"`. ("DESIGN.md §N" citations are checked by tools/check_layout.py.)
+CITATION = re.compile(
+    r"(?P<page>[\w./-]*\b[\w-]+\.md|\bREADME|\buser guide)(?:'s)?,?[ \t]+"
+    r"(?:\"(?P<quoted>[^\"\n]+)\"|§(?P<section>[A-Za-z]{2}[^,;:.)\"`\n]*))"
+)
+GUIDE = ROOT / "docs" / "guide"
+FENCE = re.compile(r"^```.*?^```", flags=re.DOTALL | re.MULTILINE)
+
+
+def headings(page: Path) -> set[str]:
+    """Every heading of a Markdown page (outside fenced blocks), as written and without its
+    "N. " number, its closing "(...)" or what follows its colon."""
+    found = set()
+    for line in FENCE.sub("", page.read_text()).splitlines():
+        if line.startswith("#"):
+            text = line.lstrip("#").strip()
+            found |= {text, re.sub(r"^\d+\.\s+", "", text), re.sub(r"\s+\(.*\)$", "", text)}
+            found.add(text.split(":")[0])
+    return found
+
+
+def cited_pages(page: str, citing: Path) -> list[Path]:
+    """The pages a citation can mean: README.md for README, any page of the guide for "user
+    guide", else the file named (from the root, beside the citing file, docs/ or the guide)."""
+    if page in ("README", "README.md"):
+        return [ROOT / "README.md"]
+    if page == "user guide":
+        return sorted(GUIDE.glob("*.md"))
+    for base in (ROOT, citing.parent, ROOT / "docs", GUIDE):
+        if (base / page).is_file():
+            return [base / page]
+    return []
+
+
+def citations(text: str) -> list[tuple[int, str, str]]:
+    """(line number, page, section) of every section citation in a text."""
+    out = []
+    for m in CITATION.finditer(text):
+        section = (m.group("quoted") or m.group("section")).lstrip("#").strip()
+        out.append((text.count("\n", 0, m.start()) + 1, m.group("page"), section))
+    return out
+
+
+def citing_files() -> list[Path]:
+    """The product files and the tests; the record of past benchmark runs is left as it was."""
+    history = ROOT / "docs" / "benchmarks" / "history"
+    found = product_files() + sorted((ROOT / "tests").glob("*.py"))
+    here = Path(__file__).resolve()  # its examples above are not citations
+    return [p for p in found if history not in p.parents and p.resolve() != here]
+
+
+def test_the_citation_pattern_reads_the_ways_sections_are_cited():
+    text = (
+        'see README "Set decoding": cost\n(README\'s "## Python API" section)\n'
+        'README §Results and more; (BENCHMARKS.md, "Method") and docs/INTERNALS.md "Beam search"\n'
+        'user guide "Training recipe"; DESIGN.md §2, DESIGN.md §N; open("README.md", "w")'
+    )
+    assert [(page, section) for _, page, section in citations(text)] == [
+        ("README", "Set decoding"),
+        ("README", "Python API"),
+        ("README", "Results and more"),
+        ("BENCHMARKS.md", "Method"),
+        ("docs/INTERNALS.md", "Beam search"),
+        ("user guide", "Training recipe"),
+    ]
+
+
+def test_every_cited_section_exists():
+    """A README, guide, BENCHMARKS.md or docs/ section that code, a test, a document or a
+    `--help` text cites is a heading of the page it names."""
+    missing = []
+    for path in citing_files():
+        for line, page, section in citations(path.read_text(errors="replace")):
+            pages = cited_pages(page, path)
+            if not any(section in headings(p) for p in pages):
+                where = "no such page" if not pages else "no such heading"
+                missing.append(f'{path.relative_to(ROOT)}:{line}: {page} "{section}": {where}')
+    assert not missing, "cited sections that do not exist:\n" + "\n".join(missing)
+
+
+# -- the README stays readable -----------------------------------------------------------
+MAX_PARAGRAPH_WORDS = 150
+
+
+def test_no_readme_paragraph_is_a_wall():
+    """No paragraph of the README (its prose: code blocks and tables left out) passes 150
+    words; a longer one belongs in the user guide or a table."""
+    prose = FENCE.sub("", (ROOT / "README.md").read_text())
+    long = []
+    for block in re.split(r"\n\s*\n", prose):
+        words = " ".join(x for x in block.splitlines() if not x.lstrip().startswith("|")).split()
+        if len(words) > MAX_PARAGRAPH_WORDS:
+            long.append(f"{len(words)} words: {' '.join(words[:12])} ...")
+    assert not long, "README paragraphs over 150 words:\n" + "\n".join(long)

@@ -57,7 +57,7 @@ threads_option = count_option(
     type=click.Choice(RECIPE_CHOICES),
     default="default",
     show_default=True,
-    help='default: what won on validation (README "Training recipe"); reference: the '
+    help='default: what won on validation (user guide "Training recipe"); reference: the '
     "authors' architecture and regularisation, 200 epochs (cap with --epochs), beam search. "
     "The options below change the recipe's values.",
 )

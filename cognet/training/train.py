@@ -39,7 +39,7 @@ log = logging.getLogger(__name__)
 
 
 # Training recipes (`cognet train --recipe`): overrides of TrainConfig's defaults.
-# - default: what won on the synthetic validation split (README "Training recipe"):
+# - default: what won on the synthetic validation split (user guide "Training recipe"):
 #   embedding size 128 and the authors' embedding and attention dropout (compared on
 #   validation), residual dropout 0.3, 2 heads, feed-forward 512; at most 36 epochs
 #   (early stopping ends seeds 0 / 1 at epochs 28 / 27); validation NLL every epoch, early

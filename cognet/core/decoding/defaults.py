@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass, replace
 
 BEAM = 4  # beam width; 1 = greedy
 MAX_LEN = 45  # decoder steps at most (medications + END)
-SAMPLES = 16  # samples per visit of the set decoding (see README "Set decoding": cost)
+SAMPLES = 16  # samples per visit of the set decoding (see user guide "Set decoding": cost)
 DECODINGS = ("beam", "set")
 DEFAULT_DECODING = "beam"  # of a model that has no tuned set threshold
 # The largest value each count may take (samples x visits x steps bounds the memory)
@@ -29,7 +29,7 @@ LIMITS = {"beam": 64, "samples": 1024, "max_len": 1000}
 # draw its own uniform; "stratified", at each step the samples of a visit take the strata
 # 1/S apart of (0, 1) in a random order; "tree", the same within each group of samples
 # that share their prefix. All give exact samples of the model and an unbiased P(k in S);
-# stratified draws give it less variance at the same cost (README "Set decoding": the
+# stratified draws give it less variance at the same cost (user guide "Set decoding": the
 # estimator table). `Decoding` and a stored decoding that names none draw "plain" samples;
 # `cognet train` tunes and stores its models with ESTIMATOR.
 ESTIMATORS = ("plain", "stratified", "tree")
