@@ -212,7 +212,7 @@ def score(
     quiet: bool,
     verbose: bool,
 ) -> None:
-    """Recommend medications for the visits of INPUT (DESIGN.md §2 visits.parquet shape).
+    """Recommend medications for the visits of INPUT (visits.parquet's columns: user guide "Data").
 
     A visit's history is its patient's earlier visits (smaller visit_seq) with known
     medications; the rows of a patient must be contiguous and ordered by visit_seq (or pass
