@@ -5,8 +5,8 @@ take turns, one pass over the same batches each, `repeats` times (a machine whos
 drifts slows them alike; a time budget stops the repeats of a slow engine early). Each pass
 is reported as it ends. An engine hands back its memory as soon as its last pass of the
 block has ended, not when the block ends: on a GPU, where each engine runs one pass, the
-engines' arenas then never share the device (five engines together took 108 GB of an H200
-at batch 4,096 and ran out of memory there).
+engines' arenas then never share the device (five engines together ran an H200 out of
+memory at batch 4,096).
 """
 
 from __future__ import annotations

@@ -191,8 +191,8 @@ class _TorchBase:
         self.after_pass()
 
     def after_pass(self) -> None:
-        # torch's caching allocator keeps a pass's peak reserved (34 GB at batch 16,384 on an
-        # H100), which the onnxruntime engines taking their turn next would run out of
+        # torch's caching allocator keeps a pass's peak reserved (tens of GB at large GPU
+        # batches), which the onnxruntime engines taking their turn next would run out of
         if self.device == "cuda":
             import torch
 

@@ -8,18 +8,15 @@ the cache and the memories) stay float32, as do the embeddings, layer norms, sof
 the copy distribution; the graph's inputs and outputs keep the float32 graph's names and
 types, so the runtime feeds the int8 graphs as it feeds the float32 ones.
 
-Choices, measured on a checkpoint of the default model (width 128, 2 epochs on the default
-synthetic data; its 1,487 visits decoded with beam 4; float32 graphs: all 1,487 lists equal
-torch's; 1 thread on a busy 2-core AMD EPYC without VNNI):
+Choices, each measured as the share of beam-4 lists equal to torch's on a checkpoint of the
+default model (BENCHMARKS.md "What was tried"):
 - 7-bit weights (`reduce_range`): with 8-bit ones the uint8 x int8 products saturate on AVX2
-  CPUs without VNNI (pairs of products summed in int16): 72.0% of the lists equal torch's,
-  against 84.7% with 7 bits. Per-channel scales did not help (84.7% -> 85.9%, and 92.4%
-  against 92.7% with the heads kept). Portable: the graph is written once, run anywhere.
-- The step's output heads (`FLOAT32_MODULES`) stay float32: 92.7% of the lists equal.
-  Quantizing only the encoder and decoder_init already leaves 95.2%: no choice of graphs
-  reaches the 99% of the float16 graphs; int8 is an opt-in variant, its agreement measured.
-- All three graphs are quantized: each is faster per call (N = 256 visits x beam 4: encoder
-  1.4x, decoder_init 1.25x, decoder_step 1.15-1.3x, noisy on the busy machine).
+  CPUs without VNNI (pairs of products summed in int16), and far fewer lists equal torch's.
+  Per-channel scales did not help. Portable: the graph is written once, run anywhere.
+- The step's output heads (`FLOAT32_MODULES`) stay float32: more lists equal. No choice of
+  graphs (even the encoder and decoder_init alone) reaches the 99% of the float16 graphs;
+  int8 is an opt-in variant, its agreement measured.
+- All three graphs are quantized: each is faster per call.
 The output is byte-identical for the same float32 graph (tests/test_int8.py).
 
 CPU only: ONNX Runtime's CUDA provider has no kernels for DynamicQuantizeLinear and this

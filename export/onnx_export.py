@@ -1,10 +1,10 @@
 """One model graph -> one ONNX file: `torch.onnx.export` and the fix-ups its output needs.
 
-Exporter choice: the TorchScript exporter (`dynamo=False`), opset 18. Measured on a real-size
-checkpoint (dim 64, 2000/1400/131 codes, 2 cores): it exports the three graphs in ~0.4 s vs
-~17 s for the dynamo exporter, keeps our symbolic axis names (dynamo renames them s0, s1...),
-and after ONNX Runtime's optimisations the graphs run at the same speed. Both give plain
-graphs (no If/Loop); see `onnx_ops_allowlist.txt` for the operator set.
+Exporter choice: the TorchScript exporter (`dynamo=False`), opset 18. It exports the graphs
+many times faster than the dynamo exporter (BENCHMARKS.md "What was tried"), keeps our symbolic axis
+names (dynamo renames them s0, s1...), and after ONNX Runtime's optimisations the graphs run
+at the same speed. Both give plain graphs (no If/Loop); see `onnx_ops_allowlist.txt` for the
+operator set.
 
 `graph_spec` describes a written file for the manifest; `write_fp16` and `write_int8` add its
 float16 and int8 variants.

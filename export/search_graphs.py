@@ -18,7 +18,7 @@ also follow; tests hold the two equal, visit by visit.
   those B x B, in the same order (value, beam, rank in beam); each TopK then ranks at most
   max(V1, B^2) values, which ONNX Runtime's CUDA TopK sorts in one block with the index as
   tie-break (its radix path, for longer rows, does not promise the order of ties). The CPU
-  runs the one-stage graphs (3x faster there), a GPU the split ones.
+  runs the one-stage graphs (faster there), a GPU the split ones.
 - `set_select` (and `set_select_ddi`): one sampling step of set decoding, from
   log_probs [N, S, V1], `used`, `finished`, the step's uniforms u [N, S] (counter-based, from
   the host) and the running hazard sums [N, M]: the drawn tokens and the next used / finished

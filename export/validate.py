@@ -85,7 +85,7 @@ SHAPE_CASES: dict[str, tuple[Sizes, Sequence[int]]] = {
 @contextmanager
 def _one_torch_thread():
     """Torch and ONNX Runtime take turns on the same cores here; one torch thread avoids the
-    OpenMP spin-wait that made torch ~8x slower on a busy 2-core machine (tiny tensors gain
+    OpenMP spin-wait that made torch many times slower on a busy machine (tiny tensors gain
     nothing from threads anyway)."""
     before = torch.get_num_threads()
     torch.set_num_threads(1)

@@ -7,12 +7,10 @@ longest code list of each kind. `cut_padded` closes a batch before its visits x 
 passes a budget on any axis (the encoder's self-attention grows with the square of the
 width: `squared`).
 
-Measured (2 CPU cores, beam 4, `--batch-size 4096`, a random dim-64 model over the 1,554
-diagnosis codes of the 2,000-patient synthetic set, 4,823 visits scored with `--all`): one
-added visit holding every one of those codes took the peak RSS from 1.6 GB to 10.6 GB
-before the code budgets, as its whole batch (encoder: 64 visits, decoder: 4,096) was padded
-to its 1,554 codes. The budgets below split only the batches holding such a visit: a real
-visit (MIMIC-III: at most 39 diagnoses) with the default batch sizes never reaches them.
+Without the budgets, one visit holding every code of the vocabulary padded its whole batch
+to that width and multiplied the peak memory (BENCHMARKS.md "What was tried"). The budgets
+below split only the batches holding such a visit: a real visit (MIMIC-III: at most 39
+diagnoses) with the default batch sizes never reaches them.
 """
 
 from __future__ import annotations
@@ -29,23 +27,21 @@ from cognet.runtime.options import ScoreOptions
 CPU_BATCH_CODES, GPU_BATCH_CODES = 1 << 16, 1 << 18
 # Encoder: visits x the square of the longest code list of a kind (its attention weights,
 # per head); 64 visits of 64 codes fit. A GPU takes 64 times more per call: each encoder call
-# costs launch latency, and at 64 visits per call the encoder took most of ort-cuda's time
-# (H100, 4,096 visits a batch: ~160 calls of the encoder per batch).
+# costs launch latency, which at 64 visits per call dominated ort-cuda's time.
 ENCODE_CELLS, GPU_ENCODE_CELLS = 1 << 18, 1 << 24
 CPU_ENCODE_BATCH, GPU_ENCODE_BATCH = 64, 4096  # visits per encoder call
 
 
 # Visits decoded together. CPU: small batches keep a batch's memories and cache in the
-# core's cache (2 cores, beam 4: 64 -> 936 visits/s, 128 -> 985, 256 -> 648). GPU: many rows,
+# core's cache (the sweep: BENCHMARKS.md "What was tried"). GPU: many rows,
 # within the N <= 512 shape profile of the TensorRT engines built by cognet-export.
 CPU_BATCH, GPU_BATCH = 128, 512
 # Cap on a batch's padded history: visits x the largest number of past-medication slots among
 # them. Every visit of a batch carries copy memories as long as the longest history (the
-# one-hot scatter alone is [visits, slots, V1] floats): without a cap a batch of 4096 visits
-# with one 680-slot history took 9 GB and ran at 147 visits/s. Visits are batched in order of
-# history size, so the cap splits only the batches of long histories. On 2 CPU cores (beam 4,
-# batch 4096, BENCHMARKS.md) caps of 2^10 .. 2^18 gave 767, 828, 855, 842, 796, 718 and 602
-# visits/s: 2^12 it is. On a GPU, where wide batches pay, the cap only bounds memory.
+# one-hot scatter alone is [visits, slots, V1] floats): without a cap one long history pads
+# thousands of visits. Visits are batched in order of history size, so the cap splits only
+# the batches of long histories. 2^12 was the fastest cap on the CPU (the sweep:
+# BENCHMARKS.md "What was tried"); on a GPU, where wide batches pay, the cap only bounds memory.
 CPU_BATCH_SLOTS, GPU_BATCH_SLOTS = 1 << 12, 1 << 20
 
 

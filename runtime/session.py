@@ -103,7 +103,7 @@ def providers(device: str, manifest: Manifest, graph: str) -> list:
         return [CPU]
     # TF32 (onnxruntime's default on Ampere and later) rounds MatMul inputs to 10 mantissa
     # bits: beam search then flips near-ties against the float32 torch reference (measured on
-    # an H200: 420 of 65,536 visits differed). Full float32 keeps parity.
+    # an H200). Full float32 keeps parity.
     cuda = (CUDA, {"device_id": 0, "use_tf32": "0"})
     if device == "cuda":
         return [cuda, CPU]
@@ -127,7 +127,7 @@ def session_options(threads: int | None) -> ort.SessionOptions:
     opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     opts.log_severity_level = 3
     # Idle intra-op threads would spin between the many small ops of a step and between steps,
-    # taking the core the Python side of the beam search needs: 1.2-1.5x slower on 2 cores.
+    # taking the core the Python side of the beam search needs.
     opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
     return opts
 
@@ -227,10 +227,9 @@ class OrtModel:
     def _parts(self, variant: str | None) -> bool:
         """Whether the encoder runs as its parts, one graph per kind of code
         (`graphspec.ENCODER_PARTS`), each called on rows grouped by that kind's length: on
-        the CPU, with the float32 graphs of a model that has them. The encoder took 1.3x
-        less time so (3.7 -> 2.8 s a member, the synthetic benchmark's 4,096 visits, 1
-        thread). A GPU keeps the one encoder (three times the calls; not measured there),
-        and so do the variants, which have no parts."""
+        the CPU, with the float32 graphs of a model that has them: less padding, less
+        time. A GPU keeps the one encoder (three times the calls; not measured there), and
+        so do the variants, which have no parts."""
         return self.device == "cpu" and variant is None and self.manifest.encoder_parts
 
     def _search(self, opts, gpu: bool) -> dict[str, ort.InferenceSession]:
@@ -248,9 +247,9 @@ class OrtModel:
 
     def _disabled(self) -> list[str]:
         """Graph optimisations left out. On the CPU, SkipLayerNormFusion: its fused kernel is
-        slower than the Add + LayerNormalization it replaces at this model's width (64): the
-        encoder 28% faster without it, scoring 6-8% (2 cores, beam 4, batch 4096), same lists.
-        A GPU keeps it (fewer kernels; not measured there)."""
+        slower than the Add + LayerNormalization it replaces at the widths measured
+        (BENCHMARKS.md "What was tried"), with the same lists. A GPU keeps it (fewer kernels; not
+        measured there)."""
         return [] if self.device != "cpu" else ["SkipLayerNormFusion"]
 
     def _selection(self, selection: str) -> str:

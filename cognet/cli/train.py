@@ -29,10 +29,8 @@ ABLATION_CHOICES = (
 )
 
 
-# torch's own default (a thread per core) collapses when another process holds a core: on
-# the 2-core development machine, with other jobs running, one epoch of 2,000 synthetic
-# patients took 4.7-4.9 s with 1 thread and 52-91 s with 2 (7.8 s with 2 threads and
-# OMP_WAIT_POLICY=PASSIVE). One thread never collapses; more pay only on an idle machine.
+# torch's own default (a thread per core) collapses when another process holds a core
+# (BENCHMARKS.md "What was tried"): one thread never collapses; more pay only on an idle machine.
 threads_option = count_option(
     "--threads",
     default=1,

@@ -17,8 +17,7 @@ ENCODER_OUTPUTS = (
 # The encoder in three graphs, one per kind of code (`cognet-export` cuts them from the
 # encoder graph: the same nodes). The three kinds are encoded independently, so the runtime
 # can call each on rows grouped by that kind's length alone: one padded [N, L] call of all
-# three pads every kind to the longest of its call (the synthetic benchmark workload: 435k
-# padded codes for 308k real ones, procedures 2.3x). Absent in models exported before them.
+# three pads every kind to the longest of its call. Absent in models exported before them.
 ENCODER_PARTS = {
     "encoder_diag": (("diagnoses",), ("diag_enc", "v_d")),
     "encoder_proc": (("procedures",), ("proc_enc", "v_p")),

@@ -29,8 +29,8 @@ of the data lands near the paper's 0.09.
 
 Defaults reproduce the paper's MIMIC-III statistics at 6,350 patients. Patients are
 generated one by one from their own seeded random stream (patient i is the same whatever the
-cohort size) and written in row groups of whole patients, so memory stays bounded for any N
-(about 300 MB and 65 CPU seconds per million visits). `visits.parquet` carries a `split`
+cohort size) and written in row groups of whole patients, so memory stays bounded for any
+N. `visits.parquet` carries a `split`
 column, `cognet.core.schema.split_patients(N, seed)`: what `read_dataset(split_seed=seed)` would
 draw for a file without one.
 

@@ -14,9 +14,9 @@ decoder step at once. A visit is over when its selector says so (at `max_len` st
 latest); the selector then records its answer (`finish`). Finished visits stay in the batch
 until the live share of visits falls below `compact_at`: a compaction copies every memory
 and cache row, so doing it at each finish costs more than carrying a few dead rows for a few
-steps (2 cores, beam 4, batch 64, visits/s: compact_at 1.0 -> 773, 0.9 -> 861,
-0.75 -> 936, 0.5 -> 796). The tests hold this loop equal to an independent one, the plain
-torch beam search that compacts at every finish (tests/beam_oracle.py).
+steps (the sweep of `compact_at`: BENCHMARKS.md "What was tried"). The tests hold this loop
+equal to an independent one, the plain torch beam search that compacts at every finish
+(tests/beam_oracle.py).
 """
 
 from __future__ import annotations

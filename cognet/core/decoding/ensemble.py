@@ -53,15 +53,14 @@ def mix_log_probs(log_probs: Sequence[np.ndarray]) -> np.ndarray:
 
     Computed as the log of the summed exponentials, without a max shift: a step's
     log-probabilities lie in [log 1e-20, 0] (the model's floor) or are -inf, so no exponential
-    overflows or underflows in float64, and numpy's vectorised exp and log take 11 ms where
-    a running `logaddexp` took 44-111 ms (2 members, 16,384 rows x 132; the same float32
-    results on all 2.2 M values). Entries whose sum is not a finite positive number (every
-    member -inf, or values outside that range) are taken again by `logaddexp`."""
+    overflows or underflows in float64, and numpy's vectorised exp and log are several times
+    faster than a running `logaddexp`, with the same float32 results (BENCHMARKS.md "What
+    was tried"). Entries whose sum is not a finite positive number (every member -inf, or
+    values outside that range) are taken again by `logaddexp`."""
     if len(log_probs) == 1:
         return np.asarray(log_probs[0], np.float64).astype(np.float32)
     # each exponential and the last subtraction cast on the fly (no float64 copies of the
-    # inputs, no float64 result to convert): the same bits, 1.05-1.3x faster on a CPU
-    # without AVX-512, where numpy's float64 exp and log are scalar
+    # inputs, no float64 result to convert): the same bits, less memory traffic
     total = np.exp(log_probs[0], dtype=np.float64)
     spare = np.empty_like(total)
     for part in log_probs[1:]:
