@@ -18,7 +18,7 @@ PACKAGES = [
 
 setup(
     name="cognet",
-    version="0.2.0",
+    version="0.3.0",
     description="COGNet (copy-or-predict medication recommendation) training, ONNX export "
     "and a torch-free batch inference runtime",
     python_requires=">=3.10",

@@ -4,4 +4,4 @@ This package file stays import-light: the torch-free runtime (`cognet.runtime`) 
 `cognet` first, so nothing here may pull in torch.
 """
 
-__version__ = "0.2.0"
+__version__ = "0.3.0"
