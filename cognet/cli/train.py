@@ -125,6 +125,29 @@ threads_option = count_option(
     "evaluation and scoring use them unless a --ddi-mode is given.",
 )
 @click.option(
+    "--teacher",
+    type=click.Path(exists=True, file_okay=False),
+    help="Distil from this checkpoint (for example a two-member one): a share of the "
+    "training targets are sets it samples for that visit, so that one network decodes "
+    "like it.",
+)
+@click.option(
+    "--distill-weight",
+    type=FiniteFloat(0, 1),
+    help="With --teacher: the share of training targets drawn from the teacher's sets "
+    "(default: 0.5).",
+)
+@count_option(
+    "--distill-samples",
+    help="With --teacher: sets the teacher samples per visit and member (default: 16).",
+)
+@click.option(
+    "--distill-temperature",
+    type=FiniteFloat(0, 10, min_open=True),
+    help="With --teacher: the teacher samples from its step probabilities at this "
+    "temperature (default: 1).",
+)
+@click.option(
     "--ablation",
     default="none",
     show_default=True,
@@ -143,6 +166,7 @@ def train(data_dir, out, threads, quiet, recipe, **config):
       cognet train --data data --out ckpt --seed 0 --threads 1
       cognet train --data data --out ckpt-ref --recipe reference --epochs 30
       cognet train --data data --out ckpt-safe --ddi-target 0.06
+      cognet train --data data --out student --members 1 --teacher ckpt
     """
     import torch
 
@@ -177,7 +201,12 @@ def train(data_dir, out, threads, quiet, recipe, **config):
     from cognet.model.checkpoint import FILES
 
     written = {"--out": (*FILES, "train_log.jsonl")}
-    with guarded("cognet train", {"--out": out}, Reads(datasets=[data_dir]), written) as stage:
+    with guarded(
+        "cognet train",
+        {"--out": out},
+        Reads(datasets=[data_dir], checkpoints=[config["teacher"]]),
+        written,
+    ) as stage:
         best = run_train(
             data_dir,
             stage["--out"],

@@ -33,10 +33,25 @@ from cognet.training.tuning import set_decoding_for
 
 # what a member's training record may differ in from another member's: its seed and what
 # its run gave (the rest is the recipe, which the members of one ensemble share)
-RUN_FIELDS = ("seed", "best_epoch", "weights", "epochs_run", "data", "unknown_codes_val")
+RUN_FIELDS = (
+    "seed",
+    "best_epoch",
+    "weights",
+    "epochs_run",
+    "data",
+    "unknown_codes_val",
+    "distilled_from",
+)
 # fields the training record gained after checkpoints of this format were first written, with
 # the value such a checkpoint was trained with (its record lacks them)
-ADDED_FIELDS = {"ddi_loss": 0.0, "members": 1}
+ADDED_FIELDS = {
+    "ddi_loss": 0.0,
+    "members": 1,
+    "teacher": None,
+    "distill_weight": 0.5,
+    "distill_samples": 16,
+    "distill_temperature": 1.0,
+}
 # what a member's record must hold (`cognet train` writes them)
 TRAINED = ("seed", "best_epoch", "weights", "epochs_run", "decoding", "set_samples")
 
