@@ -101,6 +101,12 @@ threads_option = count_option(
     "decoding step adds (needs the dataset's ddi.parquet; 0: off).",
 )
 @click.option(
+    "--ddi-loss-target",
+    type=FiniteFloat(0, 1),
+    help="With --ddi-loss: weigh the DDI term per batch as SafeDrug does, 0 while the "
+    "batch's predicted DDI rate is at or under this, the whole --ddi-loss at 0.05 above.",
+)
+@click.option(
     "--lr-decay",
     type=FiniteFloat(0, 1, min_open=True),
     help="Multiply the learning rate by this after every epoch (default: 1, constant).",

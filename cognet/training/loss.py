@@ -43,14 +43,33 @@ def ddi_loss(
     log_probs [N, L, V1]; inputs [N, L] (`dec_input`: START, medications, PAD); target [N, L]
     (`dec_target`); ddi [M, M] 0/1, symmetric.
     """
+    return ddi_terms(log_probs, inputs, target, ddi)[0]
+
+
+def ddi_terms(
+    log_probs: torch.Tensor, inputs: torch.Tensor, target: torch.Tensor, ddi: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(`ddi_loss`, the batch's predicted DDI rate): the expected interacting pairs the
+    steps add over the expected pairs they add (each step's medication against the prefix),
+    detached. The rate is what SafeDrug's ramp compares with its target."""
     n_med = ddi.shape[0]
     is_med = inputs < n_med
     onehot = F.one_hot(torch.where(is_med, inputs, 0), n_med).to(ddi.dtype)
     prefix = (onehot * is_med.unsqueeze(-1)).cumsum(1)  # [N, L, M]: fed at positions <= t
     interacting = prefix @ ddi  # [N, L, M]: prefix medications interacting with each one
     valid = target != IGNORE
-    expected = (log_probs[..., :n_med].exp() * interacting).sum(-1)
-    return expected[valid].sum() / valid.sum().clamp_min(1)
+    p = log_probs[..., :n_med].exp()
+    expected = (p * interacting).sum(-1)
+    with torch.no_grad():
+        pairs = (p * (prefix.sum(-1, keepdim=True) - prefix)).sum(-1)  # j against the others
+        rate = expected[valid].sum() / pairs[valid].sum().clamp_min(1e-12)
+    return expected[valid].sum() / valid.sum().clamp_min(1), rate
+
+
+def ramp(rate: torch.Tensor, target: float, width: float) -> float:
+    """SafeDrug's weight of the DDI term for a batch: 0 while the batch's predicted DDI rate
+    is at or under the target, rising linearly to 1 at `width` above it."""
+    return float(((rate - target) / width).clamp(0.0, 1.0))
 
 
 def teacher_forced(

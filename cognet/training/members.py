@@ -46,6 +46,7 @@ RUN_FIELDS = (
 # the value such a checkpoint was trained with (its record lacks them)
 ADDED_FIELDS = {
     "ddi_loss": 0.0,
+    "ddi_loss_target": None,
     "members": 1,
     "teacher": None,
     "distill_weight": 0.5,

@@ -32,11 +32,15 @@ from cognet.model.decoding import decode_patients
 from cognet.model.ensemble import Ensemble
 from cognet.model.network import COGNet, ModelConfig
 from cognet.training.distill import DistillConfig, TeacherTargets, teacher_targets
-from cognet.training.loss import aux_loss, ddi_loss, teacher_forced
+from cognet.training.loss import aux_loss, ddi_terms, ramp, teacher_forced
 from cognet.training.members import Tuning, finish, read_splits
 from cognet.training.tuning import choose_average, validation_nll
 
 log = logging.getLogger(__name__)
+
+# how far above --ddi-loss-target a batch's predicted DDI rate gives the DDI term its whole
+# weight (SafeDrug's Kp)
+DDI_RAMP = 0.05
 
 
 # Training recipes (`cognet train --recipe`): overrides of TrainConfig's defaults.
@@ -117,6 +121,10 @@ class TrainConfig:
     # weight of the DDI term (`cognet.training.loss.ddi_loss`: the expected interacting pairs
     # each step adds); 0: off
     ddi_loss: float = 0.0
+    # SafeDrug's ramp: the DDI term's weight is `ddi_loss` times 0 while a batch's predicted
+    # DDI rate is <= this, rising to 1 at DDI_RAMP above it (`cognet.training.loss.ramp`);
+    # None: always `ddi_loss`
+    ddi_loss_target: float | None = None
     # the network's hyper-parameters; its vocabulary sizes come from the data (`model_config`)
     model: ModelConfig = DEFAULT_MODEL
     max_history: int | None = None  # past visits used as history (None = all)
@@ -162,6 +170,9 @@ class TrainConfig:
             raise ValueError("average: window sizes >= 1")
         if not 0 < self.lr_decay <= 1 or self.aux_loss < 0 or self.ddi_loss < 0:
             raise ValueError("lr_decay must be in (0, 1], aux_loss and ddi_loss >= 0")
+        ramp_target = self.ddi_loss_target
+        if ramp_target is not None and (self.ddi_loss <= 0 or not 0 <= ramp_target <= 1):
+            raise ValueError("--ddi-loss-target needs --ddi-loss > 0 and a DDI rate in [0, 1]")
         if not 0 <= self.history_dropout < 1 or not 0 <= self.scheduled_sampling <= 1:
             raise ValueError("history_dropout must be in [0, 1), scheduled_sampling in [0, 1]")
         target = self.ddi_target
@@ -215,7 +226,11 @@ def batch_loss(
     if aux_head is not None:
         loss = loss + cfg.aux_loss * aux_loss(aux_head, hidden, target)
     if ddi is not None:
-        loss = loss + cfg.ddi_loss * ddi_loss(log_probs, batch["dec_input"], target, ddi)
+        term, rate = ddi_terms(log_probs, batch["dec_input"], target, ddi)
+        weight = cfg.ddi_loss
+        if cfg.ddi_loss_target is not None:
+            weight *= ramp(rate, cfg.ddi_loss_target, DDI_RAMP)
+        loss = loss + weight * term
     return loss
 
 
