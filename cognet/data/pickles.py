@@ -17,25 +17,24 @@ these files use maps to a stand-in of our own that checks its arguments:
 Every other global, every other use of these names (a REDUCE of a placeholder, a BUILD on
 anything but a Voc, a dtype or an array, NEWOBJ of anything but the Voc placeholder, OBJ,
 INST, persistent ids, extension codes) is refused with `InputError` naming it, before it can
-run. The pure-Python `pickle._Unpickler` is the base: unlike the C one, its opcodes can be
-replaced one by one (`dispatch`), so REDUCE, BUILD and NEWOBJ never reach a method of ours
-that we did not choose.
+run. The stream is parsed by `cognet.data.pickle_reader`, our own reader, which also bounds
+what a file can build (lengths, depth, elements through shared references, keys, the end):
+REDUCE, BUILD and NEWOBJ reach only the methods of `BenchmarkUnpickler` below.
 """
 
 from __future__ import annotations
 
-import io
 import math
 import os
-import pickle
 from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 
 from cognet.core.errors import InputError, one_line
+from cognet.data.pickle_reader import BoundedReader, Malformed, Refused, printable, shown
 
-MAX_BYTES = 1 << 30  # the MIMIC-III records are 1.5 MB; a pickle builds at most its own size
+MAX_BYTES = 1 << 30  # the MIMIC-III records are 1.5 MB; pickle_reader bounds what a file builds
 MAX_DIMS = 32
 
 DILL_MODULES = ("dill._dill", "dill.dill")  # dill >= 0.3, and older
@@ -52,10 +51,15 @@ VOC_CLASS_KEYS = frozenset(
     ["__module__", "__qualname__", "__doc__", "__slotnames__", "__init__", "add_sentence"]
 )
 VOC_STATE_KEYS = frozenset(["idx2word", "word2idx"])
-
-
-class Refused(Exception):
-    """A pickle asked for something these files never need; `load` adds the file's name."""
+# what dill 0.4 sets on a function by BUILD; plain attributes, the function is never called
+FUNCTION_STATE_KEYS = frozenset(
+    ["__qualname__", "__name__", "__module__", "__doc__", "__annotations__", "__kwdefaults__"]
+    + ["__defaults__"]
+)
+ANNOTATION_TYPES = frozenset(
+    ["int", "float", "complex", "str", "bytes", "bool", "list", "dict", "tuple", "set"]
+    + ["frozenset", "NoneType"]
+)
 
 
 # -- what the pickles build -------------------------------------------------------------------
@@ -133,24 +137,30 @@ CODE = Placeholder("a code object")
 
 
 def _load_type(name):
+    """`type` and `object` for the Voc class; builtin types as placeholders, which only an
+    annotation may hold."""
     if name == "type":
         return TYPE
     if name == "object":
         return OBJECT
-    raise Refused(f"dill._dill._load_type({name!r}): only 'type' and 'object' are allowed")
+    if name in ANNOTATION_TYPES:
+        return Placeholder(f"builtins.{name}")
+    raise Refused(
+        f"dill._dill._load_type({shown(name)}): only 'type', 'object' and plain builtin types"
+    )
 
 
 def _create_type(metaclass, name, bases, namespace):
     if metaclass is not TYPE or name != "Voc" or bases != (OBJECT,):
         raise Refused(
             f"dill._dill._create_type: only class Voc(object) is allowed, got "
-            f"{describe(metaclass)} {name!r} with bases ({', '.join(map(describe, bases))})"
+            f"{describe(metaclass)} {shown(name)} with bases ({', '.join(map(describe, bases))})"
         )
     if not isinstance(namespace, dict):
         raise Refused(f"dill._dill._create_type: namespace is a {describe(namespace)}")
     for key, value in namespace.items():
         if key not in VOC_CLASS_KEYS:
-            raise Refused(f"dill._dill._create_type: class attribute {key!r} is not allowed")
+            raise Refused(f"dill._dill._create_type: class attribute {shown(key)} is not allowed")
         if key in ("__init__", "add_sentence") and not isinstance(value, Placeholder):
             raise Refused(f"dill._dill._create_type: {key} is a {describe(value)}")
     return Placeholder("class Voc")
@@ -180,13 +190,65 @@ def _create_function(code, namespace, name=None, defaults=None, closure=None, *r
             f"namespace, got {describe(code)} and {describe(namespace)}"
         )
     if closure is not None or not isinstance(name, str) or len(rest) > 2:
-        raise Refused(f"dill._dill._create_function {name!r}: closures are not allowed")
+        raise Refused(f"dill._dill._create_function {shown(name)}: closures are not allowed")
     extras = [*(defaults or ())]
     extras += [v for d in rest if isinstance(d, dict) for v in d.values()]
     plain = all(d is None or isinstance(d, dict) for d in rest)
     if not plain or not all(_plain_constant(v) for v in extras):
-        raise Refused(f"dill._dill._create_function {name!r}: defaults are not literals")
+        raise Refused(f"dill._dill._create_function {shown(name)}: defaults are not literals")
     return Placeholder(f"function {name} (a placeholder, never called)")
+
+
+def _literal_attribute(key: str, value) -> bool:
+    if key in ("__qualname__", "__name__", "__module__"):
+        return isinstance(value, str)
+    if key == "__doc__":
+        return value is None or isinstance(value, str)
+    if key == "__defaults__":
+        return value is None or (isinstance(value, tuple) and _plain_constant(value))
+    if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+        return key == "__kwdefaults__" and value is None
+    if key == "__kwdefaults__":
+        return all(_plain_constant(v) for v in value.values())
+    return all(  # __annotations__: builtin types (placeholders), None or text
+        v is None
+        or isinstance(v, str)
+        or (
+            isinstance(v, Placeholder)
+            and v.what.startswith("builtins.")
+            and v.what[9:] in ANNOTATION_TYPES
+        )
+        for v in value.values()
+    )
+
+
+def _build_function(function: Placeholder, state) -> None:
+    """dill 0.4's BUILD on a function: (__dict__, slot state), each {attribute: value}. Only
+    plain attributes with literal values (annotations naming builtin types) are accepted, and
+    nothing is set: the placeholder is never called."""
+    parts = state if isinstance(state, tuple) and len(state) == 2 else (state,)
+    for part in parts:
+        if part is None:
+            continue
+        if not isinstance(part, dict):
+            raise Refused(f"BUILD on {function.what} with a {describe(part)}")
+        for key, value in part.items():
+            if key not in FUNCTION_STATE_KEYS or not _literal_attribute(key, value):
+                raise Refused(
+                    f"BUILD on {function.what} setting {shown(key)} to {describe(value)}: only "
+                    "plain attributes with literal values"
+                )
+
+
+def _setattr(target, name, value):
+    """`builtins.setattr`, as dill 0.4 names the class it made: only `__qualname__`, as text,
+    on the Voc class placeholder; nothing is set."""
+    voc = isinstance(target, Placeholder) and target.what == "class Voc"
+    if not voc or name != "__qualname__" or not isinstance(value, str):
+        raise Refused(
+            f"builtins.setattr({describe(target)}, {shown(name)}, ...): only the Voc class's "
+            "__qualname__"
+        )
 
 
 # -- numpy, directly or through dill's array path ---------------------------------------------
@@ -195,7 +257,9 @@ def _create_function(code, namespace, name=None, defaults=None, closure=None, *r
 def _import_module(name, *_safe):
     if name in NUMPY_ARRAY_MODULES:
         return Placeholder(f"module {name}")
-    raise Refused(f"dill._dill._import_module({name!r}): only numpy's array modules are allowed")
+    raise Refused(
+        f"dill._dill._import_module({shown(name)}): only numpy's array modules are allowed"
+    )
 
 
 def _get_attr(module, name):
@@ -205,13 +269,13 @@ def _get_attr(module, name):
         and (name == "_reconstruct")
     ):
         return RECONSTRUCT
-    raise Refused(f"dill._dill._get_attr({describe(module)}, {name!r}): only _reconstruct")
+    raise Refused(f"dill._dill._get_attr({describe(module)}, {shown(name)}): only _reconstruct")
 
 
 def _reconstruct(subtype, shape, typecode):
     if subtype is not NDARRAY or shape != (0,) or typecode != b"b":
         raise Refused(
-            f"numpy _reconstruct({describe(subtype)}, {shape!r}, {typecode!r}): only an "
+            f"numpy _reconstruct({describe(subtype)}, {shown(shape)}, {shown(typecode)}): only an "
             "empty numpy.ndarray"
         )
     return _ArrayBuilder()
@@ -232,7 +296,9 @@ def _create_array(function, args, state, npdict=None):
 
 def _dtype(name, align=False, copy=False):
     if name not in NUMERIC_DTYPES or align is not False or not isinstance(copy, bool):
-        raise Refused(f"numpy.dtype({name!r}): only bool, integer and float dtypes are allowed")
+        raise Refused(
+            f"numpy.dtype({shown(name)}): only bool, integer and float dtypes are allowed"
+        )
     return _Dtype(np.dtype(name))
 
 
@@ -250,7 +316,7 @@ def _build_dtype(dtype: _Dtype, state) -> None:
         and (len(state) == 8 or state[8] is None)
     )
     if not plain or dtype.built:
-        raise Refused(f"numpy.dtype state {state!r:.80}: not a plain numeric dtype's")
+        raise Refused(f"numpy.dtype state {shown(state)}: not a plain numeric dtype's")
     if state[1] in "<>" and dtype.dtype.itemsize > 1:
         dtype.dtype = dtype.dtype.newbyteorder(state[1])
     dtype.built = True
@@ -265,7 +331,7 @@ def _build_array(builder: _ArrayBuilder, state) -> None:
     shape, dtype, fortran, raw = state
     good_shape = isinstance(shape, tuple) and len(shape) <= MAX_DIMS
     if not good_shape or not all(type(n) is int and n >= 0 for n in shape):
-        raise Refused(f"numpy array shape {shape!r:.80}: not a shape")
+        raise Refused(f"numpy array shape {shown(shape)}: not a shape")
     if not isinstance(dtype, _Dtype) or not isinstance(raw, (bytes, bytearray)):
         raise Refused(
             f"numpy array of {describe(dtype)} from {describe(raw)}: only numeric dtypes "
@@ -288,7 +354,7 @@ def _scalar(dtype, raw):
 def _encode(text, encoding="utf-8"):
     """`_codecs.encode`: how protocol 2 writes bytes (a numpy scalar's, an array's)."""
     if not isinstance(text, str) or encoding != "latin1":
-        raise Refused(f"_codecs.encode(..., {encoding!r}): only latin1 text to bytes")
+        raise Refused(f"_codecs.encode(..., {shown(encoding)}): only latin1 text to bytes")
     return text.encode("latin1")
 
 
@@ -313,6 +379,7 @@ GLOBALS = {
     ("builtins", "__main__"): MAIN,
     ("__main__", "Voc"): Placeholder("class Voc"),  # a Voc pickled by reference
     ("_codecs", "encode"): _Reconstructor("_codecs.encode", _encode),
+    ("builtins", "setattr"): _Reconstructor("builtins.setattr", _setattr),
 }
 GLOBALS.update({(m, name): f for m in DILL_MODULES for name, f in DILL.items()})
 GLOBALS.update({(m, "_reconstruct"): RECONSTRUCT for m in NUMPY_ARRAY_MODULES})
@@ -322,94 +389,71 @@ GLOBALS.update({(m, "scalar"): SCALAR for m in NUMPY_ARRAY_MODULES})
 # -- the unpickler ----------------------------------------------------------------------------
 
 
-def _refuse(what: str) -> Callable:
-    def refuse(self) -> None:
-        raise Refused(f"{what} is not allowed")
+class BenchmarkUnpickler(BoundedReader):
+    """The bounded reader (`cognet.data.pickle_reader`) with the globals and calls above."""
 
-    return refuse
-
-
-class BenchmarkUnpickler(pickle._Unpickler):
-    """pickle's (pure-Python) unpickler with every global and every call replaced by ours."""
-
-    dispatch = dict(pickle._Unpickler.dispatch)
-
-    def find_class(self, module: str, name: str):
+    def find_class(self, module: str, name: str) -> object:
         found = GLOBALS.get((module, name))
         if found is None:
-            raise Refused(f"global {module}.{name} is not one of the names these files use")
+            what = printable(f"{module}.{name}")
+            raise Refused(f"global {what} is not one of the names these files use")
         return found
 
-    def persistent_load(self, pid):
-        raise Refused("a persistent id is not allowed")
-
-    def load_reduce(self) -> None:
-        stack = self.stack
-        args, function = stack.pop(), stack[-1]
+    def reduce(self, function: object, args: tuple) -> object:
         if not isinstance(function, _Reconstructor):
             raise Refused(f"REDUCE would call {describe(function)}")
-        if not isinstance(args, tuple):
-            raise Refused(f"REDUCE of {function.name} with {describe(args)} arguments")
-        stack[-1] = function(*args)
+        return function(*args)
 
-    def load_build(self) -> None:
-        stack = self.stack
-        state, target = stack.pop(), stack[-1]
+    def build(self, target: object, state: object) -> object:
         if isinstance(target, Voc):
             if not (isinstance(state, dict) and set(state) <= VOC_STATE_KEYS):
-                keys = sorted(map(str, state)) if isinstance(state, dict) else describe(state)
+                keys = sorted(map(shown, state)) if isinstance(state, dict) else describe(state)
                 raise Refused(f"BUILD of a Voc with {keys}: only idx2word and word2idx")
             for key, value in state.items():
                 setattr(target, key, value)
-        elif isinstance(target, _Dtype):
+            return target
+        if isinstance(target, _Dtype):
             _build_dtype(target, state)
-        elif isinstance(target, _ArrayBuilder):
+            return target
+        if isinstance(target, _ArrayBuilder):
             _build_array(target, state)
-            stack[-1] = target.array
-        else:
-            raise Refused(f"BUILD on {describe(target)}")
+            return target.array
+        if isinstance(target, Placeholder) and target.what.startswith("function "):
+            _build_function(target, state)
+            return target
+        raise Refused(f"BUILD on {describe(target)}")
 
-    def load_newobj(self) -> None:
-        args, cls = self.stack.pop(), self.stack.pop()
-        self.append(_new(cls, args, {}))
-
-    def load_newobj_ex(self) -> None:
-        kwargs, args, cls = self.stack.pop(), self.stack.pop(), self.stack.pop()
-        self.append(_new(cls, args, kwargs))
-
-    dispatch[pickle.REDUCE[0]] = load_reduce
-    dispatch[pickle.BUILD[0]] = load_build
-    dispatch[pickle.NEWOBJ[0]] = load_newobj
-    dispatch[pickle.NEWOBJ_EX[0]] = load_newobj_ex
-    dispatch[pickle.OBJ[0]] = _refuse("OBJ (a class call)")
-    dispatch[pickle.INST[0]] = _refuse("INST (a class call)")
-    for _ext in (pickle.EXT1, pickle.EXT2, pickle.EXT4):
-        dispatch[_ext[0]] = _refuse("an extension code")
-    del _ext
-
-
-def _new(cls, args, kwargs) -> Voc:
-    if not (isinstance(cls, Placeholder) and cls.what == "class Voc") or args or kwargs:
-        raise Refused(f"NEWOBJ of {describe(cls)}: only a Voc, with no arguments")
-    return Voc()
+    def new(self, cls: object, args: tuple, kwargs: dict) -> Voc:
+        if not (isinstance(cls, Placeholder) and cls.what == "class Voc") or args or kwargs:
+            raise Refused(f"NEWOBJ of {describe(cls)}: only a Voc, with no arguments")
+        return Voc()
 
 
 def load(path: str | os.PathLike) -> object:
     """The object a benchmark pickle describes, built only by the stand-ins above.
 
     Raises `InputError` (`PATH: refused: ...` or `PATH: not a readable pickle (...)`) for a
-    missing, oversized, malformed or refused file; nothing in the file runs either way."""
+    missing, oversized, malformed or refused file; nothing in the file runs either way, and
+    the message never holds the file's bytes."""
     path = Path(path)
+    name = printable(str(path), 400)
     if not path.is_file():
-        raise InputError(f"{path}: file not found")
+        raise InputError(f"{name}: file not found")
     if path.stat().st_size > MAX_BYTES:
-        raise InputError(f"{path}: larger than {MAX_BYTES >> 20} MiB; not a benchmark file")
-    data = path.read_bytes()
+        raise InputError(f"{name}: larger than {MAX_BYTES >> 20} MiB; not a benchmark file")
+    reader = BenchmarkUnpickler(path.read_bytes())
     try:
-        return BenchmarkUnpickler(io.BytesIO(data)).load()
+        return reader.load()
     except Refused as exc:
+        where = f"opcode at byte {reader.opcode_at:,}"
         raise InputError(
-            f"{path}: refused: {one_line(exc)} (nothing in the file was run)"
+            f"{name}: refused: {one_line(exc)} ({where}; nothing in the file was run)"
         ) from None
-    except Exception as exc:  # a truncated or malformed stream: pickle raises many kinds
-        raise InputError(f"{path}: not a readable pickle ({one_line(exc)})") from None
+    except Malformed as exc:
+        raise InputError(
+            f"{name}: not a readable pickle ({exc} at byte {reader.opcode_at:,})"
+        ) from None
+    except Exception as exc:  # a stand-in given the wrong arguments: only the kind is shown
+        raise InputError(
+            f"{name}: not a readable pickle ({type(exc).__name__} at byte {reader.opcode_at:,})"
+        ) from None
