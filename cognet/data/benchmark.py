@@ -35,7 +35,7 @@ from cognet.core.schema import (
     write_ddi,
     write_visits,
 )
-from cognet.data.pickle_reader import printable, shown
+from cognet.data.pickle_bounds import printable, shown
 from cognet.data.pickles import Voc, describe, load
 
 VOCABULARIES = ("diag_voc", "pro_voc", "med_voc")  # in the order of a visit's fields
