@@ -232,6 +232,22 @@ def test_tuples_shared_exponentially_are_refused_before_a_hash(tmp_path):
     refused(tmp_path, "voc", body, "elements to walk through shared references")
 
 
+def test_a_shared_argument_counts_once_per_call(tmp_path):
+    """A stand-in checks its arguments: one literal tuple handed to _create_code 2,000 times
+    was checked 2,000 times (time with the square of the file's size)."""
+    literal = b"(" + b"K\x01" * 2000 + b"tq\x010"  # memo 1: a tuple of 2,000 literals
+    calls = b"h\x00h\x01\x85R0" * 2000  # _create_code(tuple), popped
+    body = b"\x80\x04" + op_dill("_create_code") + b"q\x000" + literal + calls + b"N."
+    refused(tmp_path, "voc", body, "calls whose arguments hold more than")
+
+
+def test_opcodes_are_counted(tmp_path, monkeypatch):
+    """Each opcode makes one object at most; past MAX_OPCODES the file is refused (here 1,000
+    MEMOIZEs of one list under a cap of 500)."""
+    monkeypatch.setattr("cognet.data.pickle_bounds.MAX_OPCODES", 500)
+    refused(tmp_path, "records", b"\x80\x04]" + b"\x94" * 1000 + b".", "more than 500 opcodes")
+
+
 # -- 4. time: keys that hash alike -------------------------------------------------------------
 
 

@@ -21,6 +21,11 @@ keeps, by construction:
   no hash can recurse or be crafted to collide;
 - **copies**: bytes that the stand-ins copy (arrays, encoded text) are counted, at most
   twice the file's length;
+- **calls**: the arguments of every REDUCE, BUILD and NEWOBJ together hold no more elements
+  than the budget of one walk, so a stand-in that checks its arguments cannot be made to
+  check one shared tuple a million times;
+- **opcodes**: at most `MAX_OPCODES`; each makes one object, one memo entry or one
+  reference at most, so what the reader holds is bounded whatever the file's length;
 - **the end**: bytes after STOP are refused.
 
 Error lines show a file's values through `printable` and `shown`: escaped and cut.
@@ -33,6 +38,7 @@ import numpy as np
 MAX_DEPTH = 32  # the benchmark files nest 8 deep at most (a dill class's code constants)
 MAX_ELEMENTS = 1 << 25  # 33.5 million; MIMIC-III's records hold 0.63 million
 MAX_LINE = 256  # a text opcode's line (a global's name, a protocol-0 integer)
+MAX_OPCODES = 1 << 25  # each makes one object at most: MIMIC-III's records have 0.76 million
 MAX_INT_BYTES = 8
 KEY_BOUND = 1 << 31
 
@@ -90,6 +96,7 @@ class Bounds:
         self.shapes: dict[int, Shape] = {}  # id of a container -> its shape (holds it alive)
         self.budget = min(file_length, MAX_ELEMENTS)
         self.copy_budget = 2 * file_length
+        self.walks_left = self.budget  # what stand-ins may walk, all their arguments together
 
     def shape(self, obj: object) -> Shape | None:
         return self.shapes.get(id(obj))
@@ -138,6 +145,18 @@ class Bounds:
                 f"a key integer out of range (|key| >= 2^31, {int(key).bit_length()} bits)"
             )
         raise Refused(f"a key that is a {type(key).__name__} (only strings and small integers)")
+
+    def walked(self, *arguments: object) -> None:
+        """Count the arguments a stand-in may walk, each as large as it is through shared
+        references: all calls of a file together walk no more than one file's budget."""
+        for argument in arguments:
+            shape = self.shape(argument)
+            self.walks_left -= shape.size if shape else 1
+        if self.walks_left < 0:
+            raise Refused(
+                f"calls whose arguments hold more than {self.budget:,} elements in all "
+                "(through shared references)"
+            )
 
     def charge(self, made: object) -> None:
         """Count the bytes a stand-in copied (an array, encoded text)."""

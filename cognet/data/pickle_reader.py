@@ -16,6 +16,7 @@ from __future__ import annotations
 import struct
 from collections.abc import Callable
 
+from cognet.data import pickle_bounds
 from cognet.data.pickle_bounds import (
     MAX_INT_BYTES,
     MAX_LINE,
@@ -101,7 +102,7 @@ class BoundedReader(Bounds):
     # -- reading ---------------------------------------------------------------------------------
 
     def load(self) -> object:
-        while True:
+        for _ in range(pickle_bounds.MAX_OPCODES):
             self.opcode_at = self.pos
             code = self.take(1, "an opcode")[0]
             op = OPCODES.get(code)
@@ -113,6 +114,7 @@ class BoundedReader(Bounds):
                     raise Refused(f"{len(self.data) - self.pos:,} bytes after STOP")
                 return value
             op(self)
+        raise Refused(f"more than {pickle_bounds.MAX_OPCODES:,} opcodes")
 
 
 def _stop(r: BoundedReader) -> None:  # handled by load(); the marker of the STOP opcode
@@ -222,6 +224,7 @@ def _reduce(r: BoundedReader) -> None:
     args, function = r.pop(), r.pop()
     if not isinstance(args, tuple):
         raise Refused(f"REDUCE with {type(args).__name__} arguments")
+    r.walked(args)
     _call(r, r.reduce(function, args))
 
 
@@ -229,6 +232,7 @@ def _build(r: BoundedReader) -> None:
     state, target = r.pop(), r.pop()
     r.changing(target)
     r.put_in(target, state)
+    r.walked(state)
     made = r.build(target, state)
     if made is not target:
         shape = r.shape(target)
@@ -240,6 +244,7 @@ def _newobj(r: BoundedReader, kwargs: object) -> None:
     args, cls = r.pop(), r.pop()
     if not isinstance(args, tuple) or not isinstance(kwargs, dict):
         raise Refused("NEWOBJ with arguments that are not a tuple")
+    r.walked(args, kwargs)
     _call(r, r.made(r.new(cls, args, kwargs)))
 
 
