@@ -186,24 +186,36 @@ def test_key_nested_a_million_deep_is_refused_without_a_crash(tmp_path):
     assert "nesting deeper than 32" in in_subprocess(tmp_path, body)
 
 
+def deep_list(depth: int) -> bytes:
+    """[[[...]]] `depth` deep, from the inside out: each level the list of the one before."""
+    return b"]q\x00" + b"(h\x00lq\x00" * depth  # memo 0 holds the deepest so far
+
+
 @pytest.mark.parametrize("where", ["records", "voc"])
 def test_list_nested_deep_as_an_id_is_refused(tmp_path, where):
-    deep = b"]" * 200_000 + b"a" * 199_999  # [[[...]]]
+    """As an id, its repr recursed: RecursionError, exit 1."""
     if where == "records":
-        body = b"\x80\x04]]](" + deep + b"]]eaa."  # patient 0, visit 0: [deep, [], []]
+        body = b"\x80\x04]]](" + deep_list(200_000) + b"]]eaa."  # patient 0, visit 0
     else:
-        body = b"\x80\x04}" + op_str("diag_voc") + deep + b"s."
+        body = b"\x80\x04}" + op_str("diag_voc") + deep_list(200_000) + b"s."
     refused(tmp_path, where, body, "nesting deeper than 32", "byte ")
 
 
 # -- 3. memory a file's length does not bound --------------------------------------------------
 
 
-@pytest.mark.parametrize("opcode", [b"\x96", b"\x8e", b"\x8d"])  # BYTEARRAY8, BINBYTES8, ...8
-def test_claimed_length_is_checked_before_anything_is_allocated(tmp_path, opcode):
-    body = b"\x80\x05" + opcode + struct.pack("<Q", 4 << 30) + b"."  # 12 bytes, 4 GiB claimed
+def test_claimed_length_is_checked_before_anything_is_allocated(tmp_path):
+    """12 bytes claiming a 4 GiB BYTEARRAY8: Python's unpicklers zero-fill it first."""
+    body = b"\x80\x05\x96" + struct.pack("<Q", 4 << 30) + b"."
     line = in_subprocess(tmp_path, body, memory_mib=64)
     assert "claims 4,294,967,296 bytes; 1 are left in the file" in line
+
+
+@pytest.mark.parametrize("opcode", [b"\x8e", b"\x8d", b"B", b"X"])  # BINBYTES8, ..., BINUNICODE
+def test_every_claimed_length_is_checked(tmp_path, opcode):
+    size = "<Q" if opcode in (b"\x8e", b"\x8d") else "<I"
+    body = b"\x80\x04" + opcode + struct.pack(size, 1 << 31) + b"."
+    refused(tmp_path, "records", body, "claims 2,147,483,648 bytes; 1 are left in the file")
 
 
 def test_frame_claim_past_the_end_is_refused(tmp_path):

@@ -83,9 +83,12 @@ def _load_type(name):
 
 def _create_type(metaclass, name, bases, namespace):
     if metaclass is not TYPE or name != "Voc" or bases != (OBJECT,):
+        parents = describe(bases)
+        if isinstance(bases, tuple):
+            parents = ", ".join(map(describe, bases[:3]))
         raise Refused(
             f"dill._dill._create_type: only class Voc(object) is allowed, got "
-            f"{describe(metaclass)} {shown(name)} with bases ({', '.join(map(describe, bases))})"
+            f"{describe(metaclass)} {shown(name)} with bases ({parents})"
         )
     if not isinstance(namespace, dict):
         raise Refused(f"dill._dill._create_type: namespace is a {describe(namespace)}")

@@ -81,7 +81,7 @@ class BoundedReader(Bounds):
             raise Malformed("a text integer that is not one of at most 20 digits")
         return int(digits)
 
-    # -- shapes ----------------------------------------------------------------------------------
+    # -- the stack -------------------------------------------------------------------------------
 
     def pop_mark(self) -> list:
         if not self.marks:

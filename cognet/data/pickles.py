@@ -244,8 +244,12 @@ class BenchmarkUnpickler(BoundedReader):
     def build(self, target: object, state: object) -> object:
         if isinstance(target, Voc):
             if not (isinstance(state, dict) and set(state) <= VOC_STATE_KEYS):
-                keys = sorted(map(shown, state)) if isinstance(state, dict) else describe(state)
-                raise Refused(f"BUILD of a Voc with {keys}: only idx2word and word2idx")
+                if isinstance(state, dict):
+                    other = [shown(key) for key in state if key not in VOC_STATE_KEYS][:3]
+                    what = f"[{', '.join(other)}]"
+                else:
+                    what = describe(state)
+                raise Refused(f"BUILD of a Voc with {what}: only idx2word and word2idx")
             for key, value in state.items():
                 setattr(target, key, value)
             return target
