@@ -39,7 +39,8 @@ setup(
         "gpu": ["onnxruntime-gpu>=1.17"],
         "bench": ["matplotlib>=3.7"],
         "ray": ["ray[data]>=2.40"],  # --engine ray; tested with 2.40.0 and 2.60.0
-        "dev": ["pytest>=7.4", "ruff>=0.4", "matplotlib>=3.7"],
+        # dill: tests write vocabularies as the field's scripts do (cognet never imports it)
+        "dev": ["pytest>=7.4", "ruff>=0.4", "matplotlib>=3.7", "dill>=0.4,<0.5"],
         # `cognet data omop --cdm` from a database: DuckDB in process, PostgreSQL through
         # ADBC's libpq driver (Arrow batches by binary COPY); docs/DESIGN.md "Data sources"
         "db": ["duckdb>=2.0", "adbc-driver-postgresql>=1.0"],

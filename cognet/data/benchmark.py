@@ -18,6 +18,7 @@ vocabularies' words. The papers' split is by patient position: the first two thi
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,10 +35,20 @@ from cognet.core.schema import (
     write_ddi,
     write_visits,
 )
+from cognet.data.pickle_bounds import printable, shown
 from cognet.data.pickles import Voc, describe, load
 
 VOCABULARIES = ("diag_voc", "pro_voc", "med_voc")  # in the order of a visit's fields
 SPLIT_ORDERS = ("test-first", "val-first")
+MAX_ID = 1 << 31
+# ICD-9 and ICD-10 diagnoses and procedures (4019, V5861, E119, 3961, 0210093), with or
+# without a dot: checked by characters and length only
+ICD = re.compile(r"[A-Z0-9][A-Z0-9.]{1,7}")
+ATC_LEVELS = {  # medications: every code of med_voc at the level of its first
+    3: re.compile(r"[A-Z][0-9]{2}[A-Z]"),
+    4: re.compile(r"[A-Z][0-9]{2}[A-Z]{2}"),
+    5: re.compile(r"[A-Z][0-9]{2}[A-Z]{2}[0-9]{2}"),
+}
 
 
 @dataclass(frozen=True)
@@ -95,9 +106,11 @@ def _is_id(value: object) -> bool:
 
 
 def read_vocabularies(path: str | os.PathLike) -> dict[str, dict[int, str]]:
-    """{diag_voc, pro_voc, med_voc: {id: word}} of voc_final.pkl, each checked: integer ids,
-    distinct non-empty words, and `word2idx` (when there) the inverse of `idx2word`."""
+    """{diag_voc, pro_voc, med_voc: {id: word}} of voc_final.pkl, each checked: ids in
+    [0, 2^31), distinct words of the vocabulary's form (`_check_words`), and `word2idx`
+    (when there) the inverse of `idx2word`."""
     content = load(path)
+    path = printable(str(path), 400)
     if not isinstance(content, dict):
         raise InputError(f"{path}: expected a dict of vocabularies, got {describe(content)}")
     words = {}
@@ -107,16 +120,34 @@ def read_vocabularies(path: str | os.PathLike) -> dict[str, dict[int, str]]:
             raise InputError(f"{path}: {name}: missing, or not a Voc with idx2word")
         idx2word = {}
         for index, word in voc.idx2word.items():
-            if not _is_id(index) or not isinstance(word, str) or not word:
-                raise InputError(f"{path}: {name}: entry {index!r}: {word!r} is not id -> word")
+            if not (_is_id(index) and 0 <= index < MAX_ID) or not isinstance(word, str):
+                raise InputError(
+                    f"{path}: {name}: entry {shown(index)}: {shown(word)} is not id -> word"
+                )
             idx2word[int(index)] = word
-        if len(set(idx2word.values())) != len(idx2word):
-            raise InputError(f"{path}: {name}: a word appears under two ids")
+        _check_words(idx2word, f"{path}: {name}", name == "med_voc")
         inverse = {word: index for index, word in idx2word.items()}
-        if voc.word2idx is not None and voc.word2idx != inverse:
+        if voc.word2idx is not None and (
+            not isinstance(voc.word2idx, dict) or voc.word2idx != inverse
+        ):
             raise InputError(f"{path}: {name}: word2idx is not the inverse of idx2word")
         words[name] = idx2word
     return words
+
+
+def _check_words(idx2word: dict[int, str], where: str, medications: bool) -> None:
+    """Codes by form: medications ATC codes all of one level (that of the lowest id's),
+    diagnoses and procedures ICD codes by characters and length; no word twice."""
+    form, kind = ICD, "an ICD code (2 to 8 capitals, digits or dots)"
+    if medications and idx2word:
+        first = idx2word[min(idx2word)]
+        level = next((n for n, atc in ATC_LEVELS.items() if atc.fullmatch(first)), 3)
+        form, kind = ATC_LEVELS[level], f"an ATC code of level {level}, as the file's first"
+    for index, word in idx2word.items():
+        if not form.fullmatch(word):
+            raise InputError(f"{where}: id {index}: {shown(word)} is not {kind}")
+    if len(set(idx2word.values())) != len(idx2word):
+        raise InputError(f"{where}: a word appears under two ids")
 
 
 def read_ddi_matrix(path: str | os.PathLike, meds: dict[int, str]) -> tuple[list, list[str]]:
@@ -125,6 +156,7 @@ def read_ddi_matrix(path: str | os.PathLike, meds: dict[int, str]) -> tuple[list
     The matrix is n x n over med_voc's ids 0..n-1, of 0s and 1s. An asymmetric entry counts
     as an interaction (the pair is unordered), a diagonal one is dropped; both are warned."""
     matrix = load(path)
+    path = printable(str(path), 400)
     n = len(meds)
     if not isinstance(matrix, np.ndarray) or matrix.shape != (n, n):
         shape = matrix.shape if isinstance(matrix, np.ndarray) else describe(matrix)
@@ -165,11 +197,16 @@ def _codes(ids: object, words: dict[int, str], vocabulary: str, where: str) -> l
     codes = []
     for k, index in enumerate(ids):
         if not _is_id(index):
-            raise InputError(f"{where}, item {k}: {describe(index)} {index!r:.40} is not an id")
-        word = words.get(int(index))
+            raise InputError(f"{where}, item {k}: {describe(index)} {shown(index)} is not an id")
+        word = words.get(int(index)) if -MAX_ID < index < MAX_ID else None
         if word is None:
-            raise InputError(f"{where}, item {k}: id {index} is not in {vocabulary}")
+            raise InputError(f"{where}, item {k}: id {shown(index)} is not in {vocabulary}")
         codes.append(word)
+    seen: set[str] = set()
+    for k, code in enumerate(codes):  # the field's files have none: see benchmark-files.md
+        if code in seen:
+            raise InputError(f"{where}, item {k}: id {int(ids[k])} appears twice in the visit")
+        seen.add(code)
     return codes
 
 
@@ -178,6 +215,7 @@ def read_records(
 ) -> pa.Table:
     """The visits of records_final.pkl in the contract's columns (VISITS_SCHEMA)."""
     patients = load(path)
+    path = printable(str(path), 400)
     if not isinstance(patients, (list, tuple)) or not patients:
         raise InputError(f"{path}: expected a non-empty list of patients, got {describe(patients)}")
     splits = split_names(len(patients), split_order)

@@ -8,8 +8,9 @@ run code: `_create_code` and `_create_function` build any bytecode, `_import_mod
 these files use maps to a stand-in of our own that checks its arguments:
 
 - dill's class machinery (`_create_type`, `_load_type`, `_create_code`, `_create_function`,
-  `__main__`) builds inert placeholders: a `Voc` class placeholder whose instances are our
-  `Voc` (two dicts), functions and code objects that are never called;
+  `__main__`, and dill 0.4's BUILD on a function and `setattr` of the class's name; see
+  `cognet.data.pickle_dill`) builds inert placeholders: a `Voc` class placeholder whose
+  instances are our `Voc` (two dicts), functions and code objects that are never called;
 - dill's array path (`_import_module`, `_get_attr`, `_create_array`) reaches only numpy's
   `_reconstruct`, itself a stand-in; numpy arrays, dtypes (bool, int, uint and float only)
   and scalars are rebuilt by our code from their raw bytes (`np.frombuffer`, copied).
@@ -17,25 +18,34 @@ these files use maps to a stand-in of our own that checks its arguments:
 Every other global, every other use of these names (a REDUCE of a placeholder, a BUILD on
 anything but a Voc, a dtype or an array, NEWOBJ of anything but the Voc placeholder, OBJ,
 INST, persistent ids, extension codes) is refused with `InputError` naming it, before it can
-run. The pure-Python `pickle._Unpickler` is the base: unlike the C one, its opcodes can be
-replaced one by one (`dispatch`), so REDUCE, BUILD and NEWOBJ never reach a method of ours
-that we did not choose.
+run. The stream is parsed by `cognet.data.pickle_reader`, our own reader, which also bounds
+what a file can build (`cognet.data.pickle_bounds`: lengths, depth, elements through shared
+references, keys, the end); REDUCE, BUILD and NEWOBJ reach only the methods of
+`BenchmarkUnpickler` below.
 """
 
 from __future__ import annotations
 
-import io
 import math
 import os
-import pickle
-from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 
 from cognet.core.errors import InputError, one_line
+from cognet.data.pickle_bounds import Malformed, Refused, printable, shown
+from cognet.data.pickle_dill import (
+    CLASS_MACHINERY,
+    MAIN,
+    SETATTR,
+    Placeholder,
+    Reconstructor,
+    build_function,
+    describe,
+)
+from cognet.data.pickle_reader import BoundedReader
 
-MAX_BYTES = 1 << 30  # the MIMIC-III records are 1.5 MB; a pickle builds at most its own size
+MAX_BYTES = 1 << 30  # the MIMIC-III records are 1.5 MB; pickle_bounds bounds what a file builds
 MAX_DIMS = 32
 
 DILL_MODULES = ("dill._dill", "dill.dill")  # dill >= 0.3, and older
@@ -48,30 +58,10 @@ NUMPY_ARRAY_MODULES = (
 NUMERIC_DTYPES = frozenset(
     ["b1", "f2", "f4", "f8"] + [f"{k}{n}" for k in "iu" for n in (1, 2, 4, 8)]
 )
-VOC_CLASS_KEYS = frozenset(
-    ["__module__", "__qualname__", "__doc__", "__slotnames__", "__init__", "add_sentence"]
-)
 VOC_STATE_KEYS = frozenset(["idx2word", "word2idx"])
 
 
-class Refused(Exception):
-    """A pickle asked for something these files never need; `load` adds the file's name."""
-
-
 # -- what the pickles build -------------------------------------------------------------------
-
-
-class Placeholder:
-    """An inert stand-in (a class, function, code object, module or namespace of the pickle):
-    it has no behaviour, and the unpickler refuses to call it or set anything on it."""
-
-    __slots__ = ("what",)
-
-    def __init__(self, what: str):
-        self.what = what
-
-    def __repr__(self) -> str:
-        return f"<placeholder {self.what}>"
 
 
 class Voc:
@@ -102,91 +92,7 @@ class _ArrayBuilder:
         self.array = None
 
 
-class _Reconstructor:
-    """A callable stand-in for one allowed global: the only thing REDUCE may call."""
-
-    __slots__ = ("name", "function")
-
-    def __init__(self, name: str, function: Callable):
-        self.name, self.function = name, function
-
-    def __call__(self, *args):
-        return self.function(*args)
-
-
-def describe(obj: object) -> str:
-    """How a refusal names an object of the pickle."""
-    if isinstance(obj, Placeholder):
-        return obj.what
-    if isinstance(obj, _Reconstructor):
-        return obj.name
-    return type(obj).__name__
-
-
-TYPE, OBJECT = Placeholder("builtins.type"), Placeholder("builtins.object")
 NDARRAY = Placeholder("numpy.ndarray")
-MAIN = Placeholder("the __main__ namespace")
-CODE = Placeholder("a code object")
-
-
-# -- dill's class machinery -------------------------------------------------------------------
-
-
-def _load_type(name):
-    if name == "type":
-        return TYPE
-    if name == "object":
-        return OBJECT
-    raise Refused(f"dill._dill._load_type({name!r}): only 'type' and 'object' are allowed")
-
-
-def _create_type(metaclass, name, bases, namespace):
-    if metaclass is not TYPE or name != "Voc" or bases != (OBJECT,):
-        raise Refused(
-            f"dill._dill._create_type: only class Voc(object) is allowed, got "
-            f"{describe(metaclass)} {name!r} with bases ({', '.join(map(describe, bases))})"
-        )
-    if not isinstance(namespace, dict):
-        raise Refused(f"dill._dill._create_type: namespace is a {describe(namespace)}")
-    for key, value in namespace.items():
-        if key not in VOC_CLASS_KEYS:
-            raise Refused(f"dill._dill._create_type: class attribute {key!r} is not allowed")
-        if key in ("__init__", "add_sentence") and not isinstance(value, Placeholder):
-            raise Refused(f"dill._dill._create_type: {key} is a {describe(value)}")
-    return Placeholder("class Voc")
-
-
-def _plain_constant(value, depth: int = 0) -> bool:
-    """Whether a code object's argument holds only literals (and nested code placeholders)."""
-    if value is None or value is CODE or isinstance(value, (int, float, complex, str, bytes)):
-        return True
-    if isinstance(value, (tuple, frozenset)) and depth < 16:
-        return all(_plain_constant(item, depth + 1) for item in value)
-    return False
-
-
-def _create_code(*args):
-    if len(args) > 24 or not all(_plain_constant(arg) for arg in args):
-        bad = next((describe(a) for a in args if not _plain_constant(a)), f"{len(args)} args")
-        raise Refused(f"dill._dill._create_code: argument {bad} is not a literal")
-    return CODE
-
-
-def _create_function(code, namespace, name=None, defaults=None, closure=None, *rest):
-    """dill's function: (code, globals, name, defaults, closure[, __dict__[, kwdefaults]])."""
-    if code is not CODE or not (namespace is MAIN or isinstance(namespace, dict)):
-        raise Refused(
-            f"dill._dill._create_function: needs a code placeholder and the __main__ "
-            f"namespace, got {describe(code)} and {describe(namespace)}"
-        )
-    if closure is not None or not isinstance(name, str) or len(rest) > 2:
-        raise Refused(f"dill._dill._create_function {name!r}: closures are not allowed")
-    extras = [*(defaults or ())]
-    extras += [v for d in rest if isinstance(d, dict) for v in d.values()]
-    plain = all(d is None or isinstance(d, dict) for d in rest)
-    if not plain or not all(_plain_constant(v) for v in extras):
-        raise Refused(f"dill._dill._create_function {name!r}: defaults are not literals")
-    return Placeholder(f"function {name} (a placeholder, never called)")
 
 
 # -- numpy, directly or through dill's array path ---------------------------------------------
@@ -195,7 +101,9 @@ def _create_function(code, namespace, name=None, defaults=None, closure=None, *r
 def _import_module(name, *_safe):
     if name in NUMPY_ARRAY_MODULES:
         return Placeholder(f"module {name}")
-    raise Refused(f"dill._dill._import_module({name!r}): only numpy's array modules are allowed")
+    raise Refused(
+        f"dill._dill._import_module({shown(name)}): only numpy's array modules are allowed"
+    )
 
 
 def _get_attr(module, name):
@@ -205,13 +113,13 @@ def _get_attr(module, name):
         and (name == "_reconstruct")
     ):
         return RECONSTRUCT
-    raise Refused(f"dill._dill._get_attr({describe(module)}, {name!r}): only _reconstruct")
+    raise Refused(f"dill._dill._get_attr({describe(module)}, {shown(name)}): only _reconstruct")
 
 
 def _reconstruct(subtype, shape, typecode):
     if subtype is not NDARRAY or shape != (0,) or typecode != b"b":
         raise Refused(
-            f"numpy _reconstruct({describe(subtype)}, {shape!r}, {typecode!r}): only an "
+            f"numpy _reconstruct({describe(subtype)}, {shown(shape)}, {shown(typecode)}): only an "
             "empty numpy.ndarray"
         )
     return _ArrayBuilder()
@@ -232,7 +140,9 @@ def _create_array(function, args, state, npdict=None):
 
 def _dtype(name, align=False, copy=False):
     if name not in NUMERIC_DTYPES or align is not False or not isinstance(copy, bool):
-        raise Refused(f"numpy.dtype({name!r}): only bool, integer and float dtypes are allowed")
+        raise Refused(
+            f"numpy.dtype({shown(name)}): only bool, integer and float dtypes are allowed"
+        )
     return _Dtype(np.dtype(name))
 
 
@@ -250,7 +160,7 @@ def _build_dtype(dtype: _Dtype, state) -> None:
         and (len(state) == 8 or state[8] is None)
     )
     if not plain or dtype.built:
-        raise Refused(f"numpy.dtype state {state!r:.80}: not a plain numeric dtype's")
+        raise Refused(f"numpy.dtype state {shown(state)}: not a plain numeric dtype's")
     if state[1] in "<>" and dtype.dtype.itemsize > 1:
         dtype.dtype = dtype.dtype.newbyteorder(state[1])
     dtype.built = True
@@ -265,7 +175,7 @@ def _build_array(builder: _ArrayBuilder, state) -> None:
     shape, dtype, fortran, raw = state
     good_shape = isinstance(shape, tuple) and len(shape) <= MAX_DIMS
     if not good_shape or not all(type(n) is int and n >= 0 for n in shape):
-        raise Refused(f"numpy array shape {shape!r:.80}: not a shape")
+        raise Refused(f"numpy array shape {shown(shape)}: not a shape")
     if not isinstance(dtype, _Dtype) or not isinstance(raw, (bytes, bytearray)):
         raise Refused(
             f"numpy array of {describe(dtype)} from {describe(raw)}: only numeric dtypes "
@@ -288,31 +198,25 @@ def _scalar(dtype, raw):
 def _encode(text, encoding="utf-8"):
     """`_codecs.encode`: how protocol 2 writes bytes (a numpy scalar's, an array's)."""
     if not isinstance(text, str) or encoding != "latin1":
-        raise Refused(f"_codecs.encode(..., {encoding!r}): only latin1 text to bytes")
+        raise Refused(f"_codecs.encode(..., {shown(encoding)}): only latin1 text to bytes")
     return text.encode("latin1")
 
 
-RECONSTRUCT = _Reconstructor("numpy _reconstruct", _reconstruct)
-SCALAR = _Reconstructor("numpy scalar", _scalar)
+RECONSTRUCT = Reconstructor("numpy _reconstruct", _reconstruct)
+SCALAR = Reconstructor("numpy scalar", _scalar)
 DILL = {
-    f.__name__: _Reconstructor(f"dill._dill.{f.__name__}", f)
-    for f in (
-        _load_type,
-        _create_type,
-        _create_code,
-        _create_function,
-        _import_module,
-        _get_attr,
-        _create_array,
-    )
+    f.__name__: Reconstructor(f"dill._dill.{f.__name__}", f)
+    for f in (_import_module, _get_attr, _create_array)
 }
+DILL.update(CLASS_MACHINERY)
 GLOBALS = {
     ("numpy", "ndarray"): NDARRAY,
-    ("numpy", "dtype"): _Reconstructor("numpy.dtype", _dtype),
+    ("numpy", "dtype"): Reconstructor("numpy.dtype", _dtype),
     ("__builtin__", "__main__"): MAIN,  # how dill names a function's globals: __main__'s
     ("builtins", "__main__"): MAIN,
     ("__main__", "Voc"): Placeholder("class Voc"),  # a Voc pickled by reference
-    ("_codecs", "encode"): _Reconstructor("_codecs.encode", _encode),
+    ("_codecs", "encode"): Reconstructor("_codecs.encode", _encode),
+    ("builtins", "setattr"): SETATTR,
 }
 GLOBALS.update({(m, name): f for m in DILL_MODULES for name, f in DILL.items()})
 GLOBALS.update({(m, "_reconstruct"): RECONSTRUCT for m in NUMPY_ARRAY_MODULES})
@@ -322,94 +226,75 @@ GLOBALS.update({(m, "scalar"): SCALAR for m in NUMPY_ARRAY_MODULES})
 # -- the unpickler ----------------------------------------------------------------------------
 
 
-def _refuse(what: str) -> Callable:
-    def refuse(self) -> None:
-        raise Refused(f"{what} is not allowed")
+class BenchmarkUnpickler(BoundedReader):
+    """The bounded reader (`cognet.data.pickle_reader`) with the globals and calls above."""
 
-    return refuse
-
-
-class BenchmarkUnpickler(pickle._Unpickler):
-    """pickle's (pure-Python) unpickler with every global and every call replaced by ours."""
-
-    dispatch = dict(pickle._Unpickler.dispatch)
-
-    def find_class(self, module: str, name: str):
+    def find_class(self, module: str, name: str) -> object:
         found = GLOBALS.get((module, name))
         if found is None:
-            raise Refused(f"global {module}.{name} is not one of the names these files use")
+            what = printable(f"{module}.{name}")
+            raise Refused(f"global {what} is not one of the names these files use")
         return found
 
-    def persistent_load(self, pid):
-        raise Refused("a persistent id is not allowed")
-
-    def load_reduce(self) -> None:
-        stack = self.stack
-        args, function = stack.pop(), stack[-1]
-        if not isinstance(function, _Reconstructor):
+    def reduce(self, function: object, args: tuple) -> object:
+        if not isinstance(function, Reconstructor):
             raise Refused(f"REDUCE would call {describe(function)}")
-        if not isinstance(args, tuple):
-            raise Refused(f"REDUCE of {function.name} with {describe(args)} arguments")
-        stack[-1] = function(*args)
+        return function(*args)
 
-    def load_build(self) -> None:
-        stack = self.stack
-        state, target = stack.pop(), stack[-1]
+    def build(self, target: object, state: object) -> object:
         if isinstance(target, Voc):
             if not (isinstance(state, dict) and set(state) <= VOC_STATE_KEYS):
-                keys = sorted(map(str, state)) if isinstance(state, dict) else describe(state)
-                raise Refused(f"BUILD of a Voc with {keys}: only idx2word and word2idx")
+                if isinstance(state, dict):
+                    other = [shown(key) for key in state if key not in VOC_STATE_KEYS][:3]
+                    what = f"[{', '.join(other)}]"
+                else:
+                    what = describe(state)
+                raise Refused(f"BUILD of a Voc with {what}: only idx2word and word2idx")
             for key, value in state.items():
                 setattr(target, key, value)
-        elif isinstance(target, _Dtype):
+            return target
+        if isinstance(target, _Dtype):
             _build_dtype(target, state)
-        elif isinstance(target, _ArrayBuilder):
+            return target
+        if isinstance(target, _ArrayBuilder):
             _build_array(target, state)
-            stack[-1] = target.array
-        else:
-            raise Refused(f"BUILD on {describe(target)}")
+            return target.array
+        if isinstance(target, Placeholder) and target.what.startswith("function "):
+            build_function(target, state)
+            return target
+        raise Refused(f"BUILD on {describe(target)}")
 
-    def load_newobj(self) -> None:
-        args, cls = self.stack.pop(), self.stack.pop()
-        self.append(_new(cls, args, {}))
-
-    def load_newobj_ex(self) -> None:
-        kwargs, args, cls = self.stack.pop(), self.stack.pop(), self.stack.pop()
-        self.append(_new(cls, args, kwargs))
-
-    dispatch[pickle.REDUCE[0]] = load_reduce
-    dispatch[pickle.BUILD[0]] = load_build
-    dispatch[pickle.NEWOBJ[0]] = load_newobj
-    dispatch[pickle.NEWOBJ_EX[0]] = load_newobj_ex
-    dispatch[pickle.OBJ[0]] = _refuse("OBJ (a class call)")
-    dispatch[pickle.INST[0]] = _refuse("INST (a class call)")
-    for _ext in (pickle.EXT1, pickle.EXT2, pickle.EXT4):
-        dispatch[_ext[0]] = _refuse("an extension code")
-    del _ext
-
-
-def _new(cls, args, kwargs) -> Voc:
-    if not (isinstance(cls, Placeholder) and cls.what == "class Voc") or args or kwargs:
-        raise Refused(f"NEWOBJ of {describe(cls)}: only a Voc, with no arguments")
-    return Voc()
+    def new(self, cls: object, args: tuple, kwargs: dict) -> Voc:
+        if not (isinstance(cls, Placeholder) and cls.what == "class Voc") or args or kwargs:
+            raise Refused(f"NEWOBJ of {describe(cls)}: only a Voc, with no arguments")
+        return Voc()
 
 
 def load(path: str | os.PathLike) -> object:
     """The object a benchmark pickle describes, built only by the stand-ins above.
 
     Raises `InputError` (`PATH: refused: ...` or `PATH: not a readable pickle (...)`) for a
-    missing, oversized, malformed or refused file; nothing in the file runs either way."""
+    missing, oversized, malformed or refused file; nothing in the file runs either way, and
+    the message never holds the file's bytes."""
     path = Path(path)
+    name = printable(str(path), 400)
     if not path.is_file():
-        raise InputError(f"{path}: file not found")
+        raise InputError(f"{name}: file not found")
     if path.stat().st_size > MAX_BYTES:
-        raise InputError(f"{path}: larger than {MAX_BYTES >> 20} MiB; not a benchmark file")
-    data = path.read_bytes()
+        raise InputError(f"{name}: larger than {MAX_BYTES >> 20} MiB; not a benchmark file")
+    reader = BenchmarkUnpickler(path.read_bytes())
     try:
-        return BenchmarkUnpickler(io.BytesIO(data)).load()
+        return reader.load()
     except Refused as exc:
+        where = f"opcode at byte {reader.opcode_at:,}"
         raise InputError(
-            f"{path}: refused: {one_line(exc)} (nothing in the file was run)"
+            f"{name}: refused: {one_line(exc)} ({where}; nothing in the file was run)"
         ) from None
-    except Exception as exc:  # a truncated or malformed stream: pickle raises many kinds
-        raise InputError(f"{path}: not a readable pickle ({one_line(exc)})") from None
+    except Malformed as exc:
+        raise InputError(
+            f"{name}: not a readable pickle ({exc} at byte {reader.opcode_at:,})"
+        ) from None
+    except Exception as exc:  # a stand-in given the wrong arguments: only the kind is shown
+        raise InputError(
+            f"{name}: not a readable pickle ({type(exc).__name__} at byte {reader.opcode_at:,})"
+        ) from None
