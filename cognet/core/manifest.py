@@ -8,9 +8,12 @@ API (stable; the runtime codes against it):
 - `load_manifest(model_dir, verify=True) -> Manifest`: read `model_dir/manifest.json`.
   Raises `cognet.core.errors.InputError` (one line naming the file) when the directory or the
   manifest is missing or malformed, when `format_version` is not `FORMAT_VERSION` (an
-  ensemble's: `ENSEMBLE_FORMAT_VERSION`), or - with `verify` - when a graph file (of the
-  main graphs and of every variant) is missing or its sha256 differs from the manifest's.
-- `write_manifest(model_dir, manifest) -> Path`: write `manifest.json` atomically.
+  ensemble's: `ENSEMBLE_FORMAT_VERSION`), when a field is not of the type and range of
+  `cognet.core.schemas.MANIFEST` (one line naming the field), or - with `verify` - when a
+  graph file (of the main graphs and of every variant) is missing or its sha256 differs from
+  the manifest's.
+- `write_manifest(model_dir, manifest) -> Path`: check against the schema, then write
+  `manifest.json` atomically.
 - `file_sha256(path) -> str`: the hex sha256 of a file, as stored in the manifest.
 - `Manifest` (frozen dataclass) and its parts `Dims`, `Special`, `TensorSpec`, `GraphSpec`:
     - `manifest.graph_spec(name, variant=None, member=0) -> GraphSpec` and
@@ -51,8 +54,8 @@ from typing import Any
 from cognet.core import numbers as strict_json
 from cognet.core.ddi import DDITarget
 from cognet.core.decoding import Decoding
-from cognet.core.decoding.ensemble import MAX_MEMBERS
 from cognet.core.errors import InputError, one_line
+from cognet.core.fields import checked
 from cognet.core.files import confined, write_text
 from cognet.core.graphspec import ENCODER_PARTS
 from cognet.core.manifest_graphs import (  # noqa: F401 - DTYPES and TensorSpec: part of this API
@@ -63,16 +66,21 @@ from cognet.core.manifest_graphs import (  # noqa: F401 - DTYPES and TensorSpec:
     specs_from_json,
     specs_json,
 )
+from cognet.core.schemas import (  # noqa: F401 - LIMIT, MAX_BEAM, MAX_STEPS: part of this API
+    GRAPHS,
+    LIMIT,
+    MANIFEST,
+    MAX_BEAM,
+    MAX_STEPS,
+    VARIANTS,
+)
 from cognet.core.vocab import Vocab
 
 FORMAT_VERSION = 1
 ENSEMBLE_FORMAT_VERSION = 2  # older runtimes refuse it rather than serve member 0 alone
 MANIFEST_FILE = "manifest.json"
-LIMIT = 10_000_000  # above any size, id or opset a model has
-MAX_BEAM = 64
-MAX_STEPS = 1000  # max_len
-GRAPHS = ("encoder", "decoder_init", "decoder_step")
-VARIANTS = ("fp16", "int8")  # the variants cognet-export writes (--fp16, --int8)
+# what a manifest that does not fit its schema (`cognet.core.schemas.MANIFEST`) needs
+REEXPORT = " (malformed manifest: re-export the model with cognet-export)"
 
 
 @dataclass(frozen=True)
@@ -252,7 +260,7 @@ def load_manifest(model_dir: str | Path, verify: bool = True) -> Manifest:
         raise InputError(f"{path}: not a cognet model directory (missing {MANIFEST_FILE})")
     try:
         obj = strict_json.loads(path.read_text())  # NaN and Infinity are refused
-    except (OSError, UnicodeDecodeError, ValueError) as exc:
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise InputError(f"{path}: unreadable manifest ({one_line(exc)})") from None
     found = obj.get("format_version") if isinstance(obj, dict) else None
     ensemble = isinstance(obj, dict) and "members" in obj
@@ -263,6 +271,7 @@ def load_manifest(model_dir: str | Path, verify: bool = True) -> Manifest:
             f"{path}: unsupported model format version {found!r} (expected {what}); "
             "re-export the model with cognet-export"
         )
+    checked(obj, MANIFEST, path, REEXPORT)  # every field's type and range, before any is read
     try:
         manifest = Manifest.from_json(obj, model_dir)
     except (KeyError, TypeError, ValueError) as exc:
@@ -275,24 +284,19 @@ def load_manifest(model_dir: str | Path, verify: bool = True) -> Manifest:
 
 def check_manifest(manifest: Manifest) -> None:
     """InputError naming manifest.json and the field, before any graph is opened, unless
-    every field has its type and range and they agree with each other: dims (positive
-    integers, heads x head_dim = dim, out_size = n_med + 1), special ids, the vocabulary's
-    sizes, max_len, beam, the default decoding (`Decoding`'s ranges), every file a plain
-    name inside the model directory (`cognet.core.files.confined`) with a sha256, every
-    tensor axis a name or a size. The exporter runs it before writing, so it never writes a
-    model that the runtime refuses."""
+    every field has the type and range of its schema (`cognet.core.schemas.MANIFEST`) and
+    they agree with each other: heads x head_dim = dim, out_size = n_med + 1, the special
+    ids, the vocabulary's sizes, the members and their graphs, the default decoding and DDI
+    target (`Decoding`'s and `DDITarget`'s ranges), every file a plain name inside the
+    model directory (`cognet.core.files.confined`). The exporter runs it before writing, so
+    it never writes a model that the runtime refuses."""
     file = manifest._file()
     folder = Path(manifest.model_dir or ".")
+    checked(manifest.to_json(), MANIFEST, file, REEXPORT)
 
     def bad(field_name: str, why: str) -> InputError:
         return InputError(f"{file}: field {field_name!r}: {why}")
 
-    sizes = [("opset", manifest.opset), ("max_len", manifest.max_len), ("beam", manifest.beam)]
-    sizes += [("dims." + k, v) for k, v in vars(manifest.dims).items()]
-    sizes += [("special." + k, v) for k, v in vars(manifest.special).items()]
-    for name, value in sizes:
-        if not isinstance(value, int) or isinstance(value, bool) or not 0 < value <= LIMIT:
-            raise bad(name, f"{value!r} is not an integer in [1, {LIMIT}]")
     d, s = manifest.dims, manifest.special
     if d.heads * d.head_dim != d.dim:
         raise bad("dims.head_dim", f"heads {d.heads} x head_dim {d.head_dim} != dim {d.dim}")
@@ -310,10 +314,6 @@ def check_manifest(manifest: Manifest) -> None:
     for key, size in (("n_diag", vocab.n_diag), ("n_proc", vocab.n_proc), ("n_med", vocab.n_med)):
         if getattr(d, key) != size:
             raise bad(f"dims.{key}", f"{getattr(d, key)}, but the vocabulary has {size} codes")
-    if manifest.beam > MAX_BEAM:
-        raise bad("beam", f"{manifest.beam} is above {MAX_BEAM}")
-    if manifest.max_len > MAX_STEPS:
-        raise bad("max_len", f"{manifest.max_len} is above {MAX_STEPS}")
     _check_members(manifest, bad)
     manifest.default_decoding()  # an InputError naming the decoding field
     manifest.default_target()  # and the ddi_target field
@@ -324,42 +324,22 @@ def check_manifest(manifest: Manifest) -> None:
         groups += [(f"member_graphs.{i}.variants.{v}", gs) for v, gs in member.variants.items()]
     for group, specs in groups:
         for name, spec in specs.items():
-            where = f"{file}: field '{group}.{name}.file'"
-            if not spec.file.endswith(".onnx"):
-                raise InputError(f"{where}: {spec.file!r} is not an ONNX graph (NAME.onnx)")
-            confined(folder, spec.file, where)
-            if not isinstance(spec.sha256, str) or len(spec.sha256) != 64:
-                raise bad(f"{group}.{name}.sha256", "not a sha256")
-            for t in (*spec.inputs, *spec.outputs):
-                if not all(_axis(a) for a in t.shape):
-                    raise bad(f"{group}.{name}.{t.name}", f"shape {list(t.shape)}")
+            confined(folder, spec.file, f"{file}: field '{group}.{name}.file'")
     if manifest.tensorrt is not None:
-        trt = manifest.tensorrt
-        if not isinstance(trt, dict) or not isinstance(trt.get("profiles"), dict):
-            raise bad("tensorrt", "not an engine entry")
-        confined(folder, trt.get("cache_dir"), f"{file}: field 'tensorrt.cache_dir'")
+        cache = manifest.tensorrt["cache_dir"]
+        confined(folder, cache, f"{file}: field 'tensorrt.cache_dir'")
 
 
 def _check_members(manifest: Manifest, bad) -> None:
-    """`members` an integer in [1, MAX_MEMBERS], with the graphs of every member but the
-    first in `member_graphs`, each with member 0's variants."""
-    count = manifest.members
-    if not isinstance(count, int) or isinstance(count, bool) or not 1 <= count <= MAX_MEMBERS:
-        raise bad("members", f"{count!r} is not an integer in [1, {MAX_MEMBERS}]")
-    n = len(manifest.member_graphs)
+    """The graphs of every member but the first in `member_graphs`, each with member 0's
+    variants."""
+    count, n = manifest.members, len(manifest.member_graphs)
     if n != count - 1:
         raise bad("member_graphs", f"{n} entries, but {count} members need {count - 1}")
     for i, member in enumerate(manifest.member_graphs, 1):
         have, want = sorted(member.variants), sorted(manifest.variants)
         if have != want:
             raise bad(f"member_graphs.{i}.variants", f"{have}, but member 0 has {want}")
-
-
-def _axis(a: object) -> bool:
-    """A tensor axis: a symbolic name or a fixed size."""
-    return (isinstance(a, str) and bool(a)) or (
-        isinstance(a, int) and not isinstance(a, bool) and 0 <= a <= LIMIT
-    )
 
 
 def verify_graphs(manifest: Manifest) -> None:
@@ -382,6 +362,10 @@ def verify_graphs(manifest: Manifest) -> None:
 
 
 def write_manifest(model_dir: str | Path, manifest: Manifest) -> Path:
-    """Write `model_dir/manifest.json` atomically; returns its path."""
-    text = strict_json.dumps(manifest.to_json(), indent=1) + "\n"
+    """Write `model_dir/manifest.json` atomically; returns its path. What it writes is
+    checked against the schema first (`cognet.core.schemas.MANIFEST`): an InputError, and
+    nothing written, where the runtime would refuse a field."""
+    obj = manifest.to_json()
+    checked(obj, MANIFEST, Path(model_dir) / MANIFEST_FILE, REEXPORT)
+    text = strict_json.dumps(obj, indent=1) + "\n"
     return write_text(Path(model_dir) / MANIFEST_FILE, text)

@@ -10,7 +10,6 @@ under `members.<i>.`, and the members share the configuration, vocabulary and gr
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 from contextlib import ExitStack
 from pathlib import Path
@@ -19,10 +18,11 @@ import numpy as np
 from safetensors.torch import save_file
 
 from cognet.core import numbers as strict_json
-from cognet.core.ddi import DDITarget
 from cognet.core.decoding.ensemble import MAX_MEMBERS
 from cognet.core.errors import InputError, one_line, writing
+from cognet.core.fields import FieldError, show
 from cognet.core.files import atomic_path
+from cognet.core.schemas import MEMBERS
 from cognet.core.vocab import Vocab
 from cognet.model import checkpoint_checks as checks
 from cognet.model.ensemble import Ensemble
@@ -102,14 +102,9 @@ def load(path: str | Path, device: str = "cpu") -> tuple[COGNet | Ensemble, Voca
             f"{path / 'config.json'}: unsupported checkpoint format version "
             f"{config.get('format_version')!r} (expected {FORMAT_VERSION})"
         )
+    count = members(path, config)  # its own line, before the other fields
+    checks.check_config(path, config)  # every field, before any is used
     checks.check_hashes(path, config)
-    fields = {f.name: str(f.type) for f in dataclasses.fields(ModelConfig)}
-    checks.check_config(path, config, fields)
-    try:  # the stored DDI target, read again where it is used (`cognet.evaluation.evaluate`)
-        DDITarget.from_json(config.get("ddi_target"))
-    except (KeyError, TypeError, ValueError) as exc:
-        detail = one_line(exc)
-        raise InputError(f"{path / 'config.json'}: malformed ddi_target ({detail})") from None
     vocab = checks.read_vocab(path)
     try:
         cfg = ModelConfig.from_json(config["model"])
@@ -119,7 +114,6 @@ def load(path: str | Path, device: str = "cpu") -> tuple[COGNet | Ensemble, Voca
     checks.check_sizes(path, vocab, cfg)
     checks.check_capacity(path, cfg)
     ehr, ddi = checks.read_graphs(path, cfg.n_med)
-    count = members(path, config)
     nets = [COGNet(cfg, ehr, ddi) for _ in range(count)]
     model = nets[0] if count == 1 else Ensemble(nets)
     weights = checks.read_weights(path)
@@ -131,11 +125,13 @@ def load(path: str | Path, device: str = "cpu") -> tuple[COGNet | Ensemble, Voca
 def members(path: Path, config: dict) -> int:
     """The number of networks a checkpoint's config.json declares (1 when it names none)."""
     count = config.get("members", 1)
-    if not isinstance(count, int) or isinstance(count, bool) or not 1 <= count <= MAX_MEMBERS:
+    try:
+        MEMBERS.check(count, "members")
+    except FieldError:
         raise InputError(
             f"{path / 'config.json'}: members must be an integer in [1, {MAX_MEMBERS}], "
-            f"not {count!r}"
-        )
+            f"not {show(count)}"
+        ) from None
     return count
 
 

@@ -10,9 +10,10 @@ instead of a raw exception or, worse, a model that silently answers differently.
   checkpoint saved before the hashes skips this check.
 - The vocabulary's sizes match the model's (`check_sizes`) and every weight has the shape the
   model needs (`check_weights`): a vocabulary cut by a few codes would shift every id.
-- Every field of config.json has its type and range (`check_config`: the model's sizes,
-  dropouts, the default decoding, the DDI pairs) and the model's sizes fit the weights file
-  before the model is built (`check_capacity`: `dim: 1e7` is refused, not allocated).
+- Every field of config.json and vocab.json has the type and range of its schema
+  (`cognet.core.schemas`: `CONFIG`, `VOCAB`; `check_config` adds what ties fields together)
+  and the model's sizes fit the weights file before the model is built (`check_capacity`:
+  `dim: 1e7` is refused, not allocated).
 - Every file is a plain name inside the checkpoint directory once symlinks are resolved
   (`cognet.core.files.confined`), checked before it is opened.
 """
@@ -26,14 +27,16 @@ from pathlib import Path
 import numpy as np
 
 from cognet.core import numbers as strict_json
+from cognet.core.ddi import DDITarget
 from cognet.core.decoding import Decoding
 from cognet.core.errors import InputError, one_line
+from cognet.core.fields import checked
 from cognet.core.files import confined
 from cognet.core.manifest import file_sha256
+from cognet.core.schemas import CONFIG, VOCAB
 from cognet.core.vocab import Vocab
 
 HASHED = ("vocab.json", "model.safetensors", "graphs.npz")
-LIMIT = 10_000_000  # above any size a model has
 
 
 def file_hashes(files: Mapping[str, Path]) -> dict[str, str]:
@@ -44,7 +47,7 @@ def file_hashes(files: Mapping[str, Path]) -> dict[str, str]:
 def read_json(path: Path) -> dict:
     try:
         obj = strict_json.loads(path.read_text())  # NaN and Infinity are refused
-    except (OSError, UnicodeDecodeError, ValueError) as exc:
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise InputError(f"{path}: unreadable ({_short(exc)})") from None
     if not isinstance(obj, dict):
         raise InputError(f"{path}: unreadable (not a JSON object)")
@@ -53,49 +56,28 @@ def read_json(path: Path) -> dict:
 
 def check_hashes(path: Path, config: Mapping) -> None:
     """InputError naming the first hashed file that differs from config.json's record."""
-    recorded = config.get("sha256")
+    recorded = config.get("sha256")  # its form checked by `check_config`
     if recorded is None:
         return  # saved before the hashes
-    if not isinstance(recorded, Mapping):
-        raise InputError(f"{path / 'config.json'}: malformed 'sha256' entry")
     for name in HASHED:
-        if recorded.get(name) != file_sha256(path / name):
+        if recorded[name] != file_sha256(path / name):
             raise InputError(
                 f"{path / name}: sha256 differs from the one config.json recorded at training "
                 "(file damaged or replaced); restore the checkpoint or train again"
             )
 
 
-def check_config(path: Path, config: Mapping, fields: Mapping[str, str]) -> None:
-    """InputError naming config.json and the field unless its entries have their types and
-    ranges. fields: {name: type annotation} of the model's config (ModelConfig)."""
+def check_config(path: Path, config: Mapping) -> None:
+    """InputError naming config.json and the field unless every field has the type and range
+    of its schema (`cognet.core.schemas.CONFIG`) and they agree: heads divide dim, the stored
+    decoding and DDI target have their own ranges (`Decoding`, `DDITarget`)."""
     file = path / "config.json"
+    checked(config, CONFIG, file)
 
     def bad(name: str, why: str) -> InputError:
         return InputError(f"{file}: field {name!r}: {why}")
 
-    model = config.get("model")
-    if not isinstance(model, Mapping):
-        raise bad("model", "missing or not an object")
-    for name, kind in fields.items():
-        if name not in model:
-            continue  # ModelConfig's default, or its own error for a required one
-        value, where = model[name], f"model.{name}"
-        number = isinstance(value, (int, float)) and not isinstance(value, bool)
-        if kind.startswith("int"):
-            if value is None and "None" in kind:
-                continue
-            if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= LIMIT:
-                raise bad(where, f"{value!r} is not an integer in [1, {LIMIT}]")
-        elif kind == "float":
-            if not number or not math.isfinite(value):
-                raise bad(where, f"{value!r} is not a number")
-            if "dropout" in name and not 0 <= value < 1:
-                raise bad(where, f"{value!r} is not in [0, 1)")
-        elif kind == "bool" and not isinstance(value, bool):
-            raise bad(where, f"{value!r} is not true or false")
-        elif kind == "str" and not isinstance(value, str):
-            raise bad(where, f"{value!r} is not a string")
+    model = config["model"]
     heads, dim = model.get("heads", 1), model.get("dim", 1)
     if dim % heads:
         raise bad("model.heads", f"{heads} does not divide dim {dim}")
@@ -103,11 +85,10 @@ def check_config(path: Path, config: Mapping, fields: Mapping[str, str]) -> None
         Decoding.from_json(config.get("decoding"))
     except (TypeError, ValueError) as exc:
         raise bad("decoding", one_line(exc)) from None
-    pairs = config.get("ddi_pairs", [])
-    if not isinstance(pairs, list) or not all(
-        isinstance(p, list) and len(p) == 2 and all(isinstance(c, str) for c in p) for p in pairs
-    ):
-        raise bad("ddi_pairs", "not a list of [code, code] pairs")
+    try:  # the stored DDI target, read again where it is used (`cognet.evaluation.evaluate`)
+        DDITarget.from_json(config.get("ddi_target"))
+    except (KeyError, TypeError, ValueError) as exc:
+        raise bad("ddi_target", one_line(exc)) from None
 
 
 def check_files(path: Path, names: Sequence[str]) -> None:
@@ -141,7 +122,7 @@ def check_capacity(path: Path, model_cfg) -> None:
 def read_vocab(path: Path) -> Vocab:
     file = path / "vocab.json"
     try:
-        return Vocab.from_json(read_json(file))
+        return Vocab.from_json(checked(read_json(file), VOCAB, file))
     except InputError:
         raise
     except (KeyError, TypeError, ValueError) as exc:

@@ -32,8 +32,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from cognet.core.graphspec import NEG, PROB_FLOOR, cache_shapes
+from cognet.core.schemas import ABLATIONS
 
-ABLATIONS = ("none", "no-copy", "no-visit-score", "no-graph", "no-diagnoses", "no-procedures")
 FORMAT_VERSION = 1
 
 

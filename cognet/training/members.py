@@ -10,6 +10,7 @@ runs and does the same tuning, so the two give the same checkpoint (tests/test_e
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -113,7 +114,8 @@ def combine(checkpoints: Sequence[str | Path], data_dir: str | Path, out: str | 
     """Write to `out` the ensemble of the one-network checkpoints `checkpoints`, trained
     apart on the dataset `data_dir` with one recipe: the decoding tuned on its validation
     split as `cognet train` tunes it. InputError (exit 2) when there are fewer than two or
-    more than MAX_MEMBERS, when one is itself an ensemble, or when they differ in anything
+    more than MAX_MEMBERS, when one is itself an ensemble, when two hold the same weights
+    (`weights_digest`: one run given twice, by any path), or when they differ in anything
     but their seed and what their runs gave (vocabulary, network, graphs, recipe), naming
     the checkpoint and what differs. Returns the stored decoding and DDI target."""
     if not 2 <= len(checkpoints) <= MAX_MEMBERS:
@@ -126,10 +128,18 @@ def combine(checkpoints: Sequence[str | Path], data_dir: str | Path, out: str | 
     nets, runs, history = [], [], []
     first: dict | None = None
     last: dict = {}
+    seen: dict[str, str | Path] = {}  # the members' weights digests
     for i, path in enumerate(checkpoints):
         model, member_vocab, config = checkpoint.load(path)
         if len(members_of(model)) > 1:
             raise InputError(f"{path}: already an ensemble ({config['members']} members)")
+        digest = weights_digest(model)
+        if digest in seen:  # the same path twice, a link to it or a copy: one run, not two
+            raise InputError(
+                f"{path}: the same weights as {seen[digest]} (one run given twice); the "
+                "members of an ensemble are runs trained apart (other seeds)"
+            )
+        seen[digest] = path
         train = {**ADDED_FIELDS, **_untuned(config["train"])}
         lacking = [k for k in TRAINED if k not in train]
         if lacking:
@@ -139,7 +149,11 @@ def combine(checkpoints: Sequence[str | Path], data_dir: str | Path, out: str | 
         _same(path, "training recipe", recipe, first, checkpoints[0])
         _same(path, "vocabulary", member_vocab.to_json(), vocab.to_json(), data_dir)
         _same(
-            path, "DDI pairs", config["ddi_pairs"], [list(p) for p in dataset.ddi_pairs], data_dir
+            path,
+            "DDI pairs",
+            config.get("ddi_pairs", []),
+            [list(p) for p in dataset.ddi_pairs],
+            data_dir,
         )
         graphs = read_graphs(Path(path), vocab.n_med)
         for name, have, want in zip(("EHR graph", "DDI graph"), graphs, (ehr, ddi), strict=True):
@@ -160,6 +174,17 @@ def combine(checkpoints: Sequence[str | Path], data_dir: str | Path, out: str | 
         Path(out), Ensemble(nets), vocab, (ehr, ddi, dataset.ddi_pairs), info, runs, history, tuning
     )
     return {"decoding": decoding.to_json(), "ddi_target": target, "members": runs}
+
+
+def weights_digest(model) -> str:
+    """sha256 over a network's tensors (names, types, shapes, values) in name order: the
+    same for a checkpoint, a link to it and a copy, whatever their paths or files' bytes."""
+    h = hashlib.sha256()
+    for name, tensor in sorted(model.state_dict().items()):
+        data = tensor.detach().cpu().contiguous()
+        h.update(f"{name}:{data.dtype}:{tuple(data.shape)};".encode())
+        h.update(data.numpy().tobytes())
+    return h.hexdigest()
 
 
 def read_splits(data_dir: str | Path):

@@ -101,8 +101,10 @@ class Decoding:
     def from_json(cls, obj: dict | None) -> Decoding:
         """A stored decoding; None (a model from before set decoding) = the paper's beam; one
         that names no estimator (a model from before them) draws plain samples."""
-        if not obj:
+        if obj is None:
             return cls()
+        if not isinstance(obj, dict):  # `k in "x"` would test substrings, and find none
+            raise TypeError(f"a decoding is an object, not {type(obj).__name__}")
         known = {k: obj[k] for k in cls.__dataclass_fields__ if k in obj}
         return cls(**known)
 
