@@ -19,7 +19,7 @@ from cognet.core.errors import InputError
 from cognet.core.history import patients_from_table
 from cognet.model import checkpoint
 from cognet.model.decoding import decode_patients
-from cognet.runtime import Scorer, search
+from cognet.runtime import ScoreOptions, Scorer, search
 
 torch.set_num_threads(1)
 
@@ -250,7 +250,7 @@ def _bound(model_dir, variant=None):
 
 def _lists(manifest, encode, decoder, table, **options) -> list[dict]:
     scorer = Scorer.from_session(encode, decoder, manifest.vocabulary(), manifest.dims.dim,
-                                 manifest.ddi_pairs, **options)  # fmt: skip
+                                 manifest.ddi_pairs, ScoreOptions.of(**options))  # fmt: skip
     out = pa.concat_tables([c.recommendations for c in scorer.score_table(table)])
     return out.select(["visit_id", "medications", "score"]).to_pylist()
 

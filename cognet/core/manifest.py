@@ -177,6 +177,11 @@ class Manifest:
     def vocabulary(self) -> Vocab:
         return Vocab.from_json(self.vocab)
 
+    @property
+    def path(self) -> Path:
+        """The manifest's file (`manifest.json` in `model_dir`), for messages."""
+        return self._file()
+
     def _file(self) -> Path:
         return Path(self.model_dir or ".") / MANIFEST_FILE
 
