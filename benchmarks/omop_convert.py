@@ -35,7 +35,7 @@ import pyarrow as pa
 import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 
-from cognet.core import numbers as strict_json
+from cognet.core import strict_json
 from cognet.core.files import write_text
 
 N_CONDITIONS, N_PROCEDURES, N_DRUGS, N_ATC3 = 2000, 500, 3000, 150

@@ -14,7 +14,7 @@ from pathlib import Path
 import click
 import numpy as np
 
-from cognet.core import numbers as strict_json
+from cognet.core import strict_json
 from cognet.core.clitools import (
     FiniteFloat,
     OneLineGroup,
@@ -389,7 +389,7 @@ def explain(
       cognet-batch explain visits.parquet --model model --visit-id V0012-3
     """
 
-    from cognet.runtime.explain import explain_visit, format_explanation
+    from cognet.runtime.explain_visit import explain_visit, format_explanation
 
     setup_logging()
     ddi = ddi_policy(ddi_mode, ddi_penalty, ddi_max_rate)

@@ -32,7 +32,7 @@ CHUNK_ROWS = 1 << 15  # rows of input per chunk at most
 GPU_DEVICES = ("cuda", "tensorrt")
 # Where beam search / set decoding pick their candidates: "host" (numpy, after the step's
 # log-probabilities are copied back), "device" (the exported search graphs, on the step's
-# provider), "auto" (device on a GPU, host on the CPU: see runtime/search.py).
+# provider), "auto" (device on a GPU, host on the CPU: see runtime/device_selectors.py).
 SELECTIONS = ("auto", "host", "device")
 # The int8 graphs (`cognet.core.manifest.VARIANTS`) are for the CPU: ONNX Runtime has no CUDA
 # kernels for their quantized MatMuls (DynamicQuantizeLinear, uint8 x int8 MatMulInteger)

@@ -8,7 +8,7 @@ Each chunk (whole patients, see `reader.chunks`) goes through four stages:
 - plan (`plan.Assembler`): which rows are scored, rejected or skipped, their codes and
   histories;
 - encode (`encoder.encode_plan`): every needed visit once, in calls of similar lengths;
-- decode (`decode.decode`): the visits to score cut into batches of similar history and
+- decode (`selector_choice.decode`): the visits to score cut into batches of similar history and
   code lengths (`batches.least_padded` of `Plan.decode_orders`), each batch's decoder
   init, then beam search or set
   decoding in the one loop of `cognet.core.decoding.driver`;
@@ -49,12 +49,12 @@ from cognet.core.decoding.request import DecodingRequest
 from cognet.core.vocab import Vocab
 from cognet.runtime import emit, reader
 from cognet.runtime.batches import Budgets, least_padded
-from cognet.runtime.decode import decode, decoding_configs
 from cognet.runtime.encoder import PlanEncoder, encode_plan, init_memories
-from cognet.runtime.model import ScoringModel, open_model
 from cognet.runtime.options import CHUNK_ROWS, MAX_CODES, ScoreOptions
 from cognet.runtime.outputs import ScoredChunk, rejects_table
 from cognet.runtime.plan import Assembler, Plan
+from cognet.runtime.scoring_model import ScoringModel, open_model
+from cognet.runtime.selector_choice import decode, decoding_configs
 
 log = logging.getLogger(__name__)
 
@@ -180,7 +180,7 @@ class Scorer:
         options: ScoreOptions | None = None,
     ) -> Scorer:
         """A scorer over any encoder (`encoder.PlanEncoder`; `encoder.HostEncoder` adapts a
-        callable) and decoder session (`model.ScoringModel.decoder`): beam 4, max length 45,
+        callable) and decoder session (`scoring_model.ScoringModel.decoder`): beam 4, max length 45,
         `options.streams` or one stream."""
         options = options or ScoreOptions()
         pairs = tuple((str(a), str(b)) for a, b in ddi_pairs)

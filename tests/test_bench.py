@@ -20,7 +20,7 @@ from cognet.core.history import load_split
 from cognet.core.schema import read_dataset
 from cognet.model import checkpoint
 from cognet.model.batching import make_batch
-from cognet.model.decoding import beam_search
+from cognet.model.torch_decoding import beam_search
 
 
 @pytest.fixture(scope="module")

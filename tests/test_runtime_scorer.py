@@ -22,7 +22,7 @@ from cognet.core.history import patients_from_table
 from cognet.core.manifest import load_manifest
 from cognet.core.metrics import visit_results
 from cognet.model import checkpoint
-from cognet.model.decoding import decode_patients
+from cognet.model.torch_decoding import decode_patients
 from cognet.runtime import OUTPUT_SCHEMA, ScoreOptions, Scorer
 from cognet.runtime.batches import CPU_BATCH_SLOTS, cut_padded, least_padded
 

@@ -33,7 +33,7 @@ import numpy as np
 
 from cognet.core.decoding import Decoding
 from cognet.core.errors import InputError
-from cognet.core.numbers import finite
+from cognet.core.strict_json import finite
 from cognet.core.vocab import Vocab
 
 DDI_MODES = ("off", "soft", "hard")

@@ -48,7 +48,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from cognet.core import numbers as strict_json
+from cognet.core import strict_json
 from cognet.core.ddi import DDITarget
 from cognet.core.decoding import Decoding
 from cognet.core.decoding.ensemble import MAX_MEMBERS

@@ -26,7 +26,7 @@ from cognet.core.metrics import (
 )
 from cognet.core.schema import DDI_FILE, PREDICTIONS_SCHEMA
 from cognet.core.vocab import Vocab
-from cognet.model.decoding import decode_patients
+from cognet.model.torch_decoding import decode_patients
 
 log = logging.getLogger(__name__)
 

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from cognet.core import numbers as strict_json
+from cognet.core import strict_json
 from cognet.core.decoding import Decoding
 from cognet.core.errors import InputError, one_line
 from cognet.core.files import confined

@@ -207,7 +207,7 @@ def decode_ensemble_sets(
 
 
 def _pool(a: dict | None, b: dict | None) -> dict | None:
-    """Explanation sums of two members added key by key (`explain.add_emissions`)."""
+    """Explanation sums of two members added key by key (`attribution.add_emissions`)."""
     if a is None or b is None:
         return a if b is None else b
     return {k: a[k] + b[k] if k in b else a[k] for k in a} | {k: b[k] for k in b if k not in a}

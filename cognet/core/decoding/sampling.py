@@ -17,7 +17,8 @@ has far less variance than counting the samples that hold k, and is continuous, 
 PRAUC needs). The estimate is the mean over the N samples.
 
 The loop is `cognet.core.decoding.driver.run`; `SetSampler` is the rule it runs on the host (the
-runtime's `search.SetGraphSampler` runs the same rule in the exported `set_select` graphs).
+runtime's `device_selectors.SetGraphSampler` runs the same rule in the exported `set_select`
+graphs).
 
 Random draws are counter-based: the uniform of (seed, visit, sample, step) is a hash of
 those four numbers, so a visit's samples do not depend on its batch-mates, its row or the
@@ -39,10 +40,10 @@ from typing import Any
 import numpy as np
 
 from cognet.core.ddi import DDIPolicy, apply_step_penalty, check_adjacency
-from cognet.core.decoding import SAMPLES, SET_RULES, Decoding, driver, narrow
+from cognet.core.decoding import SAMPLES, SET_RULES, Decoding, driver, open_samples
+from cognet.core.decoding.attribution import add_emissions, set_explanations
 from cognet.core.decoding.draws import Draws
 from cognet.core.decoding.driver import COMPACT_AT, LoopConfig, step_outputs
-from cognet.core.decoding.explain import add_emissions, set_explanations
 from cognet.core.decoding.set_rules import select_sets
 
 
@@ -99,7 +100,7 @@ class SetResult:
     prauc_scores: np.ndarray  # float32 [N, M]: P(k in S) of every medication
     gates: list[np.ndarray] | None = None  # per visit: mean w_g where the samples emitted it
     copies: list[np.ndarray] | None = None  # per visit: [meds, S] mean copy distribution
-    # per visit: [meds, S] mean copy share by slot (`explain.copy_share_by_slot`)
+    # per visit: [meds, S] mean copy share by slot (`attribution.copy_share_by_slot`)
     shares: list[np.ndarray] | None = None
     attention: list[np.ndarray] | None = None  # per visit: [meds, Ld] mean diagnosis attention
     steps: int = 0
@@ -196,7 +197,7 @@ def set_marginals(
     """(P(k in S) float64 [n, M], the explanation sums or None, steps run) of the n visits
     whose memories come from `session.init` (a `cognet.core.decoding.driver.DecoderSession`)."""
     sampler = SetSampler(cfg, keys, ddi_adj, explain, attention)
-    loop = narrow.run if narrow.applies(session, sampler) else driver.run
+    loop = open_samples.run if open_samples.applies(session, sampler) else driver.run
     return loop(session, memories, n, sampler, cfg)
 
 
@@ -273,7 +274,7 @@ def set_result(
     sums: dict | None = None,
 ) -> SetResult:
     """The sets of the marginals P(k in S) [n, M] (`set_marginals`, or the runtime's search
-    graphs), with their explanations when given the sums of `explain.add_emissions`."""
+    graphs), with their explanations when given the sums of `attribution.add_emissions`."""
     meds = select_sets(marginals, cfg.threshold, cfg.ddi, ddi_adj, cfg.rule)
     probs = [marginals[i, m].astype(np.float32) for i, m in enumerate(meds)]
     score = np.array([p.mean() if p.size else 0.0 for p in probs], np.float32)
