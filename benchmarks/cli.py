@@ -10,7 +10,7 @@ from pathlib import Path
 
 import click
 
-from cognet.core.clitools import (
+from cognet.clitools import (
     FiniteFloat,
     OneLineCommand,
     count_option,
