@@ -65,9 +65,8 @@ class BeamResult:
     meds: list[np.ndarray]  # per visit: medication ids in generation order (END excluded)
     score: np.ndarray  # float32 [N]: sum of log-probabilities, END included
     med_probs: list[np.ndarray]  # per visit: probability of each medication at its step
-    prauc_scores: np.ndarray | None = (
-        None  # float32 [N, M] (see `cognet.model.torch_decoding.Decoded`)
-    )
+    # float32 [N, M] (see `cognet.model.torch_decoding.Decoded`)
+    prauc_scores: np.ndarray | None = None
     gates: list[np.ndarray] | None = None  # per visit: w_g at each medication's step
     copies: list[np.ndarray] | None = None  # per visit: [meds, S] copy distribution
     # per visit: [meds, S] copy share by slot (`attribution.copy_share_by_slot`)
