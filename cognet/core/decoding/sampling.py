@@ -106,13 +106,47 @@ class SetResult:
     steps: int = 0
 
 
-class SetSampler:
-    """The set decoding's rule on the host (a `cognet.core.decoding.driver.Selector`): each step,
-    every sample draws its next medication from Pr (masked, DDI policy applied); the sums
-    of the step probabilities estimate P(k in S). Result: (P(k in S) float64 [n, M], the
-    explanation sums or None, steps run)."""
+class SetRule:
+    """What the host and the device set samplers share (`cognet.core.decoding.driver.Selector`
+    less `select`): each visit's samples, their finished flags and random draws, and each
+    visit's P(k in S), read from its hazard sums when it is over. Result: (P(k in S) float64
+    [n, M], the explanation sums or None, steps run)."""
 
     on_device = False
+
+    def __init__(self, cfg: SetConfig, keys: np.ndarray):
+        self.cfg, self.keys, self.width = cfg, keys, cfg.samples
+
+    def start(self, n: int) -> None:
+        self.finished = np.zeros((n, self.cfg.samples), bool)
+        self.out = np.zeros((n, self.cfg.end), np.float64)
+        self.sums: dict | None = None
+        self.draws = Draws(self.cfg, self.keys, n)
+
+    def hazard_of(self, newly: np.ndarray, rows: np.ndarray) -> np.ndarray:
+        """float64 [k, M]: the hazard sums (over samples and steps of p_t(k)) of the rows
+        `newly`, whose visits are `rows[newly]`."""
+        raise NotImplementedError
+
+    def finish(self, t: int, newly: np.ndarray, rows: np.ndarray) -> None:
+        # an estimate may pass 1 (an unbiased sum, not a probability): clip it
+        self.out[rows[newly]] = np.minimum(self.hazard_of(newly, rows) / self.cfg.samples, 1.0)
+
+    def keep(self, live: np.ndarray) -> None:
+        self.finished = self.finished[live]
+        self.draws.keep(live)
+
+    def result(self, steps: int) -> tuple[np.ndarray, dict | None, int]:
+        return self.out, self.sums, steps
+
+    def empty(self) -> tuple[np.ndarray, dict | None, int]:
+        return np.zeros((0, self.cfg.end), np.float64), None, 0
+
+
+class SetSampler(SetRule):
+    """The set decoding's rule on the host (a `cognet.core.decoding.driver.Selector`): each step,
+    every sample draws its next medication from Pr (masked, DDI policy applied); the sums
+    of the step probabilities estimate P(k in S)."""
 
     def __init__(
         self,
@@ -122,22 +156,19 @@ class SetSampler:
         explain: bool = False,
         attention: bool = False,
     ):
-        self.cfg, self.keys, self.explain = cfg, keys, explain
+        super().__init__(cfg, keys)
+        self.explain = explain
         self.ddi_adj = ddi_adj
         if cfg.ddi.mode in ("soft", "hard"):
             self.ddi_adj = check_adjacency(cfg.ddi, ddi_adj, cfg.end)
-        self.width = cfg.samples
         self.outputs = step_outputs(explain, attention)
 
     def start(self, n: int) -> None:
+        super().start(n)
         s, end = self.cfg.samples, self.cfg.end
         self.n = n
-        self.finished = np.zeros((n, s), bool)
         self.used = np.zeros((n, s, end + 1), bool)
         self.hazard = np.zeros((n, end), np.float64)  # sum over samples and steps of p_t(k)
-        self.out = np.zeros((n, end), np.float64)
-        self.sums: dict | None = None
-        self.draws = Draws(self.cfg, self.keys, n)
 
     def select(self, t, got, rows, parent):
         cfg, end = self.cfg, self.cfg.end
@@ -169,19 +200,12 @@ class SetSampler:
         """bool [R, S]: the samples not finished, whose step output `select` reads."""
         return ~self.finished
 
-    def finish(self, t, newly, rows) -> None:
-        # an estimate may pass 1 (an unbiased sum, not a probability): clip it
-        self.out[rows[newly]] = np.minimum(self.hazard[rows[newly]] / self.cfg.samples, 1.0)
+    def hazard_of(self, newly, rows) -> np.ndarray:
+        return self.hazard[rows[newly]]  # kept for every visit: rows are the visits' own
 
     def keep(self, live) -> None:
-        self.finished, self.used = self.finished[live], self.used[live]
-        self.draws.keep(live)
-
-    def result(self, steps: int) -> tuple[np.ndarray, dict | None, int]:
-        return self.out, self.sums, steps
-
-    def empty(self) -> tuple[np.ndarray, dict | None, int]:
-        return np.zeros((0, self.cfg.end), np.float64), None, 0
+        super().keep(live)
+        self.used = self.used[live]
 
 
 def set_marginals(
