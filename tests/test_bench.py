@@ -247,27 +247,6 @@ def test_fp16_engine_reports_its_agreement(quick_run, tiny, tmp_path):
     assert f"({runs[0]['agreement']:.2%}; not required)" in (out / "results.md").read_text()
 
 
-def test_list_scores_are_the_beam_scores(tiny):
-    """The guard's tie check scores a list teacher forced: the beam search's own answer gets
-    the score the beam search reported; a changed list gets another."""
-    from cognet.benchmarks.engines import TorchBatched
-
-    torch.set_num_threads(1)
-    engine = TorchBatched("torch-batched", tiny / "ckpt", 1)
-    vocab = engine.vocab
-    visits = read_dataset(tiny / "data").visits
-    patients = load_split(visits, vocab, "train").patients[:20]
-    batch = make_batch(patients, vocab, targets=False)
-    last = torch.tensor([sum(map(len, patients[: i + 1])) - 1 for i in range(len(patients))])
-    decoded = beam_search(engine.model, batch, beam=4, rows=last)
-    lists = [vocab.med_codes(d.meds) for d in decoded]
-    scores = engine.list_scores(patients, lists)
-    assert scores == pytest.approx([d.score for d in decoded], abs=1e-4)
-    longer = [[*m, c] for m, c in zip(lists, vocab.medications, strict=False) if c not in m]
-    changed = engine.list_scores(patients[: len(longer)], longer)
-    assert all(abs(a - b) > 1e-3 for a, b in zip(changed, scores, strict=False))
-
-
 class _Reference:
     """A reference engine whose answer for a visit decoded alone is `alone[visit_id]` (no
     medication when not given)."""

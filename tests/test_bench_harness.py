@@ -1,13 +1,18 @@
 """The bench's measurement loop (`cognet.benchmarks.interleaved_runs`): what each pass does around
 the engine's runs, what it reports as it ends, when an engine's memory goes back, and how
-the guard's reference decodes."""
+the guard's reference decodes and scores a list (its tie check)."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from cognet.benchmarks import interleaved_runs
 from cognet.benchmarks.guard import Guard
+from cognet.core.history import load_split
+from cognet.core.schema import read_dataset
+from cognet.model.batching import make_batch
+from cognet.model.torch_decoding import beam_search
 
 
 def test_each_pass_hands_back_freed_memory_before_its_peak_is_reset(monkeypatch):
@@ -188,3 +193,24 @@ def test_an_engine_hands_back_its_memory_when_its_last_pass_ends(monkeypatch):
         ("b", "request", 7.0),
         ("b", "stream", 7.0),
     ]
+
+
+def test_list_scores_are_the_beam_scores(tiny):
+    """The guard's tie check scores a list teacher forced: the beam search's own answer gets
+    the score the beam search reported; a changed list gets another."""
+    from cognet.benchmarks.engines import TorchBatched
+
+    torch.set_num_threads(1)
+    engine = TorchBatched("torch-batched", tiny / "ckpt", 1)
+    vocab = engine.vocab
+    visits = read_dataset(tiny / "data").visits
+    patients = load_split(visits, vocab, "train").patients[:20]
+    batch = make_batch(patients, vocab, targets=False)
+    last = torch.tensor([sum(map(len, patients[: i + 1])) - 1 for i in range(len(patients))])
+    decoded = beam_search(engine.model, batch, beam=4, rows=last)
+    lists = [vocab.med_codes(d.meds) for d in decoded]
+    scores = engine.list_scores(patients, lists)
+    assert scores == pytest.approx([d.score for d in decoded], abs=1e-4)
+    longer = [[*m, c] for m, c in zip(lists, vocab.medications, strict=False) if c not in m]
+    changed = engine.list_scores(patients[: len(longer)], longer)
+    assert all(abs(a - b) > 1e-3 for a, b in zip(changed, scores, strict=False))
