@@ -68,12 +68,12 @@ def decode(
         if ensemble:
             marginals = _graph_marginals if graphs else set_marginals
             return decode_ensemble_sets(
-                session.members, memories, n, cfg, keys, ddi_adj, explain, attention, marginals
+                session.members, memories, n, cfg, keys, explain, ddi_adj, attention, marginals
             )
         if graphs:
             marginals, _, steps = device_selectors.set_marginals(session, memories, n, cfg, keys)
             return set_result(marginals, steps, cfg, ddi_adj)
-        return decode_sets(session, memories, n, cfg, keys, ddi_adj, explain, attention)
+        return decode_sets(session, memories, n, cfg, keys, explain, ddi_adj, attention)
     if graphs and not prauc and (not ensemble or session.search is not None):
         return device_selectors.beam_search(session, memories, n, cfg, ddi_adj)
     return beam_search(session, memories, n, cfg, prauc, explain, ddi_adj, attention)

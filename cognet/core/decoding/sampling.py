@@ -214,8 +214,8 @@ def set_marginals(
     n: int,
     cfg: SetConfig,
     keys: np.ndarray,
-    ddi_adj: np.ndarray | None = None,
     explain: bool = False,
+    ddi_adj: np.ndarray | None = None,
     attention: bool = False,
 ) -> tuple[np.ndarray, dict | None, int]:
     """(P(k in S) float64 [n, M], the explanation sums or None, steps run) of the n visits
@@ -279,13 +279,13 @@ def decode_sets(
     n: int,
     cfg: SetConfig,
     keys: np.ndarray,
-    ddi_adj: np.ndarray | None = None,
     explain: bool = False,
+    ddi_adj: np.ndarray | None = None,
     attention: bool = False,
 ) -> SetResult:
     """The set of each of the n visits, with what `BeamResult` carries for a hypothesis."""
     marginals, sums, steps = set_marginals(
-        session, memories, n, cfg, keys, ddi_adj, explain, attention
+        session, memories, n, cfg, keys, explain, ddi_adj, attention
     )
     return set_result(marginals, steps, cfg, ddi_adj, (sums or {}) if explain else None)
 
