@@ -2,8 +2,8 @@
 
 `engines` (the engines behind one interface), `perpatient` (the paper-style baseline),
 `workload` (the visits and batches), `settings` (what a run measures), `harness` (the
-measurement loop and the past-visits series), `guard` (the correctness guard), `probes`
-(/proc, memory, machine description), `child` (cognet-batch in a subprocess: the input-size
-series), `profile` (where ort-cpu's time goes), `report`
+measurement loop and the past-visits series), `guard` (the correctness guard), `machine_info`
+(/proc, memory, machine description), `score_subprocess` (cognet-batch in a subprocess: the
+input-size series), `profile` (where ort-cpu's time goes), `report`
 (results.md and throughput.png), `cli` (the command). See BENCHMARKS.md for the method.
 """

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import click
 
-from cognet.core.clitools import (
+from cognet.clitools import (
     FiniteFloat,
     OneLineCommand,
     count_option,
@@ -99,7 +99,8 @@ def _ints(text: str, name: str) -> tuple[int, ...]:
     help="Comma-separated subset of: torch-perpatient, torch-batched, ort-cpu, ort-cpu-device, "
     "ort-cpu-fp16, ort-cpu-int8, ort-cpu-gpupath, ort-cuda, ort-cuda-host, ort-cuda-fp16, "
     "ort-cuda-streams, ort-cuda-fp16-streams, ort-tensorrt, torch-cuda (-device / -host: the "
-    "other candidate selection, runtime/search.py; -fp16 / -int8: the float16 / int8 graphs, "
+    "other candidate selection, runtime/device_selectors.py; -fp16 / -int8: the float16 / "
+    "int8 graphs, "
     "agreement reported, the demo model exported with its int8 graphs when -int8 is "
     "selected; -gpupath: what a GPU runs, on the CPU, to measure its host side; -streams: 4 "
     "host threads feeding the GPU).",

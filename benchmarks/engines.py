@@ -5,14 +5,14 @@ recommended medication codes of each scored visit. Engines:
 
 - `torch-perpatient`: the paper's way (`benchmarks.perpatient`): one patient at a time, no
   KV cache, a Python beam object per visit (one network: skipped for an ensemble);
-- `torch-batched`: the torch reference batched beam search (`cognet.model.decoding.beam_search`,
-  an ensemble by its rules);
+- `torch-batched`: the torch reference batched beam search
+  (`cognet.model.torch_decoding.beam_search`, an ensemble by its rules);
 - `torch-cuda`: the same on a CUDA device;
 - `ort-cpu`, `ort-cuda`, `ort-tensorrt`: the runtime (`cognet.runtime.Scorer`) on each
   ONNX Runtime execution provider, with its default candidate selection (`--selection auto`:
   numpy on the host for the CPU, the search graphs on a GPU);
-- `ort-cpu-device`, `ort-cuda-host`: the same with the other selection (`runtime/search.py`),
-  to measure one against the other;
+- `ort-cpu-device`, `ort-cuda-host`: the same with the other selection
+  (`runtime/device_selectors.py`), to measure one against the other;
 - `ort-cpu-fp16`, `ort-cuda-fp16`: the runtime on the model's float16 graphs (`cognet-export
   --fp16`); their lists are compared with the reference and the agreement reported, not
   required (APPROXIMATE);
@@ -200,13 +200,14 @@ class _TorchBase:
 
 
 class TorchBatched(_TorchBase):
-    """`cognet.model.decoding.beam_search` over the scored visits of the batch, all at once."""
+    """`cognet.model.torch_decoding.beam_search` over the scored visits of the batch, all at
+    once."""
 
     def run(self, batch: Batch) -> list[tuple[int, ...]]:
         import torch
 
         from cognet.model.batching import make_batch
-        from cognet.model.decoding import beam_search
+        from cognet.model.torch_decoding import beam_search
 
         tensors = make_batch(batch.patients, self.vocab, targets=False)
         last = torch.as_tensor(_last_rows(batch.patients))
@@ -214,7 +215,7 @@ class TorchBatched(_TorchBase):
             tensors = {k: v.to(self.device) for k, v in tensors.items()}
             last = last.to(self.device)
         if self.beam == SET:
-            from cognet.model.decoding import set_decode
+            from cognet.model.torch_decoding import set_decode
 
             decoded = set_decode(self.model, tensors, batch.visit_ids, self.set_decoding, rows=last)
             return [d.meds for d in decoded]

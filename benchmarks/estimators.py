@@ -23,7 +23,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from cognet.core import numbers as strict_json
+from cognet.core import strict_json
 from cognet.core.decoding.draws import visit_keys
 from cognet.core.decoding.ensemble import EnsembleSession, ensemble_marginals
 from cognet.core.decoding.sampling import SetConfig, set_marginals

@@ -1,6 +1,6 @@
 """The measurement loop: every engine on the same batches, timed, guarded, summarised.
 
-For each beam width and batch size, a block (`block`): every engine warms up on one
+For each beam width and batch size, a block (`interleaved_runs`): every engine warms up on one
 untimed batch, then the engines take turns, one pass over the same batches each, `repeats`
 times (a time budget stops the repeats of a slow engine early and skips a larger batch size
 whose pass would take too long). Each pass is reported as it ends; per run: the median
@@ -11,7 +11,8 @@ where relevant, and whether every recommendation equals the reference's
 
 `torch-perpatient` runs once per beam width on a subset, one patient per batch. Scaling
 series: throughput against past visits, and end to end through `cognet-batch score` against
-input size (`child`: a subprocess per point). The guard is `guard`, the /proc probes `probes`.
+input size (`score_subprocess`: a subprocess per point). The guard is `guard`, the /proc probes
+`machine_info`.
 """
 
 from __future__ import annotations
@@ -23,10 +24,10 @@ from dataclasses import asdict
 import numpy as np
 
 from cognet.benchmarks import engines as eng
-from cognet.benchmarks.block import RECS, Job, measure_block
-from cognet.benchmarks.child import input_size_series
 from cognet.benchmarks.guard import Guard
-from cognet.benchmarks.probes import loadavg, machine_info, workload_info
+from cognet.benchmarks.interleaved_runs import RECS, Job, measure_block
+from cognet.benchmarks.machine_info import loadavg, machine_info, workload_info
+from cognet.benchmarks.score_subprocess import input_size_series
 from cognet.benchmarks.settings import Context, Settings
 from cognet.benchmarks.workload import Pool, with_history
 from cognet.core.manifest import load_manifest

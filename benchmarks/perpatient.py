@@ -19,15 +19,15 @@ distribution of every chosen candidate kept as a Python list (the reference keep
 PRAUC). Measured on the 2-core machine this bookkeeping, not the decoder, is most of the
 time per step (BENCHMARKS.md).
 
-The selection rules are those of docs/INTERNALS.md "Beam search" (and `cognet.model.decoding`), so
-the recommendations equal `torch-batched`'s up to float rounding: B hypotheses per visit,
-hypothesis 0 at score 0 and the others at -inf; medications already in a hypothesis are
-skipped; a finished hypothesis proposes only END at its frozen score; the B best candidates
-are taken in stable descending order of the flat index b * V1 + v; the answer is hypothesis
-0. Running on until every hypothesis has finished (the reference code's rule) instead of
-stopping when hypothesis 0 has cannot change that answer: once hypothesis 0 has finished,
-no other candidate can score higher (log-probabilities are <= 0) and ties keep the smaller
-flat index.
+The selection rules are those of docs/INTERNALS.md "Beam search" (and
+`cognet.model.torch_decoding`), so the recommendations equal `torch-batched`'s up to float
+rounding: B hypotheses per visit, hypothesis 0 at score 0 and the others at -inf;
+medications already in a hypothesis are skipped; a finished hypothesis proposes only END at
+its frozen score; the B best candidates are taken in stable descending order of the flat
+index b * V1 + v; the answer is hypothesis 0. Running on until every hypothesis has finished
+(the reference code's rule) instead of stopping when hypothesis 0 has cannot change that
+answer: once hypothesis 0 has finished, no other candidate can score higher
+(log-probabilities are <= 0) and ties keep the smaller flat index.
 """
 
 from __future__ import annotations

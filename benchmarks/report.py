@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from cognet.benchmarks.engines import decoding_label
-from cognet.core import numbers as strict_json
+from cognet.core import strict_json
 from cognet.core.decoding import BEAM
 from cognet.core.files import atomic_path, write_text
 

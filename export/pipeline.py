@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from cognet.core import numbers as strict_json
+from cognet.core import strict_json
 from cognet.core.ddi import ddi_matrix
 from cognet.core.decoding import BEAM, MAX_LEN
 from cognet.core.decoding.ensemble import MAX_MEMBERS

@@ -1,7 +1,7 @@
 """The search graphs: candidate selection of beam search and set decoding as ONNX graphs, so
 that a decoder step's log-probabilities never leave the device (written with `onnx` alone).
 
-The runtime runs one of them right after each decoder step (`cognet.runtime.search`). They
+The runtime runs one of them right after each decoder step (`cognet.runtime.device_selectors`). They
 compute exactly the rules of docs/INTERNALS.md "Beam search" / "Set decoding" and
 `cognet.core.ddi`, which the numpy drivers (`cognet.core.decoding.beam`,
 `cognet.core.decoding.sampling`)

@@ -14,7 +14,7 @@ Two checks, both run by `cognet.export.export` unless `validate=False`:
    (encodings, memories) are reported, not bounded, since they matter only through them.
 2. Decoding: greedy and beam-4 search driven through the exported graphs by the runtime's
    numpy beam search (`cognet.core.decoding.beam`) must return the medication lists of the torch
-   reference `cognet.model.decoding.beam_search` on every visit.
+   reference `cognet.model.torch_decoding.beam_search` on every visit.
 
 An ensemble (`cognet.model.ensemble`): each member's graphs against that member's network
 (check 1; the report keeps, per case and output, the worst member, and each member's worst
@@ -48,9 +48,9 @@ from cognet.core.history import Visit
 from cognet.core.manifest import GRAPHS
 from cognet.core.vocab import Vocab
 from cognet.export.graphs import GRAPH_IO, WRAPPERS, ReferenceStep, Sizes, example_inputs
-from cognet.model.decoding import beam_search
 from cognet.model.ensemble import Ensemble, members_of
 from cognet.model.network import COGNet, ModelConfig, history_inputs
+from cognet.model.torch_decoding import beam_search
 
 FLOAT32_ATOL = 1e-4
 # float32 `log_probs` are compared clipped below at log(LOG_FLOOR): under it, the float32

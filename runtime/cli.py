@@ -14,8 +14,7 @@ from pathlib import Path
 import click
 import numpy as np
 
-from cognet.core import numbers as strict_json
-from cognet.core.clitools import (
+from cognet.clitools import (
     FiniteFloat,
     OneLineGroup,
     count_option,
@@ -23,9 +22,9 @@ from cognet.core.clitools import (
     ddi_policy,
     decoding_options,
     handle_errors,
-    progress,
     setup_logging,
 )
+from cognet.core import strict_json
 from cognet.core.decoding import BEAM
 from cognet.core.decoding.request import DecodingRequest
 from cognet.core.errors import InputError
@@ -33,6 +32,7 @@ from cognet.core.files import Reads, check_not_read
 from cognet.core.lock import claimed
 from cognet.core.manifest import VARIANTS
 from cognet.core.metrics import PATIENT_COLUMNS
+from cognet.core.progress import progress
 from cognet.runtime import preflight, reader, summary, writer
 from cognet.runtime.options import DEVICES, MAX_CODES, SELECTIONS, ScoreOptions
 from cognet.runtime.scorer import Scorer
@@ -389,7 +389,7 @@ def explain(
       cognet-batch explain visits.parquet --model model --visit-id V0012-3
     """
 
-    from cognet.runtime.explain import explain_visit, format_explanation
+    from cognet.runtime.explain_visit import explain_visit, format_explanation
 
     setup_logging()
     ddi = ddi_policy(ddi_mode, ddi_penalty, ddi_max_rate)

@@ -37,9 +37,9 @@ from cognet.core.graphspec import (
 )
 from cognet.core.history import history_index
 from cognet.core.vocab import Vocab
+from cognet.runtime.device_selectors import INIT_GATHER, ORT_TYPES, SearchGraphs
 from cognet.runtime.layout import Layout, encoder_calls
 from cognet.runtime.plan import Plan
-from cognet.runtime.search import INIT_GATHER, ORT_TYPES, SearchGraphs
 
 
 class PlanEncoder(Protocol):

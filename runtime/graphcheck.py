@@ -27,7 +27,7 @@ from cognet.core.graphspec import (
     STEP_OUTPUTS,
 )
 from cognet.core.manifest import Dims, GraphSpec, Manifest
-from cognet.runtime.search import ORT_TYPES
+from cognet.runtime.device_selectors import ORT_TYPES
 
 # What each graph must take and give (`cognet.core.graphspec`); `diag_attention` is optional
 # (models exported before it lack it), and so is the step's cache: the token prefix, or the

@@ -28,10 +28,11 @@ DEVICES = ("auto", "cpu", "cuda", "tensorrt")
 # above it the visit is rejected `too_many_codes`. Real visits stay far below (MIMIC-III: 39
 # diagnoses at most); the batches bound the memory of any visit below it (`batches`).
 MAX_CODES = 1000
+CHUNK_ROWS = 1 << 15  # rows of input per chunk at most
 GPU_DEVICES = ("cuda", "tensorrt")
 # Where beam search / set decoding pick their candidates: "host" (numpy, after the step's
 # log-probabilities are copied back), "device" (the exported search graphs, on the step's
-# provider), "auto" (device on a GPU, host on the CPU: see runtime/search.py).
+# provider), "auto" (device on a GPU, host on the CPU: see runtime/device_selectors.py).
 SELECTIONS = ("auto", "host", "device")
 # The int8 graphs (`cognet.core.manifest.VARIANTS`) are for the CPU: ONNX Runtime has no CUDA
 # kernels for their quantized MatMuls (DynamicQuantizeLinear, uint8 x int8 MatMulInteger)
@@ -54,7 +55,7 @@ class ScoreOptions:
     batch_slots: int | None = None  # cap on visits x longest history (past-medication slots)
     compact_at: float = COMPACT_AT  # drop done visits when the live share falls below this
     chunk_targets: int | None = None  # visits to score per chunk; None: 16 x batch_size
-    chunk_rows: int = 1 << 15  # rows per chunk at most
+    chunk_rows: int = CHUNK_ROWS  # rows per chunk at most
     encode_batch: int | None = None  # visits per encoder call; None: 64 CPU, 4096 GPU
     # -- the input's limits and columns, and where candidates are selected (a new field goes
     # at the end: `to_json`, which summaries record, keeps the declaration order)

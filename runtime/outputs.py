@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import pyarrow as pa
 
-from cognet.core.decoding.explain import copy_share_and_source, most_attended
+from cognet.core.decoding.attribution import copy_share_and_source, most_attended
 from cognet.core.schema import PREDICTIONS_SCHEMA
 from cognet.runtime import reader
 from cognet.runtime.plan import REASONS, REJECTED, Plan
@@ -127,7 +127,7 @@ def explanations(plan: Plan, slots: dict, diag_codes: np.ndarray) -> pa.Array:
     """The `explanations` column of a chunk's targets (slots: target -> (its batch's
     result, its place there, its batch's decoder-init inputs); diag_codes: the vocabulary's
     diagnosis codes, an object array). Per medication k: its copy share, the part of its
-    probability that came from the history (`cognet.core.decoding.explain`; 0 for a
+    probability that came from the history (`cognet.core.decoding.attribution`; 0 for a
     medication in no past visit), the past visit whose slots of k carry most of it (null
     when none holds it), and the diagnoses of the visit it attended to most at its step."""
     visit_ids = plan.table["visit_id"]

@@ -1,14 +1,14 @@
 """`Scorer`: recommendations for a stream of visits, chunk by chunk, from a model directory.
 
-    scorer = Scorer("model", ScoreOptions.of(device="cpu", beam=4))
-    for chunk in scorer.score_file("visits.parquet"):
-        print(chunk.recommendations.num_rows, chunk.reject_reasons)
+    with Scorer("model", device="cpu", beam=4) as scorer:
+        for chunk in scorer.score_file("visits.parquet"):
+            print(chunk.recommendations.num_rows, chunk.reject_reasons)
 
 Each chunk (whole patients, see `reader.chunks`) goes through four stages:
 - plan (`plan.Assembler`): which rows are scored, rejected or skipped, their codes and
   histories;
 - encode (`encoder.encode_plan`): every needed visit once, in calls of similar lengths;
-- decode (`decode.decode`): the visits to score cut into batches of similar history and
+- decode (`selector_choice.decode`): the visits to score cut into batches of similar history and
   code lengths (`batches.least_padded` of `Plan.decode_orders`), each batch's decoder
   init, then beam search or set
   decoding in the one loop of `cognet.core.decoding.driver`;
@@ -39,40 +39,105 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-from cognet.core.ddi import ddi_matrix, require_pairs
+from cognet.core.ddi import DDIPolicy, ddi_matrix, require_pairs
 from cognet.core.decoding import Decoding
 from cognet.core.decoding.beam import BeamResult
+from cognet.core.decoding.driver import COMPACT_AT
 from cognet.core.decoding.ensemble import member_sessions
+from cognet.core.decoding.request import DecodingRequest
 from cognet.core.vocab import Vocab
 from cognet.runtime import emit, reader
 from cognet.runtime.batches import Budgets, least_padded
-from cognet.runtime.decode import decode, decoding_configs
 from cognet.runtime.encoder import PlanEncoder, encode_plan, init_memories
-from cognet.runtime.model import ScoringModel, open_model
-from cognet.runtime.options import ScoreOptions
+from cognet.runtime.options import CHUNK_ROWS, MAX_CODES, ScoreOptions
 from cognet.runtime.outputs import ScoredChunk, rejects_table
 from cognet.runtime.plan import Assembler, Plan
+from cognet.runtime.scoring_model import ScoringModel, open_model
+from cognet.runtime.selector_choice import decode, decoding_configs
 
 log = logging.getLogger(__name__)
 
 
 class Scorer:
-    """Batched decoding of visits with a model directory from `cognet-export`, configured by
-    one `ScoreOptions` (see `cognet.runtime.options`; keywords change its fields):
+    """Batched decoding of visits with a model directory from `cognet-export`.
 
-        Scorer("model", ScoreOptions.of(device="cpu", beam=1))
-        Scorer("model", device="cpu", beam=1)
+    Configure it with keywords, or with one `ScoreOptions` (what `cognet-batch` builds; see
+    `cognet.runtime.options` for what each field means), not both:
 
-    `options` is the options as given; `settings()` what decides the results, resolved.
+        with Scorer("model", device="cpu", beam=1) as scorer:
+            for chunk in scorer.score_file("visits.parquet"):
+                ...
+        Scorer("model", ScoreOptions(device="cpu", request=DecodingRequest(beam=1)))
+
+    The decoding keywords (`decoding` to `ddi`) change the fields of `request`; None leaves
+    the model's own. A scorer with parallel streams owns a thread pool: `close()`, or the
+    end of the `with` block, stops it. `options` is the options as given; `settings()` what
+    decides the results, resolved.
     """
 
     def __init__(
         self,
         model: str | Path | ScoringModel,
         options: ScoreOptions | None = None,
-        **changes,
+        *,
+        # -- the decoding asked on top of the model's own (None: the model's)
+        decoding: str | None = None,
+        beam: int | None = None,
+        samples: int | None = None,
+        threshold: float | None = None,
+        estimator: str | None = None,
+        set_rule: str | None = None,
+        ddi: DDIPolicy | None = None,
+        request: DecodingRequest | None = None,
+        max_history_visits: int | None = None,
+        # -- where
+        device: str = "auto",
+        threads: int | None = None,
+        streams: int | None = None,
+        variant: str | None = None,
+        selection: str = "auto",
+        # -- batching
+        batch_size: int | None = None,
+        batch_slots: int | None = None,
+        compact_at: float = COMPACT_AT,
+        chunk_targets: int | None = None,
+        chunk_rows: int = CHUNK_ROWS,
+        encode_batch: int | None = None,
+        # -- the input
+        max_codes_per_visit: int = MAX_CODES,
+        keep_columns: Sequence[str] = (),
     ):
-        options = (options or ScoreOptions()).with_fields(**changes)
+        asked = ScoreOptions(
+            request=request or DecodingRequest(),
+            max_history_visits=max_history_visits,
+            device=device,
+            threads=threads,
+            streams=streams,
+            variant=variant,
+            batch_size=batch_size,
+            batch_slots=batch_slots,
+            compact_at=compact_at,
+            chunk_targets=chunk_targets,
+            chunk_rows=chunk_rows,
+            encode_batch=encode_batch,
+            max_codes_per_visit=max_codes_per_visit,
+            keep_columns=tuple(keep_columns),
+            selection=selection,
+        )
+        changes = {
+            "decoding": decoding,
+            "beam": beam,
+            "samples": samples,
+            "threshold": threshold,
+            "estimator": estimator,
+            "set_rule": set_rule,
+            "ddi": ddi,
+        }
+        asked = asked.with_fields(**{k: v for k, v in changes.items() if v is not None})
+        if options is None:
+            options = asked
+        elif asked != ScoreOptions():
+            raise TypeError("Scorer: give options or keywords, not both")
         if not isinstance(model, ScoringModel):
             model = open_model(model, options)
         self.options, self.model = options, model
@@ -91,10 +156,10 @@ class Scorer:
         # the asked policy, else the model's DDI target (when it has one), else off
         target = manifest.default_target() if manifest is not None else None
         self.decoding, self.ddi = options.resolve(default, target)
-        asked = options.request.ddi
-        if asked is not None and asked.active:  # asked: refused without pairs
-            where = manifest._file() if manifest is not None else "the model"
-            require_pairs(model.ddi_pairs, where, f"the DDI policy {asked.label!r}")
+        policy = options.request.ddi
+        if policy is not None and policy.active:  # asked: refused without pairs
+            where = manifest.path if manifest is not None else "the model"
+            require_pairs(model.ddi_pairs, where, f"the DDI policy {policy.label!r}")
         self.beam_config, self.set_config = decoding_configs(
             self.decoding, self.vocab.end, self.ddi, options.compact_at
         )
@@ -112,15 +177,20 @@ class Scorer:
         dim: int,
         ddi_pairs: Sequence[Sequence[str]] = (),
         options: ScoreOptions | None = None,
-        **changes,
     ) -> Scorer:
         """A scorer over any encoder (`encoder.PlanEncoder`; `encoder.HostEncoder` adapts a
-        callable) and decoder session (`model.ScoringModel.decoder`): beam 4, max length 45,
+        callable) and decoder session (`scoring_model.ScoringModel.decoder`): beam 4, max length 45,
         `options.streams` or one stream."""
-        options = (options or ScoreOptions()).with_fields(**changes)
+        options = options or ScoreOptions()
         pairs = tuple((str(a), str(b)) for a, b in ddi_pairs)
         model = ScoringModel(encode, decoder, vocab, dim, pairs, streams=options.streams or 1)
         return cls(model, options)
+
+    def __enter__(self) -> Scorer:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
 
     @property
     def batch_size(self) -> int:
@@ -206,7 +276,8 @@ class Scorer:
             yield self._score_chunk(chunk, assembler, score_all, explain)
 
     def close(self) -> None:
-        """Stop the parallel streams' threads (the scorer is unusable afterwards)."""
+        """Stop the parallel streams' threads and wait for them (once: closing again does
+        nothing); a closed scorer decodes on the calling thread alone."""
         if self._pool is not None:
             self._pool.shutdown()
             self._pool = None

@@ -45,10 +45,16 @@ from cognet.core.graphspec import (
     step_feed,
 )
 from cognet.core.manifest import GRAPHS, Manifest
+from cognet.runtime.device_selectors import (
+    INIT_GATHER,
+    ORT_TYPES,
+    SEARCH_GRAPHS,
+    SearchGraphs,
+    bind_input,
+)
 from cognet.runtime.encoder import Encoder, Encodings, EnsembleEncoder
 from cognet.runtime.graphcheck import check_io, check_search, probe
 from cognet.runtime.options import CPU_VARIANTS, DEVICES, SELECTIONS, check_variant_device
-from cognet.runtime.search import INIT_GATHER, ORT_TYPES, SEARCH_GRAPHS, SearchGraphs, bind_input
 
 log = logging.getLogger(__name__)
 
@@ -314,7 +320,7 @@ class HostDecoder:
         self.search: SearchGraphs | None = None  # the search graphs, on the CPU provider
         self.select_on_device = False  # select in the search graphs (--selection device)
         # the cache is the token prefix: set decoding steps only its open rows
-        # (`cognet.core.decoding.narrow`)
+        # (`cognet.core.decoding.open_samples`)
         self.prefix_cache = not self._cache.kv
 
     def init(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:

@@ -32,7 +32,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from cognet.core import numbers as strict_json
+from cognet.core import strict_json
 from cognet.core.errors import InputError, one_line, writing
 from cognet.core.files import atomic_path, write_text
 from cognet.core.interrupt import kill_point

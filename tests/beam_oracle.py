@@ -11,8 +11,8 @@ import torch
 from cognet.core.ddi import RATE_TOLERANCE, DDIPolicy
 from cognet.core.decoding import BEAM, MAX_LEN
 from cognet.model.batching import select_rows
-from cognet.model.decoding import Decoded
 from cognet.model.network import COGNet, history_inputs
+from cognet.model.torch_decoding import Decoded
 
 
 def _select(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:

@@ -20,7 +20,7 @@ from cognet.core.history import load_split
 from cognet.core.schema import read_dataset
 from cognet.model import checkpoint
 from cognet.model.batching import make_batch
-from cognet.model.decoding import beam_search
+from cognet.model.torch_decoding import beam_search
 
 
 @pytest.fixture(scope="module")
@@ -210,7 +210,9 @@ def test_help_and_usage_errors():
     assert bad.exit_code == 2
 
 
-def test_fp16_engine_reports_its_agreement(quick_run):
+def test_fp16_engine_reports_its_agreement(quick_run, tiny, tmp_path):
+    """Without float16 graphs the engine is skipped, saying how to get them; with them it
+    runs, and its runs report their agreement with the reference, not a match."""
     _, out = quick_run
     engines = json.loads((out / "results.json").read_text())["engines"]
     assert "cognet-export --fp16" in engines["ort-cpu-fp16"]["reason"]
@@ -219,27 +221,30 @@ def test_fp16_engine_reports_its_agreement(quick_run):
     guard.add(4, {"v1": ("A", "B"), "v2": ("C",)})
     got = guard.compare(4, {"v1": ("A",), "v2": ("C",)}, exact=False)
     assert got["matches_reference"] is None and got["agreement"] == 0.5
+    from cognet.export import export
 
-
-def test_list_scores_are_the_beam_scores(tiny):
-    """The guard's tie check scores a list teacher forced: the beam search's own answer gets
-    the score the beam search reported; a changed list gets another."""
-    from cognet.benchmarks.engines import TorchBatched
-
-    torch.set_num_threads(1)
-    engine = TorchBatched("torch-batched", tiny / "ckpt", 1)
-    vocab = engine.vocab
-    visits = read_dataset(tiny / "data").visits
-    patients = load_split(visits, vocab, "train").patients[:20]
-    batch = make_batch(patients, vocab, targets=False)
-    last = torch.tensor([sum(map(len, patients[: i + 1])) - 1 for i in range(len(patients))])
-    decoded = beam_search(engine.model, batch, beam=4, rows=last)
-    lists = [vocab.med_codes(d.meds) for d in decoded]
-    scores = engine.list_scores(patients, lists)
-    assert scores == pytest.approx([d.score for d in decoded], abs=1e-4)
-    longer = [[*m, c] for m, c in zip(lists, vocab.medications, strict=False) if c not in m]
-    changed = engine.list_scores(patients[: len(longer)], longer)
-    assert all(abs(a - b) > 1e-3 for a, b in zip(changed, scores, strict=False))
+    export(tiny / "ckpt", tmp_path / "model", validate=False, fp16=True)
+    out = tmp_path / "out"
+    args = [
+        "--quick",
+        "--engines",
+        "torch-batched,ort-cpu-fp16",
+        "--model",
+        str(tmp_path / "model"),
+    ]
+    args += ["--checkpoint", str(tiny / "ckpt"), "--data", str(tiny / "data"), "--out", str(out)]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    results = json.loads((out / "results.json").read_text())
+    assert (
+        "ort-cpu-fp16" not in results["engines"]
+        or "reason" not in results["engines"]["ort-cpu-fp16"]
+    )
+    runs = [r for r in results["runs"] if r["engine"] == "ort-cpu-fp16"]
+    assert runs and {r["beam"] for r in runs} == {r["beam"] for r in results["runs"]}
+    for run in runs:
+        assert run["matches_reference"] is None and 0.5 <= run["agreement"] <= 1.0, run
+    assert f"({runs[0]['agreement']:.2%}; not required)" in (out / "results.md").read_text()
 
 
 class _Reference:

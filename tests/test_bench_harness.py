@@ -1,13 +1,18 @@
-"""The bench's measurement loop (`cognet.benchmarks.block`): what each pass does around
+"""The bench's measurement loop (`cognet.benchmarks.interleaved_runs`): what each pass does around
 the engine's runs, what it reports as it ends, when an engine's memory goes back, and how
-the guard's reference decodes."""
+the guard's reference decodes and scores a list (its tie check)."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 
-from cognet.benchmarks import block
+from cognet.benchmarks import interleaved_runs
 from cognet.benchmarks.guard import Guard
+from cognet.core.history import load_split
+from cognet.core.schema import read_dataset
+from cognet.model.batching import make_batch
+from cognet.model.torch_decoding import beam_search
 
 
 def test_each_pass_hands_back_freed_memory_before_its_peak_is_reset(monkeypatch):
@@ -28,10 +33,10 @@ def test_each_pass_hands_back_freed_memory_before_its_peak_is_reset(monkeypatch)
         def after_pass(self):
             events.append("after")
 
-    monkeypatch.setattr(block, "release_memory", lambda: events.append("release") or 0.0)
-    monkeypatch.setattr(block, "reset_peak_rss", lambda: events.append("reset") or True)
-    monkeypatch.setattr(block, "peak_rss_mb", lambda: 1.0)
-    jobs = [block.Job(Engine(), 2, [[1], [2]], [1]) for _ in range(2)]
+    monkeypatch.setattr(interleaved_runs, "release_memory", lambda: events.append("release") or 0.0)
+    monkeypatch.setattr(interleaved_runs, "reset_peak_rss", lambda: events.append("reset") or True)
+    monkeypatch.setattr(interleaved_runs, "peak_rss_mb", lambda: 1.0)
+    jobs = [interleaved_runs.Job(Engine(), 2, [[1], [2]], [1]) for _ in range(2)]
     for _ in range(2):
         for job in jobs:
             job.one_pass()
@@ -42,9 +47,9 @@ def test_each_pass_hands_back_freed_memory_before_its_peak_is_reset(monkeypatch)
 def test_each_pass_is_reported_as_it_ends(monkeypatch):
     """A block reports every pass when it ends, engines in turn, so that a run stopped from
     outside still shows what it measured; a pass that fails ends its engine's lines."""
-    monkeypatch.setattr(block, "release_memory", lambda: 0.0)
-    monkeypatch.setattr(block, "reset_peak_rss", lambda: True)
-    monkeypatch.setattr(block, "peak_rss_mb", lambda: 12.0)
+    monkeypatch.setattr(interleaved_runs, "release_memory", lambda: 0.0)
+    monkeypatch.setattr(interleaved_runs, "reset_peak_rss", lambda: True)
+    monkeypatch.setattr(interleaved_runs, "peak_rss_mb", lambda: 12.0)
 
     class Engine:
         providers: list = []
@@ -76,11 +81,11 @@ def test_each_pass_is_reported_as_it_ends(monkeypatch):
 
     batches = [["v1"], ["v2", "v3"]]
     jobs = [
-        block.Job(Engine("a"), 2, batches, ["w"]),
-        block.Job(Engine("b", 2), 2, batches, ["w"]),
+        interleaved_runs.Job(Engine("a"), 2, batches, ["w"]),
+        interleaved_runs.Job(Engine("b", 2), 2, batches, ["w"]),
     ]
     lines = []
-    records = block.measure_block(jobs, 4, 3, Guard(None), say=lines.append)
+    records = interleaved_runs.measure_block(jobs, 4, 3, Guard(None), say=lines.append)
     heads = [line.split(":")[0].strip() + " " + line.split()[2] for line in lines]
     assert heads == ["pass 1 a", "pass 1 b", "pass 2 a", "pass 3 a"]
     assert all("beam 4 batch 2:" in line and "3 visits in" in line for line in lines)
@@ -129,9 +134,9 @@ def test_an_engine_hands_back_its_memory_when_its_last_pass_ends(monkeypatch):
     """With one pass each (a GPU run), engine a is released before engine b warms up, so
     their memory never shares the device; an engine run in two modes (request and stream)
     is released once, after the last pass of both, with its device memory read first."""
-    monkeypatch.setattr(block, "release_memory", lambda: 0.0)
-    monkeypatch.setattr(block, "reset_peak_rss", lambda: True)
-    monkeypatch.setattr(block, "peak_rss_mb", lambda: 1.0)
+    monkeypatch.setattr(interleaved_runs, "release_memory", lambda: 0.0)
+    monkeypatch.setattr(interleaved_runs, "reset_peak_rss", lambda: True)
+    monkeypatch.setattr(interleaved_runs, "peak_rss_mb", lambda: 1.0)
     events = []
 
     class Engine:
@@ -163,11 +168,11 @@ def test_an_engine_hands_back_its_memory_when_its_last_pass_ends(monkeypatch):
     a, b = Engine("a"), Engine("b")
     batches = [["v1"]]
     jobs = [
-        block.Job(a, 1, batches, ["w"]),
-        block.Job(b, 1, batches, ["w"]),
-        block.Job(b, 1, batches, ["w"], mode="stream"),
+        interleaved_runs.Job(a, 1, batches, ["w"]),
+        interleaved_runs.Job(b, 1, batches, ["w"]),
+        interleaved_runs.Job(b, 1, batches, ["w"], mode="stream"),
     ]
-    records = block.measure_block(jobs, 4, 1, Guard(None))
+    records = interleaved_runs.measure_block(jobs, 4, 1, Guard(None))
     assert events == [
         ("prepare", "a"),
         ("prepare", "b"),
@@ -188,3 +193,24 @@ def test_an_engine_hands_back_its_memory_when_its_last_pass_ends(monkeypatch):
         ("b", "request", 7.0),
         ("b", "stream", 7.0),
     ]
+
+
+def test_list_scores_are_the_beam_scores(tiny):
+    """The guard's tie check scores a list teacher forced: the beam search's own answer gets
+    the score the beam search reported; a changed list gets another."""
+    from cognet.benchmarks.engines import TorchBatched
+
+    torch.set_num_threads(1)
+    engine = TorchBatched("torch-batched", tiny / "ckpt", 1)
+    vocab = engine.vocab
+    visits = read_dataset(tiny / "data").visits
+    patients = load_split(visits, vocab, "train").patients[:20]
+    batch = make_batch(patients, vocab, targets=False)
+    last = torch.tensor([sum(map(len, patients[: i + 1])) - 1 for i in range(len(patients))])
+    decoded = beam_search(engine.model, batch, beam=4, rows=last)
+    lists = [vocab.med_codes(d.meds) for d in decoded]
+    scores = engine.list_scores(patients, lists)
+    assert scores == pytest.approx([d.score for d in decoded], abs=1e-4)
+    longer = [[*m, c] for m, c in zip(lists, vocab.medications, strict=False) if c not in m]
+    changed = engine.list_scores(patients[: len(longer)], longer)
+    assert all(abs(a - b) > 1e-3 for a, b in zip(changed, scores, strict=False))

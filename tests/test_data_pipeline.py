@@ -20,9 +20,9 @@ from mimic_tables import (
 )
 from tiny import run_pipeline
 
-from cognet.benchmarks.omop_convert import generate_extract
 from cognet.data.mimic4 import build_mimic4
 from cognet.data.omop import build_omop
+from cognet.data.synth_omop import generate_extract
 
 pytestmark = pytest.mark.slow
 

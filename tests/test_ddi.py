@@ -26,9 +26,9 @@ from cognet.evaluation import ddi_tradeoff
 from cognet.evaluation.evaluate import EvalOptions, run_evaluation
 from cognet.model import checkpoint
 from cognet.model.batching import make_batch
-from cognet.model.decoding import decode_patients
 from cognet.model.network import history_inputs
 from cognet.model.session import TorchSession
+from cognet.model.torch_decoding import decode_patients
 from cognet.runtime import Scorer
 from cognet.runtime.cli import main as batch_main
 

@@ -1,4 +1,4 @@
-"""`--selection device` (the search graphs of `cognet.runtime.search`) against the torch
+"""`--selection device` (the search graphs of `cognet.runtime.device_selectors`) against the torch
 reference and the host path, visit by visit, for every DDI policy at several batch sizes, on
 a tiny random model and on a trained real-size one."""
 
@@ -14,12 +14,12 @@ from tiny import DDI_IDS, DDI_POLICIES, as_targets
 
 from cognet.cli import main as cognet_main
 from cognet.core.ddi import DDIPolicy
-from cognet.core.decoding import Decoding, narrow
+from cognet.core.decoding import Decoding, open_samples
 from cognet.core.errors import InputError
 from cognet.core.history import patients_from_table
 from cognet.model import checkpoint
-from cognet.model.decoding import decode_patients
-from cognet.runtime import Scorer, search
+from cognet.model.torch_decoding import decode_patients
+from cognet.runtime import ScoreOptions, Scorer, device_selectors
 
 torch.set_num_threads(1)
 
@@ -28,7 +28,7 @@ def _scored(root, visits: pa.Table, **options) -> dict:
     """visit_id -> output row of the runtime on the CPU; with selection="device", checks
     that every batch went through the search graphs."""
     calls = []
-    drivers = {name: getattr(search, name) for name in ("beam_search", "set_marginals")}
+    drivers = {name: getattr(device_selectors, name) for name in ("beam_search", "set_marginals")}
 
     def counted(name):
         def run(*args, **kwargs):
@@ -39,7 +39,7 @@ def _scored(root, visits: pa.Table, **options) -> dict:
 
     with pytest.MonkeyPatch.context() as patch:
         for name in drivers:
-            patch.setattr(search, name, counted(name))
+            patch.setattr(device_selectors, name, counted(name))
         scorer = Scorer(root / "model", device="cpu", threads=1, **options)
         chunks = scorer.score_table(as_targets(visits))
         out = {r["visit_id"]: r for c in chunks for r in c.recommendations.to_pylist()}
@@ -168,9 +168,9 @@ def test_device_selection_sets_equal_the_host_and_torch_on_a_trained_model(
 ):
     visits = pq.read_table(trained_many / "data" / "visits.parquet")
     # the host sampler in the one loop, as the search graphs run it: the narrowed loop
-    # steps rows at other shapes (float32 rounding; tests/test_narrow.py compares the two)
+    # steps rows at other shapes (float32 rounding; tests/test_open_samples.py compares the two)
     with monkeypatch.context() as patch:
-        patch.setattr(narrow, "applies", lambda *_: False)
+        patch.setattr(open_samples, "applies", lambda *_: False)
         host = _scored(trained_many, visits, ddi=policy, batch_size=128, selection="host")
     device = _scored(trained_many, visits, ddi=policy, batch_size=512, selection="device")
     assert len(device) >= 2000
@@ -199,8 +199,8 @@ def test_the_gpu_bindings_run_on_the_cpu_equal_the_host_path(tiny_many, options,
     memory: the lists of the numpy selection (set decoding's scores to float32 rounding);
     chunks of several sizes, each reusing the device buffers of the one before when they
     are long enough. The host path in the one loop, as the GPU path runs it (the narrowed
-    loop: tests/test_narrow.py)."""
-    monkeypatch.setattr(narrow, "applies", lambda *_: False)
+    loop: tests/test_open_samples.py)."""
+    monkeypatch.setattr(open_samples, "applies", lambda *_: False)
     model, bound, encoder = _bound(tiny_many / "model")
     calls = {"chunks": 0, "allocations": 0}
 
@@ -250,7 +250,7 @@ def _bound(model_dir, variant=None):
 
 def _lists(manifest, encode, decoder, table, **options) -> list[dict]:
     scorer = Scorer.from_session(encode, decoder, manifest.vocabulary(), manifest.dims.dim,
-                                 manifest.ddi_pairs, **options)  # fmt: skip
+                                 manifest.ddi_pairs, ScoreOptions.of(**options))  # fmt: skip
     out = pa.concat_tables([c.recommendations for c in scorer.score_table(table)])
     return out.select(["visit_id", "medications", "score"]).to_pylist()
 

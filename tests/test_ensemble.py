@@ -28,9 +28,9 @@ from cognet.core.decoding.ensemble import (
 from cognet.core.decoding.sampling import SetConfig, set_marginals
 from cognet.model import checkpoint
 from cognet.model.batching import make_batch
-from cognet.model.decoding import decode_patients
 from cognet.model.ensemble import Ensemble, members_of
 from cognet.model.session import TorchSession
+from cognet.model.torch_decoding import decode_patients
 
 TINY = ["--epochs", "2", "--dim", "16", "--threads", "1", "--quiet"]
 TIMINGS = ("train_s", "epoch_s")

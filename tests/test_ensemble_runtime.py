@@ -31,8 +31,8 @@ from cognet.core.metrics import visit_results
 from cognet.export.cli import main as export_main
 from cognet.model import checkpoint
 from cognet.model.batching import make_batch
-from cognet.model.decoding import beam_search, decode_patients
 from cognet.model.ensemble import Ensemble
+from cognet.model.torch_decoding import beam_search, decode_patients
 from cognet.runtime import ScoreOptions, Scorer
 from cognet.runtime.cli import main as batch_main
 from cognet.runtime.encoder import Encoder, EnsembleEncoder
@@ -156,7 +156,7 @@ def test_runtime_equals_torch_ensemble(ensemble, name, batch_size, history):
 def test_search_graphs_decode_the_ensemble_like_torch(ensemble, name, path):
     """Each member's set decoding in the search graphs (its own draws), and what a GPU runs
     (device bindings, encodings gathered by init_gather) on the CPU provider."""
-    from cognet.runtime.model import open_model
+    from cognet.runtime.scoring_model import open_model
 
     decoding, options = DECODINGS[name]
     model, vocab, _ = checkpoint.load(ensemble / "ens")
@@ -207,7 +207,7 @@ def test_explanations_of_an_ensemble(ensemble, name):
 
 
 def test_cognet_explain_opens_an_ensemble(ensemble):
-    from cognet.runtime.explain import explain_visit
+    from cognet.runtime.explain_visit import explain_visit
 
     table = _visits(ensemble, history=True)
     later = [r["visit_id"] for r in table.to_pylist() if r["visit_seq"] >= 2]

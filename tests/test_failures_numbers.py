@@ -22,7 +22,7 @@ from click.testing import CliRunner
 from tiny import make_tiny
 
 from cognet.cli import main as cognet_main
-from cognet.core import numbers
+from cognet.core import strict_json
 from cognet.export.cli import main as export_main
 from cognet.runtime.cli import main as batch_main
 
@@ -138,15 +138,15 @@ def test_every_json_file_written_is_strict_json(made, tmp_path):
     written = [tmp_path / "s.json", tmp_path / "r.json"]
     written += [made / "ckpt" / "config.json", made / "model" / "manifest.json"]
     for path in written:
-        numbers.loads(path.read_text())
+        strict_json.loads(path.read_text())
     stats = CliRunner().invoke(cognet_main, ["data", "stats", str(made / "data"), "--json"])
-    numbers.loads(stats.output)
+    strict_json.loads(stats.output)
     # what the writers do with a value that is not finite (a metric of no visit): null
-    assert numbers.dumps({"a": math.nan, "b": [np.float32("inf"), 1.5]}) == (
+    assert strict_json.dumps({"a": math.nan, "b": [np.float32("inf"), 1.5]}) == (
         '{"a": null, "b": [null, 1.5]}'
     )
     with pytest.raises(ValueError, match="NaN is not a number JSON allows"):
-        numbers.loads('{"a": NaN}')
+        strict_json.loads('{"a": NaN}')
 
 
 # -- 4. no model of NaNs ----------------------------------------------------------------------

@@ -11,7 +11,7 @@ from tiny import make_tiny
 from cognet.core.decoding import Decoding
 from cognet.core.history import load_split
 from cognet.model import checkpoint
-from cognet.model.decoding import decode_patients
+from cognet.model.torch_decoding import decode_patients
 
 pytestmark = [
     pytest.mark.gpu,
@@ -132,7 +132,7 @@ def test_ort_cuda_set_decoding_agrees_with_torch(real_size):
     import pyarrow as pa
 
     from cognet.core.manifest import load_manifest
-    from cognet.model.decoding import decode_patients
+    from cognet.model.torch_decoding import decode_patients
     from cognet.runtime import Scorer
 
     decoding = load_manifest(real_size / "model").default_decoding()
@@ -151,7 +151,7 @@ def test_ort_cuda_set_decoding_agrees_with_torch(real_size):
     assert sum(got[k] == ref[k] for k in ref) / len(ref) >= 0.995
 
 
-# -- the search graphs on CUDA (runtime/search.py) ------------------------------------------------
+# -- the search graphs on CUDA (runtime/device_selectors.py) --------------------------------------
 @needs_ort_cuda
 @pytest.mark.parametrize("split", [False, True], ids=["one-stage", "split"])
 def test_cuda_beam_select_equals_the_cpu(split):

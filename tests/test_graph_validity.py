@@ -60,7 +60,7 @@ def test_a_model_exported_before_keeps_its_one_take_graph_of_any_rank():
     import onnxruntime as ort
     from onnx import TensorProto, helper
 
-    from cognet.runtime.search import SearchGraphs
+    from cognet.runtime.device_selectors import SearchGraphs
 
     node = helper.make_node("Gather", ["x", "rows"], ["y"], axis=0)
     graph = helper.make_graph(

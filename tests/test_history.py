@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from cognet.core.history import history_index
-from cognet.runtime.plan import Ragged
+from cognet.core.ragged import Ragged
 
 
 def _by_loops(histories, med_ids) -> dict[str, np.ndarray]:

@@ -13,8 +13,8 @@ from cognet.core.history import Visit
 from cognet.core.metrics import jaccard
 from cognet.core.vocab import Vocab
 from cognet.model.batching import ehr_adjacency, make_batch
-from cognet.model.decoding import beam_search
 from cognet.model.network import ABLATIONS, COGNet, ModelConfig, history_inputs
+from cognet.model.torch_decoding import beam_search
 from cognet.training.loss import mix_inputs
 from cognet.training.train import TrainConfig, train_epoch
 

@@ -1,4 +1,5 @@
-"""The README's "Python API" example runs as written, without torch, on a tiny model."""
+"""The Python API: the README's example runs as written, without torch, on a tiny model;
+what `cognet.runtime` exports; `Scorer` as a context manager and its keywords."""
 
 from __future__ import annotations
 
@@ -6,10 +7,16 @@ import ast
 import re
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pyarrow.parquet as pq
+import pytest
 from tiny import last_visits_unknown
+
+import cognet.runtime
+from cognet.core.errors import InputError
+from cognet.runtime import DecodingRequest, ScoreOptions, Scorer
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 
@@ -46,3 +53,48 @@ def test_readme_example_runs_without_torch(tiny, tmp_path):
         assert ast.literal_eval(medications) == scored[visit_id]["medications"]
         assert float(score) < 0
     assert any(scored[v]["medications"] for v in to_score)
+
+
+def test_the_runtime_exports_what_a_caller_passes_the_scorer():
+    from cognet.core.ddi import DDIPolicy as CoreDDIPolicy
+    from cognet.core.decoding.request import DecodingRequest as CoreRequest
+    from cognet.runtime import DDIPolicy, Scorer
+    from cognet.runtime.scorer import Scorer as RuntimeScorer
+
+    assert DDIPolicy is CoreDDIPolicy and DecodingRequest is CoreRequest
+    assert Scorer is RuntimeScorer
+    assert {"DDIPolicy", "DecodingRequest", "Scorer"} <= set(cognet.runtime.__all__)
+
+
+def _pool_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith("cognet-batch")]
+
+
+def _scored(scorer: Scorer, visits) -> int:
+    return sum(c.recommendations.num_rows for c in scorer.score_table(visits, score_all=True))
+
+
+def test_with_scorer_stops_its_threads(tiny):
+    """Two streams decode on a pool of two threads; the end of the `with` block stops and
+    joins them, and closing again does nothing."""
+    visits = pq.read_table(tiny / "data" / "visits.parquet")
+    before = set(_pool_threads())
+    with Scorer(tiny / "model", device="cpu", threads=2, streams=2, batch_size=8) as scorer:
+        rows = _scored(scorer, visits)
+        assert rows > 0 and set(_pool_threads()) - before  # the streams ran on the pool
+    assert scorer._pool is None
+    assert set(_pool_threads()) <= before
+    scorer.close()  # idempotent
+    assert _scored(scorer, visits) == rows  # a closed scorer decodes on this thread
+
+
+def test_scorer_takes_options_or_keywords_not_both(tiny):
+    options = ScoreOptions(device="cpu", request=DecodingRequest(beam=1), batch_size=8)
+    by_options = Scorer(tiny / "model", options)
+    by_keywords = Scorer(tiny / "model", device="cpu", beam=1, batch_size=8)
+    assert by_keywords.options == by_options.options
+    assert by_keywords.settings() == by_options.settings()
+    with pytest.raises(TypeError, match="options or keywords"):
+        Scorer(tiny / "model", options, beam=2)
+    with pytest.raises(InputError, match="beam"):
+        Scorer(tiny / "model", device="cpu", beam=0)

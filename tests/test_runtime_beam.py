@@ -1,6 +1,6 @@
 """The driver with the host beam selector equals the test oracle (tests/beam_oracle.py, the
 plain torch loop) when it runs the torch model's graphs through the session interface, and so
-does the torch beam search of cognet.model.decoding; top-k keeps stable-sort order."""
+does the torch beam search of cognet.model.torch_decoding; top-k keeps stable-sort order."""
 
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ from tiny import DDI_IDS, DDI_POLICIES, make_case
 from cognet.core.decoding.beam import BeamConfig, beam_search, top_k_stable
 from cognet.core.graphspec import INIT_INPUTS
 from cognet.model.batching import make_batch
-from cognet.model.decoding import beam_search as model_beam_search
 from cognet.model.network import history_inputs
 from cognet.model.session import TorchSession
+from cognet.model.torch_decoding import beam_search as model_beam_search
 
 torch.set_num_threads(1)  # tiny tensors: threads only add contention
 
@@ -101,7 +101,7 @@ def test_top_k_is_a_stable_descending_sort(k):
 @pytest.mark.parametrize("policy", DDI_POLICIES, ids=DDI_IDS)
 @pytest.mark.parametrize("beam,max_len,n_med", [(4, 45, 12), (1, 45, 12), (3, 5, 4)])
 def test_torch_beam_search_equals_the_oracle(policy, beam, max_len, n_med):
-    """`cognet.model.decoding.beam_search` (the driver over `TorchSession`) gives the oracle's
+    """`cognet.model.torch_decoding.beam_search` (the driver over `TorchSession`) gives the oracle's
     answer on every visit, also for a subset of the batch's rows."""
     model, vocab, patients = make_case(n_med=n_med, seed=8, n_patients=16)
     batch = make_batch(patients, vocab, targets=False)

@@ -3,12 +3,15 @@ silent drop), the row invariant, resume after kill -9, and a run without torch."
 
 from __future__ import annotations
 
+import ast
+import importlib
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
+import click
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -45,10 +48,45 @@ def score(tiny: Path, input_path: Path, out: Path, *args: str):
     return result
 
 
+def entry_points() -> dict[str, click.Command]:
+    """setup.py's console scripts: {name: the click command it runs}."""
+    scripts = []
+    for node in ast.walk(ast.parse((REPO / "setup.py").read_text())):
+        if isinstance(node, ast.Dict):
+            for key, value in zip(node.keys, node.values, strict=True):
+                if isinstance(key, ast.Constant) and key.value == "console_scripts":
+                    scripts = ast.literal_eval(value)
+    found = {}
+    for script in scripts:
+        name, target = (part.strip() for part in script.split("="))
+        module, attr = target.split(":")
+        found[name] = getattr(importlib.import_module(module), attr)
+    return found
+
+
+def every_command(command: click.Command, path: tuple[str, ...] = ()):
+    """(path, command) of a command and, for a group, of every command below it."""
+    yield path, command
+    if isinstance(command, click.Group):
+        with click.Context(command) as ctx:
+            for name in command.list_commands(ctx):
+                yield from every_command(command.get_command(ctx, name), (*path, name))
+
+
 def test_help_on_every_command():
-    for args in (["--help"], ["score", "--help"]):
-        result = CliRunner().invoke(main, args)
-        assert result.exit_code == 0 and "Example" in result.output
+    """Every command of every entry point (cognet, cognet-export, cognet-batch, cognet-bench),
+    found by walking its click groups: `--help` exits 0 and shows an example."""
+    scripts = entry_points()
+    assert set(scripts) == {"cognet", "cognet-export", "cognet-batch", "cognet-bench"}
+    walked = []
+    for script, command in scripts.items():
+        for path, _ in every_command(command):
+            result = CliRunner().invoke(command, [*path, "--help"])
+            assert result.exit_code == 0, (script, path, result.output)
+            assert "Example" in result.output, (script, path)
+            walked.append((script, *path))
+    assert ("cognet-batch",) in walked and ("cognet-batch", "score") in walked
+    assert ("cognet-batch", "explain") in walked and ("cognet", "data", "synth") in walked
 
 
 def test_score_writes_outputs_and_summary(tiny, visits, tmp_path):

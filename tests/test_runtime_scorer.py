@@ -22,8 +22,8 @@ from cognet.core.history import patients_from_table
 from cognet.core.manifest import load_manifest
 from cognet.core.metrics import visit_results
 from cognet.model import checkpoint
-from cognet.model.decoding import decode_patients
-from cognet.runtime import OUTPUT_SCHEMA, Scorer
+from cognet.model.torch_decoding import decode_patients
+from cognet.runtime import OUTPUT_SCHEMA, ScoreOptions, Scorer
 from cognet.runtime.batches import CPU_BATCH_SLOTS, cut_padded, least_padded
 
 torch.set_num_threads(1)
@@ -289,10 +289,11 @@ def test_io_binding_decoder_equals_the_host_decoder(tiny, reference):
     bound = DeviceDecoder(model.sessions["decoder_init"], model.sessions["decoder_step"],
                           manifest, device=("cpu", 0))  # fmt: skip
     table = reference["visits"]
+    options = ScoreOptions(batch_size=16, compact_at=0.5)
     host = Scorer.from_session(model.encoder, model.decoder, manifest.vocabulary(), 16,
-                               batch_size=16, compact_at=0.5)  # fmt: skip
-    dev = Scorer.from_session(model.encoder, bound, manifest.vocabulary(), 16, batch_size=16,
-                              compact_at=0.5)  # fmt: skip
+                               options=options)  # fmt: skip
+    dev = Scorer.from_session(model.encoder, bound, manifest.vocabulary(), 16,
+                              options=options)  # fmt: skip
     _, a = _score(host, table, score_all=True, explain=True)
     _, b = _score(dev, table, score_all=True, explain=True)
     assert a.equals(b)

@@ -254,7 +254,7 @@ def test_skipping_finished_samples_changes_no_marginal(estimator, mode):
     ddi = DDIPolicy(mode, penalty=1.5) if mode == "soft" else DDIPolicy()
     cfg = SetConfig(end=8, samples=16, seed=4, max_len=9, estimator=estimator, ddi=ddi)
     keys = visit_keys([f"V{i}" for i in range(40)])
-    est, _, _ = set_marginals(FixedSession(q), np.arange(40), 40, cfg, keys, adj)
+    est, _, _ = set_marginals(FixedSession(q), np.arange(40), 40, cfg, keys, ddi_adj=adj)
     want = _every_row_marginals(q, cfg, keys, adj if mode == "soft" else None)
     assert np.abs(est - want).max() <= 1e-15
     assert (est > 0).sum() > 100  # the samples emitted medications

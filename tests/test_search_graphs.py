@@ -1,4 +1,4 @@
-"""The search graphs (`cognet.export.search_graphs`, run by `cognet.runtime.search`), each
+"""The search graphs (`cognet.export.search_graphs`, run by `cognet.runtime.device_selectors`), each
 against the numpy rules it replaces, and ONNX TopK's tie order on the CPU provider."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from cognet.export.search_graphs import (
     set_select_graph,
     take_graph,
 )
-from cognet.runtime import search
+from cognet.runtime import device_selectors
 
 torch.set_num_threads(1)
 
@@ -33,7 +33,7 @@ def _session(model: onnx.ModelProto) -> ort.InferenceSession:
 
 
 def _ddi_feeds(policy: DDIPolicy) -> dict:
-    return search._ddi_feeds(policy)[1]
+    return device_selectors._ddi_feeds(policy)[1]
 
 
 def _adjacency(m: int, seed: int) -> np.ndarray:

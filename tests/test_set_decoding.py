@@ -19,7 +19,7 @@ from cognet.core.decoding import Decoding
 from cognet.core.history import patients_from_table
 from cognet.core.manifest import load_manifest
 from cognet.model import checkpoint
-from cognet.model.decoding import decode_patients
+from cognet.model.torch_decoding import decode_patients
 from cognet.runtime import Scorer
 from cognet.runtime.cli import main as batch_main
 

@@ -7,9 +7,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from cognet.core.ddi import DDIPolicy, DDITarget, with_target
+from cognet.core.ddi import DDIPolicy, DDITarget
 from cognet.core.decoding import Decoding
-from cognet.core.decoding.request import DecodingRequest
+from cognet.core.decoding.request import DecodingRequest, with_target
 from cognet.core.decoding.sampling import SetConfig, set_result
 from cognet.core.decoding.set_rules import jaccard_sizes, select_sets
 from cognet.core.history import Visit

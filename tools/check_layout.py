@@ -9,7 +9,12 @@ collects its imports with `ast` (import-linter would miss the remapped folders),
 
 - core: `cognet.core` imports no torch and nothing of cognet outside `cognet.core`;
 - data: `cognet.data` imports no torch and nothing of cognet but `cognet.core`;
-- runtime: `cognet.runtime` imports no torch and nothing of cognet but `cognet.core`;
+- runtime: `cognet.runtime` imports no torch and nothing of cognet but `cognet.core` and
+  `cognet.clitools`;
+- clitools: `cognet.clitools` (the command lines' helpers) imports no torch and nothing of
+  cognet but `cognet.core`;
+- click: the library (core, data, model, training, evaluation) imports no click: only the
+  command lines and their helpers do;
 - the folders of the torch side import downwards only (ALLOWED): model <- training <-
   evaluation <- cli;
 - no-runtime: nothing but the runtime, export and the benchmarks imports the runtime;
@@ -43,6 +48,7 @@ from pathlib import Path
 
 MAX_LINES = 450
 TORCH = "torch"
+CLICK = "click"
 
 
 @dataclass(frozen=True)
@@ -114,6 +120,7 @@ def imports(path: Path, name: str, known: set[str]) -> list[Import]:
 
 LAYERS = (
     "core",
+    "clitools",
     "data",
     "model",
     "training",
@@ -140,22 +147,29 @@ def _is_torch(module: str) -> bool:
     return module == TORCH or module.startswith(TORCH + ".")
 
 
+def _is_click(module: str) -> bool:
+    return module == CLICK or module.startswith(CLICK + ".")
+
+
 # layer -> the cognet layers it may import (None: any). Upwards: core <- data, model <- training
-# <- evaluation <- cli; the runtime beside them on core alone; export on the model.
+# <- evaluation <- cli; the runtime beside them on core alone; export on the model; the
+# command lines' helpers (clitools) on core, for every command line.
 ALLOWED = {
     "core": {"root", "core"},
+    "clitools": {"root", "core", "clitools"},
     "data": {"root", "core", "data"},
-    "runtime": {"root", "core", "runtime"},
+    "runtime": {"root", "core", "clitools", "runtime"},
     "model": {"root", "core", "model"},
     "training": {"root", "core", "data", "model", "training"},
     "evaluation": {"root", "core", "data", "model", "training", "evaluation"},
-    "cli": {"root", "core", "data", "model", "training", "evaluation", "cli"},
-    "top": {"root", "core", "data", "model", "training", "evaluation", "cli", "top"},
+    "cli": {"root", "core", "clitools", "data", "model", "training", "evaluation", "cli"},
+    "top": {"root", "core", "clitools", "data", "model", "training", "evaluation", "cli", "top"},
     "root": {"root", "core"},
-    "export": {"root", "core", "model", "export", "runtime"},
+    "export": {"root", "core", "clitools", "model", "export", "runtime"},
     "benchmarks": None,
 }
-TORCH_FREE = {"core": "core", "data": "data", "runtime": "runtime"}
+TORCH_FREE = {"core": "core", "data": "data", "runtime": "runtime", "clitools": "clitools"}
+CLICK_FREE = ("core", "data", "model", "training", "evaluation")  # the library: it raises
 
 
 def violations(root: Path) -> list[str]:
@@ -179,6 +193,8 @@ def layering(root: Path) -> list[str]:
             at = f"{where}:{imp.line}"
             if _is_torch(imp.module) and mine in TORCH_FREE:
                 out.append(f"{at}: {TORCH_FREE[mine]}: cognet.{mine} imports {imp.module}")
+            if _is_click(imp.module) and mine in CLICK_FREE:
+                out.append(f"{at}: click: cognet.{mine} imports {imp.module}")
             if theirs is None:
                 continue
             if theirs == "benchmarks" and mine != "benchmarks":

@@ -5,8 +5,7 @@ from __future__ import annotations
 import click
 
 from cognet.cli.train import threads_option
-from cognet.core import numbers as strict_json
-from cognet.core.clitools import (
+from cognet.clitools import (
     FiniteFloat,
     count_option,
     decoding_options,
@@ -14,8 +13,9 @@ from cognet.core.clitools import (
     handle_errors,
     setup_logging,
 )
+from cognet.core import strict_json
 from cognet.core.files import Reads, write_text
-from cognet.core.numbers import finite
+from cognet.core.strict_json import finite
 from cognet.evaluation.ddi_tradeoff import DEFAULT_PENALTIES
 
 

@@ -5,17 +5,17 @@ from __future__ import annotations
 
 import click
 
-from cognet.core.clitools import (
+from cognet.clitools import (
     FiniteFloat,
     count_option,
     handle_errors,
-    progress,
     setup_logging,
 )
 from cognet.core.decoding import (
     Decoding,
 )
 from cognet.core.files import Reads, guarded
+from cognet.core.progress import progress
 
 RECIPE_CHOICES = ("default", "reference")
 

@@ -4,7 +4,7 @@ errors (`InputError`), the dataset contract (`schema`), vocabularies (`vocab`), 
 assembly (`history`), the model-directory format (`manifest`) and graph I/O names
 (`graphspec`), DDI policies (`ddi`), metrics (`metrics`), decoding defaults and the --beam
 rule (`decoding`), the one decoding loop (`driver`) and set decoding's sampler (`sampling`),
-TensorRT provider options (`tensorrt`), the command-line helpers (`clitools`), the atomic
+TensorRT provider options (`tensorrt`), progress bars (`progress`), the atomic
 writes and checks of outputs (`files`) and the one-writer lock of outputs (`lock`).
 
 Nothing here imports torch nor any cognet module outside `cognet.core` (`make lint` checks

@@ -26,14 +26,13 @@ before the candidates are ranked. The default policy (`off`) adds no work to a s
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
-from cognet.core.decoding import Decoding
 from cognet.core.errors import InputError
-from cognet.core.numbers import finite
+from cognet.core.strict_json import finite
 from cognet.core.vocab import Vocab
 
 DDI_MODES = ("off", "soft", "hard")
@@ -80,7 +79,7 @@ class DDITarget:
     """A DDI policy and set-decoding threshold chosen together on the validation split for
     the best validation Jaccard at a validation DDI rate <= `target` (`cognet.training.ddi_target`).
     Stored with a model (config.json and manifest.json "ddi_target"), it is the model's
-    default policy: `with_target` says when it applies."""
+    default policy: `cognet.core.decoding.request.with_target` says when it applies."""
 
     target: float  # R, the DDI rate asked for
     policy: DDIPolicy  # the soft penalty (or off) and per-set cap found; hard as a last resort
@@ -144,25 +143,6 @@ def require_pairs(pairs: Sequence | np.ndarray, where: object, asked: str) -> No
             f"{where}: no DDI pair (drug_a, drug_b) to act on, so {asked} would hold "
             f"trivially; give the dataset a ddi.parquet with pairs, or drop {asked}"
         )
-
-
-def with_target(
-    asked: DDIPolicy | None,
-    target: DDITarget | None,
-    default: Decoding,
-    resolve: Callable[[Decoding], Decoding],
-) -> tuple[Decoding, DDIPolicy]:
-    """The decoding and the policy to run: `resolve` (the caller's changes) on top of the
-    model's `default` decoding, and the policy `asked` (None: none asked). A model's DDI
-    target applies when no policy is asked and the decoding stays a set (it was chosen for
-    one): its policy, its set rule and its threshold (read by the threshold rule), as the
-    search chose them, unless the changes set them. Otherwise the asked policy, or off; a
-    model without a target decodes as it always did."""
-    if asked is None and target is not None and default.name == "set":
-        decoding = resolve(default.with_changes(threshold=target.threshold, rule=target.rule))
-        if decoding.name == "set":
-            return decoding, target.policy
-    return resolve(default), asked or DDIPolicy()
 
 
 def ddi_matrix(vocab: Vocab, pairs: Iterable[Sequence[str]]) -> np.ndarray:

@@ -107,7 +107,7 @@ STEP_OUTPUTS = (*STEP_HEADS, *STEP_CACHE_OUTPUTS)
 KV_STEP_OUTPUTS = (*STEP_HEADS, *KV_CACHE_OUTPUTS)
 
 # The search graphs of `cognet-export` (export/search_graphs.py), run by the runtime
-# (`cognet.runtime.search`): their inputs, the outputs that come to the host each step and
+# (`cognet.runtime.device_selectors`): their inputs, the outputs that come to the host each step and
 # those that stay where the graphs run (the next step's state). N visits, B beams, S samples.
 BEAM_SELECT_INPUTS = (
     "log_probs",  # float32 [N, B, V1]

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 import pyarrow as pa
 
+from cognet.core.ragged import Ragged
 from cognet.core.schema import split_rows
 from cognet.core.vocab import Vocab
 
@@ -111,18 +112,18 @@ def history_index(histories: Sequence[Sequence[int]], med_ids) -> dict[str, np.n
 
     histories[n]: rows (into the encoded visits) of visit n's past visits, oldest first.
     med_ids[r]: medication ids of encoded row r, in the order given to the encoder.
-    Both: a sequence of sequences, or ragged arrays (`offsets` [N + 1] and `values`).
+    Both: a sequence of sequences, or a `Ragged` (`offsets` [N + 1] and `values`).
     Returns hist_index/hist_mask [N, J] and slot_row/slot_pos/slot_visit/slot_med/slot_mask
     [N, S] (J, S >= 1; padding points at row 0 with mask 0). Vectorised: no Python loop
     over visits (the runtime builds it for every batch).
     """
-    if hasattr(med_ids, "offsets"):
+    if isinstance(med_ids, Ragged):
         offsets, values = np.asarray(med_ids.offsets), np.asarray(med_ids.values)
     else:
         lengths = np.fromiter(map(len, med_ids), np.int64, len(med_ids))
         offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
         values = np.fromiter((m for ids in med_ids for m in ids), np.int64, int(offsets[-1]))
-    if hasattr(histories, "offsets"):
+    if isinstance(histories, Ragged):
         per_visit = np.diff(np.asarray(histories.offsets))
         rows = np.asarray(histories.values, np.int64)
     else:

@@ -51,7 +51,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from cognet.core import numbers as strict_json
+from cognet.core import strict_json
 from cognet.core.ddi import DDITarget
 from cognet.core.decoding import Decoding
 from cognet.core.errors import InputError, one_line
@@ -184,6 +184,11 @@ class Manifest:
 
     def vocabulary(self) -> Vocab:
         return Vocab.from_json(self.vocab)
+
+    @property
+    def path(self) -> Path:
+        """The manifest's file (`manifest.json` in `model_dir`), for messages."""
+        return self._file()
 
     def _file(self) -> Path:
         return Path(self.model_dir or ".") / MANIFEST_FILE

@@ -253,7 +253,7 @@ def bootstrap_report(
 
 def visit_results(patients: Sequence[Sequence[Visit]], decoded: Sequence) -> list[VisitResult]:
     """One VisitResult per visit of `patients` (in order), from the decoded answers (each with
-    `meds` and `scores`, e.g. `cognet.model.decoding.Decoded`)."""
+    `meds` and `scores`, e.g. `cognet.model.torch_decoding.Decoded`)."""
     visits = [v for p in patients for v in p]
     return [
         VisitResult(v.patient_id, d.meds, tuple(v.meds or ()), d.scores)

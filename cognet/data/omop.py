@@ -26,7 +26,8 @@ reads. Only the columns used are required; visit_start_datetime is optional. Or 
 
 Memory: the clinical tables are streamed in record batches and reduced at once to integer
 (visit, code) pairs; concept and concept_ancestor keep only the rows that matter (the concepts
-in use, the ATC classes and their descendants). benchmarks/omop_convert.py measures it.
+in use, the ATC classes and their descendants). benchmarks/omop_convert.py measures it
+(on an extract of `cognet.data.synth_omop`).
 """
 
 from __future__ import annotations

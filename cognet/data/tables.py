@@ -26,7 +26,7 @@ import pyarrow.compute as pc
 import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 
-from cognet.core import numbers as strict_json
+from cognet.core import strict_json
 from cognet.core.errors import InputError, one_line, where
 from cognet.core.files import target_of, write_text
 from cognet.core.schema import DDI_FILE, VISITS_FILE

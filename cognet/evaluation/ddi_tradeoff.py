@@ -10,7 +10,7 @@ a table and a plot of Jaccard against DDI rate.
     print(result.table)
     plot(result.rows, "tradeoff.png")
 
-Each policy decodes the whole split again (`cognet.model.decoding.decode_patients`).
+Each policy decodes the whole split again (`cognet.model.torch_decoding.decode_patients`).
 `recommend` picks the soft penalty to advertise: the one with the lowest DDI rate among
 those that cost at most `max_jaccard_drop` Jaccard against `off`.
 
@@ -118,7 +118,7 @@ def tradeoff(
     search)."""
     from cognet.core.metrics import evaluation_report, visit_results
     from cognet.evaluation.evaluate import EvalOptions
-    from cognet.model.decoding import decode_patients
+    from cognet.model.torch_decoding import decode_patients
 
     options = options or EvalOptions()
     rows = []

@@ -26,7 +26,7 @@ from cognet.core.metrics import (
 )
 from cognet.core.schema import DDI_FILE, PREDICTIONS_SCHEMA
 from cognet.core.vocab import Vocab
-from cognet.model.decoding import decode_patients
+from cognet.model.torch_decoding import decode_patients
 
 log = logging.getLogger(__name__)
 
@@ -139,7 +139,7 @@ def run_evaluation(ckpt, data_dir, options: EvalOptions = EvalOptions()) -> dict
 def _decode_split(model, vocab: Vocab, patients, decoding, ddi, options: EvalOptions):
     """Decode every patient (with a progress bar) into VisitResults; write the predictions
     Parquet file when `options.predictions` asks for it."""
-    from cognet.core.clitools import progress
+    from cognet.core.progress import progress
 
     n_visits = sum(map(len, patients))
     with progress(total=n_visits, desc="decoding", unit="visit", quiet=options.quiet) as bar:

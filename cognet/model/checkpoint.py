@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 from safetensors.torch import save_file
 
-from cognet.core import numbers as strict_json
+from cognet.core import strict_json
 from cognet.core.decoding.ensemble import MAX_MEMBERS
 from cognet.core.errors import InputError, one_line, writing
 from cognet.core.fields import FieldError, show

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from cognet.core import numbers as strict_json
+from cognet.core import strict_json
 from cognet.core.ddi import DDITarget
 from cognet.core.decoding import Decoding
 from cognet.core.errors import InputError, one_line

@@ -187,7 +187,7 @@ def choose_target(
 ) -> tuple[DDITarget, list[Trial]]:
     """`search` for a torch model: `decoding` (a set decoding: its samples and estimator)
     decodes the validation `patients` under each policy; ddi_adj: bool [M, M]."""
-    from cognet.model.decoding import decode_patients
+    from cognet.model.torch_decoding import decode_patients
     from cognet.training.tuning import THRESHOLDS
 
     if decoding.name != "set":

@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import torch
 
-from cognet.core.decoding import Decoding, driver, narrow
+from cognet.core.decoding import Decoding, driver, open_samples
 from cognet.core.decoding.draws import visit_keys
 from cognet.core.decoding.ensemble import member_config
 from cognet.core.decoding.sampling import SetConfig, SetSampler
@@ -103,7 +103,7 @@ def sample_sets(
         for k, member in enumerate(members_of(teacher)):
             session = TorchSession(member)
             sampler = _RecordingSampler(member_config(base, k), keys, cfg.temperature)
-            loop = narrow.run if narrow.applies(session, sampler) else driver.run
+            loop = open_samples.run if open_samples.applies(session, sampler) else driver.run
             loop(session, session.memories(batch), len(visits), sampler, sampler.cfg)
             sets.append(sampler.sets)
         out.extend(np.concatenate(sets, axis=1))

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from cognet.core import numbers as strict_json
+from cognet.core import strict_json
 from cognet.core.decoding import Decoding
 from cognet.core.decoding.ensemble import MAX_MEMBERS
 from cognet.core.errors import InputError

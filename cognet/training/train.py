@@ -24,13 +24,13 @@ from cognet.core.decoding.ensemble import MAX_MEMBERS, member_seed
 from cognet.core.errors import InputError
 from cognet.core.files import writable_folder
 from cognet.core.metrics import evaluation_report, visit_results
-from cognet.core.numbers import finite
 from cognet.core.schema import DDI_FILE
+from cognet.core.strict_json import finite
 from cognet.core.vocab import Vocab
 from cognet.model.batching import IGNORE, ddi_adjacency, ehr_adjacency, make_batch
-from cognet.model.decoding import decode_patients
 from cognet.model.ensemble import Ensemble
 from cognet.model.network import COGNet, ModelConfig
+from cognet.model.torch_decoding import decode_patients
 from cognet.training.distill import DistillConfig, TeacherTargets, teacher_targets
 from cognet.training.loss import aux_loss, ddi_terms, ramp, teacher_forced
 from cognet.training.members import Tuning, finish, read_splits

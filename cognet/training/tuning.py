@@ -130,7 +130,7 @@ def set_decoding_for(
 ) -> tuple[Decoding, dict]:
     """The set decoding of `samples` samples (drawn by this version's estimator) with the
     threshold and the set rule chosen on `patients` (`choose_set_rule`)."""
-    from cognet.model.decoding import decode_patients
+    from cognet.model.torch_decoding import decode_patients
 
     probe = Decoding(name="set", samples=samples, threshold=1.0, estimator=ESTIMATOR)
     decoded = decode_patients(model, vocab, patients, decoding=probe, ddi=DDIPolicy())

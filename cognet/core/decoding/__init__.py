@@ -4,7 +4,8 @@
 caller asks on top of it), `driver` (the one decoding loop and the interfaces it drives),
 `beam` (beam search's host selector and trace back), `sampling` (set decoding's sampler),
 `draws` (its counter-based random draws), `set_rules` (the set read from P(k in S)),
-`explain` (what each medication took from the history, for every decoding). The defaults
+`attribution` (what each medication took from the history, for every decoding),
+`open_samples` (set decoding's loop over the open samples only). The defaults
 are re-exported here.
 """
 

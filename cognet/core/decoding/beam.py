@@ -1,7 +1,7 @@
 """Beam search on the host: the paper's decoding as a selector of the one decoding loop
 (`cognet.core.decoding.driver.run`), in numpy over any decoder session (torch-free).
 
-The rules are those of `cognet.model.decoding.beam_search` (docs/INTERNALS.md "Beam search"):
+The rules are those of `cognet.model.torch_decoding.beam_search` (docs/INTERNALS.md "Beam search"):
 scores start at 0 for beam 0 and -inf for the others; medications already in a hypothesis
 get -inf; a finished beam proposes only END with log-probability 0; the B best candidates
 of each visit are taken in a stable descending order (ties -> smaller flat index
@@ -20,7 +20,7 @@ How the work is kept small:
 - Each step only records (parent, token, chosen log-prob) per beam (`BeamStep`); the best
   hypothesis is traced back once per batch at the end, along with the optional PRAUC
   scores (mean step probabilities) and explanations (gate, copy distribution and diagnosis
-  attention at each step). The device selector (`cognet.runtime.search`) shares the trace.
+  attention at each step). The device selector (`cognet.runtime.device_selectors`) shares the trace.
 
 DDI-aware decoding (`cfg.ddi`) follows the rules written in `cognet.core.ddi`.
 """
@@ -40,9 +40,9 @@ from cognet.core.ddi import (
     ddi_rates,
 )
 from cognet.core.decoding import BEAM, driver
+from cognet.core.decoding.attribution import beam_shares
 from cognet.core.decoding.driver import DecoderSession, LoopConfig, step_outputs
 from cognet.core.decoding.ensemble import MEMBER_LOG_PROBS, mix_log_probs
-from cognet.core.decoding.explain import beam_shares
 
 NEG_INF = np.float32(-np.inf)
 
@@ -66,10 +66,11 @@ class BeamResult:
     meds: list[np.ndarray]  # per visit: medication ids in generation order (END excluded)
     score: np.ndarray  # float32 [N]: sum of log-probabilities, END included
     med_probs: list[np.ndarray]  # per visit: probability of each medication at its step
-    prauc_scores: np.ndarray | None = None  # float32 [N, M] (see `cognet.model.decoding.Decoded`)
+    # float32 [N, M] (see `cognet.model.torch_decoding.Decoded`)
+    prauc_scores: np.ndarray | None = None
     gates: list[np.ndarray] | None = None  # per visit: w_g at each medication's step
     copies: list[np.ndarray] | None = None  # per visit: [meds, S] copy distribution
-    # per visit: [meds, S] copy share by slot (`explain.copy_share_by_slot`)
+    # per visit: [meds, S] copy share by slot (`attribution.copy_share_by_slot`)
     shares: list[np.ndarray] | None = None
     # per visit: [meds, Ld] diagnosis cross-attention (mean over heads), with `attention`
     attention: list[np.ndarray] | None = None

@@ -3,11 +3,11 @@
 Every decoding of cognet runs `run`: beam search and set decoding, with the selection in
 numpy on the host (`cognet.core.decoding.beam.BeamSelector`,
 `cognet.core.decoding.sampling.SetSampler`) or in the exported search graphs on the
-execution provider (`cognet.runtime.search`), over any `DecoderSession` (ONNX Runtime on the
-CPU or a GPU: `cognet.runtime.session`; the torch model: `cognet.model.session`). What differs
-between decodings is the `Selector`: how one step's output becomes each row's next token,
-when a visit is over and what it keeps of it. The loop itself, and the rule by which
-finished visits leave the batch, are written here once.
+execution provider (`cognet.runtime.device_selectors`), over any `DecoderSession` (ONNX
+Runtime on the CPU or a GPU: `cognet.runtime.session`; the torch model:
+`cognet.model.session`). What differs between decodings is the `Selector`: how one step's
+output becomes each row's next token, when a visit is over and what it keeps of it. The loop
+itself, and the rule by which finished visits leave the batch, are written here once.
 
 Rows: each of the n visits owns `selector.width` rows (beams or samples), all fed to the
 decoder step at once. A visit is over when its selector says so (at `max_len` steps at the
@@ -40,13 +40,13 @@ class DecoderSession(Protocol):
     GPU, torch tensors); step outputs come back as numpy arrays, freshly allocated at each
     call. `step_outputs` names what `step` can return (models exported before
     `diag_attention` lack it); `search` is the model's search graphs where the selectors on
-    the device run them (`cognet.runtime.search.SearchGraphs`), else None."""
+    the device run them (`cognet.runtime.device_selectors.SearchGraphs`), else None."""
 
     step_outputs: tuple[str, ...]
     search: Any
     # the cache is the token prefix (`graphspec.STEP_CACHE_INPUTS`: one int64 array [n, W,
     # T]) and the memories a dict of arrays: set decoding can step chosen rows alone
-    # (`cognet.core.decoding.narrow`)
+    # (`cognet.core.decoding.open_samples`)
     prefix_cache: bool
 
     def init(self, inputs: Mapping[str, np.ndarray]) -> Any:

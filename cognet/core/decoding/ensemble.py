@@ -164,8 +164,8 @@ def ensemble_marginals(
     n: int,
     cfg: SetConfig,
     keys: np.ndarray,
-    ddi_adj: np.ndarray | None = None,
     explain: bool = False,
+    ddi_adj: np.ndarray | None = None,
     attention: bool = False,
     marginals: Callable[..., tuple[np.ndarray, dict | None, int]] = set_marginals,
 ) -> tuple[np.ndarray, dict | None, int]:
@@ -177,7 +177,7 @@ def ensemble_marginals(
     total, pooled, steps = None, None, 0
     for i, (session, mem) in enumerate(zip(sessions, memories, strict=True)):
         m, sums, s = marginals(
-            session, mem, n, member_config(cfg, i), keys, ddi_adj, explain, attention
+            session, mem, n, member_config(cfg, i), keys, explain, ddi_adj, attention
         )
         total = m if total is None else total + m
         pooled = _pool(pooled, sums)
@@ -192,21 +192,21 @@ def decode_ensemble_sets(
     n: int,
     cfg: SetConfig,
     keys: np.ndarray,
-    ddi_adj: np.ndarray | None = None,
     explain: bool = False,
+    ddi_adj: np.ndarray | None = None,
     attention: bool = False,
     marginals: Callable[..., tuple[np.ndarray, dict | None, int]] = set_marginals,
 ) -> SetResult:
     """The set of each of the n visits under the ensemble (`ensemble_marginals`), with what
     `sampling.decode_sets` gives for one network."""
     mean, sums, steps = ensemble_marginals(
-        sessions, memories, n, cfg, keys, ddi_adj, explain, attention, marginals
+        sessions, memories, n, cfg, keys, explain, ddi_adj, attention, marginals
     )
     return set_result(mean, steps, cfg, ddi_adj, (sums or {}) if explain else None)
 
 
 def _pool(a: dict | None, b: dict | None) -> dict | None:
-    """Explanation sums of two members added key by key (`explain.add_emissions`)."""
+    """Explanation sums of two members added key by key (`attribution.add_emissions`)."""
     if a is None or b is None:
         return a if b is None else b
     return {k: a[k] + b[k] if k in b else a[k] for k in a} | {k: b[k] for k in b if k not in a}

@@ -3,7 +3,7 @@
 One frozen value holds every option of every decoding (`--decoding`, `--beam`, `--samples`,
 `--threshold`, `--estimator`, `--set-rule` and the DDI policy); None leaves the model's own.
 `cognet evaluate` and `cognet-batch score` build it with one click decorator
-(`cognet.core.clitools.decoding_options`), `EvalOptions` and `ScoreOptions` hold it whole,
+(`cognet.clitools.decoding_options`), `EvalOptions` and `ScoreOptions` hold it whole,
 and `resolve` is the one place it meets the stored decoding (DESIGN.md §3).
 
 The rule, checked on creation and again against the stored decoding: `--decoding` names the
@@ -15,9 +15,10 @@ with beam search; `--threshold` with `--set-rule jaccard`.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
-from cognet.core.ddi import DDIPolicy, DDITarget, with_target
+from cognet.core.ddi import DDIPolicy, DDITarget
 from cognet.core.decoding.defaults import DECODINGS, ESTIMATORS, LIMITS, SET_RULES, Decoding
 
 # the request's fields that only set decoding reads, by their command-line option
@@ -123,6 +124,25 @@ class DecodingRequest:
             "set_rule": self.set_rule,
             "ddi": None if self.ddi is None else self.ddi.to_json(),
         }
+
+
+def with_target(
+    asked: DDIPolicy | None,
+    target: DDITarget | None,
+    default: Decoding,
+    resolve: Callable[[Decoding], Decoding],
+) -> tuple[Decoding, DDIPolicy]:
+    """The decoding and the policy to run: `resolve` (the caller's changes) on top of the
+    model's `default` decoding, and the policy `asked` (None: none asked). A model's DDI
+    target applies when no policy is asked and the decoding stays a set (it was chosen for
+    one): its policy, its set rule and its threshold (read by the threshold rule), as the
+    search chose them, unless the changes set them. Otherwise the asked policy, or off; a
+    model without a target decodes as it always did."""
+    if asked is None and target is not None and default.name == "set":
+        decoding = resolve(default.with_changes(threshold=target.threshold, rule=target.rule))
+        if decoding.name == "set":
+            return decoding, target.policy
+    return resolve(default), asked or DDIPolicy()
 
 
 def _choice(what: str, value: str | None, choices: tuple[str, ...]) -> None:

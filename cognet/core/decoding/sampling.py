@@ -17,7 +17,8 @@ has far less variance than counting the samples that hold k, and is continuous, 
 PRAUC needs). The estimate is the mean over the N samples.
 
 The loop is `cognet.core.decoding.driver.run`; `SetSampler` is the rule it runs on the host (the
-runtime's `search.SetGraphSampler` runs the same rule in the exported `set_select` graphs).
+runtime's `device_selectors.SetGraphSampler` runs the same rule in the exported `set_select`
+graphs).
 
 Random draws are counter-based: the uniform of (seed, visit, sample, step) is a hash of
 those four numbers, so a visit's samples do not depend on its batch-mates, its row or the
@@ -39,10 +40,10 @@ from typing import Any
 import numpy as np
 
 from cognet.core.ddi import DDIPolicy, apply_step_penalty, check_adjacency
-from cognet.core.decoding import SAMPLES, SET_RULES, Decoding, driver, narrow
+from cognet.core.decoding import SAMPLES, SET_RULES, Decoding, driver, open_samples
+from cognet.core.decoding.attribution import add_emissions, set_explanations
 from cognet.core.decoding.draws import Draws
 from cognet.core.decoding.driver import COMPACT_AT, LoopConfig, step_outputs
-from cognet.core.decoding.explain import add_emissions, set_explanations
 from cognet.core.decoding.set_rules import select_sets
 
 
@@ -99,19 +100,53 @@ class SetResult:
     prauc_scores: np.ndarray  # float32 [N, M]: P(k in S) of every medication
     gates: list[np.ndarray] | None = None  # per visit: mean w_g where the samples emitted it
     copies: list[np.ndarray] | None = None  # per visit: [meds, S] mean copy distribution
-    # per visit: [meds, S] mean copy share by slot (`explain.copy_share_by_slot`)
+    # per visit: [meds, S] mean copy share by slot (`attribution.copy_share_by_slot`)
     shares: list[np.ndarray] | None = None
     attention: list[np.ndarray] | None = None  # per visit: [meds, Ld] mean diagnosis attention
     steps: int = 0
 
 
-class SetSampler:
-    """The set decoding's rule on the host (a `cognet.core.decoding.driver.Selector`): each step,
-    every sample draws its next medication from Pr (masked, DDI policy applied); the sums
-    of the step probabilities estimate P(k in S). Result: (P(k in S) float64 [n, M], the
-    explanation sums or None, steps run)."""
+class SetRule:
+    """What the host and the device set samplers share (`cognet.core.decoding.driver.Selector`
+    less `select`): each visit's samples, their finished flags and random draws, and each
+    visit's P(k in S), read from its hazard sums when it is over. Result: (P(k in S) float64
+    [n, M], the explanation sums or None, steps run)."""
 
     on_device = False
+
+    def __init__(self, cfg: SetConfig, keys: np.ndarray):
+        self.cfg, self.keys, self.width = cfg, keys, cfg.samples
+
+    def start(self, n: int) -> None:
+        self.finished = np.zeros((n, self.cfg.samples), bool)
+        self.out = np.zeros((n, self.cfg.end), np.float64)
+        self.sums: dict | None = None
+        self.draws = Draws(self.cfg, self.keys, n)
+
+    def hazard_of(self, newly: np.ndarray, rows: np.ndarray) -> np.ndarray:
+        """float64 [k, M]: the hazard sums (over samples and steps of p_t(k)) of the rows
+        `newly`, whose visits are `rows[newly]`."""
+        raise NotImplementedError
+
+    def finish(self, t: int, newly: np.ndarray, rows: np.ndarray) -> None:
+        # an estimate may pass 1 (an unbiased sum, not a probability): clip it
+        self.out[rows[newly]] = np.minimum(self.hazard_of(newly, rows) / self.cfg.samples, 1.0)
+
+    def keep(self, live: np.ndarray) -> None:
+        self.finished = self.finished[live]
+        self.draws.keep(live)
+
+    def result(self, steps: int) -> tuple[np.ndarray, dict | None, int]:
+        return self.out, self.sums, steps
+
+    def empty(self) -> tuple[np.ndarray, dict | None, int]:
+        return np.zeros((0, self.cfg.end), np.float64), None, 0
+
+
+class SetSampler(SetRule):
+    """The set decoding's rule on the host (a `cognet.core.decoding.driver.Selector`): each step,
+    every sample draws its next medication from Pr (masked, DDI policy applied); the sums
+    of the step probabilities estimate P(k in S)."""
 
     def __init__(
         self,
@@ -121,22 +156,19 @@ class SetSampler:
         explain: bool = False,
         attention: bool = False,
     ):
-        self.cfg, self.keys, self.explain = cfg, keys, explain
+        super().__init__(cfg, keys)
+        self.explain = explain
         self.ddi_adj = ddi_adj
         if cfg.ddi.mode in ("soft", "hard"):
             self.ddi_adj = check_adjacency(cfg.ddi, ddi_adj, cfg.end)
-        self.width = cfg.samples
         self.outputs = step_outputs(explain, attention)
 
     def start(self, n: int) -> None:
+        super().start(n)
         s, end = self.cfg.samples, self.cfg.end
         self.n = n
-        self.finished = np.zeros((n, s), bool)
         self.used = np.zeros((n, s, end + 1), bool)
         self.hazard = np.zeros((n, end), np.float64)  # sum over samples and steps of p_t(k)
-        self.out = np.zeros((n, end), np.float64)
-        self.sums: dict | None = None
-        self.draws = Draws(self.cfg, self.keys, n)
 
     def select(self, t, got, rows, parent):
         cfg, end = self.cfg, self.cfg.end
@@ -168,19 +200,12 @@ class SetSampler:
         """bool [R, S]: the samples not finished, whose step output `select` reads."""
         return ~self.finished
 
-    def finish(self, t, newly, rows) -> None:
-        # an estimate may pass 1 (an unbiased sum, not a probability): clip it
-        self.out[rows[newly]] = np.minimum(self.hazard[rows[newly]] / self.cfg.samples, 1.0)
+    def hazard_of(self, newly, rows) -> np.ndarray:
+        return self.hazard[rows[newly]]  # kept for every visit: rows are the visits' own
 
     def keep(self, live) -> None:
-        self.finished, self.used = self.finished[live], self.used[live]
-        self.draws.keep(live)
-
-    def result(self, steps: int) -> tuple[np.ndarray, dict | None, int]:
-        return self.out, self.sums, steps
-
-    def empty(self) -> tuple[np.ndarray, dict | None, int]:
-        return np.zeros((0, self.cfg.end), np.float64), None, 0
+        super().keep(live)
+        self.used = self.used[live]
 
 
 def set_marginals(
@@ -189,14 +214,14 @@ def set_marginals(
     n: int,
     cfg: SetConfig,
     keys: np.ndarray,
-    ddi_adj: np.ndarray | None = None,
     explain: bool = False,
+    ddi_adj: np.ndarray | None = None,
     attention: bool = False,
 ) -> tuple[np.ndarray, dict | None, int]:
     """(P(k in S) float64 [n, M], the explanation sums or None, steps run) of the n visits
     whose memories come from `session.init` (a `cognet.core.decoding.driver.DecoderSession`)."""
     sampler = SetSampler(cfg, keys, ddi_adj, explain, attention)
-    loop = narrow.run if narrow.applies(session, sampler) else driver.run
+    loop = open_samples.run if open_samples.applies(session, sampler) else driver.run
     return loop(session, memories, n, sampler, cfg)
 
 
@@ -254,13 +279,13 @@ def decode_sets(
     n: int,
     cfg: SetConfig,
     keys: np.ndarray,
-    ddi_adj: np.ndarray | None = None,
     explain: bool = False,
+    ddi_adj: np.ndarray | None = None,
     attention: bool = False,
 ) -> SetResult:
     """The set of each of the n visits, with what `BeamResult` carries for a hypothesis."""
     marginals, sums, steps = set_marginals(
-        session, memories, n, cfg, keys, ddi_adj, explain, attention
+        session, memories, n, cfg, keys, explain, ddi_adj, attention
     )
     return set_result(marginals, steps, cfg, ddi_adj, (sums or {}) if explain else None)
 
@@ -273,7 +298,7 @@ def set_result(
     sums: dict | None = None,
 ) -> SetResult:
     """The sets of the marginals P(k in S) [n, M] (`set_marginals`, or the runtime's search
-    graphs), with their explanations when given the sums of `explain.add_emissions`."""
+    graphs), with their explanations when given the sums of `attribution.add_emissions`."""
     meds = select_sets(marginals, cfg.threshold, cfg.ddi, ddi_adj, cfg.rule)
     probs = [marginals[i, m].astype(np.float32) for i, m in enumerate(meds)]
     score = np.array([p.mean() if p.size else 0.0 for p in probs], np.float32)

@@ -1,6 +1,10 @@
-"""Helpers shared by the cognet command lines: error mapping, the output guard, logging,
-progress bars and the options several commands take (`count_option`, `ddi_options`,
-`decoding_options`)."""
+"""Helpers shared by the cognet command lines (`cognet`, `cognet-export`, `cognet-batch`,
+`cognet-bench`): error mapping, the output guard, logging and the options several commands
+take (`count_option`, `ddi_options`, `decoding_options`).
+
+The one module of click outside the command lines themselves: the library below them
+(`cognet.core` included) raises plain exceptions and never imports click, and the torch-free
+runtime may import this module and `cognet.core` only (`make lint` checks both)."""
 
 from __future__ import annotations
 
@@ -9,17 +13,14 @@ import functools
 import logging
 import math
 import sys
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import TypeVar
 
 import click
 
 from cognet.core.errors import InputError, OutputError
 from cognet.core.files import Reads, guarded
 from cognet.core.interrupt import EXIT_CODE, Terminated
-
-T = TypeVar("T")
 
 
 def handle_errors(func: Callable) -> Callable:
@@ -117,30 +118,6 @@ def setup_logging(verbose: bool = False) -> None:
         level=logging.INFO if verbose else logging.WARNING,
         format="%(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
-    )
-
-
-def progress(
-    iterable: Iterable[T] | None = None,
-    *,
-    total: int | None = None,
-    desc: str = "",
-    unit: str = "it",
-    quiet: bool = False,
-):
-    """A tqdm bar on stderr, silent when stderr is not a terminal or when quiet."""
-    from tqdm.auto import tqdm
-
-    disable = quiet or not sys.stderr.isatty()
-    return tqdm(
-        iterable,
-        total=total,
-        desc=desc,
-        unit=unit,
-        disable=disable,
-        file=sys.stderr,
-        dynamic_ncols=True,
-        leave=False,
     )
 
 

@@ -15,7 +15,7 @@ diagnoses a medication attended to most at its step come from the decoder's
 cross-attention (`most_attended`).
 
 `cognet-batch score --explain` writes them (`cognet.runtime.outputs`); `cognet explain`
-shows one visit step by step (`cognet.runtime.explain`).
+shows one visit step by step (`cognet.runtime.explain_visit`).
 """
 
 from __future__ import annotations

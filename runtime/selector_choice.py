@@ -1,7 +1,7 @@
 """Which selector decodes a batch: beam search or set decoding, with the selection in numpy
 on the host (`beam.BeamSelector`, `cognet.core.decoding.sampling.SetSampler`) or in the exported
-search graphs where the decoder runs (`search.BeamGraphSelector`, `search.SetGraphSampler`);
-every one runs the one loop of `cognet.core.decoding.driver`.
+search graphs where the decoder runs (`device_selectors.BeamGraphSelector`,
+`device_selectors.SetGraphSampler`); every one runs the one loop of `cognet.core.decoding.driver`.
 
 An ensemble (`cognet.core.decoding.ensemble.EnsembleSession`) decodes by the rules of that
 module: set decoding averages its members' P(k in S), each member's sampled on the host or
@@ -28,7 +28,7 @@ from cognet.core.decoding.sampling import (
     set_marginals,
     set_result,
 )
-from cognet.runtime import search
+from cognet.runtime import device_selectors
 
 
 def decoding_configs(
@@ -68,18 +68,18 @@ def decode(
         if ensemble:
             marginals = _graph_marginals if graphs else set_marginals
             return decode_ensemble_sets(
-                session.members, memories, n, cfg, keys, ddi_adj, explain, attention, marginals
+                session.members, memories, n, cfg, keys, explain, ddi_adj, attention, marginals
             )
         if graphs:
-            marginals, _, steps = search.set_marginals(session, memories, n, cfg, keys)
+            marginals, _, steps = device_selectors.set_marginals(session, memories, n, cfg, keys)
             return set_result(marginals, steps, cfg, ddi_adj)
-        return decode_sets(session, memories, n, cfg, keys, ddi_adj, explain, attention)
+        return decode_sets(session, memories, n, cfg, keys, explain, ddi_adj, attention)
     if graphs and not prauc and (not ensemble or session.search is not None):
-        return search.beam_search(session, memories, n, cfg, ddi_adj)
+        return device_selectors.beam_search(session, memories, n, cfg, ddi_adj)
     return beam_search(session, memories, n, cfg, prauc, explain, ddi_adj, attention)
 
 
 def _graph_marginals(session, memories, n, cfg, keys, *_) -> tuple[np.ndarray, None, int]:
-    """`search.set_marginals` with `set_marginals`'s arguments (the DDI rule is in the
+    """`device_selectors.set_marginals` with `set_marginals`'s arguments (the DDI rule is in the
     graphs; explanations never take this path)."""
-    return search.set_marginals(session, memories, n, cfg, keys)
+    return device_selectors.set_marginals(session, memories, n, cfg, keys)

@@ -7,7 +7,7 @@ The visit's patient is read from the file (two streaming passes: find the visit,
 its patient's rows), its earlier visits with known medications are its history, and the
 visit is scored alone with explanations (the scorer's `ScoreOptions.ddi` policy applies). Each
 recommended medication comes with its probability at its step, whether it was mostly
-generated or copied (its copy share, `cognet.core.decoding.explain`), the past visit it
+generated or copied (its copy share, `cognet.core.decoding.attribution`), the past visit it
 was copied from, and the diagnoses it attended to most. When the visit's medications are
 known they are shown as the truth (the visit is still scored as if they were not).
 """

@@ -91,10 +91,10 @@ def set_decode(
     keys = visit_keys(visit_ids)
     adj = _ddi_adjacency(model)
     if len(sessions) == 1:
-        res = decode_sets(sessions[0], sessions[0].memories(batch), n, cfg, keys, adj)
+        res = decode_sets(sessions[0], sessions[0].memories(batch), n, cfg, keys, ddi_adj=adj)
     else:
         memories = [s.memories(batch) for s in sessions]
-        res = decode_ensemble_sets(sessions, memories, n, cfg, keys, adj)
+        res = decode_ensemble_sets(sessions, memories, n, cfg, keys, ddi_adj=adj)
     return _decoded(res, n)
 
 

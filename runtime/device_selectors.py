@@ -27,8 +27,7 @@ import onnxruntime as ort
 from cognet.core.ddi import DDIPolicy, check_adjacency
 from cognet.core.decoding import driver
 from cognet.core.decoding.beam import BeamConfig, BeamResult, BeamRule, BeamStep
-from cognet.core.decoding.draws import Draws
-from cognet.core.decoding.sampling import SetConfig
+from cognet.core.decoding.sampling import SetConfig, SetRule
 from cognet.core.graphspec import (
     BEAM_SELECT_HOST,
     BEAM_SELECT_INPUTS,
@@ -176,7 +175,7 @@ class BeamGraphSelector(BeamRule):
         self.used = self.search.take(self.used, live)
 
 
-class SetGraphSampler:
+class SetGraphSampler(SetRule):
     """The set decoding's sampling step in the `set_select` graphs (`SetSampler`'s rule, a
     `cognet.core.decoding.driver.Selector`): the `used` masks and the hazard sums stay where the
     graphs run; per step the drawn tokens and finished flags come to the host."""
@@ -185,17 +184,16 @@ class SetGraphSampler:
     outputs = ("log_probs",)
 
     def __init__(self, search: SearchGraphs, cfg: SetConfig, keys: np.ndarray):
-        self.search, self.cfg, self.keys, self.width = search, cfg, keys, cfg.samples
+        super().__init__(cfg, keys)
+        self.search = search
         suffix, self.extra = _ddi_feeds(cfg.ddi)
         self.graph = "set_select" + suffix
 
     def start(self, n: int) -> None:
+        super().start(n)
         s, end = self.cfg.samples, self.cfg.end
-        self.finished = np.zeros((n, s), bool)
         self.used = self.search.zeros((n, s, end + 1), bool)
         self.hazard = self.search.zeros((n, end), np.float64)
-        self.out = np.zeros((n, end), np.float64)
-        self.draws = Draws(self.cfg, self.keys, n)
 
     def select(self, t, out, rows, parent):
         inputs = (out["log_probs"], self.used, self.finished, self.draws.at(t, rows), self.hazard)
@@ -206,24 +204,15 @@ class SetGraphSampler:
         self.draws.drawn(tokens)
         return tokens, parent, self.finished.all(1)  # samples never change rows
 
-    def finish(self, t: int, newly: np.ndarray, rows: np.ndarray) -> None:
-        # an estimate may pass 1 (an unbiased sum, not a probability): clip it
-        held = self.search.host(self.hazard, np.flatnonzero(newly))
-        self.out[rows[newly]] = np.minimum(held / self.cfg.samples, 1.0)
+    def hazard_of(self, newly: np.ndarray, rows: np.ndarray) -> np.ndarray:
+        return self.search.host(self.hazard, np.flatnonzero(newly))  # compacted with the rows
 
     def keep(self, live: np.ndarray) -> None:
-        self.finished = self.finished[live]
-        self.draws.keep(live)
+        super().keep(live)
         self.used, self.hazard = (
             self.search.take(self.used, live),
             self.search.take(self.hazard, live),
         )
-
-    def result(self, steps: int) -> tuple[np.ndarray, None, int]:
-        return self.out, None, steps
-
-    def empty(self) -> tuple[np.ndarray, None, int]:
-        return np.zeros((0, self.cfg.end), np.float64), None, 0
 
 
 def beam_search(session, memories: Any, n: int, cfg: BeamConfig, ddi_adj=None) -> BeamResult:

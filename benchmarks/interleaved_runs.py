@@ -20,7 +20,7 @@ import numpy as np
 
 from cognet.benchmarks import engines as eng
 from cognet.benchmarks.guard import Guard
-from cognet.benchmarks.probes import peak_rss_mb, release_memory, reset_peak_rss
+from cognet.benchmarks.machine_info import peak_rss_mb, release_memory, reset_peak_rss
 from cognet.benchmarks.workload import Batch
 
 log = logging.getLogger(__name__)

@@ -1,4 +1,4 @@
-"""Set decoding's narrowed loop (`cognet.core.decoding.narrow`): the same marginals as the one
+"""Set decoding's narrowed loop (`cognet.core.decoding.open_samples`): the same marginals as the one
 loop, bit for bit, from a decoder whose rows do not depend on their batch; fewer rows;
 the blocks of the memories; the runtime's sets unchanged."""
 
@@ -10,7 +10,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from cognet.core.ddi import DDIPolicy
-from cognet.core.decoding import driver, narrow
+from cognet.core.decoding import driver, open_samples
 from cognet.core.decoding.draws import visit_keys
 from cognet.core.decoding.sampling import SetConfig, SetSampler
 from cognet.runtime import Scorer
@@ -84,11 +84,11 @@ def test_narrowed_marginals_equal_the_one_loops_bit_for_bit(samples, estimator, 
 
     def marginals(loop, session):
         sampler = SetSampler(cfg, visit_keys([f"v{i}" for i in range(n)]), adj)
-        assert narrow.applies(session, sampler)
+        assert open_samples.applies(session, sampler)
         return loop(session, memories, n, sampler, cfg)
 
     want, _, steps = marginals(driver.run, full)
-    got, _, got_steps = marginals(narrow.run, packed)
+    got, _, got_steps = marginals(open_samples.run, packed)
     assert np.array_equal(got, want) and got_steps == steps
     assert 0 < want.sum() and want.max() <= 1.0
     # fewer rows; at the first step every visit's samples share one prefix: one row each
@@ -97,11 +97,11 @@ def test_narrowed_marginals_equal_the_one_loops_bit_for_bit(samples, estimator, 
 
 
 def test_call_widths_and_blocks():
-    assert narrow.widths(16) == (16, 12, 8, 4)
-    assert narrow.widths(32) == (32, 24, 16, 8, 4)
-    assert narrow.widths(6) == (6, 4)
-    assert narrow.widths(1) == (1,)
-    table = narrow._level_table(narrow.widths(16))
+    assert open_samples.widths(16) == (16, 12, 8, 4)
+    assert open_samples.widths(32) == (32, 24, 16, 8, 4)
+    assert open_samples.widths(6) == (6, 4)
+    assert open_samples.widths(1) == (1,)
+    table = open_samples._level_table(open_samples.widths(16))
     # open samples -> block: 13-16 the widest, 9-12, 5-8, 1-4, none: over
     assert table[[0, 1, 4, 5, 8, 9, 12, 13, 16]].tolist() == [4, 3, 3, 2, 2, 1, 1, 0, 0]
 
@@ -111,7 +111,7 @@ def test_visits_that_narrow_keep_every_block_contiguous():
     n, levels = 30, 3
     memories = {"m": rng.normal(size=(n, 3, 2)), "flag": np.arange(n, dtype=np.float32)}
     original = {k: v.copy() for k, v in memories.items()}
-    blocks = narrow._Blocks(memories, n, 4, levels, 5)
+    blocks = open_samples._Blocks(memories, n, 4, levels, 5)
     target = np.zeros(n, np.int64)
     for _ in range(6):  # visits only ever narrow
         target = np.maximum(target, rng.integers(0, levels + 1, n))
@@ -139,7 +139,7 @@ def test_runtime_sets_are_the_one_loops(tiny, batch_size, monkeypatch):
         return pa.concat_tables([c.recommendations for c in chunks]).to_pylist()
 
     packed = score()
-    monkeypatch.setattr(narrow, "applies", lambda *_: False)
+    monkeypatch.setattr(open_samples, "applies", lambda *_: False)
     full = score()
     assert len(full) == len(packed) >= 200
     same = sum(a["medications"] == b["medications"] for a, b in zip(full, packed, strict=True))
