@@ -8,17 +8,13 @@ import json
 import pyarrow.parquet as pq
 import pytest
 import torch
-from click.testing import CliRunner
-from tiny import make_tiny
+from tiny import make_tiny, train_small
 
-from cognet.cli import main
 from cognet.core.history import load_split
 from cognet.model import checkpoint
 from cognet.model.batching import IGNORE, ddi_adjacency, make_batch
 from cognet.training.loss import ddi_loss, ddi_terms, ramp
 from cognet.training.train import DDI_RAMP, TrainConfig, batch_loss
-
-SMALL = ["--dim", "16", "--epochs", "2", "--seed", "3", "--quiet", "--members", "1"]
 
 
 @pytest.fixture(scope="module")
@@ -80,22 +76,10 @@ def test_train_records_the_target_and_refuses_it_alone(tiny, tmp_path):
     data = tiny[0]
     out = tmp_path / "ramp"
     args = ["--ddi-loss", "2", "--ddi-loss-target", "0.05"]
-    res = CliRunner().invoke(main, ["train", "--data", str(data), "--out", str(out), *SMALL, *args])
+    res = train_small(data, out, "--seed", "3", *args)
     assert res.exit_code == 0, res.output
     trained = json.loads((out / "config.json").read_text())["train"]
     assert (trained["ddi_loss"], trained["ddi_loss_target"]) == (2.0, 0.05)
-    res = CliRunner().invoke(
-        main,
-        [
-            "train",
-            "--data",
-            str(data),
-            "--out",
-            str(tmp_path / "x"),
-            *SMALL,
-            "--ddi-loss-target",
-            "0.05",
-        ],
-    )
+    res = train_small(data, tmp_path / "x", "--ddi-loss-target", "0.05")
     assert res.exit_code == 2 and "--ddi-loss-target needs --ddi-loss" in res.output
     assert not (tmp_path / "x").exists()

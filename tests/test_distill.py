@@ -9,10 +9,8 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 import torch
-from click.testing import CliRunner
-from tiny import make_tiny
+from tiny import make_tiny, train_small
 
-from cognet.cli import main
 from cognet.core.decoding import Decoding
 from cognet.core.decoding.draws import visit_keys
 from cognet.core.decoding.sampling import SetConfig, set_marginals
@@ -26,8 +24,6 @@ from cognet.training.distill import (
     TeacherTargets,
     sample_sets,
 )
-
-SMALL = ["--dim", "16", "--epochs", "2", "--quiet", "--members", "1"]
 
 
 @pytest.fixture(scope="module")
@@ -131,15 +127,13 @@ def test_the_share_of_targets_replaced_and_which_sets(tiny):
 def test_train_with_a_teacher_records_it_and_repeats_itself(tiny, tmp_path):
     data, _, _, _, _ = tiny
     teacher = tmp_path / "teacher"
-    res = CliRunner().invoke(main, ["train", "--data", str(data), "--out", str(teacher), *SMALL])
+    res = train_small(data, teacher)
     assert res.exit_code == 0, res.output
     outs = []
     for name in ("a", "b"):
         outs.append(tmp_path / name)
         args = ["--teacher", str(teacher), "--distill-weight", "0.7", "--distill-samples", "4"]
-        res = CliRunner().invoke(
-            main, ["train", "--data", str(data), "--out", str(outs[-1]), *SMALL, *args]
-        )
+        res = train_small(data, outs[-1], *args)
         assert res.exit_code == 0, res.output
     config = json.loads((outs[0] / "config.json").read_text())
     record = config["train"]["distilled_from"]
@@ -150,32 +144,19 @@ def test_train_with_a_teacher_records_it_and_repeats_itself(tiny, tmp_path):
     a, b = ((o / "model.safetensors").read_bytes() for o in outs)
     assert a == b  # seeded: the teacher's draws and which targets they replace
     plain = tmp_path / "plain"
-    res = CliRunner().invoke(main, ["train", "--data", str(data), "--out", str(plain), *SMALL])
+    res = train_small(data, plain)
+    assert res.exit_code == 0, res.output
     assert (plain / "model.safetensors").read_bytes() != a  # the teacher changed training
 
 
 def test_a_teacher_of_another_dataset_or_the_teacher_as_output_is_refused(tiny, tmp_path):
     data, ckpt, _, _, _ = tiny
-    other_data, other = make_tiny(tmp_path / "other", seed=5, n_patients=30)
-    res = CliRunner().invoke(
-        main,
-        [
-            "train",
-            "--data",
-            str(data),
-            "--out",
-            str(tmp_path / "s"),
-            *SMALL,
-            "--teacher",
-            str(other),
-        ],
-    )
+    _, other = make_tiny(tmp_path / "other", seed=5, n_patients=30)
+    res = train_small(data, tmp_path / "s", "--teacher", str(other))
     assert res.exit_code == 2
     assert "another vocabulary" in res.output and str(other) in res.output
     assert not (tmp_path / "s" / "config.json").exists()
-    res = CliRunner().invoke(
-        main, ["train", "--data", str(data), "--out", str(ckpt), *SMALL, "--teacher", str(ckpt)]
-    )
+    res = train_small(data, ckpt, "--teacher", str(ckpt))
     assert res.exit_code == 2
     assert len(res.output.strip().splitlines()) == 1
 
@@ -183,19 +164,5 @@ def test_a_teacher_of_another_dataset_or_the_teacher_as_output_is_refused(tiny, 
 def test_distillation_values_out_of_range_are_usage_errors(tiny, tmp_path):
     data = tiny[0]
     for option, value in (("--distill-weight", "1.5"), ("--distill-temperature", "0")):
-        res = CliRunner().invoke(
-            main,
-            [
-                "train",
-                "--data",
-                str(data),
-                "--out",
-                str(tmp_path / "x"),
-                *SMALL,
-                "--teacher",
-                str(tiny[1]),
-                option,
-                value,
-            ],
-        )
+        res = train_small(data, tmp_path / "x", "--teacher", str(tiny[1]), option, value)
         assert res.exit_code == 2 and option in res.output

@@ -336,3 +336,16 @@ def with_set_decoding(source: Path, where: Path, config: str) -> Path:
     data["decoding"] = {"name": "set", "samples": 4, "threshold": 0.3}
     (out / config).write_text(json.dumps(data))
     return out
+
+
+def train_small(data: str | Path, out: str | Path, *extra: str):
+    """`cognet train` of one small network (16 dimensions, 2 epochs) on `data` into `out`,
+    with `extra` options; the click result."""
+    from click.testing import CliRunner
+
+    from cognet.cli import main
+
+    small = ["--dim", "16", "--epochs", "2", "--quiet", "--members", "1"]
+    return CliRunner().invoke(
+        main, ["train", "--data", str(data), "--out", str(out), *small, *extra]
+    )
