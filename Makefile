@@ -47,7 +47,7 @@ failures: install
 bench: install
 	$(VENV)/bin/cognet-bench --out bench
 
-# ruff, then tools/check_layout.py: the layering of DESIGN.md §1, the 450-line rule, no test
+# ruff, then tools/check_layout.py: the layering of DESIGN.md §1, no test
 # module importing another, every "DESIGN.md §N" naming a heading of docs/DESIGN.md
 lint: install
 	$(VENV)/bin/ruff check cognet export runtime benchmarks tests tools

@@ -111,13 +111,24 @@ class Guard:
                 differ.append(vid)
         alone = self._decode_alone(beam, differ)
         for vid in [v for v in differ if alone.get(v) == recs[v]]:
-            solo.append({"visit_id": vid, "reference": list(self.recs[(beam, vid)][0]),
-                         "got": list(recs[vid])})  # fmt: skip
+            solo.append(
+                {
+                    "visit_id": vid,
+                    "reference": list(self.recs[(beam, vid)][0]),
+                    "got": list(recs[vid]),
+                }
+            )
             differ.remove(vid)
         if beam == eng.SET:  # the reference's medications in another order: a float tie
             for vid in [v for v in differ if _same_set(recs[v], self.recs[(beam, v)])]:
-                ties.append({"visit_id": vid, "reference": list(self.recs[(beam, vid)][0]),
-                             "got": list(recs[vid]), "same_set": True})  # fmt: skip
+                ties.append(
+                    {
+                        "visit_id": vid,
+                        "reference": list(self.recs[(beam, vid)][0]),
+                        "got": list(recs[vid]),
+                        "same_set": True,
+                    }
+                )
                 differ.remove(vid)
         gaps = self._gaps(differ, recs, beam) if exact and beam != eng.SET else {}
         for vid in differ:

@@ -220,9 +220,18 @@ def decoding_options(func: Callable) -> Callable:
 
     @functools.wraps(func)
     def wrapper(
-        *args, decoding, beam, samples, threshold, estimator, set_rule, ddi_mode, ddi_penalty,
-        ddi_max_rate, **kwargs
-    ):  # fmt: skip
+        *args,
+        decoding,
+        beam,
+        samples,
+        threshold,
+        estimator,
+        set_rule,
+        ddi_mode,
+        ddi_penalty,
+        ddi_max_rate,
+        **kwargs,
+    ):
         policy = ddi_policy(ddi_mode, ddi_penalty, ddi_max_rate)
         try:
             request = DecodingRequest(
@@ -232,29 +241,46 @@ def decoding_options(func: Callable) -> Callable:
             raise click.UsageError(str(exc)) from None
         return func(*args, request=request, **kwargs)
 
-    # fmt: off
     options = [
-        click.option("--decoding", type=click.Choice(DECODINGS), default=None,
-                     help="set: the model's best set of medications (from seeded samples); "
-                          "beam: the paper's beam search. Default: the model's own (set for "
-                          "models trained by this version)."),
-        count_option("--beam",
-                     help=f"Beam width of beam search (default {BEAM}; 1 = greedy); alone, it "
-                          "asks for beam search; with a set-decoding option, a usage error."),
-        count_option("--samples",
-                     help="Set decoding: samples per visit (default: the model's, 16)."),
-        click.option("--threshold", type=FiniteFloat(0, 1, min_open=True), default=None,
-                     help="Set decoding: threshold on P(medication in set) (default: the "
-                          "model's, tuned on validation); it asks for the threshold rule."),
-        click.option("--estimator", type=click.Choice(ESTIMATORS), default=None,
-                     help="Set decoding: how the samples are drawn (default: the model's; "
-                          "plain for models from before the estimators)."),
-        click.option("--set-rule", type=click.Choice(SET_RULES), default=None,
-                     help="Set decoding: how the set is read from P(medication in set): "
-                          "threshold, or the set of highest expected Jaccard (default: the "
-                          "model's; threshold with --threshold)."),
+        click.option(
+            "--decoding",
+            type=click.Choice(DECODINGS),
+            default=None,
+            help="set: the model's best set of medications (from seeded samples); "
+            "beam: the paper's beam search. Default: the model's own (set for "
+            "models trained by this version).",
+        ),
+        count_option(
+            "--beam",
+            help=f"Beam width of beam search (default {BEAM}; 1 = greedy); alone, it "
+            "asks for beam search; with a set-decoding option, a usage error.",
+        ),
+        count_option(
+            "--samples", help="Set decoding: samples per visit (default: the model's, 16)."
+        ),
+        click.option(
+            "--threshold",
+            type=FiniteFloat(0, 1, min_open=True),
+            default=None,
+            help="Set decoding: threshold on P(medication in set) (default: the "
+            "model's, tuned on validation); it asks for the threshold rule.",
+        ),
+        click.option(
+            "--estimator",
+            type=click.Choice(ESTIMATORS),
+            default=None,
+            help="Set decoding: how the samples are drawn (default: the model's; "
+            "plain for models from before the estimators).",
+        ),
+        click.option(
+            "--set-rule",
+            type=click.Choice(SET_RULES),
+            default=None,
+            help="Set decoding: how the set is read from P(medication in set): "
+            "threshold, or the set of highest expected Jaccard (default: the "
+            "model's; threshold with --threshold).",
+        ),
     ]
-    # fmt: on
     for option in reversed(options):
         wrapper = option(wrapper)
     return ddi_options(wrapper)

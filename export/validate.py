@@ -41,7 +41,7 @@ import numpy as np
 import onnxruntime as ort
 import torch
 
-from cognet.core.decoding import BEAM, MAX_LEN
+from cognet.core.decoding import BEAM, MAX_LEN, Decoding
 from cognet.core.errors import ParityError
 from cognet.core.graphspec import ENCODER_INPUTS, ENCODER_OUTPUTS, INIT_INPUTS
 from cognet.core.history import Visit
@@ -294,7 +294,10 @@ def onnx_beam_search(
     else:
         session, memory = EnsembleSession(sessions), tuple(memories)
     result = runtime_beam_search(
-        session, memory, len(batch["target"]), BeamConfig(end=end, beam=beam, max_len=max_len)
+        session,
+        memory,
+        len(batch["target"]),
+        BeamConfig.of(Decoding("beam", beam=beam, max_len=max_len), end),
     )
     return [
         (tuple(int(m) for m in meds), float(score))

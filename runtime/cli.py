@@ -65,9 +65,20 @@ def score_options(func):
 
     @functools.wraps(func)
     def wrapper(
-        *args, request, device, selection, variant, batch_size, threads, streams,
-        max_history_visits, max_codes_per_visit, keep_columns, keep_all_columns, **kwargs
-    ):  # fmt: skip
+        *args,
+        request,
+        device,
+        selection,
+        variant,
+        batch_size,
+        threads,
+        streams,
+        max_history_visits,
+        max_codes_per_visit,
+        keep_columns,
+        keep_all_columns,
+        **kwargs,
+    ):
         try:
             options = ScoreOptions(
                 request=request,
@@ -85,47 +96,73 @@ def score_options(func):
             raise click.UsageError(str(exc)) from None
         return func(*args, options=options, **kwargs)
 
-    # The option stacks of this file stay compact (fmt: off): an option reads as one unit on
-    # two or three lines, where ruff's layout (a line per keyword) doubles the stacks into
-    # runs of look-alike lines.
-    # fmt: off
     options = [
-        click.option("--device", type=click.Choice(DEVICES), default="auto", show_default=True,
-                     help="Execution provider; auto = CUDA when available, else CPU."),
-        click.option("--selection", type=click.Choice(SELECTIONS), default="auto",
-                     show_default=True,
-                     help="Where each decoding step picks its candidates: device = the "
-                          "model's search graphs, on the execution provider; host = numpy; "
-                          "auto = device on a GPU, host on the CPU (faster there)."),
-        click.option("--variant", type=click.Choice(VARIANTS), default=None,
-                     help="Score with the model's float16 graphs (cognet-export --fp16) or "
-                          "its int8 graphs, CPU only (cognet-export --int8); default: "
-                          "float32."),
-        count_option("--batch-size",
-                     help="Visits decoded together at most (default: 128 on the CPU, 512 on a "
-                          "GPU); batches of long histories are cut smaller (at most 4,096 "
-                          "padded past-medication slots per batch on the CPU)."),
-        count_option("--threads",
-                     help="CPU threads (default: the cores this process may use; --engine "
-                          "ray: per worker, default 1)."),
-        count_option("--streams",
-                     help="Batches decoded at once, each by its own thread (default: one per "
-                          "thread on the CPU, 1 on a GPU, where more host threads can feed "
-                          "the one device)."),
-        click.option("--max-history-visits", type=click.IntRange(min=0), default=None,
-                     help="History = only the last K earlier visits with known medications "
-                          "(default: all; 0 = none, generation without copy)."),
-        count_option("--max-codes-per-visit", default=MAX_CODES,
-                     help="Reject a visit (too_many_codes; it is no history either) with more "
-                          "distinct known codes of one kind: the memory guard. Real visits stay "
-                          "far below (MIMIC-III: 39 diagnoses at most)."),
-        click.option("--keep-columns", default="", metavar="A,B",
-                     help="Input columns to carry into the output, comma-separated (to join "
-                          "results back, e.g. on an admission date)."),
-        click.option("--keep-all-columns", is_flag=True,
-                     help="Carry every input column the output lacks."),
+        click.option(
+            "--device",
+            type=click.Choice(DEVICES),
+            default="auto",
+            show_default=True,
+            help="Execution provider; auto = CUDA when available, else CPU.",
+        ),
+        click.option(
+            "--selection",
+            type=click.Choice(SELECTIONS),
+            default="auto",
+            show_default=True,
+            help="Where each decoding step picks its candidates: device = the "
+            "model's search graphs, on the execution provider; host = numpy; "
+            "auto = device on a GPU, host on the CPU (faster there).",
+        ),
+        click.option(
+            "--variant",
+            type=click.Choice(VARIANTS),
+            default=None,
+            help="Score with the model's float16 graphs (cognet-export --fp16) or "
+            "its int8 graphs, CPU only (cognet-export --int8); default: "
+            "float32.",
+        ),
+        count_option(
+            "--batch-size",
+            help="Visits decoded together at most (default: 128 on the CPU, 512 on a "
+            "GPU); batches of long histories are cut smaller (at most 4,096 "
+            "padded past-medication slots per batch on the CPU).",
+        ),
+        count_option(
+            "--threads",
+            help="CPU threads (default: the cores this process may use; --engine "
+            "ray: per worker, default 1).",
+        ),
+        count_option(
+            "--streams",
+            help="Batches decoded at once, each by its own thread (default: one per "
+            "thread on the CPU, 1 on a GPU, where more host threads can feed "
+            "the one device).",
+        ),
+        click.option(
+            "--max-history-visits",
+            type=click.IntRange(min=0),
+            default=None,
+            help="History = only the last K earlier visits with known medications "
+            "(default: all; 0 = none, generation without copy).",
+        ),
+        count_option(
+            "--max-codes-per-visit",
+            default=MAX_CODES,
+            help="Reject a visit (too_many_codes; it is no history either) with more "
+            "distinct known codes of one kind: the memory guard. Real visits stay "
+            "far below (MIMIC-III: 39 diagnoses at most).",
+        ),
+        click.option(
+            "--keep-columns",
+            default="",
+            metavar="A,B",
+            help="Input columns to carry into the output, comma-separated (to join "
+            "results back, e.g. on an admission date).",
+        ),
+        click.option(
+            "--keep-all-columns", is_flag=True, help="Carry every input column the output lacks."
+        ),
     ]
-    # fmt: on
     for option in reversed(options):
         wrapper = option(wrapper)
     return decoding_options(wrapper)
@@ -151,52 +188,83 @@ def ray_options(func):
             ray = RayOptions(address, num_workers, gpus_per_worker, block_rows)
         return func(*args, ray=ray, **kwargs)
 
-    # fmt: off
     options = [
-        click.option("--engine", type=click.Choice(["local", "ray"]), default="local",
-                     show_default=True, help="local: this process; ray: a Ray cluster, INPUT "
-                                             "may be a directory or a glob of Parquet files."),
-        click.option("--address", default=None,
-                     help="--engine ray: auto or ray://HOST:10001 (default: start Ray here)."),
-        count_option("--num-workers",
-                     help="--engine ray: scoring workers (default: as many as the cluster "
-                          "holds)."),
-        click.option("--gpus-per-worker", type=FiniteFloat(min=0), default=0.0,
-                     help="--engine ray: GPUs of each worker (default 0: CPU workers)."),
-        count_option("--block-rows", default=16384,
-                     help="--engine ray: rows of whole patients a worker scores at a time."),
+        click.option(
+            "--engine",
+            type=click.Choice(["local", "ray"]),
+            default="local",
+            show_default=True,
+            help="local: this process; ray: a Ray cluster, INPUT "
+            "may be a directory or a glob of Parquet files.",
+        ),
+        click.option(
+            "--address",
+            default=None,
+            help="--engine ray: auto or ray://HOST:10001 (default: start Ray here).",
+        ),
+        count_option(
+            "--num-workers",
+            help="--engine ray: scoring workers (default: as many as the cluster holds).",
+        ),
+        click.option(
+            "--gpus-per-worker",
+            type=FiniteFloat(min=0),
+            default=0.0,
+            help="--engine ray: GPUs of each worker (default 0: CPU workers).",
+        ),
+        count_option(
+            "--block-rows",
+            default=16384,
+            help="--engine ray: rows of whole patients a worker scores at a time.",
+        ),
     ]
-    # fmt: on
     for option in reversed(options):
         wrapper = option(wrapper)
     return wrapper
 
 
-# fmt: off
 @main.command()
 @click.argument("input_path", metavar="INPUT", type=click.Path())
 @model_option
-@click.option("--out", required=True, type=click.Path(),
-              help="Output Parquet file (--engine ray: a directory); rejected rows go to OUT "
-                   "with .rejects.parquet.")
+@click.option(
+    "--out",
+    required=True,
+    type=click.Path(),
+    help="Output Parquet file (--engine ray: a directory); rejected rows go to OUT "
+    "with .rejects.parquet.",
+)
 @score_options
-@click.option("--all", "score_all", is_flag=True,
-              help="Score every visit, not only those with null medications, and compute "
-                   "metrics against the known medications (written to --summary-json).")
-@click.option("--explain", is_flag=True,
-              help="Add per medication its copy share, the past visit it came from and the "
-                   "diagnoses it attended to most.")
-@click.option("--resume", is_flag=True,
-              help="Finish an interrupted run (same input, model and options).")
-@click.option("--summary-json", type=click.Path(dir_okay=False), default=None,
-              help="Write counts, reject reasons, speed, providers, options (and metrics) as "
-                   "JSON.")
+@click.option(
+    "--all",
+    "score_all",
+    is_flag=True,
+    help="Score every visit, not only those with null medications, and compute "
+    "metrics against the known medications (written to --summary-json).",
+)
+@click.option(
+    "--explain",
+    is_flag=True,
+    help="Add per medication its copy share, the past visit it came from and the "
+    "diagnoses it attended to most.",
+)
+@click.option(
+    "--resume", is_flag=True, help="Finish an interrupted run (same input, model and options)."
+)
+@click.option(
+    "--summary-json",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="Write counts, reject reasons, speed, providers, options (and metrics) as JSON.",
+)
 @ray_options
-@click.option("--sort", "sort_rows", is_flag=True,
-              help="Sort the rows by patient and visit_seq in memory (files that fit).")
+@click.option(
+    "--sort",
+    "sort_rows",
+    is_flag=True,
+    help="Sort the rows by patient and visit_seq in memory (files that fit).",
+)
 @click.option("--quiet", is_flag=True, help="No progress bar nor closing line.")
 @click.option("--verbose", is_flag=True, help="Log what happens on stderr.")
-# fmt: on
 @handle_errors
 def score(
     input_path: str,
@@ -246,9 +314,17 @@ def score(
     # one writer per output, whatever the command (cognet/core/lock.py)
     with claimed([*writer.outputs(out), summary_json], "cognet-batch score"):
         _score_local(
-            input_path, model_dir, out, options, score_all, explain, resume, summary_json,
-            sort_rows, quiet,
-        )  # fmt: skip
+            input_path,
+            model_dir,
+            out,
+            options,
+            score_all,
+            explain,
+            resume,
+            summary_json,
+            sort_rows,
+            quiet,
+        )
 
 
 def _score_local(
@@ -266,9 +342,14 @@ def _score_local(
         started = time.perf_counter()
         scored = _run(scorer, source, parts, score_all, explain, sort_rows, quiet)
         result = _finish(
-            scorer, source, parts, score_all, scored, started - loading,
+            scorer,
+            source,
+            parts,
+            score_all,
+            scored,
+            started - loading,
             time.perf_counter() - started,
-        )  # fmt: skip
+        )
     except BaseException:
         parts.discard()  # keep only what --resume needs
         raise

@@ -36,9 +36,7 @@ def decoding_configs(
 ) -> tuple[BeamConfig, SetConfig | None]:
     """The driver configurations of a decoding: beam search's (always: its beam width and
     length are reported), and the set decoding's when `decoding` is a set decoding."""
-    beam = BeamConfig(
-        end=end, beam=decoding.beam, max_len=decoding.max_len, compact_at=compact_at, ddi=ddi
-    )
+    beam = BeamConfig.of(decoding, end, ddi, compact_at)
     if decoding.name != "set":
         return beam, None
     return beam, SetConfig.of(decoding, end, ddi, compact_at)

@@ -171,8 +171,10 @@ class OrtModel:
         self.providers = self.sessions["decoder_step"].get_providers()
         gpu = self.providers[0] in (CUDA, TRT)
         if gpu_path and (gpu or not manifest.search):
-            raise InputError("gpu_path runs the GPU's bindings on the CPU: --device cpu, and a "
-                             "model with the search graphs")  # fmt: skip
+            raise InputError(
+                "gpu_path runs the GPU's bindings on the CPU: --device cpu, and a "
+                "model with the search graphs"
+            )
         self.on_device = gpu or gpu_path
         bound = ("cuda", 0) if gpu else ("cpu", 0)  # where device tensors live
         decoders = [

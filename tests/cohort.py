@@ -63,12 +63,16 @@ def make_cohort(n_subjects: int = 40, seed: int = 0) -> list[Subject]:
             start = day + dt.timedelta(hours=int(rng.integers(0, 24)), minutes=15 * k)
             end = start + dt.timedelta(days=int(rng.integers(1, 6)), hours=3)
             empty = k == 2  # no code: dropped in every form, leaving a gap in visit_seq
-            subject.admissions.append(Admission(
-                hadm=20_000_000 + 100 * i + k, start=start, end=end,
-                diagnoses=[] if empty else sorted(set(rng.choice(DIAGNOSES, 2).tolist())),
-                procedures=[] if empty or k % 2 else [str(rng.choice(PROCEDURES))],
-                drugs=sorted(set(rng.choice(list(DRUGS), int(rng.integers(0, 4))).tolist())),
-            ))  # fmt: skip
+            subject.admissions.append(
+                Admission(
+                    hadm=20_000_000 + 100 * i + k,
+                    start=start,
+                    end=end,
+                    diagnoses=[] if empty else sorted(set(rng.choice(DIAGNOSES, 2).tolist())),
+                    procedures=[] if empty or k % 2 else [str(rng.choice(PROCEDURES))],
+                    drugs=sorted(set(rng.choice(list(DRUGS), int(rng.integers(0, 4))).tolist())),
+                )
+            )
             day = end + dt.timedelta(days=int(rng.integers(10, 60)))
         subjects.append(subject)
     return subjects
@@ -93,12 +97,19 @@ def to_omop(cohort: list[Subject]) -> dict[str, tuple[list, list]]:
     tables = {
         "person": (["person_id", "year_of_birth"], [[s.subject, 2100] for s in cohort]),
         "visit_occurrence": (
-            ["visit_occurrence_id", "person_id", "visit_concept_id", "visit_start_date",
-             "visit_start_datetime"], []),
+            [
+                "visit_occurrence_id",
+                "person_id",
+                "visit_concept_id",
+                "visit_start_date",
+                "visit_start_datetime",
+            ],
+            [],
+        ),
         "condition_occurrence": (["person_id", "condition_concept_id", "visit_occurrence_id"], []),
         "procedure_occurrence": (["person_id", "procedure_concept_id", "visit_occurrence_id"], []),
         "drug_exposure": (["person_id", "drug_concept_id", "visit_occurrence_id"], []),
-    }  # fmt: skip
+    }
     for s in cohort:
         for a in s.admissions:
             tables["visit_occurrence"][1].append(
@@ -115,8 +126,9 @@ def to_omop(cohort: list[Subject]) -> dict[str, tuple[list, list]]:
                 tables["drug_exposure"][1].append([s.subject, DRUGS[drug][3], a.hadm])
     concept = [
         [ICD_CONCEPT["diagnoses"] + i, "ICD10CM", "ICD10 code", c] for i, c in enumerate(DIAGNOSES)
-    ] + [[ICD_CONCEPT["procedures"] + i, "ICD10PCS", "ICD10PCS", c] for i, c in
-         enumerate(PROCEDURES)]  # fmt: skip
+    ] + [
+        [ICD_CONCEPT["procedures"] + i, "ICD10PCS", "ICD10PCS", c] for i, c in enumerate(PROCEDURES)
+    ]
     classes = atc3_classes()
     concept += [[ATC3_CONCEPT + i, "ATC", "ATC 3rd", c] for i, c in enumerate(classes)]
     ancestor = []
@@ -124,18 +136,25 @@ def to_omop(cohort: list[Subject]) -> dict[str, tuple[list, list]]:
         concept.append([concept_id, "RxNorm", "Clinical Drug", str(concept_id)])
         if atc:
             ancestor.append([ATC3_CONCEPT + classes.index(atc[:4]), concept_id])
-    tables["concept"] = (["concept_id", "vocabulary_id", "concept_class_id", "concept_code"],
-                         concept)  # fmt: skip
+    tables["concept"] = (
+        ["concept_id", "vocabulary_id", "concept_class_id", "concept_code"],
+        concept,
+    )
     tables["concept_ancestor"] = (["ancestor_concept_id", "descendant_concept_id"], ancestor)
     return tables
 
 
 # ---------------------------------------------------------------- MEDS
 
-DATA_SCHEMA = pa.schema([
-    ("subject_id", pa.int64()), ("time", pa.timestamp("us")), ("code", pa.string()),
-    ("numeric_value", pa.float32()), ("hadm_id", pa.int64()),
-])  # fmt: skip
+DATA_SCHEMA = pa.schema(
+    [
+        ("subject_id", pa.int64()),
+        ("time", pa.timestamp("us")),
+        ("code", pa.string()),
+        ("numeric_value", pa.float32()),
+        ("hadm_id", pa.int64()),
+    ]
+)
 
 
 def _events(s: Subject) -> list[tuple]:
@@ -148,8 +167,9 @@ def _events(s: Subject) -> list[tuple]:
         for code in a.diagnoses:  # stamped at discharge, as MIMIC-IV's
             rows.append((a.end, f"DIAGNOSIS//ICD//10//{code}", None, a.hadm))
         for code in a.procedures:
-            rows.append((a.start + dt.timedelta(hours=5), f"PROCEDURE//ICD//10//{code}", None,
-                         a.hadm))  # fmt: skip
+            rows.append(
+                (a.start + dt.timedelta(hours=5), f"PROCEDURE//ICD//10//{code}", None, a.hadm)
+            )
         for n, drug in enumerate(a.drugs):  # pharmacy: no hadm_id, assigned by time
             at = a.start + dt.timedelta(hours=3 + n)
             rows.append((at, f"MEDICATION//START//{drug}", None, None))
@@ -172,20 +192,31 @@ def write_meds(cohort: list[Subject], folder: Path, shards: int = 2) -> Path:
         path = folder / "data" / ("train" if n == 0 else "held_out") / f"{n}.parquet"
         path.parent.mkdir(parents=True, exist_ok=True)
         pq.write_table(table, path)
-    codes = [(f"MEDICATION//START//{name}", [f"NDC/{ndc}"] if how == "ndc" else
-              [f"ATC/{atc}"] if how == "atc" else []) for name, (ndc, _, atc, _, how) in
-             DRUGS.items()]  # fmt: skip
+    codes = [
+        (
+            f"MEDICATION//START//{name}",
+            [f"NDC/{ndc}"] if how == "ndc" else [f"ATC/{atc}"] if how == "atc" else [],
+        )
+        for name, (ndc, _, atc, _, how) in DRUGS.items()
+    ]
     codes += [(k, [v]) for k, v in token_pairs().items()]
     metadata = folder / "metadata"
     metadata.mkdir(parents=True)
-    codes_table = pa.table({
-        "code": [c for c, _ in codes], "description": pa.nulls(len(codes), pa.string()),
-        "parent_codes": pa.array([p for _, p in codes], pa.list_(pa.string())),
-    })  # fmt: skip
+    codes_table = pa.table(
+        {
+            "code": [c for c, _ in codes],
+            "description": pa.nulls(len(codes), pa.string()),
+            "parent_codes": pa.array([p for _, p in codes], pa.list_(pa.string())),
+        }
+    )
     meds.CodeMetadataSchema.validate(codes_table)
     pq.write_table(codes_table, metadata / "codes.parquet")
-    splits = pa.table({"subject_id": pa.array([s.subject for s in cohort], pa.int64()),
-                       "split": [s.split for s in cohort]})  # fmt: skip
+    splits = pa.table(
+        {
+            "subject_id": pa.array([s.subject for s in cohort], pa.int64()),
+            "split": [s.split for s in cohort],
+        }
+    )
     meds.SubjectSplitSchema.validate(splits)
     pq.write_table(splits, metadata / "subject_splits.parquet")
     return folder
@@ -198,8 +229,9 @@ def write_mappings(folder: Path) -> dict[str, Path]:
     (folder / "ndc2rxnorm_mapping.txt").write_text(repr(ndc))
     lines = ["RXCUI,ATC4"] + [f"{v[1]},{v[2]}" for v in DRUGS.values() if v[4] == "ndc"]
     (folder / "rxnorm_atc4.csv").write_text("\n".join(lines) + "\n")
-    lines = ["code,atc3"] + [f"MEDICATION//START//{k},{v[2][:4]}" for k, v in DRUGS.items()
-                             if v[4] == "map"]  # fmt: skip
+    lines = ["code,atc3"] + [
+        f"MEDICATION//START//{k},{v[2][:4]}" for k, v in DRUGS.items() if v[4] == "map"
+    ]
     (folder / "medication_map.csv").write_text("\n".join(lines) + "\n")
     return {
         "ndc_rxnorm": folder / "ndc2rxnorm_mapping.txt",

@@ -51,14 +51,30 @@ class PgServer:
             shutil.chown(folder / "pw", "postgres")
         server = cls(folder, bin_dir, run_as)
         server._run(
-            "initdb", "-D", str(folder / "data"), "-U", USER, "-A", "scram-sha-256",
-            f"--pwfile={folder / 'pw'}", "--no-sync", "-E", "UTF8",
-        )  # fmt: skip
+            "initdb",
+            "-D",
+            str(folder / "data"),
+            "-U",
+            USER,
+            "-A",
+            "scram-sha-256",
+            f"--pwfile={folder / 'pw'}",
+            "--no-sync",
+            "-E",
+            "UTF8",
+        )
         options = f"-k {folder} -c listen_addresses='' -p {PORT} -c fsync=off"
         server._run(
-            "pg_ctl", "-D", str(folder / "data"), "-o", options, "-w", "-l",
-            str(folder / "log"), "start",
-        )  # fmt: skip
+            "pg_ctl",
+            "-D",
+            str(folder / "data"),
+            "-o",
+            options,
+            "-w",
+            "-l",
+            str(folder / "log"),
+            "start",
+        )
         return server
 
     def _run(self, tool: str, *args: str) -> None:

@@ -145,8 +145,12 @@ def test_guard_counts_a_set_in_another_order_as_a_tie_not_a_difference():
     swapped = {**ref, "v1": ("A", "C", "B"), "v2": ("B", "A", "C")}
     got = guard.compare(SET, swapped)
     assert got["matches_reference"] is True and got["mismatches"] == 0 and got["ties"] == 2
-    assert got["tie_examples"][0] == {"visit_id": "v1", "reference": ["A", "B", "C"],
-                                      "got": ["A", "C", "B"], "same_set": True}  # fmt: skip
+    assert got["tie_examples"][0] == {
+        "visit_id": "v1",
+        "reference": ["A", "B", "C"],
+        "got": ["A", "C", "B"],
+        "same_set": True,
+    }
     other = guard.compare(SET, {**swapped, "v3": ("A", "B"), "v4": ("A", "B", "D")})
     assert other["mismatches"] == 2 and other["ties"] == 2
     assert other["matches_reference"] is False  # 2 of 300 differ: over 0.5% (1 allowed)
@@ -279,8 +283,16 @@ class _Scored(_Reference):
 
 
 def test_guard_counts_a_float_tie_but_not_a_real_difference():
-    guard = Guard(_Scored({("p1", ("A", "B")): -5.3537422, ("p1", ("B", "A")): -5.3537412,
-                           ("p2", ("C",)): -2.0, ("p2", ("D",)): -2.01}))  # fmt: skip
+    guard = Guard(
+        _Scored(
+            {
+                ("p1", ("A", "B")): -5.3537422,
+                ("p1", ("B", "A")): -5.3537412,
+                ("p2", ("C",)): -2.0,
+                ("p2", ("D",)): -2.01,
+            }
+        )
+    )
     guard.add(4, {"v1": ("A", "B"), "v2": ("C",)})
     guard.patients.update({"v1": "p1", "v2": "p2"})
     got = guard.compare(4, {"v1": ("B", "A"), "v2": ("C",)})

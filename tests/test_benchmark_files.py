@@ -129,8 +129,16 @@ def test_numpy1_names_and_numpy_protocol_2_pickles(tmp_path):
     2 (bytes as _codecs.encode) read as the dill-written files do."""
     i8 = op_dtype("i8")
     scalar = op_global("numpy.core.multiarray", "scalar")
-    records = [[[[op_call(scalar, i8, op_bytes(struct.pack("<q", c))) for c in field]
-                 for field in visit] for visit in p] for p in RECORDS]  # fmt: skip
+    records = [
+        [
+            [
+                [op_call(scalar, i8, op_bytes(struct.pack("<q", c))) for c in field]
+                for field in visit
+            ]
+            for visit in p
+        ]
+        for p in RECORDS
+    ]
 
     def op_list(items):
         return b"](" + b"".join(items) + b"e"
@@ -258,58 +266,136 @@ def hostile_cases(marker: Path) -> list[tuple[str, str, bytes, str]]:
     numpy = op_numpy_module()
     return [
         ("os-system", "records", op_call(op_global("os", "system"), touch), "global os.system"),
-        ("create-array-os-system", "ddi_A",
-         op_call(op_dill("_create_array"), op_global("os", "system"), op_tuple(touch), *ddi_tail),
-         "global os.system"),
-        ("create-array-eval", "ddi_A",
-         op_call(op_dill("_create_array"), op_global("builtins", "eval"), op_tuple(python), *ddi_tail),  # noqa: E501
-         "global builtins.eval"),
-        ("create-array-allowed-function", "ddi_A",
-         op_call(op_dill("_create_array"), op_dill("_import_module"), op_tuple(op_str("os")), *ddi_tail),  # noqa: E501
-         "the function must be numpy's _reconstruct, got dill._dill._import_module"),
-        ("function-placeholder-called", "voc", op_call(function, touch),
-         "REDUCE would call function __init__ (a placeholder, never called)"),
-        ("code-placeholder-called", "voc", op_call(op_code(), touch),
-         "REDUCE would call a code object"),
-        ("class-placeholder-called", "voc", op_call(op_voc_class(), touch),
-         "REDUCE would call class Voc"),
-        ("import-module-os", "ddi_A",
-         op_call(op_call(op_dill("_get_attr"), op_call(op_dill("_import_module"), op_str("os")), op_str("system")), touch),  # noqa: E501
-         "dill._dill._import_module('os')"),
-        ("get-attr-system", "ddi_A",
-         op_call(op_call(op_dill("_get_attr"), numpy, op_str("system")), touch),
-         "_get_attr(module numpy.core._multiarray_umath, 'system')"),
+        (
+            "create-array-os-system",
+            "ddi_A",
+            op_call(
+                op_dill("_create_array"), op_global("os", "system"), op_tuple(touch), *ddi_tail
+            ),
+            "global os.system",
+        ),
+        (
+            "create-array-eval",
+            "ddi_A",
+            op_call(
+                op_dill("_create_array"), op_global("builtins", "eval"), op_tuple(python), *ddi_tail
+            ),
+            "global builtins.eval",
+        ),
+        (
+            "create-array-allowed-function",
+            "ddi_A",
+            op_call(
+                op_dill("_create_array"),
+                op_dill("_import_module"),
+                op_tuple(op_str("os")),
+                *ddi_tail,
+            ),
+            "the function must be numpy's _reconstruct, got dill._dill._import_module",
+        ),
+        (
+            "function-placeholder-called",
+            "voc",
+            op_call(function, touch),
+            "REDUCE would call function __init__ (a placeholder, never called)",
+        ),
+        (
+            "code-placeholder-called",
+            "voc",
+            op_call(op_code(), touch),
+            "REDUCE would call a code object",
+        ),
+        (
+            "class-placeholder-called",
+            "voc",
+            op_call(op_voc_class(), touch),
+            "REDUCE would call class Voc",
+        ),
+        (
+            "import-module-os",
+            "ddi_A",
+            op_call(
+                op_call(
+                    op_dill("_get_attr"),
+                    op_call(op_dill("_import_module"), op_str("os")),
+                    op_str("system"),
+                ),
+                touch,
+            ),
+            "dill._dill._import_module('os')",
+        ),
+        (
+            "get-attr-system",
+            "ddi_A",
+            op_call(op_call(op_dill("_get_attr"), numpy, op_str("system")), touch),
+            "_get_attr(module numpy.core._multiarray_umath, 'system')",
+        ),
         ("object-dtype", "ddi_A", op_dtype("O"), "numpy.dtype('O')"),
-        ("load-type-function", "voc", op_call(op_dill("_load_type"), op_str("FunctionType")),
-         "_load_type('FunctionType')"),
-        ("create-type-other-class", "voc",
-         op_call(op_dill("_create_type"), op_call(op_dill("_load_type"), op_str("type")),
-                 op_str("Evil"), op_tuple(), op_dict()),
-         "only class Voc(object)"),
-        ("create-type-reduce-method", "voc",
-         op_call(op_dill("_create_type"), op_call(op_dill("_load_type"), op_str("type")),
-                 op_str("Voc"), op_tuple(op_call(op_dill("_load_type"), op_str("object"))),
-                 op_dict((op_str("__reduce__"), function))),
-         "class attribute '__reduce__' is not allowed"),
-        ("build-on-class", "voc", op_build(op_voc_class(), op_dict((op_str("__call__"), function))),  # noqa: E501
-         "BUILD on class Voc"),
-        ("build-voc-other-key", "voc",
-         op_build(op_voc_class() + b")\x81", op_dict((op_str("__class__"), function))),
-         "only idx2word and word2idx"),
-        ("newobj-ndarray", "ddi_A", op_global("numpy", "ndarray") + b")\x81",
-         "NEWOBJ of numpy.ndarray"),
+        (
+            "load-type-function",
+            "voc",
+            op_call(op_dill("_load_type"), op_str("FunctionType")),
+            "_load_type('FunctionType')",
+        ),
+        (
+            "create-type-other-class",
+            "voc",
+            op_call(
+                op_dill("_create_type"),
+                op_call(op_dill("_load_type"), op_str("type")),
+                op_str("Evil"),
+                op_tuple(),
+                op_dict(),
+            ),
+            "only class Voc(object)",
+        ),
+        (
+            "create-type-reduce-method",
+            "voc",
+            op_call(
+                op_dill("_create_type"),
+                op_call(op_dill("_load_type"), op_str("type")),
+                op_str("Voc"),
+                op_tuple(op_call(op_dill("_load_type"), op_str("object"))),
+                op_dict((op_str("__reduce__"), function)),
+            ),
+            "class attribute '__reduce__' is not allowed",
+        ),
+        (
+            "build-on-class",
+            "voc",
+            op_build(op_voc_class(), op_dict((op_str("__call__"), function))),
+            "BUILD on class Voc",
+        ),
+        (
+            "build-voc-other-key",
+            "voc",
+            op_build(op_voc_class() + b")\x81", op_dict((op_str("__class__"), function))),
+            "only idx2word and word2idx",
+        ),
+        (
+            "newobj-ndarray",
+            "ddi_A",
+            op_global("numpy", "ndarray") + b")\x81",
+            "NEWOBJ of numpy.ndarray",
+        ),
         ("inst", "records", b"(" + touch + b"ios\nsystem\n", "INST (a class call)"),
         ("obj", "voc", b"(" + op_dill("_load_type") + op_str("type") + b"o", "OBJ (a class call)"),
         ("persistent-id", "records", touch + b"Q", "a persistent id"),
         ("extension-code", "records", b"\x82\x01", "an extension code"),
-        ("array-from-list", "ddi_A",
-         op_call(op_dill("_create_array"),
-                 op_call(op_dill("_get_attr"), numpy, op_str("_reconstruct")),
-                 op_tuple(op_global("numpy", "ndarray"), op_tuple(op_int(0)), op_bytes(b"b")),
-                 op_tuple(op_int(1), op_tuple(op_int(1)), op_dtype(), FALSE, b"](" + touch + b"e"),  # noqa: E501
-                 NONE),
-         "only numeric dtypes from raw bytes"),
-    ]  # fmt: skip
+        (
+            "array-from-list",
+            "ddi_A",
+            op_call(
+                op_dill("_create_array"),
+                op_call(op_dill("_get_attr"), numpy, op_str("_reconstruct")),
+                op_tuple(op_global("numpy", "ndarray"), op_tuple(op_int(0)), op_bytes(b"b")),
+                op_tuple(op_int(1), op_tuple(op_int(1)), op_dtype(), FALSE, b"](" + touch + b"e"),
+                NONE,
+            ),
+            "only numeric dtypes from raw bytes",
+        ),
+    ]
 
 
 HOSTILE_IDS = [case[0] for case in hostile_cases(Path("m"))]

@@ -101,8 +101,15 @@ def reference(tiny):
     off = dict(
         zip(flat, decode_patients(model, vocab, patients, decoding=Decoding(beam=4)), strict=True)
     )
-    return {"model": model, "vocab": vocab, "visits": visits, "patients": patients,
-            "flat": flat, "adj": adj, "off": off}  # fmt: skip
+    return {
+        "model": model,
+        "vocab": vocab,
+        "visits": visits,
+        "patients": patients,
+        "flat": flat,
+        "adj": adj,
+        "off": off,
+    }
 
 
 def _rate(adj: np.ndarray, meds) -> float:
@@ -119,8 +126,11 @@ def test_onnx_runtime_equals_torch_reference(tiny, reference, policy):
     )
     ref = dict(zip(reference["flat"], decoded, strict=True))
     scorer = Scorer(tiny / "model", device="cpu", batch_size=64, threads=1, ddi=policy)
-    out = [row for c in scorer.score_table(reference["visits"], score_all=True)
-           for row in c.recommendations.to_pylist()]  # fmt: skip
+    out = [
+        row
+        for c in scorer.score_table(reference["visits"], score_all=True)
+        for row in c.recommendations.to_pylist()
+    ]
     assert len(out) == len(ref) >= 200
     changed, rates = 0, []
     for row in out:
@@ -182,16 +192,28 @@ def test_recommend_picks_the_safest_penalty_within_the_jaccard_budget():
             policy, {"jaccard": {"mean": jaccard}, "ddi": {"mean": ddi}}, 0.0
         )
 
-    rows = [row(DDIPolicy(), 0.50, 0.08), row(DDIPolicy("hard"), 0.45, 0.0),
-            row(DDIPolicy("soft", 1), 0.495, 0.05), row(DDIPolicy("soft", 2), 0.492, 0.04),
-            row(DDIPolicy("soft", 4), 0.48, 0.02)]  # fmt: skip
+    rows = [
+        row(DDIPolicy(), 0.50, 0.08),
+        row(DDIPolicy("hard"), 0.45, 0.0),
+        row(DDIPolicy("soft", 1), 0.495, 0.05),
+        row(DDIPolicy("soft", 2), 0.492, 0.04),
+        row(DDIPolicy("soft", 4), 0.48, 0.02),
+    ]
     assert ddi_tradeoff.recommend(rows).policy == DDIPolicy("soft", 2)
     assert ddi_tradeoff.recommend(rows[:2]) is None
 
 
 def test_evaluate_cli_ddi_options(tiny_dataset, synth_ckpt, tmp_path):
-    base = ["evaluate", "--checkpoint", str(synth_ckpt), "--data", str(tiny_dataset),
-            "--rounds", "1", "--quiet"]  # fmt: skip
+    base = [
+        "evaluate",
+        "--checkpoint",
+        str(synth_ckpt),
+        "--data",
+        str(tiny_dataset),
+        "--rounds",
+        "1",
+        "--quiet",
+    ]
     runner = CliRunner()
     res = runner.invoke(cognet_main, [*base, "--ddi-mode", "soft", "--ddi-penalty", "2"])
     assert res.exit_code == 0, res.output
@@ -213,9 +235,12 @@ def test_evaluate_cli_ddi_options(tiny_dataset, synth_ckpt, tmp_path):
     assert res.exit_code == 0, res.output
     assert [r["label"] for r in json.loads(out.read_text())["rows"]] == ["off", "hard", "soft 1"]
     assert (tmp_path / "t.png").is_file()
-    for bad in (["--ddi-mode", "hard", "--ddi-penalty", "1"],
-                ["--ddi-tradeoff", "--ddi-mode", "hard"], ["--plot", "x.png"],
-                ["--ddi-tradeoff", "--penalties", "a,b"]):  # fmt: skip
+    for bad in (
+        ["--ddi-mode", "hard", "--ddi-penalty", "1"],
+        ["--ddi-tradeoff", "--ddi-mode", "hard"],
+        ["--plot", "x.png"],
+        ["--ddi-tradeoff", "--penalties", "a,b"],
+    ):
         res = runner.invoke(cognet_main, [*base, *bad])
         assert res.exit_code == 2, (bad, res.output)
 
@@ -226,16 +251,40 @@ def test_evaluate_cli_ddi_options(tiny_dataset, synth_ckpt, tmp_path):
 def test_score_cli_hard_mode_reports_zero_ddi(tiny, tmp_path):
     visits = tiny / "data" / "visits.parquet"
     summary = tmp_path / "s.json"
-    res = CliRunner().invoke(batch_main, [
-        "score", str(visits), "--model", str(tiny / "model"), "--out", str(tmp_path / "o.parquet"),
-        "--all", "--quiet", "--ddi-mode", "hard", "--summary-json", str(summary)])  # fmt: skip
+    res = CliRunner().invoke(
+        batch_main,
+        [
+            "score",
+            str(visits),
+            "--model",
+            str(tiny / "model"),
+            "--out",
+            str(tmp_path / "o.parquet"),
+            "--all",
+            "--quiet",
+            "--ddi-mode",
+            "hard",
+            "--summary-json",
+            str(summary),
+        ],
+    )
     assert res.exit_code == 0, res.output
     report = json.loads(summary.read_text())
     assert report["metrics"]["ddi"]["mean"] == 0.0
     assert report["ddi"] == {"mode": "hard", "penalty": 0.0, "max_rate": None}
-    res = CliRunner().invoke(batch_main, [
-        "score", str(visits), "--model", str(tiny / "model"), "--out", str(tmp_path / "p.parquet"),
-        "--ddi-penalty", "1"])  # fmt: skip
+    res = CliRunner().invoke(
+        batch_main,
+        [
+            "score",
+            str(visits),
+            "--model",
+            str(tiny / "model"),
+            "--out",
+            str(tmp_path / "p.parquet"),
+            "--ddi-penalty",
+            "1",
+        ],
+    )
     assert res.exit_code == 2 and "soft only" in res.output
 
 

@@ -36,9 +36,19 @@ def targeted(tiny_dataset, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("targeted") / "ckpt"
     res = CliRunner().invoke(
         cognet_main,
-        ["train", "--data", str(tiny_dataset), "--out", str(out), "--epochs", "2",
-         "--ddi-target", str(TARGET), "--quiet"],
-    )  # fmt: skip
+        [
+            "train",
+            "--data",
+            str(tiny_dataset),
+            "--out",
+            str(out),
+            "--epochs",
+            "2",
+            "--ddi-target",
+            str(TARGET),
+            "--quiet",
+        ],
+    )
     assert res.exit_code == 0, res.output
     assert f"DDI target {TARGET:g}: " in res.output
     return out
@@ -48,9 +58,22 @@ def _evaluate(ckpt, data, tmp_path, *args) -> dict:
     out = tmp_path / f"r{len(list(tmp_path.iterdir()))}.json"
     res = CliRunner().invoke(
         cognet_main,
-        ["evaluate", "--checkpoint", str(ckpt), "--data", str(data), "--split", "val",
-         "--rounds", "1", "--quiet", "--json", str(out), *args],
-    )  # fmt: skip
+        [
+            "evaluate",
+            "--checkpoint",
+            str(ckpt),
+            "--data",
+            str(data),
+            "--split",
+            "val",
+            "--rounds",
+            "1",
+            "--quiet",
+            "--json",
+            str(out),
+            *args,
+        ],
+    )
     assert res.exit_code == 0, res.output
     return _json(out) | {"output": res.output}
 
@@ -104,9 +127,23 @@ def test_stored_pair_reaches_the_manifest_and_the_scorer(targeted, tiny_dataset,
         out, summary = tmp_path / f"s{len(args)}.parquet", tmp_path / f"s{len(args)}.json"
         res = CliRunner().invoke(
             batch_main,
-            ["score", str(visits), "--model", str(model), "--out", str(out), "--device", "cpu",
-             "--threads", "1", "--all", "--summary-json", str(summary), *args],
-        )  # fmt: skip
+            [
+                "score",
+                str(visits),
+                "--model",
+                str(model),
+                "--out",
+                str(out),
+                "--device",
+                "cpu",
+                "--threads",
+                "1",
+                "--all",
+                "--summary-json",
+                str(summary),
+                *args,
+            ],
+        )
         assert res.exit_code == 0, res.output
         assert _json(summary)["ddi"] == policy.to_json()
     scored = pq.read_table(tmp_path / "s0.parquet").to_pydict()
@@ -137,9 +174,21 @@ def test_evaluate_ddi_target_searches_validation_then_reports_the_split(
     out = tmp_path / "r.json"
     res = CliRunner().invoke(
         cognet_main,
-        ["evaluate", "--checkpoint", str(targeted), "--data", str(tiny_dataset), "--rounds",
-         "1", "--quiet", "--ddi-target", "0.07", "--json", str(out)],
-    )  # fmt: skip
+        [
+            "evaluate",
+            "--checkpoint",
+            str(targeted),
+            "--data",
+            str(tiny_dataset),
+            "--rounds",
+            "1",
+            "--quiet",
+            "--ddi-target",
+            "0.07",
+            "--json",
+            str(out),
+        ],
+    )
     assert res.exit_code == 0, res.output
     rep = _json(out)
     found = DDITarget.from_json(rep["ddi_target"])
@@ -151,9 +200,17 @@ def test_evaluate_ddi_target_searches_validation_then_reports_the_split(
     for bad in (["--ddi-mode", "hard"], ["--decoding", "beam"], ["--ddi-tradeoff"]):
         res = CliRunner().invoke(
             cognet_main,
-            ["evaluate", "--checkpoint", str(targeted), "--data", str(tiny_dataset),
-             "--ddi-target", "0.07", *bad],
-        )  # fmt: skip
+            [
+                "evaluate",
+                "--checkpoint",
+                str(targeted),
+                "--data",
+                str(tiny_dataset),
+                "--ddi-target",
+                "0.07",
+                *bad,
+            ],
+        )
         assert res.exit_code == 2, (bad, res.output)
 
 
@@ -219,8 +276,10 @@ def test_search_weighs_the_expected_jaccard_rule_with_the_thresholds():
     with pytest.raises(ValueError, match="set rule"):
         DDITarget.from_json({**stored, "rule": "median"})
     # sets that are exactly a threshold's: the threshold rule, at that threshold
-    cut = [[Visit(f"P{i}", f"V{i}", (), (), tuple(np.flatnonzero(row >= 0.4).tolist()))]
-           for i, row in enumerate(marg)]  # fmt: skip
+    cut = [
+        [Visit(f"P{i}", f"V{i}", (), (), tuple(np.flatnonzero(row >= 0.4).tolist()))]
+        for i, row in enumerate(marg)
+    ]
     found, _ = search(lambda policy: marg, cut, adj, 0.5, (0.3, 0.4, 0.5), caps=(None,))
     assert (found.rule, found.threshold, found.val_jaccard) == ("threshold", 0.4, 1.0)
 
@@ -243,9 +302,19 @@ def test_malformed_stored_targets_are_one_line_errors(targeted, tiny, tmp_path):
 def test_bad_mark_is_a_one_line_usage_error(tiny_dataset, targeted, tmp_path, mark):
     res = CliRunner().invoke(
         cognet_main,
-        ["evaluate", "--checkpoint", str(targeted), "--data", str(tiny_dataset),
-         "--ddi-tradeoff", "--plot", str(tmp_path / "t.png"), "--mark", mark],
-    )  # fmt: skip
+        [
+            "evaluate",
+            "--checkpoint",
+            str(targeted),
+            "--data",
+            str(tiny_dataset),
+            "--ddi-tradeoff",
+            "--plot",
+            str(tmp_path / "t.png"),
+            "--mark",
+            mark,
+        ],
+    )
     assert res.exit_code == 2
     errors = [line for line in res.output.splitlines() if line.startswith("Error")]
     assert errors == [errors[0]] and "--mark" in errors[0] and "NAME=JACCARD@DDI" in errors[0]
@@ -256,10 +325,26 @@ def test_tradeoff_plot_with_marks(tiny_dataset, targeted, tmp_path):
     png = tmp_path / "t.png"
     res = CliRunner().invoke(
         cognet_main,
-        ["evaluate", "--checkpoint", str(targeted), "--data", str(tiny_dataset), "--rounds",
-         "1", "--quiet", "--ddi-tradeoff", "--penalties", "0.5,2", "--plot", str(png),
-         "--mark", "SafeDrug=0.5213@0.0589", "--mark", "RASNet=0.5401@0.0599"],
-    )  # fmt: skip
+        [
+            "evaluate",
+            "--checkpoint",
+            str(targeted),
+            "--data",
+            str(tiny_dataset),
+            "--rounds",
+            "1",
+            "--quiet",
+            "--ddi-tradeoff",
+            "--penalties",
+            "0.5,2",
+            "--plot",
+            str(png),
+            "--mark",
+            "SafeDrug=0.5213@0.0589",
+            "--mark",
+            "RASNet=0.5401@0.0599",
+        ],
+    )
     assert res.exit_code == 0, res.output
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert f"plot written to {png}" in res.output

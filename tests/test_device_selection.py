@@ -104,8 +104,9 @@ def test_device_selection_equals_torch_beam_search_on_the_tiny_model(
     assert len(ref) >= 2000
     visits = pq.read_table(tiny_many / "data" / "visits.parquet")
     for size in batch_sizes:
-        got = _scored(tiny_many, visits, decoding="beam", ddi=policy, batch_size=size,
-                      selection="device")  # fmt: skip
+        got = _scored(
+            tiny_many, visits, decoding="beam", ddi=policy, batch_size=size, selection="device"
+        )
         _assert_equal_lists(tiny_many, ref, vocab, got)
 
 
@@ -148,9 +149,21 @@ def trained_many(tmp_path_factory):
     runner = CliRunner()
     for args in (
         ["data", "synth", "--out", str(root / "data"), "--patients", "860", "--seed", "5"],
-        ["train", "--data", str(root / "data"), "--out", str(root / "ckpt"), "--epochs", "2",
-         "--threads", "1", "--members", "1", "--quiet"],
-    ):  # fmt: skip
+        [
+            "train",
+            "--data",
+            str(root / "data"),
+            "--out",
+            str(root / "ckpt"),
+            "--epochs",
+            "2",
+            "--threads",
+            "1",
+            "--members",
+            "1",
+            "--quiet",
+        ],
+    ):
         res = runner.invoke(cognet_main, args)
         assert res.exit_code == 0, res.output
     from cognet.export import export
@@ -169,8 +182,9 @@ def test_device_selection_equals_torch_beam_search_on_a_trained_model(
     ref, vocab = _reference(trained_many, Decoding(name="beam", beam=4), policy)
     assert len(ref) >= 2000
     visits = pq.read_table(trained_many / "data" / "visits.parquet")
-    got = _scored(trained_many, visits, decoding="beam", ddi=policy, batch_size=batch_size,
-                  selection="device")  # fmt: skip
+    got = _scored(
+        trained_many, visits, decoding="beam", ddi=policy, batch_size=batch_size, selection="device"
+    )
     _assert_equal_lists(trained_many, ref, vocab, got)
     if policy == DDIPolicy():
         lengths = [len(r.meds) for r in ref.values()]
@@ -204,10 +218,13 @@ def test_device_selection_sets_equal_the_host_and_torch_on_a_trained_model(
 
 @pytest.mark.parametrize(
     "options",
-    [{"decoding": "beam"}, {"decoding": "beam", "ddi": DDIPolicy("hard", max_rate=0.0)},
-     {"decoding": "set", "samples": 8, "threshold": 0.3}],
+    [
+        {"decoding": "beam"},
+        {"decoding": "beam", "ddi": DDIPolicy("hard", max_rate=0.0)},
+        {"decoding": "set", "samples": 8, "threshold": 0.3},
+    ],
     ids=["beam", "beam-hard-max-rate", "set"],
-)  # fmt: skip
+)
 def test_the_gpu_bindings_run_on_the_cpu_equal_the_host_path(tiny_many, options, monkeypatch):
     """What a GPU runs (encoder outputs written into device buffers and gathered there by
     init_gather, IO binding, the split TopK graphs, gathers by the take graphs), bound to CPU
@@ -264,8 +281,14 @@ def _bound(model_dir, variant=None):
 
 
 def _lists(manifest, encode, decoder, table, **options) -> list[dict]:
-    scorer = Scorer.from_session(encode, decoder, manifest.vocabulary(), manifest.dims.dim,
-                                 manifest.ddi_pairs, ScoreOptions.of(**options))  # fmt: skip
+    scorer = Scorer.from_session(
+        encode,
+        decoder,
+        manifest.vocabulary(),
+        manifest.dims.dim,
+        manifest.ddi_pairs,
+        ScoreOptions.of(**options),
+    )
     out = pa.concat_tables([c.recommendations for c in scorer.score_table(table)])
     return out.select(["visit_id", "medications", "score"]).to_pylist()
 

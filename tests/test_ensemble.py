@@ -225,8 +225,9 @@ def test_beam_search_of_an_ensemble_mixes_lazily_and_decides_alike(case):
     memories = tuple(s.memories(batch) for s in sessions)
     n = len(batch["target"])
     tokens = np.full((n, 1), vocab.n_med + 1, np.int64)
-    out, _ = ens.step(tokens, np.zeros((n, 1), np.int64), ens.empty_cache(n, 1), memories,
-                      ("log_probs",))  # fmt: skip
+    out, _ = ens.step(
+        tokens, np.zeros((n, 1), np.int64), ens.empty_cache(n, 1), memories, ("log_probs",)
+    )
     assert "log_probs" not in out and len(out[MEMBER_LOG_PROBS]) == 2
     np.testing.assert_array_equal(out["log_probs"], mix_log_probs(out[MEMBER_LOG_PROBS]))
     cfg = BeamConfig(end=vocab.n_med, max_len=20, beam=4)

@@ -229,9 +229,17 @@ def _manifest_with(model: Path, where: Path, **fields) -> Path:
 
 @pytest.mark.parametrize(
     "members,named",
-    [(0, "'members'"), (17, "'members'"), ("2", "'members'"), (True, "'members'"),
-     (2.0, "'members'"), (None, "'members'"), (3, "'member_graphs'"), (1, "'member_graphs'")],
-)  # fmt: skip
+    [
+        (0, "'members'"),
+        (17, "'members'"),
+        ("2", "'members'"),
+        (True, "'members'"),
+        (2.0, "'members'"),
+        (None, "'members'"),
+        (3, "'member_graphs'"),
+        (1, "'member_graphs'"),
+    ],
+)
 def test_a_bad_members_value_exits_2_naming_the_file(ensemble, tmp_path, members, named):
     model = _manifest_with(ensemble / "model", tmp_path, members=members)
     out = tmp_path / "recs.parquet"

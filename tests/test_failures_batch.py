@@ -85,12 +85,23 @@ main(sys.argv[3:])
 
 def test_a_second_run_on_the_same_out_is_refused(tiny, inp, tmp_path):
     out, ready, go = tmp_path / "o.parquet", tmp_path / "ready", tmp_path / "go"
-    args = ["score", str(inp), "--model", str(tiny / "model"), "--all", "--batch-size", "2",
-            "--quiet", "--out"]  # fmt: skip
+    args = [
+        "score",
+        str(inp),
+        "--model",
+        str(tiny / "model"),
+        "--all",
+        "--batch-size",
+        "2",
+        "--quiet",
+        "--out",
+    ]
     first = subprocess.Popen(
         [sys.executable, "-c", PAUSED, str(ready), str(go), *args, str(out)],
-        cwd=REPO, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        cwd=REPO,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         for _ in range(600):
             if ready.exists() or first.poll() is not None:
@@ -121,10 +132,24 @@ def test_the_lock_is_released_by_a_crash(tiny, inp, tmp_path):
     out = tmp_path / "o.parquet"
     code = KILLER.replace("{func}", "write_json").replace("{after}", "1")
     killed = subprocess.run(
-        [sys.executable, "-c", code.replace("{before}", "False"), "score", str(inp), "--model",
-         str(tiny / "model"), "--batch-size", "2", "--all", "--quiet", "--out", str(out)],
-        capture_output=True, cwd=REPO,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-c",
+            code.replace("{before}", "False"),
+            "score",
+            str(inp),
+            "--model",
+            str(tiny / "model"),
+            "--batch-size",
+            "2",
+            "--all",
+            "--quiet",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        cwd=REPO,
+    )
     assert killed.returncode == -9  # kill -9 while holding the lock
     assert lock_file(out).exists()  # the file stays, the lock does not
     result = score(tiny, inp, out, "--batch-size", "2", "--all", "--resume")
@@ -156,15 +181,27 @@ def test_codes_are_sets_and_a_visit_above_the_cap_is_rejected(tiny, visits, tmp_
     cap = max(n, len(set(rows[target]["procedures"])), 8)
     for name in ("plain", "dup"):
         args = ("--max-codes-per-visit", str(cap))
-        assert score(tiny, tmp_path / f"{name}.parquet", tmp_path / f"{name}-o.parquet",
-                     *args).exit_code == 0  # fmt: skip
+        assert (
+            score(
+                tiny, tmp_path / f"{name}.parquet", tmp_path / f"{name}-o.parquet", *args
+            ).exit_code
+            == 0
+        )
     assert pq.read_table(tmp_path / "dup-o.parquet").equals(
-        pq.read_table(tmp_path / "plain-o.parquet"))  # fmt: skip
+        pq.read_table(tmp_path / "plain-o.parquet")
+    )
     # a cap below the visit's codes: rejected, with its reason, and counted
     small = max(len(set(r["diagnoses"])) for r in rows if r["medications"] is None) - 1
     s = tmp_path / "s.json"
-    result = score(tiny, tmp_path / "dup.parquet", tmp_path / "cap.parquet",
-                   "--max-codes-per-visit", str(small), "--summary-json", str(s))  # fmt: skip
+    result = score(
+        tiny,
+        tmp_path / "dup.parquet",
+        tmp_path / "cap.parquet",
+        "--max-codes-per-visit",
+        str(small),
+        "--summary-json",
+        str(s),
+    )
     assert result.exit_code == 0, result.output
     reasons = json.loads(s.read_text())["reject_reasons"]
     assert reasons.get("too_many_codes", 0) >= 1
@@ -185,8 +222,9 @@ def test_output_problems_exit_2_before_any_work(tiny, inp, tmp_path):
     line = error(score(tiny, inp, blocker / "o.parquet", model=no_model))
     assert f"{blocker / 'o.parquet'}: cannot write there ({blocker} is not a directory)" in line
     out = tmp_path / "o.parquet"
-    line = error(score(tiny, inp, out, "--summary-json", str(tmp_path / "nope" / "s.json"),
-                       model=no_model))  # fmt: skip
+    line = error(
+        score(tiny, inp, out, "--summary-json", str(tmp_path / "nope" / "s.json"), model=no_model)
+    )
     assert f"--summary-json folder {tmp_path / 'nope'} does not exist" in line
     result = score(tiny, inp, out, "--summary-json", str(folder), model=no_model)
     assert result.exit_code == 2 and "is a directory" in result.output  # click's usage error
@@ -200,11 +238,25 @@ def test_output_problems_exit_2_before_any_work(tiny, inp, tmp_path):
 # -- resume refuses a damaged work folder -------------------------------------------------
 def interrupted(tiny: Path, inp: Path, out: Path, *args: str) -> list[str]:
     """Run score with `args` and kill -9 it after its 3rd committed part; returns the args."""
-    argv = ["score", str(inp), "--model", str(tiny / "model"), "--batch-size", "2", "--quiet",
-            "--out", str(out), *args]  # fmt: skip
+    argv = [
+        "score",
+        str(inp),
+        "--model",
+        str(tiny / "model"),
+        "--batch-size",
+        "2",
+        "--quiet",
+        "--out",
+        str(out),
+        *args,
+    ]
     code = KILLER.replace("{func}", "write_json").replace("{after}", "3")
-    killed = subprocess.run([sys.executable, "-c", code.replace("{before}", "False"), *argv],
-                            capture_output=True, text=True, cwd=REPO)  # fmt: skip
+    killed = subprocess.run(
+        [sys.executable, "-c", code.replace("{before}", "False"), *argv],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+    )
     assert killed.returncode == -9, killed.stderr
     return argv
 
@@ -259,8 +311,9 @@ def test_a_failed_run_leaves_no_work_folder(tiny, visits, tmp_path):
     assert nothing_written(out)
     line = error(score(tiny, tmp_path / "dup.parquet", out))
     assert "twice" in line and "--sort" not in line
-    assert "not a cognet model directory" in error(score(tiny, tmp_path / "dup.parquet", out,
-                                                         model=tmp_path))  # fmt: skip
+    assert "not a cognet model directory" in error(
+        score(tiny, tmp_path / "dup.parquet", out, model=tmp_path)
+    )
     assert nothing_written(out)
 
 
@@ -277,16 +330,24 @@ def test_a_directory_input_is_named_as_one(tiny, visits, tmp_path):
 def with_extras(visits: pa.Table) -> pa.Table:
     n = visits.num_rows
     dates = pa.array([f"2024-01-{i % 28 + 1:02d}" for i in range(n)])
-    return last_visits_unknown(visits).append_column("admit_date", dates).append_column(
-        "ward", pa.array([f"W{i % 3}" for i in range(n)]))  # fmt: skip
+    return (
+        last_visits_unknown(visits)
+        .append_column("admit_date", dates)
+        .append_column("ward", pa.array([f"W{i % 3}" for i in range(n)]))
+    )
 
 
 def test_keep_columns_carries_input_columns(tiny, visits, tmp_path):
     table = with_extras(visits)
     pq.write_table(table, tmp_path / "in.parquet")
     by_id = {r["visit_id"]: r for r in table.to_pylist()}
-    result = score(tiny, tmp_path / "in.parquet", tmp_path / "k.parquet",
-                   "--keep-columns", "admit_date,visit_seq")  # fmt: skip
+    result = score(
+        tiny,
+        tmp_path / "in.parquet",
+        tmp_path / "k.parquet",
+        "--keep-columns",
+        "admit_date,visit_seq",
+    )
     assert result.exit_code == 0, result.output
     got = pq.read_table(tmp_path / "k.parquet")
     assert got.column_names[-2:] == ["admit_date", "visit_seq"]
@@ -294,25 +355,44 @@ def test_keep_columns_carries_input_columns(tiny, visits, tmp_path):
     for row in got.to_pylist():
         want = by_id[row["visit_id"]]
         assert (row["admit_date"], row["visit_seq"]) == (want["admit_date"], want["visit_seq"])
-    assert score(tiny, tmp_path / "in.parquet", tmp_path / "a.parquet", "--sort",
-                 "--keep-all-columns").exit_code == 0  # fmt: skip
+    assert (
+        score(
+            tiny, tmp_path / "in.parquet", tmp_path / "a.parquet", "--sort", "--keep-all-columns"
+        ).exit_code
+        == 0
+    )
     every = pq.read_table(tmp_path / "a.parquet")
-    assert every.column_names[-6:] == ["visit_seq", "diagnoses", "procedures", "split",
-                                       "admit_date", "ward"]  # fmt: skip
+    assert every.column_names[-6:] == [
+        "visit_seq",
+        "diagnoses",
+        "procedures",
+        "split",
+        "admit_date",
+        "ward",
+    ]
     assert every.select(got.column_names).equals(got)
     assert "'nope': no such column to keep" in error(
         score(tiny, tmp_path / "in.parquet", tmp_path / "x.parquet", "--keep-columns", "nope")
     )
     assert "the output has a column 'medications' already" in error(
-        score(tiny, tmp_path / "in.parquet", tmp_path / "x.parquet",
-              "--keep-columns", "medications"))  # fmt: skip
+        score(
+            tiny, tmp_path / "in.parquet", tmp_path / "x.parquet", "--keep-columns", "medications"
+        )
+    )
     assert nothing_written(tmp_path / "x.parquet")
 
 
 # -- the resume signature ----------------------------------------------------------------
 def test_resume_refuses_every_option_that_changes_the_output(tiny, inp, tmp_path):
-    assert {"decoding", "beam", "ddi", "max_history_visits", "variant", "max_codes_per_visit",
-            "keep_columns"} <= set(signature.output_fields())  # fmt: skip
+    assert {
+        "decoding",
+        "beam",
+        "ddi",
+        "max_history_visits",
+        "variant",
+        "max_codes_per_visit",
+        "keep_columns",
+    } <= set(signature.output_fields())
     assert not {"threads", "batch_size", "device"} & set(signature.output_fields())
     out = tmp_path / "o.parquet"
     argv = interrupted(tiny, inp, out, "--all", "--explain")
@@ -369,7 +449,9 @@ def test_ray_engine_keeps_the_same_promises(local_ray, tiny, visits, tmp_path):
     line = error(score(tiny, parts / "a.parquet", tmp_path, *ray))
     assert "--out holds the input file" in line
     assert not (parts / "recs").exists() and sorted(p.name for p in parts.iterdir()) == [
-        "a.parquet", "b.parquet"]  # fmt: skip
+        "a.parquet",
+        "b.parquet",
+    ]
     # 1: a run holding OUT's lock (here: this process) keeps the Ray engine out
     out = tmp_path / "recs"
     with claim(out, "cognet train"):
@@ -381,8 +463,10 @@ def test_ray_engine_keeps_the_same_promises(local_ray, tiny, visits, tmp_path):
     assert score(tiny, parts, out, *ray, *keep).exit_code == 0
     pq.write_table(table, tmp_path / "in.parquet")
     assert score(tiny, tmp_path / "in.parquet", tmp_path / "local.parquet", *keep).exit_code == 0
-    got = sorted(pq.read_table(out).select(["visit_id", "admit_date", "ward"]).to_pylist(),
-                 key=lambda r: r["visit_id"])  # fmt: skip
+    got = sorted(
+        pq.read_table(out).select(["visit_id", "admit_date", "ward"]).to_pylist(),
+        key=lambda r: r["visit_id"],
+    )
     want = pq.read_table(tmp_path / "local.parquet").select(["visit_id", "admit_date", "ward"])
     assert got == sorted(want.to_pylist(), key=lambda r: r["visit_id"]) and len(got) > 0
     assert not writer.work_dir(out).exists()

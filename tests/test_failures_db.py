@@ -39,8 +39,14 @@ def omop(*args: object, timeout: float = 60, env: dict | None = None):
     """`cognet data omop` in its own process, bounded in time (a hang fails the test)."""
     argv = [sys.executable, "-c", "from cognet.cli import main; main()", "data", "omop"]
     started = time.monotonic()
-    done = subprocess.run([*argv, *map(str, args)], capture_output=True, text=True, cwd=REPO,
-                          timeout=timeout, env={**os.environ, **(env or {})})  # fmt: skip
+    done = subprocess.run(
+        [*argv, *map(str, args)],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=timeout,
+        env={**os.environ, **(env or {})},
+    )
     return done, time.monotonic() - started
 
 
@@ -74,8 +80,9 @@ def pg():
     from adbc_driver_postgresql import dbapi
 
     with dbapi.connect(server.url()) as con, con.cursor() as cursor:  # person takes 30 s
-        cursor.execute('CREATE VIEW slow.person AS SELECT p.* FROM cdm.person p, '
-                       "(SELECT pg_sleep(30)) s")  # fmt: skip
+        cursor.execute(
+            "CREATE VIEW slow.person AS SELECT p.* FROM cdm.person p, (SELECT pg_sleep(30)) s"
+        )
         con.commit()
     yield server
     server.stop()
@@ -95,8 +102,9 @@ def test_a_statement_past_the_statement_timeout_exits_2(pg, tmp_path):
 # -- 6. names matched exactly -------------------------------------------------------------------
 def test_a_schema_matched_in_case_only_is_refused_when_two_match(pg, tmp_path):
     out = tmp_path / "out"
-    result = CliRunner().invoke(main, ["data", "omop", "--cdm", pg.url(), "--vocab-schema",
-                                       "Vocab", "--out", str(out)])  # fmt: skip
+    result = CliRunner().invoke(
+        main, ["data", "omop", "--cdm", pg.url(), "--vocab-schema", "Vocab", "--out", str(out)]
+    )
     assert result.exit_code == 2
     assert "table Vocab.concept matches VOCAB.concept and vocab.concept in case only" in (
         error(result.output)
@@ -124,10 +132,12 @@ def test_a_key_value_connection_string_is_refused_with_its_password_masked(tmp_p
         (f"postgresql://u:{SECRET}@h/db", "postgresql://u:***@h/db"),
         (f"postgresql://u@h/db?password={SECRET}", "postgresql://u@h/db?password=***"),
         (f"host=h password='{SECRET} x' dbname=d", "host=h password=*** dbname=d"),
-        (f"could not connect, password {SECRET} in PGPASSWORD", "could not connect, password "
-                                                               "*** in PGPASSWORD"),
+        (
+            f"could not connect, password {SECRET} in PGPASSWORD",
+            "could not connect, password *** in PGPASSWORD",
+        ),
     ],
-)  # fmt: skip
+)
 def test_every_connection_form_is_masked(monkeypatch, text, shown):
     monkeypatch.setenv("PGPASSWORD", SECRET)
     assert mask_secrets(text) == shown

@@ -120,8 +120,9 @@ def _score(model: Path, made: Path, tmp: Path, command: str) -> list[str]:
 
 @pytest.mark.parametrize("value", BAD)
 @pytest.mark.parametrize(("where", "named", "valid"), MANIFEST_FIELDS, ids=lambda x: str(x))
-def test_a_manifest_field_of_the_wrong_type_exits_2_naming_it(made, tmp_path, where, named,
-                                                               valid, value):  # fmt: skip
+def test_a_manifest_field_of_the_wrong_type_exits_2_naming_it(
+    made, tmp_path, where, named, valid, value
+):
     if value in valid:
         pytest.skip(f"{value} is of the type of {named}")
     model = Path(shutil.copytree(made / "model", tmp_path / "model"))
@@ -201,8 +202,9 @@ def _resealed(ckpt: Path) -> None:
 
 
 @pytest.mark.parametrize(("file", "where", "value", "named"), CHECKPOINT_FIELDS, ids=str)
-def test_a_checkpoint_field_of_the_wrong_type_or_value_exits_2(made, tmp_path, file, where,
-                                                                value, named):  # fmt: skip
+def test_a_checkpoint_field_of_the_wrong_type_or_value_exits_2(
+    made, tmp_path, file, where, value, named
+):
     ckpt = Path(shutil.copytree(made / "ckpt", tmp_path / "ckpt"))
     edit(ckpt / file, where, value)
     if file == "vocab.json":
@@ -210,13 +212,29 @@ def test_a_checkpoint_field_of_the_wrong_type_or_value_exits_2(made, tmp_path, f
     before = listing(ckpt)
     want = f"Error: {ckpt / file}: field '{named}"
     data = made / "data"
-    argv = ["evaluate", "--checkpoint", str(ckpt), "--data", str(data), "--rounds", "1",
-            "--json", str(tmp_path / "r.json")]  # fmt: skip
+    argv = [
+        "evaluate",
+        "--checkpoint",
+        str(ckpt),
+        "--data",
+        str(data),
+        "--rounds",
+        "1",
+        "--json",
+        str(tmp_path / "r.json"),
+    ]
     assert error(CliRunner().invoke(cognet_main, argv)).startswith(want)
     argv = ["--checkpoint", str(ckpt), "--out", str(tmp_path / "m")]
     assert error(CliRunner().invoke(export_main, argv)).startswith(want)
-    argv = ["ensemble", str(ckpt), str(made / "second"), "--data", str(data), "--out",
-            str(tmp_path / "e")]  # fmt: skip
+    argv = [
+        "ensemble",
+        str(ckpt),
+        str(made / "second"),
+        "--data",
+        str(data),
+        "--out",
+        str(tmp_path / "e"),
+    ]
     assert error(CliRunner().invoke(cognet_main, argv)).startswith(want)
     assert listing(ckpt) == before and sorted(os.listdir(tmp_path)) == ["ckpt"]
 
@@ -236,8 +254,9 @@ def test_the_exporter_checks_the_manifest_before_writing_it(made, tmp_path, monk
 
     monkeypatch.setattr(pipeline, "_versions", lambda: {"torch": 2.5})  # not a string
     out = tmp_path / "m"
-    line = error(CliRunner().invoke(export_main, ["--checkpoint", str(made / "ckpt"), "--out",
-                                                  str(out)]))  # fmt: skip
+    line = error(
+        CliRunner().invoke(export_main, ["--checkpoint", str(made / "ckpt"), "--out", str(out)])
+    )
     assert f"{out / 'manifest.json'}: field 'versions.torch'" in line, line
     assert not out.exists()
 
@@ -268,12 +287,32 @@ def test_a_checkpoint_and_a_model_of_the_first_format_still_load(made, tmp_path)
     assert model.cfg.shared_gcn is False and vocab.n_med == model.cfg.n_med
 
     single = tmp_path / "single"
-    assert CliRunner().invoke(export_main, ["--checkpoint", str(ckpt), "--out", str(single),
-                                            "--no-validate"]).exit_code == 0  # fmt: skip
+    assert (
+        CliRunner()
+        .invoke(export_main, ["--checkpoint", str(ckpt), "--out", str(single), "--no-validate"])
+        .exit_code
+        == 0
+    )
     manifest = json.loads((single / "manifest.json").read_text())
-    old = {k: manifest[k] for k in ("format_version", "opset", "dims", "special", "vocab",
-                                    "max_len", "beam", "ablation", "ddi_pairs", "checkpoint_sha256",
-                                    "versions", "parity", "tensorrt", "variants")}  # fmt: skip
+    old = {
+        k: manifest[k]
+        for k in (
+            "format_version",
+            "opset",
+            "dims",
+            "special",
+            "vocab",
+            "max_len",
+            "beam",
+            "ablation",
+            "ddi_pairs",
+            "checkpoint_sha256",
+            "versions",
+            "parity",
+            "tensorrt",
+            "variants",
+        )
+    }
     old["graphs"] = {g: manifest["graphs"][g] for g in ("encoder", "decoder_init", "decoder_step")}
     (single / "manifest.json").write_text(json.dumps(old))
     loaded = load_manifest(single)
@@ -295,8 +334,22 @@ def test_the_schemas_declare_every_field_of_the_dataclasses():
 def test_an_ensemble_refuses_one_run_given_twice_whatever_the_path(made, tmp_path):
     data = made / "data"
     run = tmp_path / "a"
-    argv = ["train", "--data", str(data), "--out", str(run), "--epochs", "1", "--dim", "16",
-            "--threads", "1", "--members", "1", "--quiet"]  # fmt: skip
+    argv = [
+        "train",
+        "--data",
+        str(data),
+        "--out",
+        str(run),
+        "--epochs",
+        "1",
+        "--dim",
+        "16",
+        "--threads",
+        "1",
+        "--members",
+        "1",
+        "--quiet",
+    ]
     assert CliRunner().invoke(cognet_main, argv).exit_code == 0
     (tmp_path / "link").symlink_to(run)
     shutil.copytree(run, tmp_path / "copy")

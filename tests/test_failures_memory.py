@@ -46,16 +46,22 @@ def wide(tmp_path_factory) -> Path:
     export(random_checkpoint(data, root / "ckpt"), root / "model", validate=False)
     copies = []
     for k in range(50):
-        ids = {c: pa.compute.binary_join_element_wise(table[c], pa.scalar(f"-{k}"), "")
-               for c in ("patient_id", "visit_id")}  # fmt: skip
-        copies.append(table.set_column(0, "patient_id", ids["patient_id"])
-                      .set_column(1, "visit_id", ids["visit_id"]))  # fmt: skip
+        ids = {
+            c: pa.compute.binary_join_element_wise(table[c], pa.scalar(f"-{k}"), "")
+            for c in ("patient_id", "visit_id")
+        }
+        copies.append(
+            table.set_column(0, "patient_id", ids["patient_id"]).set_column(
+                1, "visit_id", ids["visit_id"]
+            )
+        )
     base = pa.concat_tables(copies).drop_columns(["split"])
     pq.write_table(base, root / "base.parquet")
     big = {**row, "patient_id": "BIG", "visit_id": "BIG-0", "diagnoses": codes * 2}
     big.pop("split")
-    pq.write_table(pa.concat_tables([base, pa.Table.from_pylist([big], base.schema)]),
-                   root / "wide.parquet")  # fmt: skip
+    pq.write_table(
+        pa.concat_tables([base, pa.Table.from_pylist([big], base.schema)]), root / "wide.parquet"
+    )
     return root
 
 
@@ -63,12 +69,29 @@ def test_one_wide_visit_keeps_memory_bounded(wide, tmp_path):
     rss = {}
     for name in ("base", "wide"):
         done = subprocess.run(
-            [sys.executable, "-c", RSS, "score", str(wide / f"{name}.parquet"), "--model",
-             str(wide / "model"), "--out", str(tmp_path / f"{name}.parquet"), "--all",
-             "--batch-size", "4096", "--threads", "1", "--max-codes-per-visit", "3000",
-             "--quiet"],
-            capture_output=True, text=True, cwd=REPO,
-        )  # fmt: skip
+            [
+                sys.executable,
+                "-c",
+                RSS,
+                "score",
+                str(wide / f"{name}.parquet"),
+                "--model",
+                str(wide / "model"),
+                "--out",
+                str(tmp_path / f"{name}.parquet"),
+                "--all",
+                "--batch-size",
+                "4096",
+                "--threads",
+                "1",
+                "--max-codes-per-visit",
+                "3000",
+                "--quiet",
+            ],
+            capture_output=True,
+            text=True,
+            cwd=REPO,
+        )
         assert done.returncode == 0, done.stderr
         rss[name] = int(done.stderr.split("maxrss_kb")[-1])
     scored = pq.read_table(tmp_path / "wide.parquet")["visit_id"].to_pylist()

@@ -40,8 +40,9 @@ def made(tmp_path_factory) -> Path:
     column = visits["medications"]
     meds = [None] * 5 + column.to_pylist()[5:]
     i = visits.schema.get_field_index("medications")
-    pq.write_table(visits.set_column(i, "medications", pa.array(meds, column.type)),
-                   root / "to_score.parquet")  # fmt: skip
+    pq.write_table(
+        visits.set_column(i, "medications", pa.array(meds, column.type)), root / "to_score.parquet"
+    )
     return root
 
 
@@ -58,25 +59,68 @@ def error(result, code: int = 2) -> str:
 def commands(made: Path, tmp: Path) -> dict[str, tuple]:
     data, ckpt, model, inp = made / "data", made / "ckpt", made / "model", made / "to_score.parquet"
     return {
-        "score": (batch_main, ["score", str(inp), "--model", str(model), "--quiet",
-                               "--out", str(tmp / "o.parquet"), "--summary-json",
-                               str(tmp / "s.json")]),
-        "evaluate": (cognet_main, ["evaluate", "--checkpoint", str(ckpt), "--data", str(data),
-                                   "--rounds", "1", "--json", str(tmp / "r.json"),
-                                   "--predictions", str(tmp / "p.parquet")]),
-        "explain": (batch_main, ["explain", str(inp), "--model", str(model), "--visit-id",
-                                 pq.read_table(inp)["visit_id"][0].as_py()]),
-        "train": (cognet_main, ["train", "--data", str(data), "--out", str(tmp / "ckpt"),
-                                "--epochs", "1", "--quiet"]),
-    }  # fmt: skip
+        "score": (
+            batch_main,
+            [
+                "score",
+                str(inp),
+                "--model",
+                str(model),
+                "--quiet",
+                "--out",
+                str(tmp / "o.parquet"),
+                "--summary-json",
+                str(tmp / "s.json"),
+            ],
+        ),
+        "evaluate": (
+            cognet_main,
+            [
+                "evaluate",
+                "--checkpoint",
+                str(ckpt),
+                "--data",
+                str(data),
+                "--rounds",
+                "1",
+                "--json",
+                str(tmp / "r.json"),
+                "--predictions",
+                str(tmp / "p.parquet"),
+            ],
+        ),
+        "explain": (
+            batch_main,
+            [
+                "explain",
+                str(inp),
+                "--model",
+                str(model),
+                "--visit-id",
+                pq.read_table(inp)["visit_id"][0].as_py(),
+            ],
+        ),
+        "train": (
+            cognet_main,
+            ["train", "--data", str(data), "--out", str(tmp / "ckpt"), "--epochs", "1", "--quiet"],
+        ),
+    }
 
 
 FLOAT_OPTIONS = [
-    ("score", "--threshold"), ("score", "--ddi-penalty"), ("score", "--ddi-max-rate"),
-    ("evaluate", "--threshold"), ("evaluate", "--ddi-penalty"), ("evaluate", "--ddi-max-rate"),
-    ("evaluate", "--ddi-target"), ("explain", "--ddi-penalty"), ("explain", "--ddi-max-rate"),
-    ("train", "--lr"), ("train", "--ddi-target"), ("train", "--aux-loss"),
-]  # fmt: skip
+    ("score", "--threshold"),
+    ("score", "--ddi-penalty"),
+    ("score", "--ddi-max-rate"),
+    ("evaluate", "--threshold"),
+    ("evaluate", "--ddi-penalty"),
+    ("evaluate", "--ddi-max-rate"),
+    ("evaluate", "--ddi-target"),
+    ("explain", "--ddi-penalty"),
+    ("explain", "--ddi-max-rate"),
+    ("train", "--lr"),
+    ("train", "--ddi-target"),
+    ("train", "--aux-loss"),
+]
 
 
 # -- 3. finite numbers everywhere -------------------------------------------------------------
@@ -104,8 +148,13 @@ def with_target(folder: Path, file: str, value: str) -> Path:
     as its policy's penalty, target and threshold in turn (`value` replaces `0.25`)."""
     path = folder / file
     obj = json.loads(path.read_text())
-    obj["ddi_target"] = {"target": 0.1, "threshold": 0.3, "val_jaccard": 0.4, "val_ddi": 0.05,
-                         "policy": {"mode": "soft", "penalty": 0.25, "max_rate": None}}  # fmt: skip
+    obj["ddi_target"] = {
+        "target": 0.1,
+        "threshold": 0.3,
+        "val_jaccard": 0.4,
+        "val_ddi": 0.05,
+        "policy": {"mode": "soft", "penalty": 0.25, "max_rate": None},
+    }
     text = json.dumps(obj).replace('"penalty": 0.25', f'"penalty": {value}')
     path.write_text(text)
     return folder
@@ -113,10 +162,12 @@ def with_target(folder: Path, file: str, value: str) -> Path:
 
 @pytest.mark.parametrize("value", ["NaN", "Infinity", "-Infinity", "1e999", "true", '"0.5"'])
 def test_a_config_or_manifest_number_that_is_not_finite_is_refused(made, tmp_path, value):
-    ckpt = with_target(Path(shutil.copytree(made / "ckpt", tmp_path / "ckpt")), "config.json",
-                       value)  # fmt: skip
-    model = with_target(Path(shutil.copytree(made / "model", tmp_path / "model")),
-                        "manifest.json", value)  # fmt: skip
+    ckpt = with_target(
+        Path(shutil.copytree(made / "ckpt", tmp_path / "ckpt")), "config.json", value
+    )
+    model = with_target(
+        Path(shutil.copytree(made / "model", tmp_path / "model")), "manifest.json", value
+    )
     data, inp, out = made / "data", made / "to_score.parquet", tmp_path / "o.parquet"
     argv = ["evaluate", "--checkpoint", str(ckpt), "--data", str(data), "--rounds", "1"]
     line = error(CliRunner().invoke(cognet_main, argv))
@@ -178,8 +229,18 @@ def test_a_diverging_training_exits_2_and_writes_no_checkpoint(made, tmp_path, m
 
 
 def test_a_huge_learning_rate_stops_with_exit_2(made, tmp_path):
-    argv = ["train", "--data", str(made / "data"), "--out", str(tmp_path / "c"), "--lr", "1e30",
-            "--epochs", "2", "--quiet"]  # fmt: skip
+    argv = [
+        "train",
+        "--data",
+        str(made / "data"),
+        "--out",
+        str(tmp_path / "c"),
+        "--lr",
+        "1e30",
+        "--epochs",
+        "2",
+        "--quiet",
+    ]
     line = error(CliRunner().invoke(cognet_main, argv))
     assert "training diverged" in line and "Try a smaller --lr (this run: 1e+30)" in line
     assert os.listdir(tmp_path) == []

@@ -264,8 +264,9 @@ def test_opcodes_are_counted(tmp_path, monkeypatch):
 
 
 def test_integer_keys_out_of_range_are_refused(tmp_path):
-    words = op_dict(*[(b"\x8a\x08" + struct.pack("<q", k * (2**61 - 1)), op_str("4019"))
-                      for k in range(1, 4)])  # fmt: skip
+    words = op_dict(
+        *[(b"\x8a\x08" + struct.pack("<q", k * (2**61 - 1)), op_str("4019")) for k in range(1, 4)]
+    )
     refused(tmp_path, "voc", stream(words), "key integer out of range")
 
 
@@ -285,8 +286,9 @@ def test_integer_of_thousands_of_digits_is_refused(tmp_path):
 def test_word2idx_that_is_an_array_is_refused(tmp_path):
     array = ddi_stream(ddi_matrix())[2:-1]
     words = op_dict(*[(op_int(k), op_str(w)) for k, w in DIAG.items()])
-    voc = op_build(op_voc_class() + b")\x81", op_dict((op_str("idx2word"), words),
-                                                      (op_str("word2idx"), array)))  # fmt: skip
+    voc = op_build(
+        op_voc_class() + b")\x81", op_dict((op_str("idx2word"), words), (op_str("word2idx"), array))
+    )
     refused(tmp_path, "voc", stream(op_dict((op_str("diag_voc"), voc))), "word2idx is not")
 
 

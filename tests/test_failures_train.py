@@ -80,8 +80,7 @@ def unhashed(path: Path) -> None:  # a checkpoint saved before the hashes, then 
         (unhashed, "vocab.json: 35 diagnoses, but the model was built for 40"),
     ],
 )
-def test_a_damaged_checkpoint_is_named_by_evaluate_and_export(tiny, tmp_path, how,
-                                                                     message):  # fmt: skip
+def test_a_damaged_checkpoint_is_named_by_evaluate_and_export(tiny, tmp_path, how, message):
     data, ckpt = tiny / "data", tiny / "ckpt"
     bad = damaged(ckpt, tmp_path, how)
     assert message in error(evaluate(bad, data, "--json", str(tmp_path / "r.json")))
@@ -135,14 +134,18 @@ def test_a_full_disk_names_the_file(tiny, tmp_path):
     probe = subprocess.run(["unshare", "-rm", "true"], capture_output=True)
     if probe.returncode != 0:
         pytest.skip("unshare -rm is not allowed here")
-    train = (f"{sys.executable} -c 'from cognet.cli import main; main()' train --data {data} "
-             f"--out {disk}/ckpt --epochs 1 --quiet")  # fmt: skip
+    train = (
+        f"{sys.executable} -c 'from cognet.cli import main; main()' train --data {data} "
+        f"--out {disk}/ckpt --epochs 1 --quiet"
+    )
     mount = f"mount -t tmpfs -o size=16k tmpfs {disk}"
     script = f"{mount} && {{ {train}; rc=$?; ls -A {disk}; exit $rc; }}"
     done = subprocess.run(
         ["unshare", "-rm", "sh", "-c", script],  # ls: what the failed run left on that disk
-        capture_output=True, text=True, cwd=REPO,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+    )
     assert done.returncode == 1, done.stderr
     lines = [line for line in done.stderr.splitlines() if line.startswith("Error")]
     assert len(lines) == 1 and "Traceback" not in done.stderr, done.stderr

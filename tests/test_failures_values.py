@@ -62,8 +62,18 @@ def test_a_medication_map_that_is_not_atc_is_refused_by_row(meds, tmp_path, bad)
 def test_a_code_prefix_that_matches_nothing_is_refused_with_the_counts(meds, tmp_path, option):
     meds_dir, maps = meds
     out = tmp_path / "out"
-    argv = ["data", "meds", "--meds-dir", meds_dir, "--out", out, option, "DIAGNOSIS//ICD99//",
-            "--medication-map", maps["medication_map"]]  # fmt: skip
+    argv = [
+        "data",
+        "meds",
+        "--meds-dir",
+        meds_dir,
+        "--out",
+        out,
+        option,
+        "DIAGNOSIS//ICD99//",
+        "--medication-map",
+        maps["medication_map"],
+    ]
     line = error(CliRunner().invoke(cognet_main, list(map(str, argv))))
     assert f"{meds_dir}: no event code starts with {option} 'DIAGNOSIS//ICD99//'; events:" in line
     assert "admissions:" in line and "rows ->" in line  # the counts of every step
@@ -111,21 +121,45 @@ def test_a_graph_name_that_is_not_an_onnx_file_name_exits_2(made, tmp_path, name
 # -- 9. an empty DDI table is said ----------------------------------------------------------------
 @pytest.mark.parametrize(
     "args",
-    [["--ddi-target", "0.05"], ["--ddi-mode", "hard"], ["--ddi-max-rate", "0.1"],
-     ["--ddi-tradeoff"]],
-)  # fmt: skip
+    [
+        ["--ddi-target", "0.05"],
+        ["--ddi-mode", "hard"],
+        ["--ddi-max-rate", "0.1"],
+        ["--ddi-tradeoff"],
+    ],
+)
 def test_evaluate_with_a_ddi_policy_on_data_without_pairs_exits_2(made, tmp_path, args):
     report = tmp_path / "r.json"
-    argv = ["evaluate", "--checkpoint", str(made / "ckpt"), "--data", str(made / "bare"),
-            "--rounds", "1", "--json", str(report), *args]  # fmt: skip
+    argv = [
+        "evaluate",
+        "--checkpoint",
+        str(made / "ckpt"),
+        "--data",
+        str(made / "bare"),
+        "--rounds",
+        "1",
+        "--json",
+        str(report),
+        *args,
+    ]
     line = error(CliRunner().invoke(cognet_main, argv))
     assert f"{made / 'bare' / 'ddi.parquet'}: no DDI pair (drug_a, drug_b) to act on" in line
     assert os.listdir(tmp_path) == []
 
 
 def test_train_with_a_ddi_target_on_data_without_pairs_exits_2(made, tmp_path):
-    argv = ["train", "--data", str(made / "bare"), "--out", str(tmp_path / "c"),
-            "--ddi-target", "0.05", "--epochs", "1", "--quiet"]  # fmt: skip
+    argv = [
+        "train",
+        "--data",
+        str(made / "bare"),
+        "--out",
+        str(tmp_path / "c"),
+        "--ddi-target",
+        "0.05",
+        "--epochs",
+        "1",
+        "--quiet",
+    ]
     line = error(CliRunner().invoke(cognet_main, argv))
     assert f"{made / 'bare' / 'ddi.parquet'}: no DDI pair" in line and "--ddi-target" in line
     assert os.listdir(tmp_path) == []

@@ -58,8 +58,9 @@ def made(tmp_path_factory) -> Path:
     column = visits["medications"]
     meds = [None if end else m for m, end in zip(column.to_pylist(), last, strict=True)]
     i = visits.schema.get_field_index("medications")
-    pq.write_table(visits.set_column(i, "medications", pa.array(meds, column.type)),
-                   root / "to_score.parquet")  # fmt: skip
+    pq.write_table(
+        visits.set_column(i, "medications", pa.array(meds, column.type)), root / "to_score.parquet"
+    )
     return root
 
 
@@ -92,41 +93,108 @@ def writers(made: Path, tmp: Path) -> dict[str, tuple]:
     for name in ("a.csv", "b.csv", "c.csv", "d.csv", "r.pkl", "v.pkl", "i.pkl"):
         (empty / name).touch()
     (empty / "src").mkdir(exist_ok=True)
-    maps = ["--ndc-rxnorm", str(empty / "a.csv"), "--rxnorm-atc", str(empty / "b.csv"),
-            "--drug-atc", str(empty / "c.csv"), "--ddi", str(empty / "d.csv")]  # fmt: skip
+    maps = [
+        "--ndc-rxnorm",
+        str(empty / "a.csv"),
+        "--rxnorm-atc",
+        str(empty / "b.csv"),
+        "--drug-atc",
+        str(empty / "c.csv"),
+        "--ddi",
+        str(empty / "d.csv"),
+    ]
     data, ckpt, model = made / "data", made / "ckpt", made / "model"
     out, file = tmp / "out", tmp / "out.parquet"
     evaluate = ["evaluate", "--checkpoint", str(ckpt), "--data", str(data), "--rounds", "1"]
     return {
-        "score": (batch_main, ["score", str(made / "to_score.parquet"), "--model", str(model),
-                               "--out", str(file), "--quiet"], file),
-        "train": (cognet_main, ["train", "--data", str(data), "--out", str(out), "--epochs", "1",
-                                "--quiet"], out),
-        "export": (export_main, ["--checkpoint", str(ckpt), "--out", str(out), "--no-validate"],
-                   out),
+        "score": (
+            batch_main,
+            [
+                "score",
+                str(made / "to_score.parquet"),
+                "--model",
+                str(model),
+                "--out",
+                str(file),
+                "--quiet",
+            ],
+            file,
+        ),
+        "train": (
+            cognet_main,
+            ["train", "--data", str(data), "--out", str(out), "--epochs", "1", "--quiet"],
+            out,
+        ),
+        "export": (
+            export_main,
+            ["--checkpoint", str(ckpt), "--out", str(out), "--no-validate"],
+            out,
+        ),
         "evaluate --predictions": (cognet_main, [*evaluate, "--predictions", str(file)], file),
-        "evaluate --json": (cognet_main, [*evaluate, "--json", str(tmp / "r.json")],
-                            tmp / "r.json"),
+        "evaluate --json": (
+            cognet_main,
+            [*evaluate, "--json", str(tmp / "r.json")],
+            tmp / "r.json",
+        ),
         "data synth": (cognet_main, ["data", "synth", "--out", str(out), "--patients", "20"], out),
-        "data benchmark": (cognet_main, ["data", "benchmark", "--records", str(empty / "r.pkl"),
-                                         "--voc", str(empty / "v.pkl"), "--ddi",
-                                         str(empty / "i.pkl"), "--out", str(out)], out),
-        "data mimic3": (cognet_main, ["data", "mimic3", "--mimic-dir", str(empty / "src"), *maps,
-                                      "--out", str(out)], out),
-        "data mimic4": (cognet_main, ["data", "mimic4", "--mimic-dir", str(empty / "src"), *maps,
-                                      "--out", str(out)], out),
-        "data omop": (cognet_main, ["data", "omop", "--cdm", str(empty / "src"), "--out",
-                                    str(out)], out),
-        "data meds": (cognet_main, ["data", "meds", "--meds-dir", str(empty / "src"), "--out",
-                                    str(out)], out),
-        "bench": (bench_main, ["--model", str(model), "--data", str(data), "--out", str(out),
-                               "--quick"], out),
-    }  # fmt: skip
+        "data benchmark": (
+            cognet_main,
+            [
+                "data",
+                "benchmark",
+                "--records",
+                str(empty / "r.pkl"),
+                "--voc",
+                str(empty / "v.pkl"),
+                "--ddi",
+                str(empty / "i.pkl"),
+                "--out",
+                str(out),
+            ],
+            out,
+        ),
+        "data mimic3": (
+            cognet_main,
+            ["data", "mimic3", "--mimic-dir", str(empty / "src"), *maps, "--out", str(out)],
+            out,
+        ),
+        "data mimic4": (
+            cognet_main,
+            ["data", "mimic4", "--mimic-dir", str(empty / "src"), *maps, "--out", str(out)],
+            out,
+        ),
+        "data omop": (
+            cognet_main,
+            ["data", "omop", "--cdm", str(empty / "src"), "--out", str(out)],
+            out,
+        ),
+        "data meds": (
+            cognet_main,
+            ["data", "meds", "--meds-dir", str(empty / "src"), "--out", str(out)],
+            out,
+        ),
+        "bench": (
+            bench_main,
+            ["--model", str(model), "--data", str(data), "--out", str(out), "--quick"],
+            out,
+        ),
+    }
 
 
-COMMANDS = ["score", "train", "export", "evaluate --predictions", "evaluate --json",
-            "data synth", "data benchmark", "data mimic3", "data mimic4", "data omop",
-            "data meds", "bench"]  # fmt: skip
+COMMANDS = [
+    "score",
+    "train",
+    "export",
+    "evaluate --predictions",
+    "evaluate --json",
+    "data synth",
+    "data benchmark",
+    "data mimic3",
+    "data mimic4",
+    "data omop",
+    "data meds",
+    "bench",
+]
 
 
 # -- 1. one lock per output, shared by every command ---------------------------------------------
@@ -157,8 +225,14 @@ def stopped(proc: subprocess.Popen, timeout: float = 180) -> None:
 
 def start(program: str, argv: list[str], point: str | None = None) -> subprocess.Popen:
     env = {**os.environ, "COGNET_KILL_AT": point or ""}
-    return subprocess.Popen([sys.executable, "-c", MAINS[program], *argv], cwd=REPO, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    return subprocess.Popen(
+        [sys.executable, "-c", MAINS[program], *argv],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def finish(proc: subprocess.Popen) -> tuple[int, str]:
@@ -192,8 +266,10 @@ def test_score_against_train_on_one_out_refuses_one_and_keeps_the_other_whole(ma
     score = start("cognet-batch", score_argv[:-1], "replace:STOP")
     try:
         stopped(score)
-        for argv in (cmds["train"][1][:3] + ["--out", str(out)],
-                     cmds["evaluate --predictions"][1][:-1] + [str(out)]):  # fmt: skip
+        for argv in (
+            cmds["train"][1][:3] + ["--out", str(out)],
+            cmds["evaluate --predictions"][1][:-1] + [str(out)],
+        ):
             line = error(CliRunner().invoke(cognet_main, argv))
             assert f"{out}: is being written by cognet-batch score (pid {score.pid})" in line
     finally:
@@ -246,8 +322,9 @@ def test_sigterm_at_each_point_leaves_the_output_as_it_was_or_whole(made, tmp_pa
     assert temps(tmp_path) == [] and not list(tmp_path.glob(".*.lock"))
 
 
-@pytest.mark.parametrize(("command", "point"), [("data synth", "staged"), ("train", "staged"),
-                                                 ("score", "replace")])  # fmt: skip
+@pytest.mark.parametrize(
+    ("command", "point"), [("data synth", "staged"), ("train", "staged"), ("score", "replace")]
+)
 def test_sigint_cleans_up_as_sigterm_does(made, tmp_path, command, point):
     _, argv, out = writers(made, tmp_path)[command]
     old_output(made, command, out)
@@ -260,8 +337,9 @@ def test_sigint_cleans_up_as_sigterm_does(made, tmp_path, command, point):
     assert temps(tmp_path) == [] and not list(tmp_path.glob(".*.lock"))
 
 
-@pytest.mark.parametrize(("command", "point"), [("data synth", "staged"), ("score", "replace"),
-                                                 ("data synth", "aside")])  # fmt: skip
+@pytest.mark.parametrize(
+    ("command", "point"), [("data synth", "staged"), ("score", "replace"), ("data synth", "aside")]
+)
 def test_kill_9_leaves_only_temporary_names_that_the_next_run_removes(
     made, tmp_path, command, point
 ):

@@ -108,8 +108,13 @@ def test_batch_score_device_cuda_cli(real_size, tmp_path):
 
     from cognet.runtime.cli import main
 
-    args = ["score", str(real_size / "data" / "visits.parquet"), "--model",
-            str(real_size / "model"), "--all"]  # fmt: skip
+    args = [
+        "score",
+        str(real_size / "data" / "visits.parquet"),
+        "--model",
+        str(real_size / "model"),
+        "--all",
+    ]
     outs = {}
     for device in ("cpu", "cuda"):
         out = tmp_path / f"{device}.parquet"
@@ -214,8 +219,9 @@ def test_ort_cuda_device_selection_equals_torch_reference(real_size, batch_size)
             ref = {v.visit_id: vocab.med_codes(d.meds) for v, d in zip(flat, decoded, strict=True)}
         else:
             ref = by_id
-        scorer = Scorer(real_size / "model", device="cuda", batch_size=batch_size,
-                        decoding="beam", ddi=policy)  # fmt: skip
+        scorer = Scorer(
+            real_size / "model", device="cuda", batch_size=batch_size, decoding="beam", ddi=policy
+        )
         assert scorer.decoder.select_on_device
         assert scorer.encode.search is not None  # encodings written and gathered on the GPU
         out = pa.concat_tables([c.recommendations for c in scorer.score_table(_targets(visits))])
@@ -248,8 +254,7 @@ def test_ort_cuda_with_several_host_streams_equals_torch_reference(real_size):
     from cognet.runtime import Scorer
 
     visits, by_id = _reference(real_size, "cpu")
-    scorer = Scorer(real_size / "model", device="cuda", batch_size=128, decoding="beam",
-                    streams=3)  # fmt: skip
+    scorer = Scorer(real_size / "model", device="cuda", batch_size=128, decoding="beam", streams=3)
     assert scorer.streams == 3 and scorer.decoder.select_on_device
     out = pa.concat_tables([c.recommendations for c in scorer.score_table(_targets(visits))])
     assert {r["visit_id"]: r["medications"] for r in out.to_pylist()} == by_id
@@ -267,8 +272,9 @@ def test_ort_cuda_fp16_scores_end_to_end(real_size):
     table = _targets(pq.read_table(real_size / "data" / "visits.parquet"))
     runs = {}
     for device in ("cpu", "cuda"):
-        scorer = Scorer(real_size / "model", device=device, batch_size=512, decoding="beam",
-                        variant="fp16")  # fmt: skip
+        scorer = Scorer(
+            real_size / "model", device=device, batch_size=512, decoding="beam", variant="fp16"
+        )
         if device == "cuda":
             assert scorer.encode.search is not None and scorer.encode.dtype == np.float16
         out = pa.concat_tables([c.recommendations for c in scorer.score_table(table)])

@@ -99,8 +99,19 @@ def test_a_whole_model_exported_before_the_ranked_take_graphs_still_loads(
     old = tmp_path / "model"
     shutil.copytree(exported, old)
     manifest = json.loads((old / "manifest.json").read_text())
-    elem = dict(zip(TAKE_DTYPES, (TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.DOUBLE,
-                                  TensorProto.INT64, TensorProto.BOOL), strict=True))  # fmt: skip
+    elem = dict(
+        zip(
+            TAKE_DTYPES,
+            (
+                TensorProto.FLOAT,
+                TensorProto.FLOAT16,
+                TensorProto.DOUBLE,
+                TensorProto.INT64,
+                TensorProto.BOOL,
+            ),
+            strict=True,
+        )
+    )
     for dtype in TAKE_DTYPES:
         for rank in TAKE_RANKS:
             name = take_graph_name(dtype, rank)
@@ -108,8 +119,10 @@ def test_a_whole_model_exported_before_the_ranked_take_graphs_still_loads(
             if rank != 2:  # only take_<dtype> existed, for every rank
                 (old / manifest["search"].pop(name)["file"]).unlink()
                 continue
-            x, rows = (helper.make_tensor_value_info("x", elem[dtype], None),
-                       helper.make_tensor_value_info("rows", TensorProto.INT64, ["K"]))  # fmt: skip
+            x, rows = (
+                helper.make_tensor_value_info("x", elem[dtype], None),
+                helper.make_tensor_value_info("rows", TensorProto.INT64, ["K"]),
+            )
             y = helper.make_tensor_value_info("y", elem[dtype], None)
             node = helper.make_node("Gather", ["x", "rows"], ["y"], axis=0)
             graph = helper.make_graph([node], name, [x, rows], [y])
@@ -118,8 +131,10 @@ def test_a_whole_model_exported_before_the_ranked_take_graphs_still_loads(
             path = old / entry["file"]
             path.write_bytes(model.SerializeToString())
             entry["sha256"] = hashlib.sha256(path.read_bytes()).hexdigest()
-            entry["inputs"] = [{"name": "x", "dtype": dtype, "shape": ["..."]},
-                               {"name": "rows", "dtype": "int64", "shape": ["K"]}]  # fmt: skip
+            entry["inputs"] = [
+                {"name": "x", "dtype": dtype, "shape": ["..."]},
+                {"name": "rows", "dtype": "int64", "shape": ["K"]},
+            ]
             entry["outputs"] = [{"name": "y", "dtype": dtype, "shape": ["..."]}]
     (old / "manifest.json").write_text(json.dumps(manifest))
     from tiny import last_visits_unknown
@@ -127,8 +142,15 @@ def test_a_whole_model_exported_before_the_ranked_take_graphs_still_loads(
     targets = last_visits_unknown(visits)  # scored without --all: the device path throughout
     lists = {}
     for selection in ("host", "device"):
-        scorer = Scorer(old, device="cpu", threads=1, selection=selection, decoding="beam",
-                        batch_size=16, compact_at=0.9)  # fmt: skip
+        scorer = Scorer(
+            old,
+            device="cpu",
+            threads=1,
+            selection=selection,
+            decoding="beam",
+            batch_size=16,
+            compact_at=0.9,
+        )
         chunks = scorer.score_table(targets)
         lists[selection] = pa.concat_tables([c.recommendations for c in chunks])["medications"]
     assert lists["host"].equals(lists["device"]) and len(lists["host"]) > 20

@@ -22,8 +22,13 @@ def _by_loops(histories, med_ids) -> dict[str, np.ndarray]:
         for j, r in enumerate(rows):
             out["hist_index"][i, j], out["hist_mask"][i, j] = r, 1
             for p, med in enumerate(med_ids[r]):
-                for name, value in (("slot_row", r), ("slot_pos", p), ("slot_visit", j),
-                                    ("slot_med", med), ("slot_mask", 1)):  # fmt: skip
+                for name, value in (
+                    ("slot_row", r),
+                    ("slot_pos", p),
+                    ("slot_visit", j),
+                    ("slot_med", med),
+                    ("slot_mask", 1),
+                ):
                     out[name][i, at] = value
                 at += 1
     return out

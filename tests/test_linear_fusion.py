@@ -27,9 +27,14 @@ def _hand_graph() -> onnx.ModelProto:
     consts = {
         name: numpy_helper.from_array(rng.normal(size=shape).astype(np.float32), name)
         for name, shape in {
-            "w1": (K, H), "b1": (H,), "w2": (H, M), "b2": (M,), "w3": (K, M), "b3": (M,),
+            "w1": (K, H),
+            "b1": (H,),
+            "w2": (H, M),
+            "b2": (M,),
+            "w3": (K, M),
+            "b3": (M,),
         }.items()
-    }  # fmt: skip
+    }
     node = helper.make_node
     nodes = [
         node("MatMul", ["x", "w1"], ["h0"], "ffn0"),
@@ -118,9 +123,11 @@ def test_the_models_graphs_compute_the_same_fused(name, tmp_path):
     assert fuse_linears(fused) > 0
     consts = {init.name for init in fused.graph.initializer}
     biased = {  # products that an Add of a constant consumes
-        i for nd in fused.graph.node if nd.op_type == "Add" and set(nd.input) & consts
+        i
+        for nd in fused.graph.node
+        if nd.op_type == "Add" and set(nd.input) & consts
         for i in nd.input
-    }  # fmt: skip
+    }
     left = [nd.name for nd in fused.graph.node if nd.op_type == "MatMul" and nd.output[0] in biased]
     assert not left, left
     ins, _ = GRAPH_IO[name]

@@ -107,8 +107,10 @@ def test_every_dropped_event_is_counted(meds_dir, maps, tmp_path):
 
 def test_split_comes_from_subject_splits(meds_dir, maps, tmp_path):
     build_meds(meds_dir, tmp_path / "out", **maps)
-    split = {str(s.subject): {"train": "train", "tuning": "val", "held_out": "test"}[s.split]
-             for s in COHORT}  # fmt: skip
+    split = {
+        str(s.subject): {"train": "train", "tuning": "val", "held_out": "test"}[s.split]
+        for s in COHORT
+    }
     for row in rows(tmp_path / "out"):
         assert row["split"] == split[row["patient_id"]]
 
@@ -146,8 +148,9 @@ def test_no_medication_is_refused_unless_allowed(meds_dir, tmp_path):
     assert result.exit_code == 2
     assert "no RX// event maps to ATC-3" in result.output and "--ndc-rxnorm" in result.output
     assert "--allow-no-medications" in result.output and not out.exists()
-    result = invoke("--meds-dir", meds_dir, "--out", out, "--medication", "RX//",
-                    "--allow-no-medications")  # fmt: skip
+    result = invoke(
+        "--meds-dir", meds_dir, "--out", out, "--medication", "RX//", "--allow-no-medications"
+    )
     assert result.exit_code == 0, result.output
     assert pc.all(pc.is_null(pq.read_table(out / "visits.parquet")["medications"])).as_py()
 
@@ -161,13 +164,17 @@ def _rewrite_shard(meds_dir: Path, change) -> Path:
 @pytest.mark.parametrize(
     "change, message",
     [
-        (lambda t: t.rename_columns(["patient_id", *t.column_names[1:]]),
-         "Missing required columns: subject_id"),
-        (lambda t: t.set_column(2, "code", t["code"].cast(pa.large_string())),
-         "code (want string, got large_string)"),
+        (
+            lambda t: t.rename_columns(["patient_id", *t.column_names[1:]]),
+            "Missing required columns: subject_id",
+        ),
+        (
+            lambda t: t.set_column(2, "code", t["code"].cast(pa.large_string())),
+            "code (want string, got large_string)",
+        ),
     ],
     ids=["patient_id", "large_string"],
-)  # fmt: skip
+)
 def test_data_failing_the_meds_schema_exits_2(meds_dir, tmp_path, change, message):
     shard = _rewrite_shard(meds_dir, change)
     result = invoke("--meds-dir", meds_dir, "--out", tmp_path / "out")
@@ -176,8 +183,12 @@ def test_data_failing_the_meds_schema_exits_2(meds_dir, tmp_path, change, messag
 
 
 def test_null_code_names_file_column_and_row(meds_dir, tmp_path):
-    schema = pa.schema([f.with_nullable(True) for f in pq.read_schema(
-        sorted((meds_dir / "data").rglob("*.parquet"))[0])])  # fmt: skip
+    schema = pa.schema(
+        [
+            f.with_nullable(True)
+            for f in pq.read_schema(sorted((meds_dir / "data").rglob("*.parquet"))[0])
+        ]
+    )
 
     def null_code(table):
         codes = table["code"].to_pylist()

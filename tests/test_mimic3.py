@@ -337,8 +337,11 @@ def test_mapping_file_as_json(files):
 
 def test_no_mapped_medication_is_refused_saying_what_to_do(files):
     files["ndc_rxnorm"].write_text("{'99999999999': '1001'}")
-    with pytest.raises(InputError, match="no prescription's NDC maps to ATC-3 through .*"
-                       "ndc2rxnorm_mapping.txt.*use SafeDrug's"):  # fmt: skip
+    with pytest.raises(
+        InputError,
+        match="no prescription's NDC maps to ATC-3 through .*"
+        "ndc2rxnorm_mapping.txt.*use SafeDrug's",
+    ):
         build_mimic3(**files)
     assert not (files["out"] / "visits.parquet").exists()
 

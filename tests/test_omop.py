@@ -28,8 +28,14 @@ from cognet.data.omop import build_omop
 
 
 def visit(pid, vid, seq, diagnoses, procedures, medications):
-    return {"patient_id": pid, "visit_id": vid, "visit_seq": seq, "diagnoses": diagnoses,
-            "procedures": procedures, "medications": medications}  # fmt: skip
+    return {
+        "patient_id": pid,
+        "visit_id": vid,
+        "visit_seq": seq,
+        "diagnoses": diagnoses,
+        "procedures": procedures,
+        "medications": medications,
+    }
 
 
 S_HTN, S_T2DM, S_MI = "SNOMED/59621000", "SNOMED/44054006", "SNOMED/22298006"

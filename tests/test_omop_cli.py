@@ -85,8 +85,9 @@ def test_cli_missing_column_exits_2(cdm, tmp_path, file, column, args):
     with path.open(newline="") as handle:
         table = list(csv.reader(handle, delimiter=delimiter, quoting=csv.QUOTE_NONE))
     keep = [i for i, name in enumerate(table[0]) if name != column]
-    write_table(path, ([table[0][i] for i in keep], [[r[i] for i in keep] for r in table[1:]]),
-                delimiter)  # fmt: skip
+    write_table(
+        path, ([table[0][i] for i in keep], [[r[i] for i in keep] for r in table[1:]]), delimiter
+    )
     result = invoke("--cdm", cdm, "--out", tmp_path / "out", *args)
     assert result.exit_code == 2
     assert result.stderr == f"Error: {path}: column {column!r}: missing column\n"
@@ -95,15 +96,26 @@ def test_cli_missing_column_exits_2(cdm, tmp_path, file, column, args):
 @pytest.mark.parametrize(
     ("old", "new", "message"),
     [
-        ("12,1,9201,2020-01-15", "12,1,9201,2020-15-01",
-         "column 'visit_start_date', line 6: '2020-15-01' is not a date (YYYY-MM-DD or YYYYMMDD)"),
+        (
+            "12,1,9201,2020-01-15",
+            "12,1,9201,2020-15-01",
+            "column 'visit_start_date', line 6: '2020-15-01' is not a date "
+            "(YYYY-MM-DD or YYYYMMDD)",
+        ),
         ("12,1,9201,2020-01-15", "12,,9201,2020-01-15", "column 'person_id', line 6: empty"),
-        ("12,1,9201,2020-01-15", "1x2,1,9201,2020-01-15",
-         "column 'visit_occurrence_id', line 6: '1x2' is not an integer id"),
-        ("12,1,9201,2020-01-15", "10,1,9201,2020-01-15",
-         "column 'visit_occurrence_id', line 6: visit_occurrence_id 10 repeated (first at line 2)"),
+        (
+            "12,1,9201,2020-01-15",
+            "1x2,1,9201,2020-01-15",
+            "column 'visit_occurrence_id', line 6: '1x2' is not an integer id",
+        ),
+        (
+            "12,1,9201,2020-01-15",
+            "10,1,9201,2020-01-15",
+            "column 'visit_occurrence_id', line 6: visit_occurrence_id 10 repeated "
+            "(first at line 2)",
+        ),
     ],
-)  # fmt: skip
+)
 def test_cli_bad_value_names_the_line(cdm, tmp_path, old, new, message):
     path = cdm / "visit_occurrence.csv"
     path.write_text(path.read_text().replace(old, new))
@@ -119,8 +131,11 @@ def test_parquet_errors_name_the_row(cdm, tmp_path):
     ids = table["drug_concept_id"].to_pylist()
     ids[3] = 1.5
     pq.write_table(table.set_column(2, "drug_concept_id", pa.array(ids, pa.float64())), path)
-    with pytest.raises(InputError, match=r"DRUG_EXPOSURE.parquet: column 'drug_concept_id', "
-                                         r"row 3: 1.5 is not an integer id"):  # fmt: skip
+    with pytest.raises(
+        InputError,
+        match=r"DRUG_EXPOSURE.parquet: column 'drug_concept_id', "
+        r"row 3: 1.5 is not an integer id",
+    ):
         build_omop(cdm, tmp_path / "out")
 
 

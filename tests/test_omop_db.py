@@ -65,9 +65,17 @@ def test_cli_duckdb_url_and_separate_vocabulary_schema(ddi_file, tmp_path):
     db = write_duckdb(tmp_path / "cdm.ddb", tables, schema="clinical", vocab_schema="athena")
     out = tmp_path / "out"
     result = invoke(
-        "--cdm", f"duckdb:///{db}", "--cdm-schema", "clinical", "--vocab-schema", "athena",
-        "--out", out, "--ddi", ddi_file,
-    )  # fmt: skip
+        "--cdm",
+        f"duckdb:///{db}",
+        "--cdm-schema",
+        "clinical",
+        "--vocab-schema",
+        "athena",
+        "--out",
+        out,
+        "--ddi",
+        ddi_file,
+    )
     assert result.exit_code == 0, result.output
     assert "drug_exposure: 11 rows -> 7 mapped to ATC-3" in result.output
     assert_same_output(from_files(tmp_path, ddi_file), out)
@@ -76,23 +84,56 @@ def test_cli_duckdb_url_and_separate_vocabulary_schema(ddi_file, tmp_path):
 def test_filters_are_pushed_down_and_the_counts_stay_whole(tmp_path, ddi_file):
     tables = extract()
     many = 5000  # concepts no visit uses, and their ancestor rows: never leave the database
-    tables["concept"] = pa.concat_tables([tables["concept"], typed((
-        CONCEPT[0],
-        [[9_000_000 + i, "x", "Drug", "RxNorm", "Clinical Drug", "S", str(i), "19700101",
-          "20991231", ""] for i in range(many)],
-    ))])  # fmt: skip
-    tables["concept_ancestor"] = pa.concat_tables([tables["concept_ancestor"], typed((
-        CONCEPT_ANCESTOR[0], [[9_000_000 + i, 9_000_000 + i, 0, 0] for i in range(many)],
-    ))])  # fmt: skip
+    tables["concept"] = pa.concat_tables(
+        [
+            tables["concept"],
+            typed(
+                (
+                    CONCEPT[0],
+                    [
+                        [
+                            9_000_000 + i,
+                            "x",
+                            "Drug",
+                            "RxNorm",
+                            "Clinical Drug",
+                            "S",
+                            str(i),
+                            "19700101",
+                            "20991231",
+                            "",
+                        ]
+                        for i in range(many)
+                    ],
+                )
+            ),
+        ]
+    )
+    tables["concept_ancestor"] = pa.concat_tables(
+        [
+            tables["concept_ancestor"],
+            typed(
+                (
+                    CONCEPT_ANCESTOR[0],
+                    [[9_000_000 + i, 9_000_000 + i, 0, 0] for i in range(many)],
+                )
+            ),
+        ]
+    )
     db = write_duckdb(tmp_path / "cdm.duckdb", tables)
     schemas = dict.fromkeys(CLINICAL + VOCABULARY, "cdm")
-    events = {"condition_occurrence": "condition_concept_id",
-              "procedure_occurrence": "procedure_concept_id"}  # fmt: skip
+    events = {
+        "condition_occurrence": "condition_concept_id",
+        "procedure_occurrence": "procedure_concept_id",
+    }
     with open_cdm(db, CLINICAL + VOCABULARY, schemas, events, ATC_CLASSES) as cdm:
         for name in VOCABULARY:
             table = cdm.tables[name]
-            streamed = sum(len(c) for _, cols in table.batches([table.names[0]]) for c in [
-                next(iter(cols.values()))])  # fmt: skip
+            streamed = sum(
+                len(c)
+                for _, cols in table.batches([table.names[0]])
+                for c in [next(iter(cols.values()))]
+            )
             assert streamed < 30 and table.rows_read(streamed) == tables[name].num_rows
     out = tmp_path / "out"
     report = build_omop(db, out, ddi_file)
@@ -216,8 +257,9 @@ def test_postgres_gives_the_files_output_byte_for_byte(pg, ddi_file, tmp_path, o
 def test_cli_postgres_password_from_the_environment(pg, ddi_file, tmp_path, monkeypatch):
     monkeypatch.setenv("PGPASSWORD", PASSWORD)
     out = tmp_path / "out"
-    result = invoke("--cdm", pg.url(password=False), "--vocab-schema", "vocab", "--out", out,
-                    "--ddi", ddi_file)  # fmt: skip
+    result = invoke(
+        "--cdm", pg.url(password=False), "--vocab-schema", "vocab", "--out", out, "--ddi", ddi_file
+    )
     assert result.exit_code == 0, result.output
     assert PASSWORD not in result.output + (out / "summary.json").read_text()
     assert_same_output(from_files(tmp_path, ddi_file), out)

@@ -76,9 +76,13 @@ def test_narrowed_marginals_equal_the_one_loops_bit_for_bit(samples, estimator, 
     adj = np.zeros((n_med, n_med), bool)
     adj[0, 1] = adj[1, 0] = adj[2, 5] = adj[5, 2] = True
     cfg = SetConfig(
-        end=n_med, samples=samples, estimator=estimator, compact_at=compact_at, ddi=ddi,
+        end=n_med,
+        samples=samples,
+        estimator=estimator,
+        compact_at=compact_at,
+        ddi=ddi,
         max_len=8,
-    )  # fmt: skip
+    )
     full, packed = PrefixSession(n_med), PrefixSession(n_med)
     memories = full.memories(n)
 
@@ -133,8 +137,14 @@ def test_runtime_sets_are_the_one_loops(tiny, batch_size, monkeypatch):
     table = pq.read_table(tiny / "data" / "visits.parquet")
 
     def score():
-        scorer = Scorer(tiny / "model", device="cpu", decoding="set", samples=16, threshold=0.3,
-                        batch_size=batch_size)  # fmt: skip
+        scorer = Scorer(
+            tiny / "model",
+            device="cpu",
+            decoding="set",
+            samples=16,
+            threshold=0.3,
+            batch_size=batch_size,
+        )
         chunks = scorer.score_table(table, score_all=True)
         return pa.concat_tables([c.recommendations for c in chunks]).to_pylist()
 

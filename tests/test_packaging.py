@@ -13,18 +13,33 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-FOLDERS = {"cognet": "cognet", "export": "cognet/export", "runtime": "cognet/runtime",
-           "benchmarks": "cognet/benchmarks"}  # fmt: skip
+FOLDERS = {
+    "cognet": "cognet",
+    "export": "cognet/export",
+    "runtime": "cognet/runtime",
+    "benchmarks": "cognet/benchmarks",
+}
 
 
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("wheel")
     done = subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
-         "-w", str(out), str(ROOT)],
-        capture_output=True, text=True,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(out),
+            str(ROOT),
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert done.returncode == 0, done.stderr
     (found,) = out.glob("cognet-*.whl")
     return found
@@ -45,10 +60,20 @@ def test_the_wheel_holds_every_module_of_the_tree(wheel):
 def test_the_installed_wheel_runs_the_commands(wheel, tmp_path):
     target = tmp_path / "site"
     done = subprocess.run(
-        [sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(target),
-         str(wheel)],
-        capture_output=True, text=True,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--no-deps",
+            "-q",
+            "--target",
+            str(target),
+            str(wheel),
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert done.returncode == 0, done.stderr
     env = {**os.environ, "PYTHONPATH": str(target)}
     for module, words in (("cognet.cli", "train"), ("cognet.runtime.cli", "score")):

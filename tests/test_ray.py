@@ -21,8 +21,15 @@ from cognet.core.errors import InputError
 from cognet.runtime import reader as ray_engine  # listing INPUT moved to the reader
 from cognet.runtime.cli import main
 
-COUNTS = ("rows_read", "rows_scored", "rows_rejected", "rows_skipped", "unknown_codes",
-          "visits_evaluated", "reject_reasons")  # fmt: skip
+COUNTS = (
+    "rows_read",
+    "rows_scored",
+    "rows_rejected",
+    "rows_skipped",
+    "unknown_codes",
+    "visits_evaluated",
+    "reject_reasons",
+)
 # Scores and probabilities may differ in the last float32 bits: a visit is decoded in
 # another batch (other visits, other padding) than in the local engine.
 ATOL = 1e-5
@@ -87,13 +94,28 @@ def by_visit(table: pa.Table) -> list[dict]:
     [((), "parts/*.parquet", "2"), (("--all", "--explain"), "parts", "1")],
     ids=["glob-2-workers", "dir-all-explain-1-worker"],
 )
-def test_ray_scores_as_the_local_engine(local_ray, tiny, inputs, tmp_path, flags, source,
-                                        workers):  # fmt: skip
-    local = score(tiny, inputs / "visits.parquet", tmp_path / "local.parquet", *flags,
-                  "--summary-json", str(tmp_path / "local.json"))  # fmt: skip
+def test_ray_scores_as_the_local_engine(local_ray, tiny, inputs, tmp_path, flags, source, workers):
+    local = score(
+        tiny,
+        inputs / "visits.parquet",
+        tmp_path / "local.parquet",
+        *flags,
+        "--summary-json",
+        str(tmp_path / "local.json"),
+    )
     assert local.exit_code == 0, local.output
-    ray = score(tiny, f"{inputs}/{source}", tmp_path / "ray", *flags, "--engine", "ray",
-                "--num-workers", workers, "--summary-json", str(tmp_path / "ray.json"))  # fmt: skip
+    ray = score(
+        tiny,
+        f"{inputs}/{source}",
+        tmp_path / "ray",
+        *flags,
+        "--engine",
+        "ray",
+        "--num-workers",
+        workers,
+        "--summary-json",
+        str(tmp_path / "ray.json"),
+    )
     assert ray.exit_code == 0, ray.output
 
     got, want = pq.read_table(tmp_path / "ray"), pq.read_table(tmp_path / "local.parquet")
@@ -104,9 +126,12 @@ def test_ray_scores_as_the_local_engine(local_ray, tiny, inputs, tmp_path, flags
     assert by_visit(rejects) == by_visit(pq.read_table(tmp_path / "local.rejects.parquet"))
     no_patient = pq.read_table(inputs / "visits.parquet")["patient_id"].to_pylist().index(None)
     assert {(r["row"], r["reason"]) for r in rejects.to_pylist()} == {
-        (200, "duplicate_visit_id"), (31, "missing_key"), (no_patient, "missing_key"),
-        (40, "no_codes"), (41, "unknown_codes"),
-    }  # fmt: skip
+        (200, "duplicate_visit_id"),
+        (31, "missing_key"),
+        (no_patient, "missing_key"),
+        (40, "no_codes"),
+        (41, "unknown_codes"),
+    }
 
     s = json.loads((tmp_path / "ray.json").read_text())
     want_s = json.loads((tmp_path / "local.json").read_text())
@@ -123,7 +148,8 @@ def test_ray_scores_as_the_local_engine(local_ray, tiny, inputs, tmp_path, flags
 def test_ray_input_errors_exit_2_with_one_line(local_ray, tiny, inputs, tmp_path):
     (tmp_path / "empty").mkdir()
     assert "no Parquet file found" in error_line(
-        score(tiny, tmp_path / "empty", tmp_path / "o", "--engine", "ray"))  # fmt: skip
+        score(tiny, tmp_path / "empty", tmp_path / "o", "--engine", "ray")
+    )
     parts = tmp_path / "parts"
     parts.mkdir()
     table = pq.read_table(inputs / "visits.parquet")
@@ -161,18 +187,22 @@ def test_without_ray_says_how_to_install_it(monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` raises ImportError
     result = score(tmp_path, tmp_path / "in.parquet", tmp_path / "o", "--engine", "ray")
     assert error_line(result) == "Error: --engine ray needs Ray: pip install 'cognet[ray]'"
-    result = score(tmp_path, tmp_path / "in.parquet", tmp_path / "o", "--engine", "ray",
-                   "--resume")  # fmt: skip
+    result = score(tmp_path, tmp_path / "in.parquet", tmp_path / "o", "--engine", "ray", "--resume")
     assert "--resume is for --engine local" in error_line(result)
 
 
 def test_input_files_in_name_order(tmp_path):
-    for name in ("b/2.parquet", "b/10.parquet", "a.parquet", "_tmp/x.parquet", ".x.parquet",
-                 "notes.txt"):  # fmt: skip
+    for name in (
+        "b/2.parquet",
+        "b/10.parquet",
+        "a.parquet",
+        "_tmp/x.parquet",
+        ".x.parquet",
+        "notes.txt",
+    ):
         (tmp_path / name).parent.mkdir(exist_ok=True)
         (tmp_path / name).write_bytes(b"")
-    names = [Path(p).relative_to(tmp_path).as_posix() for p in
-             ray_engine.list_files(str(tmp_path))]  # fmt: skip
+    names = [Path(p).relative_to(tmp_path).as_posix() for p in ray_engine.list_files(str(tmp_path))]
     assert names == ["a.parquet", "b/10.parquet", "b/2.parquet"]
     glob = ray_engine.list_files(f"{tmp_path}/b/*.parquet")
     assert [Path(p).name for p in glob] == ["10.parquet", "2.parquet"]

@@ -10,6 +10,8 @@ import torch
 from beam_oracle import beam_search as torch_beam_search
 from tiny import DDI_IDS, DDI_POLICIES, make_case
 
+from cognet.core.ddi import DDIPolicy
+from cognet.core.decoding import Decoding
 from cognet.core.decoding.beam import BeamConfig, beam_search, top_k_stable
 from cognet.core.graphspec import INIT_INPUTS
 from cognet.model.batching import make_batch
@@ -115,3 +117,12 @@ def test_torch_beam_search_equals_the_oracle(policy, beam, max_len, n_med):
             assert np.float32(o.score) == np.float32(r.score)
             np.testing.assert_allclose(o.med_probs, r.med_probs, rtol=1e-5, atol=1e-7)
             np.testing.assert_allclose(o.scores, r.scores, rtol=1e-4, atol=1e-6)
+
+
+def test_beam_config_of_a_decoding_carries_its_beam_and_length():
+    policy = DDIPolicy("soft", 2)
+    decoding = Decoding("beam", beam=3, max_len=7)
+    assert BeamConfig.of(decoding, 12, policy, 0.5) == BeamConfig(
+        end=12, beam=3, max_len=7, compact_at=0.5, ddi=policy
+    )
+    assert BeamConfig.of(decoding, 12) == BeamConfig(end=12, beam=3, max_len=7)

@@ -55,15 +55,26 @@ def _score(scorer: Scorer, table: pa.Table, **kwargs):
 
 @pytest.mark.parametrize(
     "batch_size,streams,batch_slots,chunk_targets",
-    [(64, 1, CPU_BATCH_SLOTS, None), (7, 2, CPU_BATCH_SLOTS, None), (64, 1, 40, None),
-     (16, 1, CPU_BATCH_SLOTS, 5)],
-)  # fmt: skip
-def test_onnx_runtime_equals_torch_reference(tiny, reference, batch_size, streams,
-                                             batch_slots, chunk_targets):  # fmt: skip
+    [
+        (64, 1, CPU_BATCH_SLOTS, None),
+        (7, 2, CPU_BATCH_SLOTS, None),
+        (64, 1, 40, None),
+        (16, 1, CPU_BATCH_SLOTS, 5),
+    ],
+)
+def test_onnx_runtime_equals_torch_reference(
+    tiny, reference, batch_size, streams, batch_slots, chunk_targets
+):
     """Several batch sizes and streams; many chunks of different sizes."""
-    scorer = Scorer(tiny / "model", device="cpu", batch_size=batch_size, streams=streams,
-                    threads=streams, batch_slots=batch_slots,
-                    chunk_targets=chunk_targets)  # fmt: skip
+    scorer = Scorer(
+        tiny / "model",
+        device="cpu",
+        batch_size=batch_size,
+        streams=streams,
+        threads=streams,
+        batch_slots=batch_slots,
+        chunk_targets=chunk_targets,
+    )
     assert scorer.providers == ["CPUExecutionProvider"]
     chunks, out = _score(scorer, reference["visits"], score_all=True)
     assert len(chunks) > (20 if chunk_targets else 0)
@@ -286,14 +297,15 @@ def test_io_binding_decoder_equals_the_host_decoder(tiny, reference):
 
     manifest = load_manifest(tiny / "model")
     model = OrtModel(manifest, device="cpu", threads=1)
-    bound = DeviceDecoder(model.sessions["decoder_init"], model.sessions["decoder_step"],
-                          manifest, device=("cpu", 0))  # fmt: skip
+    bound = DeviceDecoder(
+        model.sessions["decoder_init"], model.sessions["decoder_step"], manifest, device=("cpu", 0)
+    )
     table = reference["visits"]
     options = ScoreOptions(batch_size=16, compact_at=0.5)
-    host = Scorer.from_session(model.encoder, model.decoder, manifest.vocabulary(), 16,
-                               options=options)  # fmt: skip
-    dev = Scorer.from_session(model.encoder, bound, manifest.vocabulary(), 16,
-                              options=options)  # fmt: skip
+    host = Scorer.from_session(
+        model.encoder, model.decoder, manifest.vocabulary(), 16, options=options
+    )
+    dev = Scorer.from_session(model.encoder, bound, manifest.vocabulary(), 16, options=options)
     _, a = _score(host, table, score_all=True, explain=True)
     _, b = _score(dev, table, score_all=True, explain=True)
     assert a.equals(b)

@@ -134,8 +134,14 @@ def test_set_select_graph_equals_the_numpy_sampling_step(policy):
         finished = rng.random((n, s)) < 0.3
         hazard = rng.random((n, end))
         u = uniforms(7, np.arange(n, dtype=np.uint64), s, step)
-        feeds = {"log_probs": raw, "used": used, "finished": finished, "uniforms": u,
-                 "hazard": hazard, **_ddi_feeds(policy)}  # fmt: skip
+        feeds = {
+            "log_probs": raw,
+            "used": used,
+            "finished": finished,
+            "uniforms": u,
+            "hazard": hazard,
+            **_ddi_feeds(policy),
+        }
         names = [o.name for o in sess.get_outputs()]
         got = dict(zip(names, sess.run(None, feeds), strict=True))
         p = _step_distribution(raw, used, finished, end, policy, adj.astype(np.float32))
@@ -183,8 +189,13 @@ def test_set_select_step_is_the_float64_softmax_to_float32_accuracy(low, rtol):
     assert np.allclose(p.sum(-1), 1.0, rtol=1e-12)
     sess = _session(set_select_graph(v1, None, 18))
     u = uniforms(5, np.arange(n, dtype=np.uint64), s, 0)
-    feeds = {"log_probs": raw, "used": used, "finished": finished, "uniforms": u,
-             "hazard": np.zeros((n, end))}  # fmt: skip
+    feeds = {
+        "log_probs": raw,
+        "used": used,
+        "finished": finished,
+        "uniforms": u,
+        "hazard": np.zeros((n, end)),
+    }
     names = [o.name for o in sess.get_outputs()]
     got = dict(zip(names, sess.run(None, feeds), strict=True))
     cum = np.cumsum(p, -1)

@@ -66,8 +66,15 @@ def test_every_estimator_draws_alike_in_torch_and_the_runtime(tiny, estimator, s
     selection and the search graphs (fed from the host), visit by visit."""
     decoding = Decoding(name="set", samples=8, threshold=0.3, estimator=estimator)
     ref = _torch_sets(tiny, decoding)
-    got = _runtime_sets(tiny, decoding="set", samples=8, threshold=0.3, batch_size=64,
-                        estimator=estimator, selection=selection)  # fmt: skip
+    got = _runtime_sets(
+        tiny,
+        decoding="set",
+        samples=8,
+        threshold=0.3,
+        batch_size=64,
+        estimator=estimator,
+        selection=selection,
+    )
     assert _agreement(got, ref) >= 0.995
     plain = _torch_sets(tiny, Decoding(name="set", samples=8, threshold=0.3, estimator="plain"))
     assert _agreement(plain, ref) < 1.0  # another estimator, other draws
@@ -79,8 +86,9 @@ def test_expected_jaccard_sets_alike_in_torch_and_the_runtime(tiny, selection):
     threshold given alone still asks for the threshold rule."""
     decoding = Decoding(name="set", samples=8, threshold=0.3, rule="jaccard")
     ref = _torch_sets(tiny, decoding)
-    got = _runtime_sets(tiny, decoding="set", samples=8, set_rule="jaccard", batch_size=64,
-                        selection=selection)  # fmt: skip
+    got = _runtime_sets(
+        tiny, decoding="set", samples=8, set_rule="jaccard", batch_size=64, selection=selection
+    )
     assert _agreement(got, ref) >= 0.995
     by_threshold = _runtime_sets(tiny, decoding="set", samples=8, threshold=0.3, batch_size=64)
     assert _agreement(by_threshold, ref) < 0.9  # another rule, other sets
@@ -105,7 +113,7 @@ def trained(tmp_path_factory):
             "--threads",
             "1",
             "--quiet",
-        ],  # fmt: skip
+        ],
     ]
     for args in steps:
         res = runner.invoke(cognet_main, args)
@@ -161,7 +169,7 @@ def test_batch_all_agrees_with_evaluate_predictions(trained, tmp_path):
             "--predictions",
             str(preds),
             "--quiet",
-        ],  # fmt: skip
+        ],
     )
     assert res.exit_code == 0, res.output
     assert "set, 16 samples" in res.output
@@ -180,7 +188,7 @@ def test_batch_all_agrees_with_evaluate_predictions(trained, tmp_path):
             "cpu",
             "--summary-json",
             str(tmp_path / "s.json"),
-        ],  # fmt: skip
+        ],
     )
     assert res.exit_code == 0, res.output
     summary = json.loads((tmp_path / "s.json").read_text())

@@ -312,17 +312,23 @@ BEAM_WITH_SET_OPTIONS = [
 # `cognet-batch score`. The last ones apply to no decoding until the model's own is known
 # (the tiny model's own is beam search).
 NOT_APPLYING = [
-    (["--decoding", "beam", "--set-rule", "jaccard"],
-     "--set-rule is for set decoding, not --decoding beam"),
+    (
+        ["--decoding", "beam", "--set-rule", "jaccard"],
+        "--set-rule is for set decoding, not --decoding beam",
+    ),
     (["--beam", "2", "--estimator", "tree"], "--estimator is for set decoding, not beam search"),
-    (["--set-rule", "jaccard", "--threshold", "0.5"],
-     "--threshold is for --set-rule threshold, not jaccard"),
+    (
+        ["--set-rule", "jaccard", "--threshold", "0.5"],
+        "--threshold is for --set-rule threshold, not jaccard",
+    ),
     (["--decoding", "set", "--beam", "2"], "--beam is for beam search, not set decoding"),
-    (["--decoding", "beam", "--samples", "4", "--estimator", "plain"],
-     "--samples and --estimator are for set decoding, not --decoding beam"),
+    (
+        ["--decoding", "beam", "--samples", "4", "--estimator", "plain"],
+        "--samples and --estimator are for set decoding, not --decoding beam",
+    ),
     (["--estimator", "tree"], "--estimator is for set decoding, not beam search"),
     (["--set-rule", "jaccard"], "--set-rule is for set decoding, not beam search"),
-]  # fmt: skip
+]
 
 
 def with_set_decoding(source: Path, where: Path, config: str) -> Path:

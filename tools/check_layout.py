@@ -1,5 +1,4 @@
-"""Check cognet's layering (DESIGN.md §1), its file-size rule and the tree-wide rules;
-`make lint` runs it.
+"""Check cognet's layering (DESIGN.md §1) and the tree-wide rules; `make lint` runs it.
 
     python tools/check_layout.py [--root DIR]
 
@@ -19,15 +18,13 @@ collects its imports with `ast` (import-linter would miss the remapped folders),
   evaluation <- cli;
 - no-runtime: nothing but the runtime, export and the benchmarks imports the runtime;
 - export: `cognet.export` imports the runtime only lazily (inside a function);
-- benchmarks-on-top: nothing but `cognet.benchmarks` imports `cognet.benchmarks`;
-- size: no source file is over MAX_LINES lines.
+- benchmarks-on-top: nothing but `cognet.benchmarks` imports `cognet.benchmarks`.
 
 Every import counts, lazy ones too, except where a rule says "at module level". Then the
 rules over the whole tree (TREE_RULES, each a function of the root):
 
 - test-imports: no test module (tests/test_*.py) imports another test module; shared
   fixtures live in tests/conftest.py, shared helpers in helper modules (tests/tiny.py);
-- size: no file of tests/ is over MAX_LINES lines either;
 - design-citations: every "DESIGN.md §N" cited in the tree (code, docs, Makefile, help
   texts) names a numbered heading ("## N. ...") of docs/DESIGN.md;
 - compaction-once: the driver's compaction rule is written once;
@@ -46,7 +43,6 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-MAX_LINES = 450
 TORCH = "torch"
 CLICK = "click"
 
@@ -173,21 +169,18 @@ CLICK_FREE = ("core", "data", "model", "training", "evaluation")  # the library:
 
 
 def violations(root: Path) -> list[str]:
-    """Every violation in the tree at `root`: the layering and size rules, then TREE_RULES."""
+    """Every violation in the tree at `root`: the layering rules, then TREE_RULES."""
     return [*layering(root), *(line for rule in TREE_RULES for line in rule(root))]
 
 
 def layering(root: Path) -> list[str]:
-    """The import rules and the size rule over the installed packages."""
+    """The import rules over the installed packages."""
     found = modules(root)
     known = set(found)
     out = []
     for name, path in found.items():
         where = path.relative_to(root)
         mine = layer(name)
-        lines = len(path.read_text().splitlines())
-        if lines > MAX_LINES:
-            out.append(f"{where}:1: size: {lines} lines (at most {MAX_LINES})")
         for imp in imports(path, name, known):
             theirs = layer(imp.module)
             at = f"{where}:{imp.line}"
@@ -396,22 +389,8 @@ def _circles(graph: dict[str, dict[str, int]]) -> list[list[str]]:
     return circles
 
 
-def test_sizes(root: Path) -> list[str]:
-    """size: a Python file of tests/ over MAX_LINES lines (the rule of the packages)."""
-    folder = root / TESTS
-    if not folder.is_dir():
-        return []
-    out = []
-    for path in sorted(folder.rglob("*.py")):
-        lines = len(path.read_text().splitlines())
-        if lines > MAX_LINES:
-            out.append(f"{path.relative_to(root)}:1: size: {lines} lines (at most {MAX_LINES})")
-    return out
-
-
 TREE_RULES: list[Callable[[Path], list[str]]] = [
     test_imports,
-    test_sizes,
     design_citations,
     compaction_once,
     import_cycles,
@@ -430,7 +409,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"layout: {len(found)} violation(s) in {n} modules", file=sys.stderr)
         return 1
     print(
-        f"layout: {n} modules keep the layering and the {MAX_LINES}-line rule; the tree keeps "
+        f"layout: {n} modules keep the layering; the tree keeps "
         f"{', '.join(rule.__name__ for rule in TREE_RULES)}"
     )
     return 0

@@ -94,23 +94,41 @@ def stats(dataset: Path, as_json: bool) -> None:
     click.echo(strict_json.dumps(figures, indent=2) if as_json else format_stats(figures))
 
 
-# fmt: off
 @data.command()
-@click.option("--records", required=True, type=click.Path(path_type=Path),
-              help="records_final.pkl: patients -> visits -> [diagnosis, procedure, "
-                   "medication ids] (a fourth field per visit is dropped).")
-@click.option("--voc", required=True, type=click.Path(path_type=Path),
-              help="voc_final.pkl: diag_voc, pro_voc, med_voc (dill-pickled Voc objects).")
-@click.option("--ddi", required=True, type=click.Path(path_type=Path),
-              help="ddi_A_final.pkl: the 0/1 DDI matrix over medication ids.")
-@click.option("--out", required=True, type=click.Path(file_okay=False, path_type=Path),
-              help="Dataset folder to write (visits.parquet, ddi.parquet).")
-@click.option("--split-order", type=click.Choice(["test-first", "val-first"]),
-              default="test-first", show_default=True,
-              help="After the first two thirds (train): test-first takes the next half of "
-                   "the rest as test (SafeDrug, COGNet), val-first as validation.")
+@click.option(
+    "--records",
+    required=True,
+    type=click.Path(path_type=Path),
+    help="records_final.pkl: patients -> visits -> [diagnosis, procedure, "
+    "medication ids] (a fourth field per visit is dropped).",
+)
+@click.option(
+    "--voc",
+    required=True,
+    type=click.Path(path_type=Path),
+    help="voc_final.pkl: diag_voc, pro_voc, med_voc (dill-pickled Voc objects).",
+)
+@click.option(
+    "--ddi",
+    required=True,
+    type=click.Path(path_type=Path),
+    help="ddi_A_final.pkl: the 0/1 DDI matrix over medication ids.",
+)
+@click.option(
+    "--out",
+    required=True,
+    type=click.Path(file_okay=False, path_type=Path),
+    help="Dataset folder to write (visits.parquet, ddi.parquet).",
+)
+@click.option(
+    "--split-order",
+    type=click.Choice(["test-first", "val-first"]),
+    default="test-first",
+    show_default=True,
+    help="After the first two thirds (train): test-first takes the next half of "
+    "the rest as test (SafeDrug, COGNet), val-first as validation.",
+)
 @handle_errors
-# fmt: on
 def benchmark(records: Path, voc: Path, ddi: Path, out: Path, split_order: str) -> None:
     """Build a dataset from the papers' processed files (GAMENet, SafeDrug, COGNet, ...).
 
@@ -134,33 +152,53 @@ def benchmark(records: Path, voc: Path, ddi: Path, out: Path, split_order: str) 
         click.echo(f"Warning: {warning}", err=True)
 
 
-# fmt: off
 def mapping_options(func):
     """The SafeDrug mapping files, --out and --ddi-types of `mimic3` and `mimic4`."""
     path = click.Path(path_type=Path)
     options = [
-        click.option("--ndc-rxnorm", required=True, type=path,
-                     help="ndc2rxnorm_mapping.txt: a dict literal NDC -> RxCUI (parsed, "
-                          "never run)."),
-        click.option("--rxnorm-atc", required=True, type=path,
-                     help="RXCUI2atc4.csv / ndc2atc_level4.csv with columns RXCUI and ATC4."),
-        click.option("--drug-atc", required=True, type=path,
-                     help="drug-atc.csv: lines 'STITCH CID,ATC,ATC,...'."),
-        click.option("--ddi", required=True, type=path,
-                     help="TWOSIDES drug-DDI.csv ('STITCH 1', 'STITCH 2', "
-                          "'Polypharmacy Side Effect')."),
-        click.option("--out", required=True, type=click.Path(file_okay=False, path_type=Path),
-                     help="Dataset folder to write (visits.parquet, ddi.parquet)."),
-        click.option("--ddi-types", type=click.Choice(DDI_TYPES), default="top40",
-                     show_default=True,
-                     help="top40: pairs of the 40 most frequent side-effect types. reference: "
-                          "the 40 least frequent, as the SafeDrug/COGNet script keeps because "
-                          "of a sort bug (bug-compatible, to compare with published numbers)."),
+        click.option(
+            "--ndc-rxnorm",
+            required=True,
+            type=path,
+            help="ndc2rxnorm_mapping.txt: a dict literal NDC -> RxCUI (parsed, never run).",
+        ),
+        click.option(
+            "--rxnorm-atc",
+            required=True,
+            type=path,
+            help="RXCUI2atc4.csv / ndc2atc_level4.csv with columns RXCUI and ATC4.",
+        ),
+        click.option(
+            "--drug-atc",
+            required=True,
+            type=path,
+            help="drug-atc.csv: lines 'STITCH CID,ATC,ATC,...'.",
+        ),
+        click.option(
+            "--ddi",
+            required=True,
+            type=path,
+            help="TWOSIDES drug-DDI.csv ('STITCH 1', 'STITCH 2', 'Polypharmacy Side Effect').",
+        ),
+        click.option(
+            "--out",
+            required=True,
+            type=click.Path(file_okay=False, path_type=Path),
+            help="Dataset folder to write (visits.parquet, ddi.parquet).",
+        ),
+        click.option(
+            "--ddi-types",
+            type=click.Choice(DDI_TYPES),
+            default="top40",
+            show_default=True,
+            help="top40: pairs of the 40 most frequent side-effect types. reference: "
+            "the 40 least frequent, as the SafeDrug/COGNet script keeps because "
+            "of a sort bug (bug-compatible, to compare with published numbers).",
+        ),
     ]
     for option in reversed(options):
         func = option(func)
     return func
-# fmt: on
 
 
 @data.command("mimic3", context_settings={"help_option_names": ["-h", "--help"]})
@@ -371,36 +409,72 @@ def mimic4(
     _echo_report(report)
 
 
-# fmt: off
 @data.command()
-@click.option("--meds-dir", required=True, type=click.Path(path_type=Path),
-              help="MEDS 0.4 dataset: data/**/*.parquet, metadata/codes.parquet and, if "
-                   "there, metadata/subject_splits.parquet.")
-@click.option("--out", required=True, type=click.Path(file_okay=False, path_type=Path),
-              help="Dataset folder to write (visits.parquet, ddi.parquet, summary.json).")
-@click.option("--ddi", type=click.Path(path_type=Path), default=None,
-              help="Interacting ATC-3 pairs, CSV or Parquet with columns drug_a, drug_b. "
-                   "Without it ddi.parquet is empty.")
-@click.option("--visit-start", default="HOSPITAL_ADMISSION//", show_default=True,
-              help="Code prefix of the events that open a visit.")
-@click.option("--visit-end", default="HOSPITAL_DISCHARGE//", show_default=True,
-              help="Code prefix of the events that close it (the instant included).")
-@click.option("--diagnosis", default="DIAGNOSIS//ICD//", show_default=True,
-              help="Code prefix of diagnoses.")
-@click.option("--procedure", default="PROCEDURE//ICD//", show_default=True,
-              help="Code prefix of procedures.")
-@click.option("--medication", default="MEDICATION//START//", show_default=True,
-              help="Code prefix of the medication events (one kind: never their STOP events).")
-@click.option("--ndc-rxnorm", type=click.Path(path_type=Path), default=None,
-              help="ndc2rxnorm_mapping.txt, for medications with NDC/... parent codes.")
-@click.option("--rxnorm-atc", type=click.Path(path_type=Path), default=None,
-              help="RXCUI2atc4.csv / ndc2atc_level4.csv (columns RXCUI, ATC4), with --ndc-rxnorm.")
-@click.option("--medication-map", type=click.Path(path_type=Path), default=None,
-              help="CSV or Parquet with columns code, atc3: the ATC-3 classes of medication "
-                   "codes (it wins over parent codes).")
+@click.option(
+    "--meds-dir",
+    required=True,
+    type=click.Path(path_type=Path),
+    help="MEDS 0.4 dataset: data/**/*.parquet, metadata/codes.parquet and, if "
+    "there, metadata/subject_splits.parquet.",
+)
+@click.option(
+    "--out",
+    required=True,
+    type=click.Path(file_okay=False, path_type=Path),
+    help="Dataset folder to write (visits.parquet, ddi.parquet, summary.json).",
+)
+@click.option(
+    "--ddi",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="Interacting ATC-3 pairs, CSV or Parquet with columns drug_a, drug_b. "
+    "Without it ddi.parquet is empty.",
+)
+@click.option(
+    "--visit-start",
+    default="HOSPITAL_ADMISSION//",
+    show_default=True,
+    help="Code prefix of the events that open a visit.",
+)
+@click.option(
+    "--visit-end",
+    default="HOSPITAL_DISCHARGE//",
+    show_default=True,
+    help="Code prefix of the events that close it (the instant included).",
+)
+@click.option(
+    "--diagnosis", default="DIAGNOSIS//ICD//", show_default=True, help="Code prefix of diagnoses."
+)
+@click.option(
+    "--procedure", default="PROCEDURE//ICD//", show_default=True, help="Code prefix of procedures."
+)
+@click.option(
+    "--medication",
+    default="MEDICATION//START//",
+    show_default=True,
+    help="Code prefix of the medication events (one kind: never their STOP events).",
+)
+@click.option(
+    "--ndc-rxnorm",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="ndc2rxnorm_mapping.txt, for medications with NDC/... parent codes.",
+)
+@click.option(
+    "--rxnorm-atc",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="RXCUI2atc4.csv / ndc2atc_level4.csv (columns RXCUI, ATC4), with --ndc-rxnorm.",
+)
+@click.option(
+    "--medication-map",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="CSV or Parquet with columns code, atc3: the ATC-3 classes of medication "
+    "codes (it wins over parent codes).",
+)
 @allow_no_medications_option
 @handle_errors
-# fmt: on
 def meds(
     meds_dir: Path,
     out: Path,
@@ -436,7 +510,13 @@ def meds(
     reads = Reads(files=[ddi, ndc_rxnorm, rxnorm_atc, medication_map], folders=[meds_dir])
     with guarded("cognet data meds", {"--out": out}, reads, FOLDER) as stage:
         report = build_meds(
-            meds_dir, stage["--out"], ddi, codes, ndc_rxnorm, rxnorm_atc, medication_map,
+            meds_dir,
+            stage["--out"],
+            ddi,
+            codes,
+            ndc_rxnorm,
+            rxnorm_atc,
+            medication_map,
             allow_no_medications,
-        )  # fmt: skip
+        )
     _echo_report(report)

@@ -136,9 +136,15 @@ def evaluate(
     outputs = {"--json": json_out, "--predictions": predictions, "--plot": plot_out}
     guard_outputs("cognet evaluate", outputs, Reads(datasets=[data_dir], checkpoints=[ckpt]))
     options = EvalOptions(
-        split=split, request=request, rounds=rounds, seed=seed, baseline=baseline,
-        predictions=predictions, quiet=quiet, ddi_target=ddi_target,
-    )  # fmt: skip
+        split=split,
+        request=request,
+        rounds=rounds,
+        seed=seed,
+        baseline=baseline,
+        predictions=predictions,
+        quiet=quiet,
+        ddi_target=ddi_target,
+    )
     if ddi_tradeoff:
         if policy is not None or predictions:
             raise click.UsageError(

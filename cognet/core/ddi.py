@@ -125,13 +125,14 @@ class DDITarget:
             raise TypeError(f"policy.mode must be a string, not {policy['mode']!r}")
         return cls(  # a boolean or a string is no number (`finite`), not even true = 1.0
             target=finite(obj["target"], "target"),
-            policy=DDIPolicy(policy["mode"], finite(policy["penalty"], "policy.penalty"),
-                             policy["max_rate"]),
+            policy=DDIPolicy(
+                policy["mode"], finite(policy["penalty"], "policy.penalty"), policy["max_rate"]
+            ),
             threshold=finite(obj["threshold"], "threshold"),
             val_jaccard=finite(obj["val_jaccard"], "val_jaccard"),
             val_ddi=finite(obj["val_ddi"], "val_ddi"),
             rule=obj.get("rule", "threshold"),
-        )  # fmt: skip
+        )
 
 
 def require_pairs(pairs: Sequence | np.ndarray, where: object, asked: str) -> None:

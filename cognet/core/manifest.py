@@ -307,8 +307,13 @@ def check_manifest(manifest: Manifest) -> None:
         raise bad("dims.head_dim", f"heads {d.heads} x head_dim {d.head_dim} != dim {d.dim}")
     if d.out_size != d.n_med + 1:
         raise bad("dims.out_size", f"{d.out_size}, expected n_med + 1 = {d.n_med + 1}")
-    want = {"end": d.n_med, "start": d.n_med + 1, "med_pad": d.n_med + 2,
-            "diag_pad": d.n_diag, "proc_pad": d.n_proc}  # fmt: skip
+    want = {
+        "end": d.n_med,
+        "start": d.n_med + 1,
+        "med_pad": d.n_med + 2,
+        "diag_pad": d.n_diag,
+        "proc_pad": d.n_proc,
+    }
     for key, value in want.items():
         if getattr(s, key) != value:
             raise bad(f"special.{key}", f"{getattr(s, key)}, the dims need {value}")

@@ -263,9 +263,13 @@ def admissions(events: pd.DataFrame, step: Step) -> pd.DataFrame:
     later = ends[["subject", "time"]].rename(columns={"time": "end"}).sort_values("end")
     adm["order"] = np.arange(len(adm))
     adm = pd.merge_asof(
-        adm.sort_values("start"), later, left_on="start", right_on="end", by="subject",
+        adm.sort_values("start"),
+        later,
+        left_on="start",
+        right_on="end",
+        by="subject",
         direction="forward",
-    ).sort_values("order")  # fmt: skip
+    ).sort_values("order")
     following = adm.groupby("subject")["start"].shift(-1)
     adm.loc[adm["end"] > following, "end"] = np.nan  # that discharge closes a later window
     adm["end"] = adm["end_hadm"].where(adm["end_hadm"].notna(), adm["end"])
@@ -287,11 +291,13 @@ def assign(events: pd.DataFrame, adm: pd.DataFrame) -> np.ndarray:
     out = by_hadm.fillna(-1).to_numpy(np.int64)
     loose = np.flatnonzero((out < 0) & events["time"].notna().to_numpy(bool))
     if len(loose) and len(window):
-        left = pd.DataFrame({
-            "subject": events["subject"].to_numpy()[loose],
-            "time": events["time"].to_numpy("int64", na_value=0)[loose],
-            "row": loose,
-        }).sort_values("time")  # fmt: skip
+        left = pd.DataFrame(
+            {
+                "subject": events["subject"].to_numpy()[loose],
+                "time": events["time"].to_numpy("int64", na_value=0)[loose],
+                "row": loose,
+            }
+        ).sort_values("time")
         right = window[["subject", "start", "end", "v"]].sort_values("start")
         hit = pd.merge_asof(left, right, left_on="time", right_on="start", by="subject")
         hit = hit[hit["v"].notna() & (hit["time"] <= hit["end"])]
@@ -363,15 +369,17 @@ def build_meds(
     shards, codes_path, splits_path = find_meds(meds_dir)
     extra = [Path(p) for p in (ddi, ndc_rxnorm, rxnorm_atc, medication_map) if p is not None]
     check_output(out, [meds_dir, *shards, codes_path, *([splits_path] * bool(splits_path)), *extra])
-    med_map = read_medication_map(codes_path, codes.medication, ndc_rxnorm, rxnorm_atc,
-                                  medication_map)  # fmt: skip
+    med_map = read_medication_map(
+        codes_path, codes.medication, ndc_rxnorm, rxnorm_atc, medication_map
+    )
     splits = read_splits(splits_path) if splits_path else None
     scan = Step.counting("events", "of the kinds used", ["of other codes"])
     if splits is not None:
         scan.dropped["of a subject not in subject_splits"] = 0
     steps = {
         START: Step.counting(
-            "admissions", "visits",
+            "admissions",
+            "visits",
             ["without a time", "repeating an admission's hadm_id", "without a discharge event"],
         ),
         DIAGNOSIS: Step.counting("diagnoses", "coded", [OUTSIDE]),
@@ -379,7 +387,7 @@ def build_meds(
         MEDICATION: Step.counting(
             "medications", "mapped to ATC-3", [OUTSIDE, "with no ATC-3 mapping"]
         ),
-    }  # fmt: skip
+    }
     subjects = None if splits is None else splits.index
     parts = [
         shard_visits(events, med_map, steps, splits)
@@ -388,15 +396,23 @@ def build_meds(
     if not parts:
         raise InputError(f"{meds_dir}: no event has one of the codes {', '.join(codes.prefixes())}")
     table = pa.concat_tables(parts)
-    table = table.take(pc.sort_indices(table, [("_subject", "ascending"),
-                                               ("visit_seq", "ascending")]))  # fmt: skip
+    table = table.take(
+        pc.sort_indices(table, [("_subject", "ascending"), ("visit_seq", "ascending")])
+    )
     table = table.drop_columns(["_subject"])
     windows = steps[START].close().kept
-    written = Step("visits", windows, table.num_rows, "written",
-                   {"without a diagnosis or procedure": windows - table.num_rows})  # fmt: skip
+    written = Step(
+        "visits",
+        windows,
+        table.num_rows,
+        "written",
+        {"without a diagnosis or procedure": windows - table.num_rows},
+    )
     report_steps = [scan, *steps.values(), written]
-    for kind, option, prefix in ((DIAGNOSIS, "--diagnosis", codes.diagnosis),
-                                 (PROCEDURE, "--procedure", codes.procedure)):  # fmt: skip
+    for kind, option, prefix in (
+        (DIAGNOSIS, "--diagnosis", codes.diagnosis),
+        (PROCEDURE, "--procedure", codes.procedure),
+    ):
         if steps[kind].rows == 0:  # a prefix that matches nothing: a typo, not "no codes"
             raise InputError(
                 f"{meds_dir}: no event code starts with {option} {prefix!r}; "

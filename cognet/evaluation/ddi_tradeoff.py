@@ -337,9 +337,15 @@ def _finish_axes(ax, title: str) -> None:
         fontsize=10,
     )
     ax.text(  # what the error bars are
-        0.99, 0.01, "error bars: bootstrap std", transform=ax.transAxes,
-        ha="right", va="bottom", fontsize=7, color="gray",
-    )  # fmt: skip
+        0.99,
+        0.01,
+        "error bars: bootstrap std",
+        transform=ax.transAxes,
+        ha="right",
+        va="bottom",
+        fontsize=7,
+        color="gray",
+    )
     ax.grid(alpha=0.3)
 
 

@@ -63,7 +63,7 @@ def beam_search(
         (sessions[0], memories[0]) if len(sessions) == 1 else (EnsembleSession(sessions), memories)
     )
     n = len(batch["target"])
-    cfg = BeamConfig(end=model.cfg.n_med, beam=beam, max_len=max_len, ddi=ddi)
+    cfg = BeamConfig.of(Decoding("beam", beam=beam, max_len=max_len), model.cfg.n_med, ddi)
     adj = _ddi_adjacency(model) if ddi.active else None
     res = run(session, memories, n, BeamSelector(cfg, prauc=True, ddi_adj=adj), cfg)
     return _decoded(res, n)

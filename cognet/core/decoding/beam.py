@@ -39,9 +39,9 @@ from cognet.core.ddi import (
     check_adjacency,
     ddi_rates,
 )
-from cognet.core.decoding import BEAM, driver
+from cognet.core.decoding import BEAM, Decoding, driver
 from cognet.core.decoding.attribution import beam_shares
-from cognet.core.decoding.driver import DecoderSession, LoopConfig, step_outputs
+from cognet.core.decoding.driver import COMPACT_AT, DecoderSession, LoopConfig, step_outputs
 from cognet.core.decoding.ensemble import MEMBER_LOG_PROBS, mix_log_probs
 
 NEG_INF = np.float32(-np.inf)
@@ -57,6 +57,19 @@ class BeamConfig(LoopConfig):
         super().__post_init__()
         if self.beam < 1:
             raise ValueError("beam and max_len must be >= 1")
+
+    @classmethod
+    def of(
+        cls,
+        decoding: Decoding,
+        end: int,
+        ddi: DDIPolicy = DDIPolicy(),
+        compact_at: float = COMPACT_AT,
+    ) -> BeamConfig:
+        """The driver configuration of a `Decoding`'s beam search (`cognet.core.decoding`)."""
+        return cls(
+            end=end, beam=decoding.beam, max_len=decoding.max_len, compact_at=compact_at, ddi=ddi
+        )
 
 
 @dataclass

@@ -252,8 +252,14 @@ def _step_distribution(log_probs, used, finished, end, policy, ddi_adj) -> np.nd
     total = p.sum(-1, keepdims=True)
     low = total[..., 0] < _TINY
     if low.any():
-        y = _logits(log_probs[low], used[low], None if finished is None else finished[low],
-                    end, policy, ddi_adj)  # fmt: skip
+        y = _logits(
+            log_probs[low],
+            used[low],
+            None if finished is None else finished[low],
+            end,
+            policy,
+            ddi_adj,
+        )
         y[~keep[low]] = -np.inf
         y -= y.max(-1, keepdims=True)
         p[low] = np.exp(y, out=y)
