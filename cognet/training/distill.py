@@ -159,7 +159,7 @@ class TeacherTargets:
         meds = []
         for row, v in enumerate(visits):
             m = list(v.meds or ())
-            if rng.random() < self.cfg.weight:
+            if v.meds is not None and rng.random() < self.cfg.weight:  # a known target only
                 table = self.without_history if dropped and dropped[row] else self.with_history
                 sets = table[v.visit_id]
                 drawn = np.flatnonzero(sets[rng.integers(len(sets))])
