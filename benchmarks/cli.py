@@ -10,7 +10,7 @@ from pathlib import Path
 
 import click
 
-from cognet.clitools import (
+from cognet.core.commandline import (
     FiniteFloat,
     OneLineCommand,
     count_option,

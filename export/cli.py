@@ -6,7 +6,7 @@ import sys
 
 import click
 
-from cognet.clitools import OneLineCommand, handle_errors, setup_logging
+from cognet.core.commandline import OneLineCommand, handle_errors, setup_logging
 from cognet.core.errors import ParityError
 from cognet.core.files import Reads, guarded
 from cognet.core.tensorrt import CACHE_DIR

@@ -14,7 +14,8 @@ from pathlib import Path
 import click
 import numpy as np
 
-from cognet.clitools import (
+from cognet.core import strict_json
+from cognet.core.commandline import (
     FiniteFloat,
     OneLineGroup,
     count_option,
@@ -24,7 +25,6 @@ from cognet.clitools import (
     handle_errors,
     setup_logging,
 )
-from cognet.core import strict_json
 from cognet.core.decoding import BEAM
 from cognet.core.decoding.request import DecodingRequest
 from cognet.core.errors import InputError

@@ -34,7 +34,7 @@ CLEAN = {
     "cognet/core/__init__.py": "",
     "cognet/core/errors.py": "class InputError(ValueError):\n    pass\n",
     "cognet/core/vocab.py": "from cognet.core.errors import InputError\n",
-    "cognet/clitools.py": "import click\n\nfrom cognet.core import vocab\n",
+    "cognet/core/commandline.py": "import click\n\nfrom cognet.core import vocab\n",
     "cognet/data/__init__.py": "",
     "cognet/data/synth.py": "import numpy as np\n\nfrom cognet.core import vocab\n",
     "cognet/model/__init__.py": "",
@@ -54,7 +54,7 @@ CLEAN = {
         "import onnxruntime\n\nfrom cognet.core import vocab\nfrom . import reader\n"
     ),
     "runtime/reader.py": "import pyarrow\n",
-    "runtime/cli.py": "import click\n\nfrom cognet.clitools import handle_errors\n",
+    "runtime/cli.py": "import click\n\nfrom cognet.core.commandline import handle_errors\n",
     "benchmarks/__init__.py": "",
     "benchmarks/engines.py": "from cognet.model import network\nfrom cognet.runtime import x\n",
 }
@@ -93,9 +93,22 @@ def test_a_clean_tree_passes(tmp_path):
         ("cognet/core/vocab.py", "from cognet.training import train\n", "core: cognet.core.vocab"),
         ("cognet/core/vocab.py", "from ..runtime import scorer\n", "no-runtime: "),
         ("cognet/core/vocab.py", "import click\n", "click: cognet.core imports click"),
+        (
+            "cognet/core/vocab.py",
+            "from cognet.core import commandline\n",
+            "core: cognet.core.vocab imports cognet.core.commandline",
+        ),
         ("cognet/evaluation/evaluate.py", "def f():\n    import click\n", "click: "),
-        ("cognet/clitools.py", "from cognet.model import network\n", "clitools: cognet.clitools"),
-        ("cognet/clitools.py", "import torch\n", "clitools: cognet.clitools imports torch"),
+        (
+            "cognet/core/commandline.py",
+            "from cognet.model import network\n",
+            "commandline: cognet.core.commandline",
+        ),
+        (
+            "cognet/core/commandline.py",
+            "import torch\n",
+            "commandline: cognet.core.commandline imports torch",
+        ),
         ("cognet/data/synth.py", "import torch\n", "data: cognet.data imports torch"),
         ("cognet/data/synth.py", "from cognet.model.network import x\n", "data: cognet.data.synth"),
         ("cognet/training/train.py", "def f():\n    from cognet.runtime import x\n", "no-runtime"),

@@ -8,12 +8,13 @@ collects its imports with `ast` (import-linter would miss the remapped folders),
 
 - core: `cognet.core` imports no torch and nothing of cognet outside `cognet.core`;
 - data: `cognet.data` imports no torch and nothing of cognet but `cognet.core`;
-- runtime: `cognet.runtime` imports no torch and nothing of cognet but `cognet.core` and
-  `cognet.clitools`;
-- clitools: `cognet.clitools` (the command lines' helpers) imports no torch and nothing of
-  cognet but `cognet.core`;
-- click: the library (core, data, model, training, evaluation) imports no click: only the
-  command lines and their helpers do;
+- runtime: `cognet.runtime` imports no torch and nothing of cognet but `cognet.core`
+  (`cognet.core.commandline` included);
+- commandline: `cognet.core.commandline` (the command lines' helpers, a layer of its own in
+  core's namespace) imports no torch and nothing of cognet but the rest of `cognet.core`,
+  and nothing of core imports it;
+- click: the library (core but commandline, data, model, training, evaluation) imports no
+  click: only the command lines and their helpers do;
 - the folders of the torch side import downwards only (ALLOWED): model <- training <-
   evaluation <- cli;
 - no-runtime: nothing but the runtime, export and the benchmarks imports the runtime;
@@ -114,9 +115,10 @@ def imports(path: Path, name: str, known: set[str]) -> list[Import]:
     return found
 
 
+COMMANDLINE = "cognet.core.commandline"  # the command lines' helpers: a layer of its own
 LAYERS = (
     "core",
-    "clitools",
+    "commandline",
     "data",
     "model",
     "training",
@@ -135,6 +137,8 @@ def layer(module: str) -> str | None:
         return "root"
     if not module.startswith("cognet."):
         return None
+    if module == COMMANDLINE or module.startswith(COMMANDLINE + "."):
+        return "commandline"  # in core's namespace, so the runtime may import it; not core
     second = module.split(".")[1]
     return second if second in LAYERS else "top"
 
@@ -149,22 +153,22 @@ def _is_click(module: str) -> bool:
 
 # layer -> the cognet layers it may import (None: any). Upwards: core <- data, model <- training
 # <- evaluation <- cli; the runtime beside them on core alone; export on the model; the
-# command lines' helpers (clitools) on core, for every command line.
+# command lines' helpers (commandline, in core's namespace) on core, for every command line.
 ALLOWED = {
     "core": {"root", "core"},
-    "clitools": {"root", "core", "clitools"},
+    "commandline": {"root", "core", "commandline"},
     "data": {"root", "core", "data"},
-    "runtime": {"root", "core", "clitools", "runtime"},
+    "runtime": {"root", "core", "commandline", "runtime"},
     "model": {"root", "core", "model"},
     "training": {"root", "core", "data", "model", "training"},
     "evaluation": {"root", "core", "data", "model", "training", "evaluation"},
-    "cli": {"root", "core", "clitools", "data", "model", "training", "evaluation", "cli"},
-    "top": {"root", "core", "clitools", "data", "model", "training", "evaluation", "cli", "top"},
+    "cli": {"root", "core", "commandline", "data", "model", "training", "evaluation", "cli"},
+    "top": {"root", "core", "commandline", "data", "model", "training", "evaluation", "cli", "top"},
     "root": {"root", "core"},
-    "export": {"root", "core", "clitools", "model", "export", "runtime"},
+    "export": {"root", "core", "commandline", "model", "export", "runtime"},
     "benchmarks": None,
 }
-TORCH_FREE = {"core": "core", "data": "data", "runtime": "runtime", "clitools": "clitools"}
+TORCH_FREE = {"core": "core", "data": "data", "runtime": "runtime", "commandline": "commandline"}
 CLICK_FREE = ("core", "data", "model", "training", "evaluation")  # the library: it raises
 
 
@@ -184,10 +188,11 @@ def layering(root: Path) -> list[str]:
         for imp in imports(path, name, known):
             theirs = layer(imp.module)
             at = f"{where}:{imp.line}"
+            package = COMMANDLINE if mine == "commandline" else f"cognet.{mine}"
             if _is_torch(imp.module) and mine in TORCH_FREE:
-                out.append(f"{at}: {TORCH_FREE[mine]}: cognet.{mine} imports {imp.module}")
+                out.append(f"{at}: {TORCH_FREE[mine]}: {package} imports {imp.module}")
             if _is_click(imp.module) and mine in CLICK_FREE:
-                out.append(f"{at}: click: cognet.{mine} imports {imp.module}")
+                out.append(f"{at}: click: {package} imports {imp.module}")
             if theirs is None:
                 continue
             if theirs == "benchmarks" and mine != "benchmarks":

@@ -11,7 +11,7 @@ import click
 from cognet.cli.data import data
 from cognet.cli.evaluate import evaluate
 from cognet.cli.train import ensemble, train
-from cognet.clitools import OneLineGroup
+from cognet.core.commandline import OneLineGroup
 
 
 @click.group(cls=OneLineGroup, context_settings={"help_option_names": ["-h", "--help"]})

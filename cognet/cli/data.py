@@ -8,8 +8,8 @@ from pathlib import Path
 
 import click
 
-from cognet.clitools import count_option, db_timeout_options, handle_errors, setup_logging
 from cognet.core import strict_json
+from cognet.core.commandline import count_option, db_timeout_options, handle_errors, setup_logging
 from cognet.core.files import DATASET_FILES, Reads, guarded
 from cognet.data.mimic3 import DDI_TYPES, build_mimic3
 

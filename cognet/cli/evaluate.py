@@ -5,7 +5,8 @@ from __future__ import annotations
 import click
 
 from cognet.cli.train import threads_option
-from cognet.clitools import (
+from cognet.core import strict_json
+from cognet.core.commandline import (
     FiniteFloat,
     count_option,
     decoding_options,
@@ -13,7 +14,6 @@ from cognet.clitools import (
     handle_errors,
     setup_logging,
 )
-from cognet.core import strict_json
 from cognet.core.files import Reads, write_text
 from cognet.core.strict_json import finite
 from cognet.evaluation.ddi_tradeoff import DEFAULT_PENALTIES

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import click
 
-from cognet.clitools import (
+from cognet.core.commandline import (
     FiniteFloat,
     count_option,
     handle_errors,

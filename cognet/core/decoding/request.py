@@ -3,7 +3,7 @@
 One frozen value holds every option of every decoding (`--decoding`, `--beam`, `--samples`,
 `--threshold`, `--estimator`, `--set-rule` and the DDI policy); None leaves the model's own.
 `cognet evaluate` and `cognet-batch score` build it with one click decorator
-(`cognet.clitools.decoding_options`), `EvalOptions` and `ScoreOptions` hold it whole,
+(`cognet.core.commandline.decoding_options`), `EvalOptions` and `ScoreOptions` hold it whole,
 and `resolve` is the one place it meets the stored decoding (DESIGN.md §3).
 
 The rule, checked on creation and again against the stored decoding: `--decoding` names the
