@@ -13,6 +13,25 @@ from cognet.core.commandline import count_option, db_timeout_options, handle_err
 from cognet.core.files import DATASET_FILES, Reads, guarded
 from cognet.data.mimic3 import DDI_TYPES, build_mimic3
 
+
+def converter_outputs(func):
+    """--out (the dataset folder, with summary.json) and --ddi (a file of interacting ATC-3
+    pairs): the options every converter of hospital data shares."""
+    func = click.option(
+        "--ddi",
+        type=click.Path(path_type=Path),
+        default=None,
+        help="Interacting ATC-3 pairs, CSV or Parquet with columns drug_a, drug_b. "
+        "Without it ddi.parquet is empty.",
+    )(func)
+    return click.option(
+        "--out",
+        required=True,
+        type=click.Path(file_okay=False, path_type=Path),
+        help="Dataset folder to write (visits.parquet, ddi.parquet, summary.json).",
+    )(func)
+
+
 # every converter writes one folder, checked and locked before the work, built aside and moved
 # into place whole when the run succeeds (`cognet.core.files.guarded`)
 FOLDER = {"--out": DATASET_FILES}
@@ -288,19 +307,7 @@ def allow_no_medications_option(func):
     default=None,
     help="Database only: the schema of concept and concept_ancestor [default: --cdm-schema].",
 )
-@click.option(
-    "--out",
-    required=True,
-    type=click.Path(file_okay=False, path_type=Path),
-    help="Dataset folder to write (visits.parquet, ddi.parquet, summary.json).",
-)
-@click.option(
-    "--ddi",
-    type=click.Path(path_type=Path),
-    default=None,
-    help="Interacting ATC-3 pairs, CSV or Parquet with columns drug_a, drug_b. "
-    "Without it ddi.parquet is empty.",
-)
+@converter_outputs
 @click.option(
     "--visit-concepts",
     default=None,
@@ -417,19 +424,7 @@ def mimic4(
     help="MEDS 0.4 dataset: data/**/*.parquet, metadata/codes.parquet and, if "
     "there, metadata/subject_splits.parquet.",
 )
-@click.option(
-    "--out",
-    required=True,
-    type=click.Path(file_okay=False, path_type=Path),
-    help="Dataset folder to write (visits.parquet, ddi.parquet, summary.json).",
-)
-@click.option(
-    "--ddi",
-    type=click.Path(path_type=Path),
-    default=None,
-    help="Interacting ATC-3 pairs, CSV or Parquet with columns drug_a, drug_b. "
-    "Without it ddi.parquet is empty.",
-)
+@converter_outputs
 @click.option(
     "--visit-start",
     default="HOSPITAL_ADMISSION//",
