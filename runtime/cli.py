@@ -458,6 +458,7 @@ def explain(
     ddi_mode: str | None,
     ddi_penalty: float | None,
     ddi_max_rate: float | None,
+    ddi_pair_price: float | None,
     as_json: bool,
 ) -> None:
     """Print one visit's decoding step by step: medication, probability, generated or
@@ -473,7 +474,7 @@ def explain(
     from cognet.runtime.explain_visit import explain_visit, format_explanation
 
     setup_logging()
-    ddi = ddi_policy(ddi_mode, ddi_penalty, ddi_max_rate)
+    ddi = ddi_policy(ddi_mode, ddi_penalty, ddi_max_rate, ddi_pair_price)
     request = DecodingRequest(beam=beam, ddi=ddi)
     scorer = Scorer(model_dir, ScoreOptions(request=request, device="cpu", threads=1))
     result = explain_visit(scorer, input_path, visit_id)

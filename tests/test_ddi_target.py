@@ -233,7 +233,9 @@ def test_search_keeps_the_best_pair_holding_the_target():
         out[:, 1] *= np.exp(-policy.penalty)  # the penalty removes the interacting one
         return out
 
-    found, trials = search(marginals_of, visits, adj, 0.0, thresholds=(0.2, 0.45), caps=(None,))
+    found, trials = search(
+        marginals_of, visits, adj, 0.0, thresholds=(0.2, 0.45), caps=(None,), prices=()
+    )
     assert found.val_ddi == 0.0 and found.val_jaccard == 1.0
     assert found.policy.mode == "soft" and 0 < found.policy.penalty
     assert found.threshold == 0.45
@@ -242,11 +244,13 @@ def test_search_keeps_the_best_pair_holding_the_target():
     assert asked[0] == "off" and len(asked) == len(set(asked))  # each policy decoded once
     # a penalty that changes nothing: no soft pair holds it, hard does (drops 1 after 0)
     fixed = lambda policy: base  # noqa: E731
-    found, _ = search(fixed, visits, adj, 0.0, thresholds=(0.2,), refine=1, caps=(None,))
+    found, _ = search(
+        fixed, visits, adj, 0.0, thresholds=(0.2,), refine=1, caps=(None,), prices=()
+    )
     assert found.policy == DDIPolicy("hard") and found.val_ddi == 0.0
     # a per-set cap needs no penalty: off with max-rate 0 drops 1 (it follows 0) at once
     asked.clear()
-    found, trials = search(marginals_of, visits, adj, 0.0, thresholds=(0.2, 0.45))
+    found, trials = search(marginals_of, visits, adj, 0.0, thresholds=(0.2, 0.45), prices=())
     assert found.policy == DDIPolicy("off", max_rate=0.0) and found.val_jaccard == 1.0
     assert {t.policy.max_rate for t in trials} == {None, 0.0}
     assert found.threshold == 0.2 and asked[:2] == ["off", "soft 0.25"]

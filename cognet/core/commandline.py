@@ -191,21 +191,33 @@ def ddi_options(func: Callable) -> Callable:
             "a medication that would lift its set's rate above it; beam search returns the "
             "best finished beam within it (else the lowest-rate beam).",
         ),
+        click.option(
+            "--ddi-pair-price",
+            type=FiniteFloat(0, 1),
+            default=None,
+            help="Set decoding: return the set of highest expected Jaccard less this "
+            "per interacting pair it holds (e.g. 0.002; asks for the expected-Jaccard rule).",
+        ),
     ]
     for option in reversed(options):
         func = option(func)
     return func
 
 
-def ddi_policy(mode: str | None, penalty: float | None, max_rate: float | None):
+def ddi_policy(
+    mode: str | None,
+    penalty: float | None,
+    max_rate: float | None,
+    pair_price: float | None = None,
+):
     """The `cognet.core.ddi.DDIPolicy` of the ddi_options, or None when none was given (the
     model's own policy applies); click.UsageError on a bad mix."""
     from cognet.core.ddi import policy_from_options
 
-    if mode is None and penalty is None and max_rate is None:
+    if mode is None and penalty is None and max_rate is None and pair_price is None:
         return None
     try:
-        return policy_from_options(mode or "off", penalty, max_rate)
+        return policy_from_options(mode or "off", penalty, max_rate, pair_price)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
 
@@ -230,9 +242,10 @@ def decoding_options(func: Callable) -> Callable:
         ddi_mode,
         ddi_penalty,
         ddi_max_rate,
+        ddi_pair_price,
         **kwargs,
     ):
-        policy = ddi_policy(ddi_mode, ddi_penalty, ddi_max_rate)
+        policy = ddi_policy(ddi_mode, ddi_penalty, ddi_max_rate, ddi_pair_price)
         try:
             request = DecodingRequest(
                 decoding, beam, samples, threshold, estimator, set_rule, policy

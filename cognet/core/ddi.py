@@ -17,6 +17,11 @@ A policy lets whoever runs the model bound that risk at inference time, without 
   answer is the first beam in score order with a finite score and a DDI rate (float32)
   <= max_rate + RATE_TOLERANCE, else the beam with the lowest rate (a stable sort: the
   first beam among ties, beams with a -inf score last). Combines with any mode.
+- `pair_price` (set decoding, the expected-Jaccard rule): the set read from P(k in S) is
+  the one of highest expected Jaccard less `pair_price` per interacting pair it holds
+  (`cognet.core.decoding.set_rules.priced_sets`): a selection, no step changes. One price
+  for every visit trades Jaccard for pairs where they are cheapest, so it lowers the pooled
+  DDI rate (the metric) far more cheaply than a per-set cap or a step penalty.
 
 At each step, the clash count of every candidate medication is (medications of the
 hypothesis) @ (DDI adjacency: `ddi_matrix`, symmetric 0/1 with a zero diagonal), [n, B, M];
@@ -50,28 +55,38 @@ class DDIPolicy:
     mode: str = "off"
     penalty: float = 0.0  # soft: log-probability removed per interacting pair
     max_rate: float | None = None  # pick the best finished beam with a DDI rate <= this
+    # set decoding: expected Jaccard given up per interacting pair of the set (0: none)
+    pair_price: float = 0.0
 
     def __post_init__(self) -> None:
         if self.mode not in DDI_MODES:
             raise ValueError(f"unknown DDI mode {self.mode!r}; choose from {DDI_MODES}")
         finite(self.penalty, "the DDI penalty")  # NaN passes every comparison below
+        finite(self.pair_price, "the DDI pair price")
         if self.max_rate is not None:
             finite(self.max_rate, "the DDI max rate")
         if self.penalty < 0 or (self.max_rate is not None and not 0 <= self.max_rate <= 1):
             raise ValueError("the DDI penalty must be >= 0 and the max rate in [0, 1]")
+        if not 0 <= self.pair_price <= 1:
+            raise ValueError("the DDI pair price must be in [0, 1] (a share of Jaccard)")
 
     @property
     def active(self) -> bool:
-        return self.mode != "off" or self.max_rate is not None
+        return self.mode != "off" or self.max_rate is not None or self.pair_price > 0
 
     @property
     def label(self) -> str:
-        """Short name for tables: off, hard, soft 2, off, max-rate 0.05, ..."""
+        """Short name for tables: off, hard, soft 2, off, max-rate 0.05, pair price 0.002..."""
         name = f"soft {self.penalty:g}" if self.mode == "soft" else self.mode
+        if self.pair_price:
+            name = f"{name}, pair price {self.pair_price:g}"
         return name if self.max_rate is None else f"{name}, max-rate {self.max_rate:g}"
 
     def to_json(self) -> dict:
-        return {"mode": self.mode, "penalty": self.penalty, "max_rate": self.max_rate}
+        out = {"mode": self.mode, "penalty": self.penalty, "max_rate": self.max_rate}
+        if self.pair_price:  # written only when set: files without a price read as before
+            out["pair_price"] = self.pair_price
+        return out
 
 
 @dataclass(frozen=True)
@@ -97,6 +112,8 @@ class DDITarget:
             raise ValueError(
                 f"the DDI target's set rule must be threshold or jaccard, not {self.rule!r}"
             )
+        if self.policy.pair_price and self.rule != "jaccard":
+            raise ValueError("a DDI pair price goes with the expected-Jaccard rule (jaccard)")
 
     @property
     def rule_label(self) -> str:
@@ -126,7 +143,10 @@ class DDITarget:
         return cls(  # a boolean or a string is no number (`finite`), not even true = 1.0
             target=finite(obj["target"], "target"),
             policy=DDIPolicy(
-                policy["mode"], finite(policy["penalty"], "policy.penalty"), policy["max_rate"]
+                policy["mode"],
+                finite(policy["penalty"], "policy.penalty"),
+                policy["max_rate"],
+                finite(policy.get("pair_price", 0.0), "policy.pair_price"),
             ),
             threshold=finite(obj["threshold"], "threshold"),
             val_jaccard=finite(obj["val_jaccard"], "val_jaccard"),
@@ -162,16 +182,20 @@ def ddi_matrix(vocab: Vocab, pairs: Iterable[Sequence[str]]) -> np.ndarray:
 
 
 def policy_from_options(
-    mode: str = "off", penalty: float | None = None, max_rate: float | None = None
+    mode: str = "off",
+    penalty: float | None = None,
+    max_rate: float | None = None,
+    pair_price: float | None = None,
 ) -> DDIPolicy:
-    """The policy of `--ddi-mode/--ddi-penalty/--ddi-max-rate`; ValueError on a bad mix.
+    """The policy of `--ddi-mode/--ddi-penalty/--ddi-max-rate/--ddi-pair-price`; ValueError
+    on a bad mix.
 
     soft without a penalty takes RECOMMENDED_PENALTY; a penalty needs `soft`."""
     if penalty is not None and mode != "soft":
         raise ValueError("--ddi-penalty applies to --ddi-mode soft only")
     if mode == "soft" and penalty is None:
         penalty = RECOMMENDED_PENALTY
-    return DDIPolicy(mode, penalty or 0.0, max_rate)
+    return DDIPolicy(mode, penalty or 0.0, max_rate, pair_price or 0.0)
 
 
 def check_adjacency(policy: DDIPolicy, ddi_adj: np.ndarray | None, end: int) -> np.ndarray:

@@ -16,9 +16,12 @@ penalties tried: off, then the `LADDER` upwards while the best pair holding R im
 more medications), then `REFINE` rounds of geometric midpoints on both sides of the best
 penalty so far. With every penalty, per-set caps (`max_rate`, `CAP_FACTORS` x R, and
 none) are tried too: a cap acts on the selection only (no decoding), and one of at most R
-holds R on any split. If nothing holds R, `hard` (DDI rate 0 on every set) does. The best
-(penalty, cap, rule) over every one tried wins; ties: the smaller penalty, then the
-threshold rule before the expected-Jaccard rule, then the lower threshold.
+holds R on any split. With every penalty, the expected-Jaccard rule is also read at each
+pair price of `PRICES` (`cognet.core.ddi`: the set of highest expected Jaccard less that
+price per interacting pair; a selection too). If nothing holds R, `hard` (DDI rate 0 on
+every set) does. The best (penalty, cap or price, rule) over every one tried wins; ties:
+the smaller penalty, then the threshold rule before the expected-Jaccard rule, then the
+lower threshold, then the lower price.
 
 Validation holding R does not prove that test does (unless the cap is <= R): `cognet
 evaluate` prints the test DDI rate next to the target.
@@ -47,6 +50,9 @@ REFINE = 3  # rounds of midpoints around the best penalty so far
 # target (with none): a cap acts on the selection only, so it costs no decoding, and a cap
 # <= R holds R on any split (the pooled rate of sets that each hold it holds it).
 CAP_FACTORS = (1.0, 1.1, 1.2, 1.35, 1.5, 1.75, 2.0)
+# Pair prices tried with the expected-Jaccard rule: 10% apart from 0.0002 to 0.05 (expected
+# Jaccard given up per interacting pair), selections only.
+PRICES = tuple(float(f"{p:.3g}") for p in np.geomspace(0.0002, 0.05, 59))
 
 
 @dataclass(frozen=True)
@@ -78,27 +84,29 @@ def score_thresholds(
     thresholds: Sequence[float],
     caps: Sequence[float | None] = (None,),
     rules: Sequence[str] = ("threshold", "jaccard"),
+    prices: Sequence[float] = (),
 ) -> list[Trial]:
     """Validation Jaccard and DDI rate (`cognet.core.metrics`: Jaccard averaged per patient
     then over patients, the DDI rate pooled over every visit; every patient once) of the
     sets that `policy`'s marginals [visits, M] give by each rule (the threshold rule at each
-    threshold), under each per-set cap (`max_rate`; None: none)."""
+    threshold), under each per-set cap (`max_rate`; None: none), and by the expected-Jaccard
+    rule at each pair price of `prices` (no cap)."""
     visits = [v for p in patients for v in p]
     owner = np.array([i for i, p in enumerate(patients) for _ in p])
     counts = np.bincount(owner, minlength=len(patients))
     adj = np.asarray(ddi_adj, bool)
-    trials = []
+
+    def trial(asked: DDIPolicy, tau: float, rule: str) -> Trial:
+        sets = select_sets(marginals, tau, asked, adj, rule)
+        per_visit = [jaccard(s.tolist(), v.meds or ()) for v, s in zip(visits, sets, strict=True)]
+        by_patient = np.bincount(owner, per_visit, len(patients)) / counts
+        return Trial(asked, float(tau), float(by_patient.mean()), ddi_rate_of_sets(sets, adj), rule)
+
     tried = [(r, tau) for r in rules for tau in (thresholds if r == "threshold" else (1.0,))]
-    for cap in caps:
-        capped = replace(policy, max_rate=cap)
-        for rule, tau in tried:
-            sets = select_sets(marginals, tau, capped, adj, rule)
-            per_visit = [
-                jaccard(s.tolist(), v.meds or ()) for v, s in zip(visits, sets, strict=True)
-            ]
-            by_patient = np.bincount(owner, per_visit, len(patients)) / counts
-            rate = ddi_rate_of_sets(sets, adj)
-            trials.append(Trial(capped, float(tau), float(by_patient.mean()), rate, rule))
+    trials = [
+        trial(replace(policy, max_rate=cap), tau, rule) for cap in caps for rule, tau in tried
+    ]
+    trials += [trial(replace(policy, pair_price=price), 1.0, "jaccard") for price in prices]
     return trials
 
 
@@ -111,11 +119,13 @@ def search(
     ladder: Sequence[float] = LADDER,
     refine: int = REFINE,
     caps: Sequence[float | None] | None = None,
+    prices: Sequence[float] = PRICES,
 ) -> tuple[DDITarget, list[Trial]]:
     """The pair of best validation Jaccard whose DDI rate is <= target (the module's
     docstring says which penalties are tried), and every trial. marginals_of(policy): the
     marginals P(k in S) [visits, M] of `patients`' visits decoded under that policy. caps:
-    the per-set caps tried (None: none, then `CAP_FACTORS` x target)."""
+    the per-set caps tried (None: none, then `CAP_FACTORS` x target); prices: the pair
+    prices tried with the expected-Jaccard rule."""
     if not 0 <= target <= 1:
         raise ValueError(f"the DDI target must be in [0, 1], not {target}")
     if caps is None:
@@ -125,7 +135,7 @@ def search(
 
     def run(policy: DDIPolicy) -> Trial | None:
         margins = marginals_of(policy)
-        got = score_thresholds(patients, margins, ddi_adj, policy, thresholds, caps)
+        got = score_thresholds(patients, margins, ddi_adj, policy, thresholds, caps, prices=prices)
         trials.extend(got)
         fits = [t for t in got if t.ddi <= target + RATE_TOLERANCE]
         top = max(fits, key=_preference, default=None)
@@ -167,8 +177,8 @@ def search(
 
 def _preference(trial: Trial) -> tuple:
     """The best trial has the highest key: Jaccard, then the threshold rule, then the lower
-    threshold."""
-    return trial.jaccard, trial.rule == "threshold", -trial.threshold
+    threshold, then the lower pair price."""
+    return trial.jaccard, trial.rule == "threshold", -trial.threshold, -trial.policy.pair_price
 
 
 def _round(penalty: float) -> float:

@@ -1,6 +1,7 @@
 """Set rules: the set a visit gets from its P(k in S), host-side arithmetic after the same
 graphs (`select_sets`): the medications reaching the tuned threshold, or the set of highest
-expected Jaccard (`jaccard_sizes`); then the DDI policy's set rules (`hard`: no interacting
+expected Jaccard (`jaccard_sizes`; with the policy's `pair_price`, less that price per
+interacting pair: `priced_sets`); then the DDI policy's set rules (`hard`: no interacting
 pair; `max_rate R`: a DDI rate <= R), in decreasing probability."""
 
 from __future__ import annotations
@@ -19,11 +20,18 @@ def select_sets(
 ) -> list[np.ndarray]:
     """Per visit, the set read from P(k in S) [n, M] by `rule` (`cognet.core.decoding`
     SET_RULES: the medications with P(k in S) >= threshold, or `jaccard_sizes` of them in
-    decreasing probability), in decreasing probability (ties: smaller id), under the
-    policy's set rules (`hard`: no interacting pair; `max_rate`: DDI rate <= R)."""
+    decreasing probability; with a `pair_price`, `priced_sets`), in decreasing probability
+    (ties: smaller id), under the policy's set rules (`hard`: no interacting pair;
+    `max_rate`: DDI rate <= R)."""
     out = []
     order = np.argsort(-marginals, axis=1, kind="stable")
-    if rule == "jaccard":
+    if policy.pair_price:
+        if rule != "jaccard":
+            raise ValueError("a DDI pair price reads the expected-Jaccard set (rule jaccard)")
+        if ddi_adj is None:
+            raise ValueError("a DDI pair price needs the DDI adjacency")
+        order, sizes = priced_sets(marginals, np.asarray(ddi_adj, bool), policy.pair_price)
+    elif rule == "jaccard":
         sizes = jaccard_sizes(np.take_along_axis(marginals, order, 1))
     elif rule == "threshold":
         sizes = (marginals >= threshold).sum(1)
@@ -50,6 +58,44 @@ def jaccard_sizes(ranked: np.ndarray) -> np.ndarray:
     expected = inside / (np.arange(1, p.shape[1] + 1) + outside)
     best = expected.argmax(1)
     return np.where(expected[np.arange(len(p)), best] > 0, best + 1, 0).astype(np.int64)
+
+
+def priced_sets(
+    marginals: np.ndarray, ddi_adj: np.ndarray, price: float
+) -> tuple[np.ndarray, np.ndarray]:
+    """(order [n, M], sizes [n]): per visit, the set of highest (expected Jaccard) - price x
+    (interacting pairs in it), its `size` medications first in `order`, in decreasing
+    probability (ties: smaller id). Expected Jaccard as `jaccard_sizes` reads it, (sum of P
+    inside) / (size + sum of P outside). Built greedily: from the empty set, add the
+    medication of largest gain while one gains (ties: smaller id), so that a probable
+    medication that interacts with the set already chosen can be passed over for a less
+    probable one that does not. ddi_adj: bool [M, M], symmetric, zero diagonal."""
+    p = np.clip(marginals.astype(np.float64), 0.0, 1.0)
+    n, m = p.shape
+    adj = np.asarray(ddi_adj, np.float64)
+    total = p.sum(1)
+    chosen = np.zeros((n, m), bool)
+    size, inside, current = np.zeros(n), np.zeros(n), np.zeros(n)
+    clashes = np.zeros((n, m))  # interacting pairs each medication would add
+    growing = np.ones(n, bool)
+    rows = np.arange(n)
+    for _ in range(m):
+        if not growing.any():
+            break
+        gained = (inside[:, None] + p) / (size[:, None] + 1 + (total - inside)[:, None] - p)
+        gain = gained - current[:, None] - price * clashes
+        gain[chosen] = -np.inf
+        best = gain.argmax(1)
+        growing &= gain[rows, best] > 0
+        at, k = rows[growing], best[growing]
+        chosen[at, k] = True
+        size[at] += 1
+        inside[at] += p[at, k]
+        current[at] = gained[at, k]
+        clashes[at] += adj[k]
+    # chosen first, each part in decreasing probability (ties: smaller id)
+    order = np.lexsort((np.arange(m)[None].repeat(n, 0), -p, ~chosen), axis=1)
+    return order, size.astype(np.int64)
 
 
 def _ddi_filter(candidates: np.ndarray, policy: DDIPolicy, adj: np.ndarray) -> np.ndarray:
