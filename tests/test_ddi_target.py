@@ -244,9 +244,7 @@ def test_search_keeps_the_best_pair_holding_the_target():
     assert asked[0] == "off" and len(asked) == len(set(asked))  # each policy decoded once
     # a penalty that changes nothing: no soft pair holds it, hard does (drops 1 after 0)
     fixed = lambda policy: base  # noqa: E731
-    found, _ = search(
-        fixed, visits, adj, 0.0, thresholds=(0.2,), refine=1, caps=(None,), prices=()
-    )
+    found, _ = search(fixed, visits, adj, 0.0, thresholds=(0.2,), refine=1, caps=(None,), prices=())
     assert found.policy == DDIPolicy("hard") and found.val_ddi == 0.0
     # a per-set cap needs no penalty: off with max-rate 0 drops 1 (it follows 0) at once
     asked.clear()
@@ -254,6 +252,13 @@ def test_search_keeps_the_best_pair_holding_the_target():
     assert found.policy == DDIPolicy("off", max_rate=0.0) and found.val_jaccard == 1.0
     assert {t.policy.max_rate for t in trials} == {None, 0.0}
     assert found.threshold == 0.2 and asked[:2] == ["off", "soft 0.25"]
+    # a pair price needs no penalty either: the expected-Jaccard set less the price passes
+    # over 1 (it interacts with 0, the most probable); the lowest such price wins
+    found, trials = search(marginals_of, visits, adj, 0.0, thresholds=(0.2, 0.45), caps=(None,))
+    assert found.policy.mode == "off" and found.policy.pair_price > 0 and found.rule == "jaccard"
+    assert (found.val_jaccard, found.val_ddi) == (1.0, 0.0)
+    cheaper = [t for t in trials if 0 < t.policy.pair_price < found.policy.pair_price]
+    assert cheaper and all(t.ddi > 0 for t in cheaper if t.policy.mode == "off")
 
 
 def test_search_weighs_the_expected_jaccard_rule_with_the_thresholds():

@@ -98,6 +98,8 @@ class DecodingRequest:
         rule = self.set_rule if self.set_rule is not None or self.threshold is None else None
         if rule is None and self.threshold is not None:
             rule = "threshold"  # a threshold alone asks for the threshold rule
+        if rule is None and self.ddi is not None and self.ddi.pair_price:
+            rule = "jaccard"  # a pair price reads the expected-Jaccard set
         return stored.with_changes(
             name=name,
             beam=self.beam,
