@@ -7,6 +7,8 @@ and the command line take it, and refuse it where it does not apply."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 from click.testing import CliRunner
@@ -15,6 +17,7 @@ from cognet.core.ddi import DDIPolicy, DDITarget
 from cognet.core.decoding import Decoding
 from cognet.core.decoding.request import DecodingRequest
 from cognet.core.decoding.set_rules import priced_sets, select_sets
+from cognet.core.errors import InputError
 from cognet.core.metrics import ddi_rate_of_sets
 from tests.test_set_decoding import _agreement, _runtime_sets, _torch_sets
 
@@ -140,3 +143,34 @@ def test_the_command_lines_take_a_price_and_refuse_it_with_a_threshold(tiny, tmp
     args = ["score", visits, "--model", str(tiny / "model"), "--out", out, "--all", "--quiet"]
     res = CliRunner().invoke(batch_main, [*args, "--ddi-pair-price", "0.02", "--decoding", "beam"])
     assert res.exit_code == 2 and "set decoding" in res.output
+
+
+def test_the_tradeoffs_prices_read_what_a_priced_decoding_returns(tiny, tmp_path):
+    """`--ddi-tradeoff --pair-prices` reads each price from off's P(k in S) without decoding
+    again: the same report as evaluating with that price; the plot draws them."""
+    from cognet.evaluation import ddi_tradeoff
+    from cognet.evaluation.evaluate import EvalOptions, run_evaluation
+
+    asked = DecodingRequest(decoding="set", samples=8, set_rule="jaccard")
+    options = EvalOptions(request=asked, rounds=2)
+    result = ddi_tradeoff.run_tradeoff(
+        tiny / "ckpt",
+        tiny / "data",
+        options,
+        ddi_tradeoff.policies(penalties=(1.0,), pair_prices=(0.02, 0.2)),
+    )
+    by = {r.policy.label: r for r in result.rows}
+    assert list(by) == ["off", "hard", "soft 1", "off, pair price 0.02", "off, pair price 0.2"]
+    for price in (0.02, 0.2):
+        priced = replace(options, request=replace(asked, ddi=DDIPolicy(pair_price=price)))
+        direct = run_evaluation(tiny / "ckpt", tiny / "data", priced)["report"]
+        row = by[f"off, pair price {price:g}"].report
+        assert row["jaccard"] == direct["jaccard"] and row["ddi"] == direct["ddi"]
+    assert by["off, pair price 0.2"].mean("ddi") < by["off"].mean("ddi")
+    png = ddi_tradeoff.plot(result.rows, tmp_path / "t.png", marks=[("RASNet", 0.54, 0.06)])
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    beam = replace(options, request=DecodingRequest(decoding="beam"))
+    with pytest.raises(InputError, match="set decoding"):
+        ddi_tradeoff.run_tradeoff(
+            tiny / "ckpt", tiny / "data", beam, ddi_tradeoff.policies((), (), (0.02,))
+        )

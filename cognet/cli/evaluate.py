@@ -68,6 +68,11 @@ from cognet.evaluation.ddi_tradeoff import DEFAULT_PENALTIES
     help="--ddi-tradeoff: also off capped at these DDI rates, comma-separated.",
 )
 @click.option(
+    "--pair-prices",
+    default="",
+    help="--ddi-tradeoff: also off at these DDI pair prices (set decoding), comma-separated.",
+)
+@click.option(
     "--plot",
     "plot_out",
     type=click.Path(dir_okay=False),
@@ -98,6 +103,7 @@ def evaluate(
     ddi_tradeoff,
     penalties,
     max_rates,
+    pair_prices,
     plot_out,
     marks,
     threads,
@@ -151,7 +157,8 @@ def evaluate(
                 "--ddi-tradeoff runs every policy: drop --ddi-mode, "
                 "--ddi-penalty, --ddi-max-rate and --predictions"
             )
-        _tradeoff(ckpt, data_dir, options, penalties, max_rates, (plot_out, points), json_out)
+        levels = (penalties, max_rates, pair_prices)
+        _tradeoff(ckpt, data_dir, options, levels, (plot_out, points), json_out)
         return
     if plot_out or marks:
         raise click.UsageError("--plot and --mark go with --ddi-tradeoff")
@@ -189,15 +196,16 @@ def _marks(marks: tuple[str, ...]) -> list[tuple[str, float, float]]:
     return points
 
 
-def _tradeoff(ckpt, data_dir, options, penalties, max_rates, plot, json_out) -> None:
-    """--ddi-tradeoff; options: `cognet.evaluation.evaluate.EvalOptions` (no policy asked); plot:
-    the
-    --plot path (or None) and the --mark points."""
+def _tradeoff(ckpt, data_dir, options, levels, plot, json_out) -> None:
+    """--ddi-tradeoff; options: `cognet.evaluation.evaluate.EvalOptions` (no policy asked);
+    levels: the --penalties, --max-rates and --pair-prices texts; plot: the --plot path (or
+    None) and the --mark points."""
     from cognet.evaluation import ddi_tradeoff
 
-    pens, caps = _floats(penalties, "--penalties"), _floats(max_rates, "--max-rates")
-    if any(p < 0 for p in pens) or any(not 0 <= r <= 1 for r in caps):
-        raise click.UsageError("penalties must be >= 0 and max rates in [0, 1]")
+    pens, caps = _floats(levels[0], "--penalties"), _floats(levels[1], "--max-rates")
+    prices = _floats(levels[2], "--pair-prices")
+    if any(p < 0 for p in pens) or any(not 0 <= r <= 1 for r in (*caps, *prices)):
+        raise click.UsageError("penalties must be >= 0, max rates and pair prices in [0, 1]")
 
     def done(row) -> None:
         if not options.quiet:
@@ -207,7 +215,7 @@ def _tradeoff(ckpt, data_dir, options, penalties, max_rates, plot, json_out) -> 
                 err=True,
             )
 
-    policy_list = ddi_tradeoff.policies(pens, caps)
+    policy_list = ddi_tradeoff.policies(pens, caps, prices)
     result = ddi_tradeoff.run_tradeoff(ckpt, data_dir, options, policy_list, on_policy=done)
     click.echo(result.table)
     plot_out, points = plot

@@ -1,16 +1,18 @@
 """The DDI trade-off of a checkpoint: accuracy against interaction risk, per decoding policy.
 
 For the paper's decoding (`off`), `hard`, and `soft` at several penalties (plus optional
-`max_rate` caps), decode one split with the torch model (the checkpoint's decoding, or the
-one asked) and report Jaccard,
-F1, PRAUC, DDI rate and number of drugs (DESIGN.md §4, bootstrap mean and std), as rows,
-a table and a plot of Jaccard against DDI rate.
+`max_rate` caps and, for set decoding, pair prices), decode one split with the torch model
+(the checkpoint's decoding, or the one asked) and report Jaccard, F1, PRAUC, DDI rate and
+number of drugs (DESIGN.md §4, bootstrap mean and std), as rows, a table and a plot of
+Jaccard against DDI rate.
 
     result = run_tradeoff("ckpt", "data", EvalOptions(split="test"), policies((0.5, 1, 2)))
     print(result.table)
     plot(result.rows, "tradeoff.png")
 
-Each policy decodes the whole split again (`cognet.model.torch_decoding.decode_patients`).
+Each policy decodes the whole split again (`cognet.model.torch_decoding.decode_patients`),
+but a pair price, which changes only the set read from P(k in S), reads it from its step
+policy's answers (`reselect`).
 `recommend` picks the soft penalty to advertise: the one with the lowest DDI rate among
 those that cost at most `max_jaccard_drop` Jaccard against `off`.
 
@@ -89,14 +91,18 @@ class TradeoffResult:
 
 
 def policies(
-    penalties: Sequence[float] = DEFAULT_PENALTIES, max_rates: Sequence[float] = ()
+    penalties: Sequence[float] = DEFAULT_PENALTIES,
+    max_rates: Sequence[float] = (),
+    pair_prices: Sequence[float] = (),
 ) -> list[DDIPolicy]:
-    """off, hard, soft at each penalty, then off capped at each max rate."""
+    """off, hard, soft at each penalty, then off capped at each max rate, then off at each
+    pair price."""
     return [
         DDIPolicy("off"),
         DDIPolicy("hard"),
         *(DDIPolicy("soft", float(p)) for p in penalties),
         *(DDIPolicy("off", max_rate=float(r)) for r in max_rates),
+        *(DDIPolicy("off", pair_price=float(p)) for p in pair_prices),
     ]
 
 
@@ -118,13 +124,25 @@ def tradeoff(
     search)."""
     from cognet.core.metrics import evaluation_report, visit_results
     from cognet.evaluation.evaluate import EvalOptions
-    from cognet.model.torch_decoding import decode_patients
+    from cognet.model.torch_decoding import decode_patients, reselect
 
     options = options or EvalOptions()
     rows = []
+    steps: dict[DDIPolicy, list] = {}  # a step policy's answers, for the set-only policies
     for policy in policy_list:
         started = time.perf_counter()
-        decoded = decode_patients(model, vocab, patients, decoding, policy)
+        if policy.pair_price:  # the expected-Jaccard set less the price (no threshold)
+            if decoding.name != "set":
+                raise ValueError("a DDI pair price is for set decoding, not beam search")
+            priced = decoding.with_changes(rule="jaccard")
+            base = DDIPolicy(policy.mode, policy.penalty)
+            if base not in steps:
+                steps[base] = decode_patients(model, vocab, patients, decoding, base)
+            decoded = reselect(model, steps[base], priced, policy)  # same P(k in S)
+        else:
+            decoded = decode_patients(model, vocab, patients, decoding, policy)
+            if decoding.name == "set" and policy.max_rate is None:
+                steps[policy] = decoded
         seconds = time.perf_counter() - started
         results = visit_results(patients, decoded)
         rep = evaluation_report(results, ddi_adj, rounds=options.rounds, seed=options.seed)
@@ -205,7 +223,8 @@ def markdown_table(rows: Sequence[TradeoffRow], recommended: TradeoffRow | None 
 
 
 # One marker per point: off a hollow square, hard a diamond; the soft penalties (coloured
-# dark to light as the penalty grows), then the max-rate caps (orange), then the --mark
+# dark to light as the penalty grows), then the max-rate caps (orange), the pair prices
+# (green), then the --mark
 # points (black) take these in turn.
 MARKERS = ("o", "v", "^", "<", ">", "p", "h", "8", "d", "P", "X", "*", "H", "1", "2", "3", "4")
 
@@ -227,8 +246,9 @@ def plot(
     fig, ax = plt.subplots(figsize=(10.0, 4.8), dpi=120)  # the legend right of the axes
     soft = _draw_curve_and_guides(ax, rows)
     caps = [r for r in rows if r.policy.max_rate is not None]
-    _draw_policies(ax, rows, _point_styles(plt, soft, caps), recommended)
-    for i, (name, jaccard, ddi) in enumerate(marks, len(soft) + len(caps)):  # user's points
+    priced = _draw_prices(ax, rows)
+    _draw_policies(ax, rows, _point_styles(plt, soft, caps, priced), recommended)
+    for i, (name, jaccard, ddi) in enumerate(marks, len(soft) + len(caps) + len(priced)):
         marker = MARKERS[i % len(MARKERS)]
         ax.plot(ddi, jaccard, marker, color="black", ms=10, zorder=3, label=f"{name} (given)")
         ax.annotate(name, (ddi, jaccard), xytext=(5, 5), textcoords="offset points", fontsize=8)
@@ -282,14 +302,36 @@ def _draw_curve_and_guides(ax, rows: Sequence[TradeoffRow]) -> list[TradeoffRow]
     return soft
 
 
-def _point_styles(plt, soft: list[TradeoffRow], caps: list[TradeoffRow]) -> dict:
-    """{id(row): (marker, colour)}: the soft penalties dark to light, the caps orange."""
+def _draw_prices(ax, rows: Sequence[TradeoffRow]) -> list[TradeoffRow]:
+    """The line through off and the pair prices in order; returns the priced rows by price."""
+    off = next((r for r in rows if not r.policy.active), None)
+    priced = sorted((r for r in rows if r.policy.pair_price), key=lambda r: r.policy.pair_price)
+    curve = ([off] if off else []) + priced
+    if priced and len(curve) > 1:
+        ax.plot(
+            [r.mean("ddi") for r in curve],
+            [r.mean("jaccard") for r in curve],
+            "-",
+            color="tab:green",
+            alpha=0.5,
+            zorder=1,
+            label="pair prices in order (off = 0)",
+        )
+    return priced
+
+
+def _point_styles(
+    plt, soft: list[TradeoffRow], caps: list[TradeoffRow], priced: list[TradeoffRow]
+) -> dict:
+    """{id(row): (marker, colour)}: the soft penalties dark to light, the caps orange, the
+    pair prices green."""
     shades = plt.get_cmap("viridis")(np.linspace(0.15, 0.85, max(1, len(soft))))
     oranges = plt.get_cmap("Oranges")(np.linspace(0.5, 0.9, max(1, len(caps))))
-    colors = [*shades[: len(soft)], *oranges[: len(caps)]]
+    greens = plt.get_cmap("Greens")(np.linspace(0.5, 0.95, max(1, len(priced))))
+    colors = [*shades[: len(soft)], *oranges[: len(caps)], *greens[: len(priced)]]
     return {
         id(r): (MARKERS[i % len(MARKERS)], c)
-        for i, (r, c) in enumerate(zip(soft + caps, colors, strict=True))
+        for i, (r, c) in enumerate(zip(soft + caps + priced, colors, strict=True))
     }
 
 
@@ -381,6 +423,8 @@ def run_tradeoff(
         raise InputError(f"{data_dir}: the {split} split has no labelled visit")
     ddi_adj = ddi_matrix(vocab, dataset.ddi_pairs)
     policy_list = policies() if policy_list is None else policy_list
+    if decoding.name != "set" and any(p.pair_price for p in policy_list):
+        raise InputError("--pair-prices are for set decoding, not beam search")
     rows = tradeoff(model, vocab, patients, ddi_adj, policy_list, options, on_policy, decoding)
     best = recommend(rows)
     truth = ground_truth_ddi(patients, ddi_adj)

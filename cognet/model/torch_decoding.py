@@ -24,7 +24,7 @@ from cognet.core.decoding.beam import BeamConfig, BeamSelector
 from cognet.core.decoding.draws import visit_keys
 from cognet.core.decoding.driver import run
 from cognet.core.decoding.ensemble import EnsembleSession, decode_ensemble_sets
-from cognet.core.decoding.sampling import SetConfig, decode_sets
+from cognet.core.decoding.sampling import SetConfig, decode_sets, set_result
 from cognet.core.history import Visit
 from cognet.core.vocab import Vocab
 from cognet.model.batching import make_batch, select_rows
@@ -121,6 +121,18 @@ def decode_patients(
         if on_batch:
             on_batch(sum(map(len, chunk)))
     return out
+
+
+def reselect(
+    model: COGNet | Ensemble, decoded: Sequence[Decoded], decoding: Decoding, ddi: DDIPolicy
+) -> list[Decoded]:
+    """The answers of set decoding `decoding` under `ddi` read from the P(k in S) of answers
+    `decoded` (`Decoded.scores`) without decoding again: right when `ddi` acts on the set
+    only (a cap, a pair price) beyond the step policy (mode, penalty) those answers were
+    decoded with, which alone changes P(k in S)."""
+    marginals = np.stack([d.scores for d in decoded])
+    cfg = SetConfig.of(decoding, model.cfg.n_med, ddi)
+    return _decoded(set_result(marginals, 0, cfg, _ddi_adjacency(model)), len(decoded))
 
 
 def _ddi_adjacency(model: COGNet | Ensemble) -> np.ndarray:
