@@ -19,7 +19,7 @@ from cognet.core.decoding.request import DecodingRequest
 from cognet.core.decoding.set_rules import priced_sets, select_sets
 from cognet.core.errors import InputError
 from cognet.core.metrics import ddi_rate_of_sets
-from tests.test_set_decoding import _agreement, _runtime_sets, _torch_sets
+from tests.tiny import runtime_sets, set_agreement, torch_sets
 
 
 def _population(n: int, m: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
@@ -103,28 +103,14 @@ def test_a_target_with_a_price_round_trips_and_older_targets_read_no_price():
 @pytest.mark.parametrize("selection", ["host", "device"])
 def test_torch_and_the_runtime_read_the_same_priced_sets(tiny, selection):
     priced = DDIPolicy(pair_price=0.02)
-    ref = _torch_sets(tiny, Decoding(name="set", samples=8, threshold=0.3, rule="jaccard"))
-    model_sets = _torch_sets_priced(tiny, priced)
-    got = _runtime_sets(
+    decoding = Decoding(name="set", samples=8, threshold=0.3, rule="jaccard")
+    ref = torch_sets(tiny, decoding)
+    model_sets = torch_sets(tiny, decoding, ddi=priced)
+    got = runtime_sets(
         tiny, decoding="set", samples=8, batch_size=64, selection=selection, ddi=priced
     )
-    assert _agreement(got, model_sets) >= 0.995
-    assert _agreement(model_sets, ref) < 1.0  # the price changed some sets
-
-
-def _torch_sets_priced(root, policy: DDIPolicy) -> dict:
-    import pyarrow.parquet as pq
-
-    from cognet.core.history import patients_from_table
-    from cognet.model import checkpoint
-    from cognet.model.torch_decoding import decode_patients
-
-    model, vocab, _ = checkpoint.load(root / "ckpt")
-    patients = list(patients_from_table(pq.read_table(root / "data" / "visits.parquet"), vocab))
-    decoding = Decoding(name="set", samples=8, threshold=0.3, rule="jaccard")
-    decoded = decode_patients(model, vocab, patients, decoding, policy)
-    flat = [v for p in patients for v in p]
-    return {v.visit_id: vocab.med_codes(d.meds) for v, d in zip(flat, decoded, strict=True)}
+    assert set_agreement(got, model_sets) >= 0.995
+    assert set_agreement(model_sets, ref) < 1.0  # the price changed some sets
 
 
 def test_the_command_lines_take_a_price_and_refuse_it_with_a_threshold(tiny, tmp_path):

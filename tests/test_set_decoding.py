@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 
 import numpy as np
-import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
@@ -16,46 +15,20 @@ from click.testing import CliRunner
 
 from cognet.cli import main as cognet_main
 from cognet.core.decoding import Decoding
-from cognet.core.history import patients_from_table
 from cognet.core.manifest import load_manifest
-from cognet.model import checkpoint
-from cognet.model.torch_decoding import decode_patients
-from cognet.runtime import Scorer
 from cognet.runtime.cli import main as batch_main
+from tests.tiny import runtime_sets, set_agreement, torch_sets
 
 torch.set_num_threads(1)
-
-
-def _agreement(a: dict, b: dict) -> float:
-    assert a.keys() == b.keys()
-    return sum(a[k] == b[k] for k in a) / len(a)
-
-
-def _torch_sets(root, decoding: Decoding, split: str | None = None) -> dict:
-    model, vocab, _ = checkpoint.load(root / "ckpt")
-    table = pq.read_table(root / "data" / "visits.parquet")
-    if split:
-        table = table.filter(pa.compute.equal(table["split"], split))
-    patients = list(patients_from_table(table, vocab))
-    decoded = decode_patients(model, vocab, patients, decoding=decoding)
-    flat = [v for p in patients for v in p]
-    return {v.visit_id: vocab.med_codes(d.meds) for v, d in zip(flat, decoded, strict=True)}
-
-
-def _runtime_sets(root, **options) -> dict:
-    scorer = Scorer(root / "model", device="cpu", **options)
-    table = pq.read_table(root / "data" / "visits.parquet")
-    out = pa.concat_tables([c.recommendations for c in scorer.score_table(table, score_all=True)])
-    return {r["visit_id"]: r["medications"] for r in out.to_pylist()}
 
 
 @pytest.mark.parametrize("batch_size", [5, 64])
 def test_runtime_sets_equal_torch_on_the_tiny_model(tiny, batch_size):
     decoding = Decoding(name="set", samples=8, threshold=0.3)
-    ref = _torch_sets(tiny, decoding)
-    got = _runtime_sets(tiny, decoding="set", samples=8, threshold=0.3, batch_size=batch_size)
+    ref = torch_sets(tiny, decoding)
+    got = runtime_sets(tiny, decoding="set", samples=8, threshold=0.3, batch_size=batch_size)
     assert len(ref) >= 200
-    assert _agreement(got, ref) >= 0.995
+    assert set_agreement(got, ref) >= 0.995
     assert len({len(v) for v in ref.values()}) > 3  # sets of varied sizes
 
 
@@ -65,8 +38,8 @@ def test_every_estimator_draws_alike_in_torch_and_the_runtime(tiny, estimator, s
     """The estimators' draws are the same numbers in the torch reference, the numpy
     selection and the search graphs (fed from the host), visit by visit."""
     decoding = Decoding(name="set", samples=8, threshold=0.3, estimator=estimator)
-    ref = _torch_sets(tiny, decoding)
-    got = _runtime_sets(
+    ref = torch_sets(tiny, decoding)
+    got = runtime_sets(
         tiny,
         decoding="set",
         samples=8,
@@ -75,9 +48,9 @@ def test_every_estimator_draws_alike_in_torch_and_the_runtime(tiny, estimator, s
         estimator=estimator,
         selection=selection,
     )
-    assert _agreement(got, ref) >= 0.995
-    plain = _torch_sets(tiny, Decoding(name="set", samples=8, threshold=0.3, estimator="plain"))
-    assert _agreement(plain, ref) < 1.0  # another estimator, other draws
+    assert set_agreement(got, ref) >= 0.995
+    plain = torch_sets(tiny, Decoding(name="set", samples=8, threshold=0.3, estimator="plain"))
+    assert set_agreement(plain, ref) < 1.0  # another estimator, other draws
 
 
 @pytest.mark.parametrize("selection", ["host", "device"])
@@ -85,13 +58,13 @@ def test_expected_jaccard_sets_alike_in_torch_and_the_runtime(tiny, selection):
     """`--set-rule jaccard` reads the same sets from the same P(k in S) in both; a
     threshold given alone still asks for the threshold rule."""
     decoding = Decoding(name="set", samples=8, threshold=0.3, rule="jaccard")
-    ref = _torch_sets(tiny, decoding)
-    got = _runtime_sets(
+    ref = torch_sets(tiny, decoding)
+    got = runtime_sets(
         tiny, decoding="set", samples=8, set_rule="jaccard", batch_size=64, selection=selection
     )
-    assert _agreement(got, ref) >= 0.995
-    by_threshold = _runtime_sets(tiny, decoding="set", samples=8, threshold=0.3, batch_size=64)
-    assert _agreement(by_threshold, ref) < 0.9  # another rule, other sets
+    assert set_agreement(got, ref) >= 0.995
+    by_threshold = runtime_sets(tiny, decoding="set", samples=8, threshold=0.3, batch_size=64)
+    assert set_agreement(by_threshold, ref) < 0.9  # another rule, other sets
 
 
 @pytest.fixture(scope="module")
@@ -137,18 +110,18 @@ def test_trained_model_carries_its_tuned_set_decoding(trained):
 @pytest.mark.parametrize("batch_size", [7, 128, 1024])
 def test_runtime_sets_equal_torch_on_a_trained_model(trained, batch_size):
     stored = load_manifest(trained / "model").default_decoding()
-    ref = _torch_sets(trained, stored)
-    got = _runtime_sets(trained, batch_size=batch_size)  # the model's default: its set
+    ref = torch_sets(trained, stored)
+    got = runtime_sets(trained, batch_size=batch_size)  # the model's default: its set
     assert len(ref) > 500
-    assert _agreement(got, ref) >= 0.995
+    assert set_agreement(got, ref) >= 0.995
     lengths = [len(v) for v in ref.values()]
     assert np.mean(lengths) > 5
 
 
 @pytest.mark.slow
 def test_decoding_beam_is_the_paper_beam_search_on_a_set_model(trained):
-    ref = _torch_sets(trained, Decoding(name="beam", beam=4))
-    got = _runtime_sets(trained, decoding="beam", batch_size=64)
+    ref = torch_sets(trained, Decoding(name="beam", beam=4))
+    got = runtime_sets(trained, decoding="beam", batch_size=64)
     assert got == ref
 
 

@@ -355,3 +355,37 @@ def train_small(data: str | Path, out: str | Path, *extra: str):
     return CliRunner().invoke(
         main, ["train", "--data", str(data), "--out", str(out), *small, *extra]
     )
+
+
+def set_agreement(a: dict, b: dict) -> float:
+    """The share of visits whose answers (visit_id -> medication codes) are equal."""
+    assert a.keys() == b.keys()
+    return sum(a[k] == b[k] for k in a) / len(a)
+
+
+def torch_sets(root, decoding, split: str | None = None, ddi: DDIPolicy = DDIPolicy()) -> dict:
+    """visit_id -> medication codes: the torch reference's answers for the visits of
+    `root/data` (a `make_tiny` folder; one split when given) from `root/ckpt`."""
+    from cognet.core.history import patients_from_table
+    from cognet.model import checkpoint
+    from cognet.model.torch_decoding import decode_patients
+
+    model, vocab, _ = checkpoint.load(root / "ckpt")
+    table = pq.read_table(root / "data" / "visits.parquet")
+    if split:
+        table = table.filter(pa.compute.equal(table["split"], split))
+    patients = list(patients_from_table(table, vocab))
+    decoded = decode_patients(model, vocab, patients, decoding, ddi)
+    flat = [v for p in patients for v in p]
+    return {v.visit_id: vocab.med_codes(d.meds) for v, d in zip(flat, decoded, strict=True)}
+
+
+def runtime_sets(root, **options) -> dict:
+    """visit_id -> medication codes: the runtime's answers (`Scorer` on `root/model`, CPU,
+    `options` as its keywords) for every visit of `root/data`."""
+    from cognet.runtime import Scorer
+
+    scorer = Scorer(root / "model", device="cpu", **options)
+    table = pq.read_table(root / "data" / "visits.parquet")
+    out = pa.concat_tables([c.recommendations for c in scorer.score_table(table, score_all=True)])
+    return {r["visit_id"]: r["medications"] for r in out.to_pylist()}
