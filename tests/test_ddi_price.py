@@ -160,3 +160,31 @@ def test_the_tradeoffs_prices_read_what_a_priced_decoding_returns(tiny, tmp_path
         ddi_tradeoff.run_tradeoff(
             tiny / "ckpt", tiny / "data", beam, ddi_tradeoff.policies((), (), (0.02,))
         )
+
+
+def test_the_plot_zooms_past_a_far_hard_point():
+    """Real data's `hard` costs a third of the Jaccard: the axis then spans the other points
+    (the frontier stays readable) and the legend says where hard lies; a near one stays."""
+    from cognet.evaluation import ddi_tradeoff
+
+    plt = ddi_tradeoff._pyplot()
+
+    def row(policy, jaccard, ddi):
+        stats = {"jaccard": {"mean": jaccard, "std": 0.0}, "ddi": {"mean": ddi, "std": 0.0}}
+        return ddi_tradeoff.TradeoffRow(policy, stats, 0.0)
+
+    for hard_jaccard, zoomed in ((0.37, True), (0.53, False)):
+        rows = [
+            row(DDIPolicy(), 0.552, 0.089),
+            row(DDIPolicy("hard"), hard_jaccard, 0.0),
+            row(DDIPolicy("soft", 0.6), 0.540, 0.061),
+            row(DDIPolicy(pair_price=0.002), 0.550, 0.060),
+        ]
+        fig, ax = plt.subplots()
+        ddi_tradeoff._draw_policies(ax, rows, {}, None)
+        ddi_tradeoff._zoom_past_hard(ax, rows, [("RASNet", 0.5401, 0.0599)])
+        low, high = ax.get_ylim()
+        labels = ax.get_legend_handles_labels()[1]
+        assert (low > hard_jaccard) == zoomed and high > 0.552
+        assert any("below the axes" in label for label in labels) == zoomed
+        plt.close(fig)
