@@ -139,6 +139,35 @@ def test_hard_sampling_never_emits_a_clash_within_a_sample():
     assert (res.prauc_scores[:, 0] + res.prauc_scores[:, 1] <= 1 + 1e-6).all()
 
 
+def test_kept_clash_counts_equal_the_product_at_every_step():
+    """The sampler keeps each sample's interacting pairs as it emits (soft, hard): at every
+    step they equal the product of its medications with the adjacency, which
+    `apply_step_penalty` computes when not given them, so the draws are the same."""
+    from cognet.core.decoding.driver import run
+    from cognet.core.decoding.sampling import SetSampler
+
+    rng = np.random.default_rng(3)
+    q = rng.dirichlet(np.ones(9), size=4)
+    adj = rng.random((8, 8)) < 0.4
+    adj = np.triu(adj, 1)
+    adj = adj | adj.T
+    checked = []
+
+    class Checking(SetSampler):
+        def select(self, t, got, rows, parent):
+            if self.clashes is not None:
+                product = self.used[..., :8].astype(np.float32) @ adj.astype(np.float32)
+                assert np.array_equal(self.clashes, product)
+                checked.append(t)
+            return super().select(t, got, rows, parent)
+
+    for policy in (DDIPolicy("soft", 0.7), DDIPolicy("hard")):
+        cfg = SetConfig(end=8, samples=16, max_len=8, ddi=policy)
+        sampler = Checking(cfg, visit_keys("abcd"), ddi_adj=adj)
+        run(FixedSession(q), np.arange(4), 4, sampler, cfg)
+    assert len(checked) >= 8
+
+
 def test_explanations_average_the_emitting_steps():
     q = np.full((1, 4), 0.25)
     cfg = SetConfig(end=3, samples=8, threshold=0.05, max_len=5)

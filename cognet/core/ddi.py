@@ -217,17 +217,24 @@ def pair_counts(used: np.ndarray, ddi_adj: np.ndarray) -> tuple[np.ndarray, np.n
 
 
 def apply_step_penalty(
-    logp: np.ndarray, used: np.ndarray, ddi_adj: np.ndarray, policy: DDIPolicy
+    logp: np.ndarray,
+    used: np.ndarray,
+    ddi_adj: np.ndarray,
+    policy: DDIPolicy,
+    clashes: np.ndarray | None = None,
 ) -> None:
     """The step rule of `soft` and `hard`, in place: the log-probabilities logp [..., V1] of
     the medications that interact with a row's medications (used bool [..., V1]) lowered by
     penalty x pairs (the product in float32) or set to -inf; `off` leaves them. Beam search
     (`cognet.core.decoding.beam`) and the set sampler (`cognet.core.decoding.sampling`)
-    both apply it."""
+    both apply it. `clashes` float32 [..., M]: those counts when the caller keeps them
+    (the set sampler adds a row of the adjacency per emitted medication: the same integers,
+    without a product per step)."""
     if policy.mode not in ("soft", "hard"):
         return
     m = ddi_adj.shape[0]
-    clashes = used[..., :m].astype(np.float32) @ ddi_adj  # [..., M] interacting pairs
+    if clashes is None:
+        clashes = used[..., :m].astype(np.float32) @ ddi_adj  # [..., M] interacting pairs
     if policy.mode == "hard":
         np.copyto(logp[..., :m], -np.inf, where=clashes > 0)
     else:

@@ -169,6 +169,10 @@ class SetSampler(SetRule):
         self.n = n
         self.used = np.zeros((n, s, end + 1), bool)
         self.hazard = np.zeros((n, end), np.float64)  # sum over samples and steps of p_t(k)
+        # each sample's interacting pairs with every medication, kept as it emits (soft, hard)
+        self.clashes = None
+        if self.cfg.ddi.mode in ("soft", "hard"):
+            self.clashes = np.zeros((n, s, end), np.float32)
 
     def select(self, t, got, rows, parent):
         cfg, end = self.cfg, self.cfg.end
@@ -181,7 +185,10 @@ class SetSampler(SetRule):
         tokens = np.full(self.finished.shape, end, np.int64)
         if vis.size:
             logp = got["log_probs"][vis, smp]
-            p = _step_distribution(logp, self.used[vis, smp], None, end, cfg.ddi, self.ddi_adj)
+            clashes = None if self.clashes is None else self.clashes[vis, smp]
+            p = _step_distribution(
+                logp, self.used[vis, smp], None, end, cfg.ddi, self.ddi_adj, clashes
+            )
             first = np.flatnonzero(np.concatenate(([True], vis[1:] != vis[:-1])))
             self.hazard[rows[vis[first]]] += np.add.reduceat(p[:, :end], first, axis=0)
             u = self.draws.at(t, rows)[vis, smp]
@@ -192,6 +199,9 @@ class SetSampler(SetRule):
         if self.explain:
             self.sums = add_emissions(self.sums, self.n, end, got, rows, tokens, emitted)
         self.used[vis, smp, tokens[vis, smp]] = True
+        if self.clashes is not None:
+            at = np.nonzero(emitted)
+            self.clashes[at] += self.ddi_adj[tokens[at]]
         self.finished = self.finished | (tokens == end)
         self.draws.drawn(tokens)
         return tokens, parent, self.finished.all(1)  # samples never change rows
@@ -206,6 +216,8 @@ class SetSampler(SetRule):
     def keep(self, live) -> None:
         super().keep(live)
         self.used = self.used[live]
+        if self.clashes is not None:
+            self.clashes = self.clashes[live]
 
 
 def set_marginals(
@@ -228,7 +240,7 @@ def set_marginals(
 _TINY = 2.0**-100  # a row whose unshifted exponentials sum below this is shifted first
 
 
-def _step_distribution(log_probs, used, finished, end, policy, ddi_adj) -> np.ndarray:
+def _step_distribution(log_probs, used, finished, end, policy, ddi_adj, clashes=None) -> np.ndarray:
     """float64 [..., V1]: each sample's next-token distribution: Pr with the medications
     it holds masked (and the DDI policy applied), renormalised; a finished sample (bool
     `finished` [...], or None where every row is open) has all its mass on END.
@@ -240,9 +252,10 @@ def _step_distribution(log_probs, used, finished, end, policy, ddi_adj) -> np.nd
     the model's log-probabilities lie in [log 1e-20, 0] (its floor) and END's is never held,
     so a row's sum is at least 1e-20; a row whose sum falls below 2^-100 all the same (other
     inputs, a DDI penalty) is computed again from its log-probabilities less their maximum.
-    The DDI penalty is subtracted in float32; the normalisation and all that follows (sums,
-    CDF) are float64. The search graphs' `set_select` computes the same."""
-    x = _logits(log_probs, used, finished, end, policy, ddi_adj)
+    The DDI penalty is subtracted in float32 (`clashes`: the interacting pairs when kept by
+    the caller); the normalisation and all that follows (sums, CDF) are float64. The search
+    graphs' `set_select` computes the same."""
+    x = _logits(log_probs, used, finished, end, policy, ddi_adj, clashes)
     keep = ~used  # a held medication: 0 after the exp (cheaper than -inf before it)
     if finished is not None:
         keep |= finished[..., None]  # a finished sample: END alone, whatever it holds
@@ -259,6 +272,7 @@ def _step_distribution(log_probs, used, finished, end, policy, ddi_adj) -> np.nd
             end,
             policy,
             ddi_adj,
+            None if clashes is None else clashes[low],
         )
         y[~keep[low]] = -np.inf
         y -= y.max(-1, keepdims=True)
@@ -268,11 +282,11 @@ def _step_distribution(log_probs, used, finished, end, policy, ddi_adj) -> np.nd
     return p
 
 
-def _logits(log_probs, used, finished, end, policy, ddi_adj) -> np.ndarray:
+def _logits(log_probs, used, finished, end, policy, ddi_adj, clashes=None) -> np.ndarray:
     """float32 [..., V1], a new array: the log-probabilities with the DDI policy applied and
     a finished sample's mass on END (0 there, -inf elsewhere); held medications as given."""
     x = np.array(log_probs, np.float32)
-    apply_step_penalty(x, used, ddi_adj, policy)
+    apply_step_penalty(x, used, ddi_adj, policy, clashes)
     if finished is not None and finished.any():
         x[finished] = -np.inf
         x[finished, end] = 0.0
