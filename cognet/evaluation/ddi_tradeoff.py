@@ -128,7 +128,9 @@ def tradeoff(
 
     options = options or EvalOptions()
     rows = []
-    steps: dict[DDIPolicy, list] = {}  # a step policy's answers, for the set-only policies
+    # the answers of each step policy that a pair price reads again (no decoding per price)
+    bases = {DDIPolicy(p.mode, p.penalty) for p in policy_list if p.pair_price}
+    steps: dict[DDIPolicy, list] = {}
     for policy in policy_list:
         started = time.perf_counter()
         if policy.pair_price:  # the expected-Jaccard set less the price (no threshold)
@@ -141,7 +143,7 @@ def tradeoff(
             decoded = reselect(model, steps[base], priced, policy)  # same P(k in S)
         else:
             decoded = decode_patients(model, vocab, patients, decoding, policy)
-            if decoding.name == "set" and policy.max_rate is None:
+            if policy in bases:
                 steps[policy] = decoded
         seconds = time.perf_counter() - started
         results = visit_results(patients, decoded)
@@ -284,17 +286,7 @@ def _draw_curve_and_guides(ax, rows: Sequence[TradeoffRow]) -> list[TradeoffRow]
         (r for r in rows if r.policy.mode == "soft" and r.policy.max_rate is None),
         key=lambda r: r.policy.penalty,
     )
-    curve = ([off] if off else []) + soft  # off is penalty 0
-    if len(curve) > 1:
-        ax.plot(
-            [r.mean("ddi") for r in curve],
-            [r.mean("jaccard") for r in curve],
-            "-",
-            color="tab:blue",
-            alpha=0.5,
-            zorder=1,
-            label="soft penalties in order (off = 0)",
-        )
+    _draw_line(ax, off, soft, "tab:blue", "soft penalties in order (off = 0)")
     if off is not None:  # the region a recommended penalty must reach
         floor = f"Jaccard of off - {MAX_JACCARD_DROP:g} (floor of a recommended penalty)"
         ax.axhline(off.mean("jaccard") - MAX_JACCARD_DROP, color="gray", ls=":", lw=1, label=floor)
@@ -307,18 +299,23 @@ def _draw_prices(ax, rows: Sequence[TradeoffRow]) -> list[TradeoffRow]:
     """The line through off and the pair prices in order; returns the priced rows by price."""
     off = next((r for r in rows if not r.policy.active), None)
     priced = sorted((r for r in rows if r.policy.pair_price), key=lambda r: r.policy.pair_price)
-    curve = ([off] if off else []) + priced
-    if priced and len(curve) > 1:
+    _draw_line(ax, off, priced, "tab:green", "pair prices in order (off = 0)")
+    return priced
+
+
+def _draw_line(ax, off: TradeoffRow | None, rows: list[TradeoffRow], color: str, label: str):
+    """One policy family's line: off (its level 0), then `rows` in order, when it has any."""
+    curve = ([off] if off else []) + rows
+    if rows and len(curve) > 1:
         ax.plot(
             [r.mean("ddi") for r in curve],
             [r.mean("jaccard") for r in curve],
             "-",
-            color="tab:green",
+            color=color,
             alpha=0.5,
             zorder=1,
-            label="pair prices in order (off = 0)",
+            label=label,
         )
-    return priced
 
 
 def _point_styles(

@@ -114,20 +114,16 @@ class DecodingRequest:
     ) -> tuple[Decoding, DDIPolicy]:
         """The decoding and the DDI policy to run on a model whose own are `stored` and
         `target` (its DDI target: used when no policy is asked; `cognet.core.ddi`). A policy
-        with a pair price reads the expected-Jaccard set: it asks for that rule, and is
-        refused with beam search or an asked threshold rule."""
+        with a pair price reads the expected-Jaccard set (`decoding_on` and a target's rule
+        ask for it): refused with beam search or an asked threshold rule."""
         decoding, policy = with_target(self.ddi, target, stored, self.decoding_on)
-        if not policy.pair_price:
-            return decoding, policy
-        if decoding.name != "set":
+        if policy.pair_price and decoding.name != "set":
             raise ValueError("--ddi-pair-price is for set decoding, not beam search")
-        if decoding.rule != "jaccard":
-            if self.set_rule == "threshold" or self.threshold is not None:
-                raise ValueError(
-                    "--ddi-pair-price reads the expected-Jaccard set: drop --threshold and "
-                    "--set-rule threshold"
-                )
-            decoding = decoding.with_changes(rule="jaccard")
+        if policy.pair_price and decoding.rule != "jaccard":
+            raise ValueError(
+                "--ddi-pair-price reads the expected-Jaccard set: drop --threshold and "
+                "--set-rule threshold"
+            )
         return decoding, policy
 
     def to_json(self) -> dict:

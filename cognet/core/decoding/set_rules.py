@@ -24,17 +24,18 @@ def select_sets(
     (ties: smaller id), under the policy's set rules (`hard`: no interacting pair;
     `max_rate`: DDI rate <= R)."""
     out = []
-    order = np.argsort(-marginals, axis=1, kind="stable")
     if policy.pair_price:
         if rule != "jaccard":
             raise ValueError("a DDI pair price reads the expected-Jaccard set (rule jaccard)")
         if ddi_adj is None:
             raise ValueError("a DDI pair price needs the DDI adjacency")
         order, sizes = priced_sets(marginals, np.asarray(ddi_adj, bool), policy.pair_price)
-    elif rule == "jaccard":
-        sizes = jaccard_sizes(np.take_along_axis(marginals, order, 1))
-    elif rule == "threshold":
-        sizes = (marginals >= threshold).sum(1)
+    elif rule in ("jaccard", "threshold"):
+        order = np.argsort(-marginals, axis=1, kind="stable")
+        if rule == "jaccard":
+            sizes = jaccard_sizes(np.take_along_axis(marginals, order, 1))
+        else:
+            sizes = (marginals >= threshold).sum(1)
     else:
         raise ValueError(f"unknown set rule {rule!r}")
     for idx, size in zip(order, sizes, strict=True):
@@ -93,8 +94,8 @@ def priced_sets(
         inside[at] += p[at, k]
         current[at] = gained[at, k]
         clashes[at] += adj[k]
-    # chosen first, each part in decreasing probability (ties: smaller id)
-    order = np.lexsort((np.arange(m)[None].repeat(n, 0), -p, ~chosen), axis=1)
+    # chosen first, each part in decreasing probability (a stable sort: ties, smaller id)
+    order = np.lexsort((-p, ~chosen), axis=1)
     return order, size.astype(np.int64)
 
 
