@@ -3,6 +3,8 @@ from networks trained apart."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import click
 
 from cognet.core.commandline import (
@@ -133,26 +135,24 @@ threads_option = count_option(
 @click.option(
     "--teacher",
     type=click.Path(exists=True, file_okay=False),
-    help="Distil from this checkpoint (for example a two-member one): a share of the "
-    "training targets are sets it samples for that visit, so that one network decodes "
-    "like it.",
+    help="Train only the set head, on this checkpoint's networks (written by cognet train "
+    "or cognet ensemble on the same --data): the checkpoint with a head, as cognet train "
+    "writes it after its members. The networks' options do not apply with it.",
 )
 @click.option(
-    "--distill-weight",
+    "--head/--no-head",
+    default=True,
+    show_default=True,
+    help="After the networks, train the set head that the one-pass decoding (--decoding "
+    "marginal) reads: it learns the networks' own P(k in S).",
+)
+@click.option(
+    "--head-mix",
     type=FiniteFloat(0, 1),
-    help="With --teacher: the share of training targets drawn from the teacher's sets "
-    "(default: 0.5).",
+    help="The set head's target: this share of the networks' P(k in S), the rest the "
+    "true set (default: 0.5).",
 )
-@count_option(
-    "--distill-samples",
-    help="With --teacher: sets the teacher samples per visit and member (default: 16).",
-)
-@click.option(
-    "--distill-temperature",
-    type=FiniteFloat(0, 10, min_open=True),
-    help="With --teacher: the teacher samples from its step probabilities at this "
-    "temperature (default: 1).",
-)
+@count_option("--head-hidden", help="Width of the set head's hidden layer (default: 1024).")
 @click.option(
     "--ablation",
     default="none",
@@ -172,18 +172,33 @@ def train(data_dir, out, threads, quiet, recipe, **config):
       cognet train --data data --out ckpt --seed 0 --threads 1
       cognet train --data data --out ckpt-ref --recipe reference --epochs 30
       cognet train --data data --out ckpt-safe --ddi-target 0.06
-      cognet train --data data --out student --members 1 --teacher ckpt
+      cognet train --data data --out ckpt-head --teacher ckpt
     """
     import torch
 
+    from cognet.core.schemas import HEAD_FILE
+    from cognet.training.members import attach_head
     from cognet.training.train import TrainConfig
     from cognet.training.train import train as run_train
 
     setup_logging()
     torch.set_num_threads(threads)
+    teacher, head = config.pop("teacher"), config.pop("head")
+    shape = {"mix": config.pop("head_mix"), "hidden": config.pop("head_hidden")}
+    if teacher is not None:
+        given = [k for k, v in config.items() if v not in (None, False, 0.0, "none", "cpu")]
+        given = [k for k in given if k != "seed"]  # the teacher's seed is used
+        if given or not head or recipe != "default":
+            what = given[0] if given else ("no-head" if not head else "recipe")
+            raise click.UsageError(
+                f"--teacher trains the set head only: --{what.replace('_', '-')} does not apply"
+            )
     try:  # the other options are TrainConfig's fields
         cfg = TrainConfig.from_recipe(recipe, **config)
-    except ValueError as exc:
+        cfg = replace(cfg, head=_head(cfg.head, shape) if head else None)
+        if cfg.head is None and cfg.decoding == "marginal":
+            cfg = replace(cfg, decoding="set")  # nothing to read the marginals from
+    except (TypeError, ValueError) as exc:
         raise click.UsageError(str(exc)) from None
 
     def on_epoch(r: dict) -> None:
@@ -206,20 +221,16 @@ def train(data_dir, out, threads, quiet, recipe, **config):
     # one run per --out, never onto the dataset it reads (cognet.core.files.guarded)
     from cognet.model.checkpoint import FILES
 
-    written = {"--out": (*FILES, "train_log.jsonl")}
-    with guarded(
-        "cognet train",
-        {"--out": out},
-        Reads(datasets=[data_dir], checkpoints=[config["teacher"]]),
-        written,
-    ) as stage:
-        best = run_train(
-            data_dir,
-            stage["--out"],
-            cfg,
-            on_epoch=on_epoch,
-            progress=(lambda **kw: bar(**kw)) if bar else None,
-        )
+    written = {"--out": (*FILES, HEAD_FILE, "train_log.jsonl")}
+    bars = (lambda **kw: bar(**kw)) if bar else None
+    reads = Reads(datasets=[data_dir], checkpoints=[teacher])
+    with guarded("cognet train", {"--out": out}, reads, written) as stage:
+        if teacher is not None:
+            done = attach_head(teacher, data_dir, stage["--out"], cfg.head, cfg.decoding, bars)
+            label = Decoding.from_json(done["decoding"]).label
+            click.echo(f"set head trained on {teacher}; decoding: {label}; written to {out}")
+            return
+        best = run_train(data_dir, stage["--out"], cfg, on_epoch=on_epoch, progress=bars)
     kept = "; ".join(_weights_label(w) for w in best["members"])
     click.echo(
         f"weights: {kept}; decoding: "
@@ -251,12 +262,13 @@ def ensemble(checkpoints, data_dir, out, threads):
     """
     import torch
 
+    from cognet.core.schemas import HEAD_FILE
     from cognet.model.checkpoint import FILES
     from cognet.training.members import combine
 
     setup_logging()
     torch.set_num_threads(threads)
-    written = {"--out": (*FILES, "train_log.jsonl")}
+    written = {"--out": (*FILES, HEAD_FILE, "train_log.jsonl")}
     reads = Reads(datasets=[data_dir], checkpoints=list(checkpoints))
     with guarded("cognet ensemble", {"--out": out}, reads, written) as stage:
         done = combine(checkpoints, data_dir, stage["--out"])
@@ -264,6 +276,13 @@ def ensemble(checkpoints, data_dir, out, threads):
         f"{len(checkpoints)} members; decoding: {Decoding.from_json(done['decoding']).label}; "
         f"checkpoint written to {out}"
     )
+
+
+def _head(recipe, shape: dict):
+    """The recipe's set head with the --head-* options given."""
+    from cognet.training.set_head import HeadRecipe
+
+    return replace(recipe or HeadRecipe(), **{k: v for k, v in shape.items() if v is not None})
 
 
 def _weights_label(chosen: dict) -> str:

@@ -131,6 +131,20 @@ TRAIN = Obj(
 )
 
 DECODING = Nullable(Record(Decoding))
+# the set head (`cognet.model.set_head.HeadConfig`) and its training record (never read)
+HEAD_CONFIG = Obj(
+    {
+        "format_version": OneOf((1,)),
+        "n_diag": SIZE,
+        "n_proc": SIZE,
+        "n_med": SIZE,
+        "hidden": SIZE,
+        "dropout": SHARE,
+    },
+    required=("format_version", "n_diag", "n_proc", "n_med", "hidden", "dropout"),
+)
+HEAD = Obj({"config": HEAD_CONFIG, "training": MapOf(ANY)}, required=("config",))
+HEAD_FILE = "head.safetensors"
 DDI_TARGET = Nullable(Record(DDITarget, {"policy": Record(DDIPolicy)}))
 
 CONFIG = Obj(
@@ -140,12 +154,13 @@ CONFIG = Obj(
         "train": TRAIN,
         "ddi_pairs": PAIRS,
         "sha256": Obj(
-            {name: SHA256 for name in ("vocab.json", "model.safetensors", "graphs.npz")},
+            {name: SHA256 for name in ("vocab.json", "model.safetensors", "graphs.npz", HEAD_FILE)},
             required=("vocab.json", "model.safetensors", "graphs.npz"),
         ),
         "members": MEMBERS,
         "decoding": DECODING,
         "ddi_target": DDI_TARGET,
+        "head": HEAD,
     },
     required=("format_version", "model", "train"),
 )
@@ -194,6 +209,7 @@ MANIFEST = Obj(
         ),
         "decoding": DECODING,
         "search": MapOf(GRAPH),
+        "head": GRAPH,  # the set head's graph (`cognet.core.head_inputs`)
         "ddi_target": DDI_TARGET,
         "members": MEMBERS,
         "member_graphs": ListOf(MEMBER, first=1),  # members 1..

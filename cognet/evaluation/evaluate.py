@@ -103,6 +103,14 @@ def run_evaluation(ckpt, data_dir, options: EvalOptions = EvalOptions()) -> dict
         if options.ddi_target is not None:
             target, trials = _search_target(model, vocab, dataset, config, options)
         decoding, ddi = resolve(config, options.request, target)
+        head = checkpoint.load_head(ckpt, config) if decoding.name == "marginal" else None
+        if decoding.name == "marginal" and head is None:
+            from cognet.core.errors import InputError
+
+            raise InputError(
+                f"{ckpt}: --decoding marginal reads a set head and this checkpoint has none "
+                f"(add one: cognet train --data DATA --teacher {ckpt} --out NEW)"
+            )
     else:
         vocab = train_vocabulary(dataset.visits)
     data = load_split(dataset.visits, vocab, split)
@@ -117,7 +125,7 @@ def run_evaluation(ckpt, data_dir, options: EvalOptions = EvalOptions()) -> dict
         results = run_baseline(baseline, vocab, dataset.visits, split=split, seed=seed)
         name = baseline
     else:
-        results = _decode_split(model, vocab, data.patients, decoding, ddi, options)
+        results = _decode_split(model, vocab, data.patients, decoding, ddi, options, head)
         name = model_name(decoding, ddi)
     rep = evaluation_report(results, ddi_adj, rounds=options.rounds, seed=seed)
     rep["by_history"] = by_history(results, ddi_adj)
@@ -136,14 +144,14 @@ def run_evaluation(ckpt, data_dir, options: EvalOptions = EvalOptions()) -> dict
     return {"report": rep, "table": table}
 
 
-def _decode_split(model, vocab: Vocab, patients, decoding, ddi, options: EvalOptions):
+def _decode_split(model, vocab: Vocab, patients, decoding, ddi, options: EvalOptions, head=None):
     """Decode every patient (with a progress bar) into VisitResults; write the predictions
     Parquet file when `options.predictions` asks for it."""
     from cognet.core.progress import progress
 
     n_visits = sum(map(len, patients))
     with progress(total=n_visits, desc="decoding", unit="visit", quiet=options.quiet) as bar:
-        decoded = decode_patients(model, vocab, patients, decoding, ddi, bar.update)
+        decoded = decode_patients(model, vocab, patients, decoding, ddi, bar.update, head=head)
     results = visit_results(patients, decoded)
     if options.predictions:
         _write_parquet(

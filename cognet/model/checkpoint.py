@@ -3,6 +3,10 @@
 Loading never executes code: JSON, safetensors and a pickle-free npz. `load` checks what it
 reads (`cognet.model.checkpoint_checks`): files, hashes, vocabulary sizes, weight shapes.
 
+A checkpoint may also hold a set head (`cognet.model.set_head`, the one-pass decoding):
+head.safetensors, its configuration and training record under config.json "head", its
+sha256 beside the others'. `load` ignores it; `load_head` reads it.
+
 An ensemble (`cognet.model.ensemble.Ensemble`) is one checkpoint: config.json says how many
 members (`"members"`, absent for one network), model.safetensors holds member i's weights
 under `members.<i>.`, and the members share the configuration, vocabulary and graphs.
@@ -22,11 +26,12 @@ from cognet.core.decoding.ensemble import MAX_MEMBERS
 from cognet.core.errors import InputError, one_line, writing
 from cognet.core.fields import FieldError, show
 from cognet.core.files import atomic_path
-from cognet.core.schemas import MEMBERS
+from cognet.core.schemas import HEAD_FILE, MEMBERS
 from cognet.core.vocab import Vocab
 from cognet.model import checkpoint_checks as checks
 from cognet.model.ensemble import Ensemble
 from cognet.model.network import COGNet, ModelConfig
+from cognet.model.set_head import HeadConfig, SetHead
 
 FORMAT_VERSION = 1
 FILES = ("config.json", "vocab.json", "model.safetensors", "graphs.npz")
@@ -42,33 +47,41 @@ def save(
     train_config: dict,
     decoding: dict | None = None,
     ddi_target: dict | None = None,
+    head: tuple[SetHead, dict] | None = None,
 ) -> Path:
     """Write the checkpoint: every file atomically (`cognet.core.files.atomic_path`), the
     weights first, config.json (holding the sha256 of the others: `checkpoint_checks`) last,
     so a checkpoint is complete once config.json is there. A failed write (a full disk)
-    raises OutputError naming the file and leaves no new file behind."""
+    raises OutputError naming the file and leaves no new file behind. `head`: a set head
+    and its training record, written to head.safetensors."""
     out = Path(out)
     created = not out.is_dir()
     with writing(out):
         out.mkdir(parents=True, exist_ok=True)
-    state = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
+    state = _state(model)
     done = False
     try:
         # FILES holds config.json first: the stack renames it into place last
         with ExitStack() as stack:
-            tmp = {name: stack.enter_context(atomic_path(out / name)) for name in FILES}
+            names = (*FILES, HEAD_FILE) if head is not None else FILES
+            tmp = {name: stack.enter_context(atomic_path(out / name)) for name in names}
             with writing(out / "vocab.json"):  # each failure names its own file
                 write_json(tmp["vocab.json"], vocab.to_json())
             with writing(out / "model.safetensors"):
                 save_file(state, str(tmp["model.safetensors"]))
             with writing(out / "graphs.npz"), open(tmp["graphs.npz"], "wb") as f:
                 np.savez(f, ehr=ehr_adj.astype(np.float32), ddi=ddi_adj.astype(np.float32))
+            hashed = list(checks.HASHED)
+            if head is not None:
+                with writing(out / HEAD_FILE):
+                    save_file(_state(head[0]), str(tmp[HEAD_FILE]))
+                hashed.append(HEAD_FILE)
             config = {
                 "format_version": FORMAT_VERSION,
                 "model": model.cfg.to_json(),
                 "train": train_config,
                 "ddi_pairs": [list(p) for p in ddi_pairs],
-                "sha256": checks.file_hashes({n: tmp[n] for n in checks.HASHED}),
+                "sha256": checks.file_hashes({n: tmp[n] for n in hashed}),
             }
             if isinstance(model, Ensemble):
                 config["members"] = len(model.members)
@@ -76,6 +89,8 @@ def save(
                 config["decoding"] = decoding
             if ddi_target is not None:  # the model's default DDI policy (`DDITarget`)
                 config["ddi_target"] = ddi_target
+            if head is not None:
+                config["head"] = {"config": head[0].cfg.to_json(), "training": head[1]}
             with writing(out / "config.json"):
                 write_json(tmp["config.json"], config)
         done = True
@@ -122,6 +137,33 @@ def load(path: str | Path, device: str = "cpu") -> tuple[COGNet | Ensemble, Voca
     return model.to(device).eval(), vocab, config
 
 
+def load_head(path: str | Path, config: dict) -> SetHead | None:
+    """The set head of a checkpoint that `load` read (its `config`), or None when it has
+    none; a missing, damaged or mismatched head.safetensors raises InputError naming it."""
+    if "head" not in config:
+        return None
+    path = Path(path)
+    checks.check_files(path, (HEAD_FILE,))
+    file = path / HEAD_FILE
+    if not file.is_file():
+        raise InputError(f"{path}: config.json names a set head but {HEAD_FILE} is missing")
+    recorded = (config.get("sha256") or {}).get(HEAD_FILE)
+    if recorded is not None and recorded != checks.file_sha256(file):
+        raise InputError(
+            f"{file}: sha256 differs from the one config.json recorded at training "
+            "(file damaged or replaced); restore the checkpoint or train again"
+        )
+    try:
+        cfg = HeadConfig.from_json(config["head"]["config"])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise InputError(f"{path / 'config.json'}: malformed head ({one_line(exc)})") from None
+    head = SetHead(cfg)
+    weights = checks.read_weights(path, HEAD_FILE)
+    checks.check_weights(path, head.state_dict(), weights, HEAD_FILE)
+    head.load_state_dict(weights)
+    return head.eval()
+
+
 def members(path: Path, config: dict) -> int:
     """The number of networks a checkpoint's config.json declares (1 when it names none)."""
     count = config.get("members", 1)
@@ -136,12 +178,18 @@ def members(path: Path, config: dict) -> int:
 
 
 def checkpoint_hash(path: str | Path) -> str:
-    """sha256 over the checkpoint's files, in a fixed order."""
+    """sha256 over the checkpoint's files (its set head's too, when it has one), in a
+    fixed order."""
     h = hashlib.sha256()
-    for name in FILES:
+    head = (Path(path) / HEAD_FILE).is_file()
+    for name in (*FILES, HEAD_FILE) if head else FILES:
         h.update(name.encode())
         h.update((Path(path) / name).read_bytes())
     return h.hexdigest()
+
+
+def _state(module) -> dict:
+    return {k: v.detach().cpu().contiguous() for k, v in module.state_dict().items()}
 
 
 def write_json(path: Path, obj: dict) -> None:

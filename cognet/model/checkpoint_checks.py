@@ -41,7 +41,7 @@ HASHED = ("vocab.json", "model.safetensors", "graphs.npz")
 
 def file_hashes(files: Mapping[str, Path]) -> dict[str, str]:
     """{name: sha256} of the files that config.json vouches for ({name: where it is now})."""
-    return {name: file_sha256(files[name]) for name in HASHED}
+    return {name: file_sha256(where) for name, where in files.items()}
 
 
 def read_json(path: Path) -> dict:
@@ -159,21 +159,24 @@ def read_graphs(path: Path, n_med: int) -> tuple[np.ndarray, np.ndarray]:
     return ehr, ddi
 
 
-def read_weights(path: Path) -> dict:
-    """The tensors of model.safetensors (a truncated or garbled file: InputError)."""
+def read_weights(path: Path, name: str = "model.safetensors") -> dict:
+    """The tensors of model.safetensors, or of `name` (a truncated or garbled file:
+    InputError)."""
     from safetensors.torch import load_file
 
-    file = path / "model.safetensors"
+    file = path / name
     try:
         return load_file(str(file), device="cpu")
     except Exception as exc:  # noqa: BLE001 - safetensors raises its own types
         raise InputError(f"{file}: unreadable weights ({_short(exc)})") from None
 
 
-def check_weights(path: Path, expected: Mapping, weights: Mapping) -> None:
-    """InputError unless `weights` holds exactly the tensors of `expected` (a model's
-    state_dict), shape for shape, every value finite."""
-    file = path / "model.safetensors"
+def check_weights(
+    path: Path, expected: Mapping, weights: Mapping, name: str = "model.safetensors"
+) -> None:
+    """InputError unless `weights` (of the file `name`) holds exactly the tensors of
+    `expected` (a model's state_dict), shape for shape, every value finite."""
+    file = path / name
     missing = sorted(set(expected) - set(weights))
     extra = sorted(set(weights) - set(expected))
     if missing or extra:

@@ -25,12 +25,14 @@ from cognet.core.decoding.draws import visit_keys
 from cognet.core.decoding.driver import run
 from cognet.core.decoding.ensemble import EnsembleSession, decode_ensemble_sets
 from cognet.core.decoding.sampling import SetConfig, decode_sets, set_result
+from cognet.core.head_inputs import patient_head_arrays
 from cognet.core.history import Visit
 from cognet.core.vocab import Vocab
 from cognet.model.batching import make_batch, select_rows
 from cognet.model.ensemble import Ensemble, members_of
 from cognet.model.network import COGNet
 from cognet.model.session import TorchSession
+from cognet.model.set_head import SetHead
 
 
 @dataclass(frozen=True)
@@ -106,9 +108,13 @@ def decode_patients(
     ddi: DDIPolicy = DDIPolicy(),
     on_batch: Callable[[int], None] | None = None,
     batch_patients: int = 128,
+    head: SetHead | None = None,
 ) -> list[Decoded]:
     """Decode every visit of `patients` (history: the earlier visits' true medications) with
-    `decoding` (default: the paper's beam search, beam 4) under the DDI policy `ddi`."""
+    `decoding` (default: the paper's beam search, beam 4) under the DDI policy `ddi`; the
+    marginal decoding reads the set head `head`."""
+    if decoding.name == "marginal":
+        return marginal_decode(head, model, vocab, patients, decoding, ddi, on_batch)
     out: list[Decoded] = []
     for i in range(0, len(patients), batch_patients):
         chunk = patients[i : i + batch_patients]
@@ -120,6 +126,28 @@ def decode_patients(
             out.extend(set_decode(model, batch, ids, decoding, ddi=ddi))
         if on_batch:
             on_batch(sum(map(len, chunk)))
+    return out
+
+
+def marginal_decode(
+    head: SetHead | None,
+    model: COGNet | Ensemble,
+    vocab: Vocab,
+    patients: Sequence[Sequence[Visit]],
+    decoding: Decoding,
+    ddi: DDIPolicy = DDIPolicy(),
+    on_batch: Callable[[int], None] | None = None,
+) -> list[Decoded]:
+    """The marginal decoding of every visit of `patients`: the set rules of `decoding`
+    (`Decoding.selection`) and the set rules of `ddi` read from the set head's P(k in S)."""
+    if head is None:
+        raise ValueError("the marginal decoding reads a set head: this checkpoint has none")
+    pads = (vocab.n_diag, vocab.n_proc, vocab.n_med)
+    marginals = head.marginals(patient_head_arrays(patients, pads, vocab.n_med))
+    cfg = SetConfig.of(decoding, vocab.n_med, ddi)
+    out = _decoded(set_result(marginals, 1, cfg, _ddi_adjacency(model)), len(marginals))
+    if on_batch:
+        on_batch(len(out))
     return out
 
 

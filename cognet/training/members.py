@@ -11,8 +11,8 @@ runs and does the same tuning, so the two give the same checkpoint (tests/test_e
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
@@ -30,6 +30,7 @@ from cognet.model.batching import ddi_adjacency, ehr_adjacency
 from cognet.model.checkpoint_checks import read_graphs
 from cognet.model.ensemble import Ensemble, members_of
 from cognet.model.network import COGNet
+from cognet.training.set_head import HeadRecipe
 from cognet.training.tuning import set_decoding_for
 
 # what a member's training record may differ in from another member's: its seed and what
@@ -53,6 +54,7 @@ ADDED_FIELDS = {
     "distill_weight": 0.5,
     "distill_samples": 16,
     "distill_temperature": 1.0,
+    "head": None,
 }
 # what a member's record must hold (`cognet train` writes them)
 TRAINED = ("seed", "best_epoch", "weights", "epochs_run", "decoding", "set_samples")
@@ -61,12 +63,20 @@ TRAINED = ("seed", "best_epoch", "weights", "epochs_run", "decoding", "set_sampl
 @dataclass(frozen=True)
 class Tuning:
     """What the end of a run tunes on validation: the stored decoding ("set": threshold
-    and set rule tuned; "beam"), with `samples`, and the DDI target rate or None."""
+    and set rule tuned; "marginal": the same, and the set head's; "beam"), with `samples`,
+    and the DDI target rate or None; and the set head trained on `train_patients` when
+    `head` is given (`cognet.training.set_head`, with the members' `history_dropout`)."""
 
     val_patients: Sequence
     decoding: str
     samples: int
     ddi_target: float | None
+    head: HeadRecipe | None = None
+    train_patients: Sequence = ()
+    seed: int = 0
+    history_dropout: float = 0.0
+    max_history: int | None = None
+    progress: Callable | None = None
 
 
 def finish(
@@ -89,7 +99,11 @@ def finish(
         info["members"] = len(member_runs)
         info["member_runs"] = member_runs
     info.update(tuned)
-    checkpoint.save(out, model.cpu(), vocab, ehr, ddi, pairs, info, decoding.to_json(), target)
+    head = None
+    if tuning.head is not None:
+        head, decoding = _train_head(model, vocab, ddi > 0, tuning, decoding)
+    model, json = model.cpu(), decoding.to_json()
+    checkpoint.save(out, model, vocab, ehr, ddi, pairs, info, json, target, head)
     write_text(out / "train_log.jsonl", "".join(strict_json.dumps(r) + "\n" for r in history))
     return decoding, target
 
@@ -99,7 +113,7 @@ def stored_decoding(model, vocab: Vocab, ddi_bool: np.ndarray, tuning: Tuning):
     None): beam, or set decoding with its threshold and rule tuned on validation."""
     val = tuning.val_patients
     decoding, record = Decoding(name="beam"), {}
-    if tuning.decoding == "set":
+    if tuning.decoding in ("set", "marginal"):
         decoding, record = set_decoding_for(model, vocab, val, ddi_bool, tuning.samples)
     target = None
     if tuning.ddi_target is not None:  # the model's default DDI policy and threshold
@@ -108,6 +122,35 @@ def stored_decoding(model, vocab: Vocab, ddi_bool: np.ndarray, tuning: Tuning):
         target, _ = choose_target(model, vocab, val, ddi_bool, decoding, tuning.ddi_target)
         target = target.to_json()
     return decoding, record, target
+
+
+def _train_head(model, vocab: Vocab, ddi_bool: np.ndarray, tuning: Tuning, decoding: Decoding):
+    """(the set head learnt from `model`'s P(k in S) and its record, the stored decoding with
+    the head's tuned threshold and rule, named "marginal" when that is the default)."""
+    from cognet.training.set_head import teacher_marginals, train_head
+
+    recipe, patients = tuning.head, tuning.train_patients
+    taught = teacher_marginals(
+        model, vocab, patients, tuning.samples, tuning.max_history, tuning.progress
+    )
+    head, tuned, record = train_head(
+        recipe,
+        vocab,
+        patients,
+        taught,
+        tuning.val_patients,
+        ddi_bool,
+        tuning.seed,
+        tuning.history_dropout,
+        tuning.max_history,
+    )
+    teacher = {"members": len(members_of(model)), "samples": tuning.samples}
+    record["teacher"] = {**teacher, "weights_sha256": weights_digest(model)}
+    name = "marginal" if tuning.decoding == "marginal" else decoding.name
+    threshold, rule = tuned.selection
+    return (head, record), decoding.with_changes(
+        name=name, head_threshold=threshold, head_rule=rule
+    )
 
 
 def combine(checkpoints: Sequence[str | Path], data_dir: str | Path, out: str | Path) -> dict:
@@ -169,11 +212,73 @@ def combine(checkpoints: Sequence[str | Path], data_dir: str | Path, out: str | 
     info.update(seed=runs[0]["seed"], data=str(data_dir), unknown_codes_val=val_data.unknown_codes)
     limit = first.get("val_max_patients")
     val = val_data.patients[:limit] if limit else val_data.patients
-    tuning = Tuning(val, first["decoding"], first["set_samples"], first.get("ddi_target"))
+    recipe = first.get("head")
+    tuning = Tuning(
+        val,
+        first["decoding"],
+        first["set_samples"],
+        first.get("ddi_target"),
+        head=None if recipe is None else HeadRecipe(**recipe),
+        train_patients=train_data.patients,
+        seed=runs[0]["seed"],
+        history_dropout=first.get("history_dropout", 0.0),
+        max_history=first.get("max_history"),
+    )
     decoding, target = finish(
         Path(out), Ensemble(nets), vocab, (ehr, ddi, dataset.ddi_pairs), info, runs, history, tuning
     )
     return {"decoding": decoding.to_json(), "ddi_target": target, "members": runs}
+
+
+def attach_head(
+    teacher: str | Path,
+    data_dir: str | Path,
+    out: str | Path,
+    recipe: HeadRecipe,
+    decoding: str,
+    progress: Callable | None = None,
+) -> dict:
+    """Write to `out` the checkpoint `teacher` (trained by `cognet train` or `cognet
+    ensemble` on the dataset `data_dir`) with a set head learnt from it, as `cognet train`
+    trains one after its members: the same members, the decoding tuned again on validation
+    (`decoding`: the default to store). InputError when the checkpoint is not one of that
+    dataset's train split. Returns the stored decoding and DDI target."""
+    dataset, vocab, train_data, val_data = read_splits(data_dir)
+    model, have, config = checkpoint.load(teacher)
+    _same(teacher, "vocabulary", have.to_json(), vocab.to_json(), data_dir)
+    ehr = ehr_adjacency(train_data.patients, vocab.n_med)
+    ddi = ddi_adjacency(dataset.ddi_pairs, vocab)
+    graphs = read_graphs(Path(teacher), vocab.n_med)
+    for name, got, want in zip(("EHR graph", "DDI graph"), graphs, (ehr, ddi), strict=True):
+        if not np.array_equal(got, want):
+            raise InputError(f"{teacher}: its {name} is not that of {data_dir}'s train split")
+    train = {**ADDED_FIELDS, **_untuned(config["train"])}
+    lacking = [k for k in TRAINED if k not in train]
+    if lacking:
+        raise InputError(f"{teacher}: not a run of cognet train (config.json lacks {lacking[0]})")
+    runs = train.pop("member_runs", None) or [
+        {k: train[k] for k in ("seed", "best_epoch", "weights", "epochs_run")}
+    ]
+    info = {**train, "head": asdict(recipe)}
+    limit = train.get("val_max_patients")
+    val = val_data.patients[:limit] if limit else val_data.patients
+    tuning = Tuning(
+        val,
+        decoding,
+        train["set_samples"],
+        train.get("ddi_target"),
+        head=recipe,
+        train_patients=train_data.patients,
+        seed=train["seed"],
+        history_dropout=train.get("history_dropout", 0.0),
+        max_history=train.get("max_history"),
+        progress=progress,
+    )
+    pairs = dataset.ddi_pairs
+    stored, target = finish(
+        Path(out), model, vocab, (ehr, ddi, pairs), info, runs, _log(Path(teacher)), tuning
+    )
+    return {"decoding": stored.to_json(), "ddi_target": target}
 
 
 def weights_digest(model) -> str:

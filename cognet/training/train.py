@@ -31,9 +31,9 @@ from cognet.model.batching import IGNORE, ddi_adjacency, ehr_adjacency, make_bat
 from cognet.model.ensemble import Ensemble
 from cognet.model.network import COGNet, ModelConfig
 from cognet.model.torch_decoding import decode_patients
-from cognet.training.distill import DistillConfig, TeacherTargets, teacher_targets
 from cognet.training.loss import aux_loss, ddi_terms, ramp, teacher_forced
 from cognet.training.members import Tuning, finish, read_splits
+from cognet.training.set_head import HeadRecipe
 from cognet.training.tuning import choose_average, validation_nll
 
 log = logging.getLogger(__name__)
@@ -74,6 +74,7 @@ RECIPES = {
         "decoding": "beam",
         "history_dropout": 0.0,
         "members": 1,
+        "head": None,
     },
 }
 
@@ -146,12 +147,9 @@ class TrainConfig:
     # +0.003 to +0.005 Jaccard and +0.002 to +0.005 on first visits over one network, in
     # five pairs of runs (results-mimic3.md), at twice the training and decoding cost
     members: int = 2
-    # a checkpoint to distil from (`cognet.training.distill`): that share of the training
-    # targets drawn from the sets it samples, `distill_samples` per visit and member
-    teacher: str | None = None
-    distill_weight: float = 0.5
-    distill_samples: int = 16
-    distill_temperature: float = 1.0
+    # the set head (`cognet.training.set_head`): learnt from the trained model's own
+    # P(k in S) after the members, for the one-pass `marginal` decoding; None: no head
+    head: HeadRecipe | None = HeadRecipe()
 
     def __post_init__(self) -> None:
         for name, kind in self.__annotations__.items():  # NaN passes every range check below
@@ -178,7 +176,10 @@ class TrainConfig:
         target = self.ddi_target
         if target is not None and (self.decoding != "set" or not 0 <= target <= 1):
             raise ValueError("--ddi-target needs set decoding and a DDI rate in [0, 1]")
-        self.distillation()  # its own checks
+        if self.head is not None and not isinstance(self.head, HeadRecipe):
+            raise ValueError(f"head must be a HeadRecipe or None, not {self.head!r}")
+        if self.decoding == "marginal" and self.head is None:
+            raise ValueError("the marginal decoding reads the set head: train one")
         if not isinstance(self.model, ModelConfig):
             raise ValueError(f"model must be a ModelConfig, not {self.model!r}")
 
@@ -192,10 +193,6 @@ class TrainConfig:
         network = {k: asked.pop(k) for k in MODEL_FIELDS & asked.keys()}
         model = asked.pop("model", DEFAULT_MODEL)
         return cls(recipe=recipe, model=replace(model, **network), **asked)
-
-    def distillation(self) -> DistillConfig:
-        """How the student learns from `teacher` (ValueError for values out of range)."""
-        return DistillConfig(self.distill_weight, self.distill_samples, self.distill_temperature)
 
     def model_config(self, vocab: Vocab) -> ModelConfig:
         """The model's configuration for a vocabulary."""
@@ -244,11 +241,9 @@ def train_epoch(
     bar=None,
     aux_head: torch.nn.Linear | None = None,
     ddi: torch.Tensor | None = None,
-    teacher: tuple[TeacherTargets, np.random.Generator] | None = None,
 ) -> float:
     """One pass over the patients (shuffled in place) with teacher forcing; mean loss. `ddi`:
-    the DDI matrix when the loss has a DDI term; `teacher`: the teacher's sets and the
-    generator that draws which targets they replace (distillation)."""
+    the DDI matrix when the loss has a DDI term."""
     model.train()
     rng.shuffle(patients)
     gen = torch.Generator().manual_seed(rng.getrandbits(63)) if cfg.scheduled_sampling else None
@@ -259,8 +254,6 @@ def train_epoch(
         if cfg.history_dropout:
             dropped = [rng.random() < cfg.history_dropout for p in chunk for _ in p]
         batch = make_batch(chunk, vocab, cfg.max_history, no_history=dropped)
-        if teacher is not None:
-            batch = teacher[0].replace(batch, chunk, dropped, teacher[1])
         batch = {k: v.to(cfg.device) for k, v in batch.items()}
         loss = batch_loss(model, batch, vocab, cfg, gen, aux_head, ddi)
         optim.zero_grad(set_to_none=True)
@@ -316,11 +309,6 @@ def train(
     val_patients = (
         val_data.patients[: cfg.val_max_patients] if cfg.val_max_patients else val_data.patients
     )
-    targets, taught = None, None
-    if cfg.teacher is not None:
-        targets, taught = teacher_targets(
-            cfg.teacher, vocab, train_data.patients, cfg.distillation(), progress
-        )
     ehr = ehr_adjacency(train_data.patients, vocab.n_med)
     ddi = ddi_adjacency(dataset.ddi_pairs, vocab)
     out = Path(out)
@@ -337,7 +325,7 @@ def train(
                 on_epoch(record)
 
         net, best, chosen, epochs_run = _train_network(
-            member, vocab, train_data, val_patients, ehr, ddi, report, progress, i > 0, targets
+            member, vocab, train_data, val_patients, ehr, ddi, report, progress, i > 0
         )
         nets.append(net)
         run = {"seed": member.seed, "best_epoch": best["epoch"], "weights": chosen}
@@ -346,9 +334,18 @@ def train(
     model = nets[0] if cfg.members == 1 else Ensemble(nets)
     best, chosen = bests[-1], runs[-1]["weights"]
     info = _train_info(cfg, nets[0], best, chosen, runs[-1]["epochs_run"], data_dir, val_data)
-    if taught is not None:
-        info["distilled_from"] = taught
-    tuned = Tuning(val_patients, cfg.decoding, cfg.set_samples, cfg.ddi_target)
+    tuned = Tuning(
+        val_patients,
+        cfg.decoding,
+        cfg.set_samples,
+        cfg.ddi_target,
+        head=cfg.head,
+        train_patients=train_data.patients,
+        seed=cfg.seed,
+        history_dropout=cfg.history_dropout,
+        max_history=cfg.max_history,
+        progress=progress,
+    )
     decoding, target = finish(
         out, model, vocab, (ehr, ddi, dataset.ddi_pairs), info, runs, history, tuned
     )
@@ -371,18 +368,16 @@ def _train_network(
     report,
     progress,
     reseed: bool,
-    targets: TeacherTargets | None = None,
 ):
     """One network trained with `cfg` (its seed): (the network in eval mode with the weights
     chosen on validation, the best epoch's record, which weights, epochs run). `reseed`:
     seed the generators anew first (a later member; the first was seeded by `train`).
-    `targets`: the teacher's sets, when the network is a student."""
+    """
     if reseed:
         seed_everything(cfg.seed)
     model = COGNet(cfg.model_config(vocab), ehr, ddi).to(cfg.device)
     optim, decay, aux_head = _optimiser(model, cfg, vocab)
     rng = random.Random(cfg.seed)
-    teacher = None if targets is None else (targets, np.random.default_rng(cfg.seed))
     ddi_bool = ddi > 0
     ddi_term = torch.from_numpy(ddi).to(cfg.device) if cfg.ddi_loss > 0 else None
     best, epochs_run, stale = None, 0, 0
@@ -393,9 +388,7 @@ def _train_network(
         start = time.perf_counter()
         bar = _epoch_bar(progress, len(patients), cfg.batch_size, epoch)
         lr = optim.param_groups[0]["lr"]
-        loss = train_epoch(
-            model, optim, patients, vocab, cfg, rng, bar, aux_head, ddi_term, teacher
-        )
+        loss = train_epoch(model, optim, patients, vocab, cfg, rng, bar, aux_head, ddi_term)
         decay.step()
         train_s = time.perf_counter() - start
         record = {"epoch": epoch, "loss": loss, "train_s": train_s, "lr": lr}

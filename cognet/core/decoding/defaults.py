@@ -3,6 +3,10 @@
 
 - `beam`: the paper's decoding: beam search, beam 4, at most 45 steps (DESIGN.md §3; the
   rules: docs/INTERNALS.md "Beam search"). It stays available exactly as it is.
+- `marginal`: the set rules read from the P(k in S) that a set head (`cognet.model.set_head`)
+  learnt from the model's own set decoding, in one pass with no decoding loop; its
+  threshold and rule (`head_threshold`, `head_rule`) are tuned on validation apart from
+  set decoding's.
 - `set`: cognet's set decoding (`cognet.core.decoding.sampling`): from each medication's probability
   of being in the model's own decoded set, P(k in S), estimated from seeded samples, the
   set returned by a set rule (SET_RULES): those reaching a threshold tuned on the
@@ -21,7 +25,7 @@ from dataclasses import asdict, dataclass, replace
 BEAM = 4  # beam width; 1 = greedy
 MAX_LEN = 45  # decoder steps at most (medications + END)
 SAMPLES = 16  # samples per visit of the set decoding (see user guide "Set decoding": cost)
-DECODINGS = ("beam", "set")
+DECODINGS = ("beam", "set", "marginal")
 DEFAULT_DECODING = "beam"  # of a model that has no tuned set threshold
 # The largest value each count may take (samples x visits x steps bounds the memory)
 LIMITS = {"beam": 64, "samples": 1024, "max_len": 1000}
@@ -55,6 +59,8 @@ class Decoding:
     max_len: int = MAX_LEN
     estimator: str = "plain"  # set decoding: how the samples are drawn (ESTIMATORS)
     rule: str = "threshold"  # set decoding: how the set is read from P(k in S) (SET_RULES)
+    head_threshold: float | None = None  # marginal decoding's threshold (tuned); None = untuned
+    head_rule: str = "jaccard"  # marginal decoding's set rule (SET_RULES)
 
     def __post_init__(self) -> None:
         if self.name not in DECODINGS:
@@ -65,26 +71,43 @@ class Decoding:
                 raise ValueError(f"{key} must be an integer in [1, {top}], not {value!r}")
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):
             raise ValueError(f"seed must be an integer, not {self.seed!r}")
-        if self.threshold is not None and (
-            not isinstance(self.threshold, (int, float)) or isinstance(self.threshold, bool)
-        ):
-            raise ValueError(f"the set threshold must be a number, not {self.threshold!r}")
-        if self.threshold is not None and not 0.0 < self.threshold <= 1.0:
-            raise ValueError(f"the set threshold must be in (0, 1], not {self.threshold}")
+        for value in (self.threshold, self.head_threshold):
+            if value is not None and (
+                not isinstance(value, (int, float)) or isinstance(value, bool)
+            ):
+                raise ValueError(f"the set threshold must be a number, not {value!r}")
+            if value is not None and not 0.0 < value <= 1.0:
+                raise ValueError(f"the set threshold must be in (0, 1], not {value}")
         if self.estimator not in ESTIMATORS:
             raise ValueError(
                 f"unknown estimator {self.estimator!r}; choose from {', '.join(ESTIMATORS)}"
             )
-        if self.rule not in SET_RULES:
-            raise ValueError(f"unknown set rule {self.rule!r}; choose from {', '.join(SET_RULES)}")
+        for rule in (self.rule, self.head_rule):
+            if rule not in SET_RULES:
+                raise ValueError(f"unknown set rule {rule!r}; choose from {', '.join(SET_RULES)}")
         if self.name == "set" and self.threshold is None and self.rule == "threshold":
             raise ValueError(
                 "set decoding needs a threshold: models trained by this version store one; "
                 "give --threshold or --set-rule jaccard for an older model, or use --decoding beam"
             )
+        untuned = self.head_threshold is None and self.head_rule == "threshold"
+        if self.name == "marginal" and untuned:
+            raise ValueError("the marginal decoding's threshold rule needs a threshold")
+
+    @property
+    def selection(self) -> tuple[float | None, str]:
+        """(threshold, set rule) that read the set from P(k in S): set decoding's, or
+        marginal decoding's own."""
+        if self.name == "marginal":
+            return self.head_threshold, self.head_rule
+        return self.threshold, self.rule
 
     @property
     def label(self) -> str:
+        if self.name == "marginal":
+            threshold, rule = self.selection
+            read = "expected-Jaccard sets" if rule == "jaccard" else f"threshold {threshold:g}"
+            return f"marginal (set head, one pass), {read}"
         if self.name == "set":
             drawn = "" if self.estimator == "plain" else f", {self.estimator} draws"
             if self.rule == "jaccard":
@@ -95,7 +118,10 @@ class Decoding:
         return f"beam {self.beam}" if self.beam > 1 else "greedy"
 
     def to_json(self) -> dict:
-        return asdict(self)
+        out = asdict(self)
+        if self.head_threshold is None and self.head_rule == "jaccard":
+            del out["head_threshold"], out["head_rule"]  # a model without a head: as before
+        return out
 
     @classmethod
     def from_json(cls, obj: dict | None) -> Decoding:

@@ -10,7 +10,9 @@ The rule, checked on creation and again against the stored decoding: `--decoding
 decoding; `--beam` alone asks for beam search; an option that does not apply to the asked
 decoding is refused (ValueError, one line naming the options): `--beam` with set decoding or
 with `--samples`/`--threshold`; `--samples`, `--threshold`, `--estimator` or `--set-rule`
-with beam search; `--threshold` with `--set-rule jaccard`.
+with beam search; `--threshold` with `--set-rule jaccard`; `--beam`, `--samples` or
+`--estimator` with the marginal decoding (it draws no sample), and a soft DDI penalty with it
+(a step policy: the marginal decoding has no steps).
 """
 
 from __future__ import annotations
@@ -87,6 +89,16 @@ class DecodingRequest:
             )
         if name == "set" and self.beam is not None:
             raise ValueError("--beam is for beam search, not set decoding")
+        if name == "marginal":
+            drawn = [f for f in given if f in ("--samples", "--estimator")]
+            if self.beam is not None:
+                drawn.insert(0, "--beam")
+            if drawn:
+                raise ValueError(
+                    f"{' and '.join(drawn)} {'is' if len(drawn) == 1 else 'are'} for "
+                    "decodings that step, not --decoding marginal (one pass: its options "
+                    "are --threshold, --set-rule and the DDI set rules)"
+                )
         if self.set_rule == "jaccard" and self.threshold is not None:
             raise ValueError("--threshold is for --set-rule threshold, not jaccard")
 
@@ -100,6 +112,8 @@ class DecodingRequest:
             rule = "threshold"  # a threshold alone asks for the threshold rule
         if rule is None and self.ddi is not None and self.ddi.pair_price:
             rule = "jaccard"  # a pair price reads the expected-Jaccard set
+        if name == "marginal":  # its own threshold and rule, tuned apart from set decoding's
+            return stored.with_changes(name=name, head_threshold=self.threshold, head_rule=rule)
         return stored.with_changes(
             name=name,
             beam=self.beam,
@@ -117,9 +131,14 @@ class DecodingRequest:
         with a pair price reads the expected-Jaccard set (`decoding_on` and a target's rule
         ask for it): refused with beam search or an asked threshold rule."""
         decoding, policy = with_target(self.ddi, target, stored, self.decoding_on)
-        if policy.pair_price and decoding.name != "set":
+        if policy.pair_price and decoding.name == "beam":
             raise ValueError("--ddi-pair-price is for set decoding, not beam search")
-        if policy.pair_price and decoding.rule != "jaccard":
+        if decoding.name == "marginal" and policy.mode == "soft":
+            raise ValueError(
+                "--ddi-mode soft acts at each decoding step and --decoding marginal has none: "
+                "use --ddi-pair-price, --ddi-max-rate or --ddi-mode hard (set rules)"
+            )
+        if policy.pair_price and decoding.selection[1] != "jaccard":
             raise ValueError(
                 "--ddi-pair-price reads the expected-Jaccard set: drop --threshold and "
                 "--set-rule threshold"

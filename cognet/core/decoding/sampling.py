@@ -76,15 +76,17 @@ class SetConfig(LoopConfig):
         ddi: DDIPolicy = DDIPolicy(),
         compact_at: float = COMPACT_AT,
     ) -> SetConfig:
-        """The driver configuration of a set `Decoding` (`cognet.core.decoding`)."""
+        """The driver configuration of a set `Decoding` (`cognet.core.decoding`); of a
+        marginal one, its set rule (the samples then unused)."""
+        threshold, rule = decoding.selection
         return cls(
             end=end,
             samples=decoding.samples,
-            threshold=decoding.threshold,
+            threshold=threshold,
             max_len=decoding.max_len,
             seed=decoding.seed,
             estimator=decoding.estimator,
-            rule=decoding.rule,
+            rule=rule,
             ddi=ddi,
             compact_at=compact_at,
         )
