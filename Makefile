@@ -12,7 +12,7 @@ DEMO_DIR ?= demo
 DEMO_PATIENTS ?= 2000
 DEMO_EPOCHS ?= 8
 
-.PHONY: demo test failures bench lint install clean
+.PHONY: demo test failures bench lint commands install clean
 
 $(VENV)/.installed: setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -48,11 +48,17 @@ bench: install
 	$(VENV)/bin/cognet-bench --out bench
 
 # ruff, then tools/check_layout.py: the layering of DESIGN.md §1, no test
-# module importing another, every "DESIGN.md §N" naming a heading of docs/DESIGN.md
+# module importing another, every "DESIGN.md §N" naming a heading of docs/DESIGN.md;
+# then docs/guide/commands.md against the commands' --help (`make commands` rewrites it)
 lint: install
 	$(VENV)/bin/ruff check cognet export runtime benchmarks tests tools
 	$(VENV)/bin/ruff format --check cognet export runtime benchmarks tests tools
 	$(PY) tools/check_layout.py
+	$(PY) tools/command_reference.py --check
+
+# docs/guide/commands.md from the commands' --help, after an option or a help text changed
+commands: install
+	$(PY) tools/command_reference.py --write
 
 clean:
 	rm -rf $(DEMO_DIR) bench

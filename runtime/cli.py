@@ -118,10 +118,10 @@ def score_options(func):
             type=click.Choice(VARIANTS),
             default=None,
             help="Score with the model's float16 graphs (cognet-export --fp16) or "
-            "its int8 graphs, CPU only (cognet-export --int8): 1.3x on the default "
-            "model, the same Jaccard on real MIMIC-III and synthetic data, first "
-            "visits too (half the sets differ by a medication or so); default: "
-            "float32, the exact path.",
+            "its int8 graphs (cognet-export --int8: MatMul weights quantized, CPU only; "
+            "with --device cuda or tensorrt a usage error, --device auto picks the CPU). "
+            "Both answer some visits differently from float32; default: float32, the "
+            "exact path.",
         ),
         count_option(
             "--batch-size",
@@ -151,15 +151,16 @@ def score_options(func):
             "--max-codes-per-visit",
             default=MAX_CODES,
             help="Reject a visit (too_many_codes; it is no history either) with more "
-            "distinct known codes of one kind: the memory guard. Real visits stay "
-            "far below (MIMIC-III: 39 diagnoses at most).",
+            "distinct known codes of one kind: the memory guard, far above real visits "
+            "(`cognet data stats` prints a dataset's most codes per visit).",
         ),
         click.option(
             "--keep-columns",
             default="",
             metavar="A,B",
             help="Input columns to carry into the output, comma-separated (to join "
-            "results back, e.g. on an admission date).",
+            "results back, e.g. on an admission date), each with its name and type; the "
+            "rejects file carries the input row number instead.",
         ),
         click.option(
             "--keep-all-columns", is_flag=True, help="Carry every input column the output lacks."
@@ -256,7 +257,8 @@ def ray_options(func):
     "--summary-json",
     type=click.Path(dir_okay=False),
     default=None,
-    help="Write counts, reject reasons, speed, providers, options (and metrics) as JSON.",
+    help="Write the row counts, reject reasons, speed, providers, the options it ran with "
+    "(the fields of cognet.runtime.ScoreOptions) and, with --all, the metrics as JSON.",
 )
 @ray_options
 @click.option(

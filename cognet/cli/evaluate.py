@@ -26,12 +26,28 @@ from cognet.evaluation.ddi_tradeoff import DEFAULT_PENALTIES
     type=click.Path(file_okay=False),
     help="Checkpoint directory from `cognet train` (not needed with --baseline).",
 )
-@click.option("--data", "data_dir", required=True, type=click.Path(file_okay=False))
 @click.option(
-    "--split", default="test", show_default=True, type=click.Choice(["train", "val", "test"])
+    "--data",
+    "data_dir",
+    required=True,
+    type=click.Path(file_okay=False),
+    help="Dataset directory (visits.parquet, ddi.parquet).",
 )
-@count_option("--rounds", default=10, help="Bootstrap rounds of 80%% of the patients.")
-@click.option("--seed", default=0, show_default=True, type=int)
+@click.option(
+    "--split",
+    default="test",
+    show_default=True,
+    type=click.Choice(["train", "val", "test"]),
+    help="The split to evaluate.",
+)
+@count_option("--rounds", default=10, help="Bootstrap rounds of 80% of the patients.")
+@click.option(
+    "--seed",
+    default=0,
+    show_default=True,
+    type=int,
+    help="Seed of the bootstrap rounds (and of the lr baseline).",
+)
 @click.option("--json", "json_out", type=click.Path(dir_okay=False), help="Write the report.")
 @click.option(
     "--predictions",
@@ -46,9 +62,9 @@ from cognet.evaluation.ddi_tradeoff import DEFAULT_PENALTIES
 @click.option(
     "--ddi-target",
     type=FiniteFloat(0, 1),
-    help="Choose the soft DDI penalty, a per-set DDI cap and the set threshold on the "
-    "validation split for the best Jaccard at a DDI rate <= this, then evaluate --split "
-    "with them.",
+    help="Choose the soft DDI penalty, a per-set DDI cap, the pair price and the set "
+    "threshold on the validation split for the best Jaccard at a DDI rate <= this, then "
+    "evaluate --split with them.",
 )
 @click.option(
     "--ddi-tradeoff",
@@ -87,7 +103,7 @@ from cognet.evaluation.ddi_tradeoff import DEFAULT_PENALTIES
 )
 @decoding_options
 @threads_option
-@click.option("--quiet", is_flag=True)
+@click.option("--quiet", is_flag=True, help="No progress bar nor --ddi-tradeoff progress lines.")
 @handle_errors
 def evaluate(
     ckpt,

@@ -37,7 +37,7 @@ threads_option = count_option(
     "--threads",
     default=1,
     help="torch intra-op threads. The default, 1, stays fast when other jobs share the "
-    "machine (2 threads made an epoch 10-18x slower then); raise it on an idle machine.",
+    "machine, where more threads wait for each other; raise it on an idle machine.",
 )
 
 
@@ -128,9 +128,9 @@ threads_option = count_option(
 @click.option(
     "--ddi-target",
     type=FiniteFloat(0, 1),
-    help="After training, choose the soft DDI penalty, a per-set DDI cap and the set "
-    "threshold together on validation for the best Jaccard at a DDI rate <= this; "
-    "evaluation and scoring use them unless a --ddi-mode is given.",
+    help="After training, choose the soft DDI penalty, a per-set DDI cap, the pair price "
+    "and the set threshold together on validation for the best Jaccard at a DDI rate <= "
+    "this; evaluation and scoring use them unless a --ddi-mode is given.",
 )
 @click.option(
     "--teacher",
@@ -245,8 +245,14 @@ def train(data_dir, out, threads, quiet, recipe, **config):
 
 @click.command()
 @click.argument("checkpoints", nargs=-1, required=True, type=click.Path(file_okay=False))
-@click.option("--data", "data_dir", required=True, type=click.Path(exists=True, file_okay=False))
-@click.option("--out", required=True, type=click.Path(file_okay=False))
+@click.option(
+    "--data",
+    "data_dir",
+    required=True,
+    type=click.Path(exists=True, file_okay=False),
+    help="The dataset the checkpoints were trained on (its validation split tunes the decoding).",
+)
+@click.option("--out", required=True, type=click.Path(file_okay=False), help="Checkpoint to write.")
 @threads_option
 @handle_errors
 def ensemble(checkpoints, data_dir, out, threads):
