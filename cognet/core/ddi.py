@@ -41,8 +41,8 @@ from cognet.core.strict_json import finite
 from cognet.core.vocab import Vocab
 
 DDI_MODES = ("off", "soft", "hard")
-# The soft penalty recommended by the trade-off on the synthetic test split (README): the
-# largest within 0.01 Jaccard of `off` (DDI rate -7%; penalty 1 gives -32% for -0.060).
+# The soft penalty recommended by the trade-off on the synthetic test split: the largest
+# within 0.01 Jaccard of `off` (docs/guide/ddi.md has the table).
 RECOMMENDED_PENALTY = 0.25
 # Added to max_rate before the comparison (float32 rates of small sets are exact ratios).
 RATE_TOLERANCE = 1e-9

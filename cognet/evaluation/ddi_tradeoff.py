@@ -14,14 +14,8 @@ Each policy decodes the whole split again (`cognet.model.torch_decoding.decode_p
 but a pair price, which changes only the set read from P(k in S), reads it from its step
 policy's answers (`reselect`).
 `recommend` picks the soft penalty to advertise: the one with the lowest DDI rate among
-those that cost at most `max_jaccard_drop` Jaccard against `off`.
-
-Measured (the default checkpoint on 6,350 synthetic patients, test split, beam 4): off
-0.4856 Jaccard at DDI 0.0932; soft 0.25 -0.0074 Jaccard for -7% DDI, soft 1 -0.060 for -32%,
-hard -0.230 for -100%. The true prescriptions interact as often (0.0903) and the rate is a
-ratio over all pairs, so dropping the wrong member of a pair barely lowers it; every rule
-tried (per-pair penalty, pruning the less likely member, penalties against a first pass's
-confident medications, a wider beam with a rate cap) pays about 0.01 Jaccard per 10% cut.
+those that cost at most `max_jaccard_drop` Jaccard against `off`. What the trade-off
+measured, and why a DDI cut costs accuracy: docs/guide/ddi.md.
 """
 
 from __future__ import annotations

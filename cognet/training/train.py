@@ -46,11 +46,11 @@ DDI_RAMP = 0.05
 # Training recipes (`cognet train --recipe`): overrides of TrainConfig's defaults.
 # - default: what won on the synthetic validation split (user guide "Training recipe"):
 #   embedding size 128 and the authors' embedding and attention dropout (compared on
-#   validation), residual dropout 0.3, 2 heads, feed-forward 512; at most 36 epochs
-#   (early stopping ends seeds 0 / 1 at epochs 28 / 27); validation NLL every epoch, early
-#   stopping on it, the weights averaged over the last epochs (the window of lowest
-#   validation NLL), and set decoding with a threshold and a set rule chosen on validation;
-#   history dropout 0.6, chosen on the real MIMIC-III validation split.
+#   validation), residual dropout 0.3, 2 heads, feed-forward 512; at most 36 epochs;
+#   validation NLL every epoch, early stopping on it, the weights averaged over the last
+#   epochs (the window of lowest validation NLL), and set decoding with a threshold and a
+#   set rule chosen on validation; history dropout 0.6, chosen on the real MIMIC-III
+#   validation split.
 # - reference: the authors' architecture and regularisation (their public code): embedding
 #   size 64, embedding dropout 0.3, attention dropout 0.2, 2 heads, feed-forward 2048 in the
 #   encoders and 128 in the decoder, a GCN whose first layer both graphs share, with biases;
@@ -85,11 +85,11 @@ DEFAULT_MODEL = ModelConfig(
     n_diag=1,
     n_proc=1,
     n_med=1,
-    dim=128,  # the paper's 64 scored 0.005 lower on the synthetic validation split
+    dim=128,  # the paper's 64 scored lower on the synthetic validation split
     heads=2,
     ffn=512,
     dropout=0.3,
-    emb_dropout=0.3,  # the authors' values: +0.004 validation Jaccard at dim 128
+    emb_dropout=0.3,  # the authors' values: better on validation at dim 128 too
     attn_dropout=0.2,
 )
 # the fields of ModelConfig that a recipe or `cognet train` may change
@@ -98,10 +98,9 @@ MODEL_FIELDS = {f.name for f in fields(ModelConfig)} - {"n_diag", "n_proc", "n_m
 
 @dataclass(frozen=True)
 class TrainConfig:
-    # at most; early stopping ends the default recipe sooner (epochs 28 / 27 for seeds 0 / 1
-    # on the synthetic set, 22 / 25 on MIMIC-III: docs/guide/results.md)
+    # at most; early stopping ends the default recipe sooner (its epochs: docs/guide/results.md)
     epochs: int = 36
-    lr: float = 1e-3  # the authors' code; 1e-4 (the paper's text) learns ~5x slower here
+    lr: float = 1e-3  # the authors' code; 1e-4 (the paper's text) learns slower
     batch_size: int = 16  # patients per step (each brings all its visits)
     seed: int = 0
     patience: int | None = 4  # epochs without a better validation score before stopping
@@ -116,8 +115,8 @@ class TrainConfig:
     scheduled_sampling: float = 0.0
     # share of the training visits with a history decoded without it, as first visits are,
     # each epoch anew: the no-history path then learns from every visit, not only from
-    # each patient's first. 0.6 won on the real MIMIC-III validation split (two seeds:
-    # +0.005 Jaccard, +0.008 on first visits; 0.3 and 0.8 gained less): results-mimic3.md
+    # each patient's first. 0.6 won on the real MIMIC-III validation split (user guide
+    # "Training recipe")
     history_dropout: float = 0.6
     # weight of the DDI term (`cognet.training.loss.ddi_loss`: the expected interacting pairs
     # each step adds); 0: off
@@ -143,9 +142,8 @@ class TrainConfig:
     # (`cognet.training.ddi_target`)
     ddi_target: float | None = None
     # networks trained apart (member i with seed `member_seed(seed, i)`) and decoded as one
-    # model (`cognet.core.decoding.ensemble`). 2 won on the real MIMIC-III validation split:
-    # +0.003 to +0.005 Jaccard and +0.002 to +0.005 on first visits over one network, in
-    # five pairs of runs (results-mimic3.md), at twice the training and decoding cost
+    # model (`cognet.core.decoding.ensemble`). 2 won on the real MIMIC-III validation split
+    # (user guide "Training recipe"), at twice the training and decoding cost
     members: int = 2
     # the set head (`cognet.training.set_head`): learnt from the trained model's own
     # P(k in S) after the members, for the one-pass `marginal` decoding; None: no head
