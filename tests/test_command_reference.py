@@ -4,6 +4,8 @@ current, and the check fails once an option is added without regenerating it."""
 from __future__ import annotations
 
 import importlib.util
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -47,6 +49,21 @@ def test_every_console_script_and_subcommand_has_its_section(programs):
         assert f"\n## {path}\n\n```text\nUsage: {path} [OPTIONS]" in page
 
 
+def test_a_section_is_what_the_installed_command_prints(programs):
+    """In process, as the page is made, and by the console script in an 80-column terminal."""
+    env = {**os.environ, "COLUMNS": "80"}
+    done = subprocess.run(
+        [Path(sys.executable).parent / "cognet-batch", "score", "--help"],
+        capture_output=True,
+        text=True,
+        env=env,
+        check=True,
+    )
+    page = reference.PAGE.read_text()
+    section = page.split("\n## cognet-batch score\n\n```text\n", 1)[1].split("\n```\n", 1)[0]
+    assert done.stdout == section + "\n"
+
+
 def test_every_option_of_every_command_is_on_the_page(programs):
     page = reference.PAGE.read_text()
     for name, command in programs:
@@ -79,7 +96,9 @@ def test_the_rendering_is_fixed_width_and_tracks_a_throwaway_command(monkeypatch
     before = reference.render([("tool", tool)])
     monkeypatch.setenv("COLUMNS", "40")  # the terminal's width does not matter
     assert reference.render([("tool", tool)]) == before
-    assert max(len(line) for line in before.splitlines()) <= reference.WIDTH
+    helps = [block.split("\n```")[0] for block in before.split("```text\n")[1:]]
+    widest = max(len(line) for text in helps for line in text.splitlines())
+    assert 70 < widest <= reference.WIDTH  # wrapped at WIDTH, not at the terminal's 40
     assert "- [tool make](#tool-make)" in before and "\n## tool make\n" in before
     make.params.append(click.Option(["--colour"], help="Which colour."))
     after = reference.render([("tool", tool)])

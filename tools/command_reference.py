@@ -23,7 +23,9 @@ import click
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGE = ROOT / "docs" / "guide" / "commands.md"
-WIDTH = 100  # the project's line length: help wraps here whatever the terminal
+# click's own width on a terminal of 80 columns or more (80 less its margin), fixed here so
+# that the page is what --help prints there, whatever the terminal that writes the page
+WIDTH = 78
 WRITE = "make commands"  # runs this script with --write
 
 INTRO = f"""\
@@ -62,10 +64,14 @@ def programs(root: Path = ROOT) -> list[tuple[str, click.Command]]:
 
 
 def _contexts(command: click.Command, name: str, parent=None) -> Iterator[click.Context]:
-    """The context of `command` and of every visible subcommand below it, depth first."""
-    ctx = click.Context(
-        command, info_name=name, parent=parent, terminal_width=WIDTH, max_content_width=WIDTH
-    )
+    """The context of `command` and of every visible subcommand below it, depth first, with
+    the command's own context settings (its help option names), as its --help would have."""
+    settings = {**command.context_settings, "terminal_width": WIDTH, "max_content_width": WIDTH}
+    if getattr(command, "_help_option", None) is not None:
+        # click (8.1.8+) keeps the help option of the first context that asked: a subcommand
+        # invoked alone (in tests) would keep `--help` without its program's `-h`
+        command._help_option = None
+    ctx = click.Context(command, info_name=name, parent=parent, **settings)
     yield ctx
     if isinstance(command, click.Group):
         for sub in command.list_commands(ctx):
