@@ -8,6 +8,7 @@ run touches a marker file that must stay absent.
 
 from __future__ import annotations
 
+import json
 import pickle
 import struct
 import subprocess
@@ -102,8 +103,41 @@ def test_converts_the_three_files(tmp_path):
         ("2", "2-2", 2),
     ]
     assert rows[2]["procedures"] == [] and rows[4]["medications"] == ["A01A"]
-    assert "test 1 patients / 1 visits" in result.output
-    assert "med_voc 4; DDI pairs 2" in result.output
+    assert "test patients 1, test visits 1" in result.output
+    assert "med voc 4; summary" in result.output
+
+
+def test_summary_json_holds_the_counts_kept_and_dropped(tmp_path):
+    # a symmetric matrix: each pair is marked twice; one diagonal entry more is dropped
+    matrix = ddi_matrix()
+    matrix[1, 1] = 1
+    result = convert(write_files(tmp_path, ddi=ddi_stream(matrix)), tmp_path / "out")
+    assert result.exit_code == 0, result.output
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert summary["source"] == "benchmark"
+    steps = {s["name"]: s for s in summary["steps"]}
+    visits = sum(len(p) for p in RECORDS)
+    assert steps["records"] == {
+        "name": "records",
+        "rows": visits,
+        "kept": visits,
+        "what": "visits",
+        "dropped": {},
+    }
+    assert steps["ddi_A_final"] == {
+        "name": "ddi_A_final",
+        "rows": 5,
+        "kept": 2,
+        "what": "interacting pairs",
+        "dropped": {
+            "the mirror of a pair's other entry": 2,
+            "on the diagonal (a drug with itself)": 1,
+        },
+    }
+    dataset = summary["dataset"]
+    assert (dataset["visits"], dataset["ddi_pairs"], dataset["med_voc"]) == (visits, 2, 4)
+    assert [dataset[f"{s}_patients"] for s in ("train", "val", "test")] == [4, 2, 1]
+    assert "diagonal entries (a drug with itself) dropped" in summary["warnings"][0]
 
 
 def with_weights_and_numpy_ids(records: list) -> list:

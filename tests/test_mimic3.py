@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import csv
 import gzip
+import json
+import logging
 import shutil
 from pathlib import Path
 
@@ -206,16 +208,53 @@ def read_pairs(out: Path) -> list[tuple[str, str]]:
 
 
 def test_builds_the_reference_visits(files):
-    summary = build_mimic3(**files)
+    report = build_mimic3(**files)
     assert pq.read_table(files["out"] / "visits.parquet").to_pylist() == VISITS
     assert read_pairs(files["out"]) == ALL_PAIRS  # 40 types: all three of the fixture
-    assert (summary.patients, summary.visits, summary.medications, summary.ddi_pairs) == (
-        3,
-        5,
-        4,
-        4,
-    )
-    assert (summary.diagnoses, summary.procedures) == (6, 5)
+    assert report.dataset == {
+        "patients": 3,
+        "visits": 5,
+        "medications_null": 0,
+        "diagnoses": 6,
+        "procedures": 5,
+        "medications": 4,
+        "ddi_pairs": 4,
+    }
+
+
+def test_summary_json_counts_what_each_step_kept_and_dropped(files):
+    report = build_mimic3(**files)
+    summary = json.loads((files["out"] / "summary.json").read_text())
+    assert summary == report.to_json() and summary["source"] == "mimic3"
+    steps = {s["name"]: s for s in summary["steps"]}
+    # the fixture's rows: 0 (nothing above to fill from), 3 (NDC "0") and 6 (a duplicate)
+    assert steps["prescriptions"] == {
+        "name": "prescriptions",
+        "rows": 21,
+        "kept": 18,
+        "what": "distinct (admission, start date, NDC)",
+        "dropped": {
+            'with NDC "0"': 1,
+            "incomplete after the forward fill": 1,
+            "repeating an (admission, start date, NDC)": 1,
+        },
+    }
+    # patients 3 and 5 have one admission left; NDCs N4 (empty RxCUI) and N8 map to nothing
+    assert steps["patients with 2+ admissions"]["dropped"] == {"of a patient with one admission": 3}
+    assert steps["NDC to ATC-3"]["dropped"]["with an NDC not mapped to ATC-3"] == 2
+    assert steps["diagnoses_icd"]["dropped"] == {
+        "without an id or icd9_code": 1,
+        "repeating an (admission, code)": 1,
+    }
+    assert steps["admissions with medications"]["kept"] == summary["dataset"]["visits"] == 5
+    assert all(s["rows"] == s["kept"] + sum(s["dropped"].values()) for s in summary["steps"])
+
+
+def test_each_step_is_logged_as_it_ends(files, caplog):
+    """What --verbose shows: every step's line, in the report's order."""
+    with caplog.at_level(logging.INFO, logger="cognet.data.tables"):
+        report = build_mimic3(**files)
+    assert [r.getMessage() for r in caplog.records] == [s.line() for s in report.steps]
 
 
 def test_files_follow_the_dataset_contract(files):
@@ -294,12 +333,18 @@ def test_prescriptions_drop_ndc_zero_before_the_forward_fill(tmp_path):
             ],
         ),
     )
-    rows = load_prescriptions(path)
+    rows, step = load_prescriptions(path)
     assert [(s, h, str(d.date()), n) for s, h, d, n in rows.itertuples(index=False)] == [
         (1, 100, "2100-01-04", N2),
         (1, 100, "2100-01-02", N1),
         (1, 100, "2100-01-03", N1),
     ]
+    assert (step.rows, step.kept) == (6, 3)
+    assert step.dropped == {
+        'with NDC "0"': 1,
+        "incomplete after the forward fill": 1,
+        "repeating an (admission, start date, NDC)": 1,
+    }
 
 
 def test_ranked_codes_breaks_ties_by_code():
@@ -350,6 +395,8 @@ def test_cli_writes_the_dataset(files):
     result = CliRunner().invoke(mimic3_command, cli_args(files))
     assert result.exit_code == 0, result.output
     assert "patients 3, visits 5" in result.output
+    assert "prescriptions: 21 rows -> 18 distinct (admission, start date, NDC)" in result.output
+    assert (files["out"] / "summary.json").is_file()
     assert pq.read_table(files["out"] / "visits.parquet").num_rows == 5
     assert read_pairs(files["out"]) == ALL_PAIRS
 

@@ -230,6 +230,13 @@ def test_cli_prints_steps_and_summary(files):
     assert f"wrote {files['out']}: patients 2, visits 3" in result.output
     summary = json.loads((files["out"] / "summary.json").read_text())
     assert summary["source"] == "mimic4" and summary["dataset"]["visits"] == 3
+    steps = {s["name"]: s for s in summary["steps"]}
+    assert (steps["prescriptions"]["rows"], steps["prescriptions"]["kept"]) == (12, 7)
+    assert steps["prescriptions"]["dropped"]["without hadm_id"] == 1
+    assert steps["admissions with medications"]["dropped"] == {
+        "without a diagnosis": 0,
+        "without a procedure": 1,
+    }
 
 
 def test_cli_no_mapped_medication_exits_2_saying_what_to_do(files):

@@ -37,6 +37,9 @@ def test_cli_prints_each_step_and_writes_a_summary(cdm, ddi_file, tmp_path):
     summary = json.loads((out / "summary.json").read_text())
     assert summary["dataset"]["visits"] == 7
     assert [s["name"] for s in summary["steps"]][-2:] == ["visits", "ddi"]
+    visits = summary["steps"][-2]
+    assert (visits["rows"], visits["kept"]) == (8, 7)
+    assert visits["dropped"] == {"without a condition or procedure": 1}
     assert result.stderr == ""
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from dataclasses import asdict
+from collections.abc import Callable
 from pathlib import Path
 
 import click
@@ -12,6 +12,8 @@ from cognet.core import strict_json
 from cognet.core.commandline import count_option, db_timeout_options, handle_errors, setup_logging
 from cognet.core.files import DATASET_FILES, Reads, guarded
 from cognet.data.mimic3 import DDI_TYPES, build_mimic3
+from cognet.data.mimic4 import build_mimic4
+from cognet.data.tables import Report
 
 
 def converter_outputs(func):
@@ -32,9 +34,31 @@ def converter_outputs(func):
     )(func)
 
 
+def verbose_option(func):
+    """-v / --verbose of every converter: each step's line on stderr as it ends."""
+    return click.option(
+        "-v", "--verbose", is_flag=True, help="Log each step on stderr as it ends."
+    )(func)
+
+
 # every converter writes one folder, checked and locked before the work, built aside and moved
 # into place whole when the run succeeds (`cognet.core.files.guarded`)
 FOLDER = {"--out": DATASET_FILES}
+
+
+def convert(
+    command: str, out: Path, reads: Reads, verbose: bool, build: Callable[[Path], Report]
+) -> None:
+    """Run a converter the one way: `build(folder)` writes the dataset and summary.json into
+    the folder staged for --out; then each step's kept and dropped rows, the dataset written,
+    and warnings on stderr."""
+    setup_logging(verbose)
+    with guarded(command, {"--out": out}, reads, FOLDER) as stage:
+        report = build(stage["--out"])
+    for line in report.lines():
+        click.echo(line)
+    for warning in report.warnings:
+        click.echo(f"Warning: {warning}", err=True)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -137,7 +161,7 @@ def stats(dataset: Path, as_json: bool) -> None:
     "--out",
     required=True,
     type=click.Path(file_okay=False, path_type=Path),
-    help="Dataset folder to write (visits.parquet, ddi.parquet).",
+    help="Dataset folder to write (visits.parquet, ddi.parquet, summary.json).",
 )
 @click.option(
     "--split-order",
@@ -147,14 +171,18 @@ def stats(dataset: Path, as_json: bool) -> None:
     help="After the first two thirds (train): test-first takes the next half of "
     "the rest as test (SafeDrug, COGNet), val-first as validation.",
 )
+@verbose_option
 @handle_errors
-def benchmark(records: Path, voc: Path, ddi: Path, out: Path, split_order: str) -> None:
+def benchmark(
+    records: Path, voc: Path, ddi: Path, out: Path, split_order: str, verbose: bool
+) -> None:
     """Build a dataset from the papers' processed files (GAMENet, SafeDrug, COGNet, ...).
 
     Reads the pickles with a restricted unpickler: no code in them runs, dill is never
     imported, and a pickle asking for anything but the names these files use exits 2.
     Patient i becomes patient_id "i", its visit j visit_id "i-j" (visit_seq j); codes are
-    the vocabularies' words. See docs/guide/benchmark-files.md.
+    the vocabularies' words. Prints the counts per split, and writes them to
+    OUT/summary.json. See docs/guide/benchmark-files.md.
 
     \b
     Example:
@@ -163,18 +191,19 @@ def benchmark(records: Path, voc: Path, ddi: Path, out: Path, split_order: str) 
     """
     from cognet.data.benchmark import build_benchmark
 
+    def build(folder: Path) -> Report:
+        return build_benchmark(records, voc, ddi, folder, split_order)
+
     reads = Reads(files=[records, voc, ddi])
-    with guarded("cognet data benchmark", {"--out": out}, reads, FOLDER) as stage:
-        summary = build_benchmark(records, voc, ddi, stage["--out"], split_order)
-    click.echo(f"wrote {out}: " + "; ".join(summary.lines()))
-    for warning in summary.warnings:
-        click.echo(f"Warning: {warning}", err=True)
+    convert("cognet data benchmark", out, reads, verbose, build)
 
 
-def mapping_options(func):
-    """The SafeDrug mapping files, --out and --ddi-types of `mimic3` and `mimic4`."""
+def mimic_options(mimic_dir_help: str):
+    """--mimic-dir (described by `mimic_dir_help`), the SafeDrug mapping files, --out,
+    --ddi-types and --verbose: the options of `mimic3` and `mimic4`."""
     path = click.Path(path_type=Path)
     options = [
+        click.option("--mimic-dir", required=True, type=path, help=mimic_dir_help),
         click.option(
             "--ndc-rxnorm",
             required=True,
@@ -203,7 +232,7 @@ def mapping_options(func):
             "--out",
             required=True,
             type=click.Path(file_okay=False, path_type=Path),
-            help="Dataset folder to write (visits.parquet, ddi.parquet).",
+            help="Dataset folder to write (visits.parquet, ddi.parquet, summary.json).",
         ),
         click.option(
             "--ddi-types",
@@ -214,38 +243,50 @@ def mapping_options(func):
             "the 40 least frequent, as the SafeDrug/COGNet script keeps because "
             "of a sort bug (bug-compatible, to compare with published numbers).",
         ),
+        verbose_option,
     ]
-    for option in reversed(options):
-        func = option(func)
-    return func
+
+    def decorate(func):
+        for option in reversed(options):
+            func = option(func)
+        return func
+
+    return decorate
 
 
-@data.command("mimic3", context_settings={"help_option_names": ["-h", "--help"]})
-@click.option(
-    "--mimic-dir",
-    required=True,
-    type=click.Path(path_type=Path),
-    help="MIMIC-III v1.4 folder: PRESCRIPTIONS, DIAGNOSES_ICD, PROCEDURES_ICD, "
-    "ADMISSIONS (.csv or .csv.gz).",
-)
-@mapping_options
-@click.option("-v", "--verbose", is_flag=True, help="Log each step.")
-@handle_errors
-def mimic3_command(
+def convert_mimic(
+    command: str,
+    build: Callable[..., Report],
+    *,
     mimic_dir: Path,
-    ndc_rxnorm: Path,
-    rxnorm_atc: Path,
-    drug_atc: Path,
-    ddi: Path,
     out: Path,
     ddi_types: str,
     verbose: bool,
+    **files: Path,
 ) -> None:
+    """`cognet data mimic3` and `mimic4`, which differ by their builder only; `files`: the
+    mapping files, passed to `build` by name."""
+    reads = Reads(files=list(files.values()), folders=[mimic_dir])
+
+    def build_into(folder: Path) -> Report:
+        return build(mimic_dir, out=folder, ddi_types=ddi_types, **files)
+
+    convert(command, out, reads, verbose, build_into)
+
+
+@data.command("mimic3")
+@mimic_options(
+    "MIMIC-III v1.4 folder: PRESCRIPTIONS, DIAGNOSES_ICD, PROCEDURES_ICD, "
+    "ADMISSIONS (.csv or .csv.gz)."
+)
+@handle_errors
+def mimic3_command(**options) -> None:
     """Build a dataset from MIMIC-III CSVs with the SafeDrug / COGNet preprocessing.
 
     Keeps patients with 2+ admissions, maps NDC -> RxCUI -> ATC-3 (300 commonest), the 2000
     commonest ICD-9 diagnoses and every procedure, orders visits by admission time, and
-    takes DDI pairs from TWOSIDES through STITCH CID -> ATC.
+    takes DDI pairs from TWOSIDES through STITCH CID -> ATC. Prints what each step kept and
+    dropped, and writes it to OUT/summary.json.
 
     About --ddi-types: the reference script sorts the side-effect counts in descending
     order and then keeps the last 40 rows, i.e. the 40 LEAST frequent types (a sort bug).
@@ -258,21 +299,7 @@ def mimic3_command(
         --ndc-rxnorm ndc2rxnorm_mapping.txt --rxnorm-atc ndc2atc_level4.csv \\
         --drug-atc drug-atc.csv --ddi drug-DDI.csv --out data/mimic3
     """
-    setup_logging(verbose)
-    reads = Reads(files=[ndc_rxnorm, rxnorm_atc, drug_atc, ddi], folders=[mimic_dir])
-    with guarded("cognet data mimic3", {"--out": out}, reads, FOLDER) as stage:
-        summary = build_mimic3(
-            mimic_dir, ndc_rxnorm, rxnorm_atc, drug_atc, ddi, stage["--out"], ddi_types
-        )
-    click.echo(f"wrote {out}: " + ", ".join(f"{k} {v}" for k, v in asdict(summary).items()))
-
-
-def _echo_report(report) -> None:
-    """Each step's kept and dropped rows, the dataset written, and warnings on stderr."""
-    for line in report.lines():
-        click.echo(line)
-    for warning in report.warnings:
-        click.echo(f"Warning: {warning}", err=True)
+    convert_mimic("cognet data mimic3", build_mimic3, **options)
 
 
 def allow_no_medications_option(func):
@@ -322,6 +349,7 @@ def allow_no_medications_option(func):
 )
 @allow_no_medications_option
 @db_timeout_options
+@verbose_option
 @handle_errors
 def omop(
     cdm: str,
@@ -334,6 +362,7 @@ def omop(
     allow_no_medications: bool,
     connect_timeout: float,
     statement_timeout: float,
+    verbose: bool,
 ) -> None:
     """Build a dataset from an OMOP CDM extract.
 
@@ -357,12 +386,10 @@ def omop(
     concepts = parse_concept_ids(visit_concepts)
     from cognet.data.omop_db import Timeouts, database_file
 
-    folder = Path(cdm) if Path(cdm).is_dir() else None  # else a database
-    reads = Reads(files=[ddi, database_file(cdm)], folders=[folder])
-    with guarded("cognet data omop", {"--out": out}, reads, FOLDER) as stage:
-        report = build_omop(
+    def build(folder: Path) -> Report:
+        return build_omop(
             cdm,
-            stage["--out"],
+            folder,
             ddi,
             concepts,
             source_codes,
@@ -371,28 +398,19 @@ def omop(
             allow_no_medications=allow_no_medications,
             timeouts=Timeouts(connect_timeout, statement_timeout),
         )
-    _echo_report(report)
+
+    folder = Path(cdm) if Path(cdm).is_dir() else None  # else a database
+    reads = Reads(files=[ddi, database_file(cdm)], folders=[folder])
+    convert("cognet data omop", out, reads, verbose, build)
 
 
 @data.command()
-@click.option(
-    "--mimic-dir",
-    required=True,
-    type=click.Path(path_type=Path),
-    help="MIMIC-IV folder (or its hosp/ folder): admissions, diagnoses_icd, "
-    "procedures_icd, prescriptions (.csv.gz as shipped, or .csv).",
+@mimic_options(
+    "MIMIC-IV folder (or its hosp/ folder): admissions, diagnoses_icd, "
+    "procedures_icd, prescriptions (.csv.gz as shipped, or .csv)."
 )
-@mapping_options
 @handle_errors
-def mimic4(
-    mimic_dir: Path,
-    ndc_rxnorm: Path,
-    rxnorm_atc: Path,
-    drug_atc: Path,
-    ddi: Path,
-    out: Path,
-    ddi_types: str,
-) -> None:
+def mimic4(**options) -> None:
     """Build a dataset from MIMIC-IV (hosp module) with the mimic3 preprocessing.
 
     The SafeDrug / COGNet steps of `cognet data mimic3` with the same mapping files; ICD
@@ -406,14 +424,7 @@ def mimic4(
         --rxnorm-atc ndc2atc_level4.csv --drug-atc drug-atc.csv --ddi drug-DDI.csv \\
         --out data/mimic4
     """
-    from cognet.data.mimic4 import build_mimic4
-
-    reads = Reads(files=[ndc_rxnorm, rxnorm_atc, drug_atc, ddi], folders=[mimic_dir])
-    with guarded("cognet data mimic4", {"--out": out}, reads, FOLDER) as stage:
-        report = build_mimic4(
-            mimic_dir, ndc_rxnorm, rxnorm_atc, drug_atc, ddi, stage["--out"], ddi_types
-        )
-    _echo_report(report)
+    convert_mimic("cognet data mimic4", build_mimic4, **options)
 
 
 @data.command()
@@ -469,6 +480,7 @@ def mimic4(
     "codes (it wins over parent codes).",
 )
 @allow_no_medications_option
+@verbose_option
 @handle_errors
 def meds(
     meds_dir: Path,
@@ -483,6 +495,7 @@ def meds(
     rxnorm_atc: Path | None,
     medication_map: Path | None,
     allow_no_medications: bool,
+    verbose: bool,
 ) -> None:
     """Build a dataset from a MEDS dataset (e.g. the MIMIC-IV MEDS ETL's output).
 
@@ -502,11 +515,11 @@ def meds(
     from cognet.data.meds import MedsCodes, build_meds
 
     codes = MedsCodes(visit_start, visit_end, diagnosis, procedure, medication)
-    reads = Reads(files=[ddi, ndc_rxnorm, rxnorm_atc, medication_map], folders=[meds_dir])
-    with guarded("cognet data meds", {"--out": out}, reads, FOLDER) as stage:
-        report = build_meds(
+
+    def build(folder: Path) -> Report:
+        return build_meds(
             meds_dir,
-            stage["--out"],
+            folder,
             ddi,
             codes,
             ndc_rxnorm,
@@ -514,4 +527,6 @@ def meds(
             medication_map,
             allow_no_medications,
         )
-    _echo_report(report)
+
+    reads = Reads(files=[ddi, ndc_rxnorm, rxnorm_atc, medication_map], folders=[meds_dir])
+    convert("cognet data meds", out, reads, verbose, build)

@@ -13,6 +13,10 @@ The records carry no ids, so they are made from list positions: patient i (0-bas
 vocabularies' words. The papers' split is by patient position: the first two thirds train
 (`int(n * 2 / 3)`), then half of the rest, rounded down, test and the remainder validation
 (`test-first`, SafeDrug's and COGNet's order), or validation first (`val-first`).
+
+The files are checked whole and refused at the first problem, so no visit is dropped; the
+report (`tables.Report`, in ``OUT/summary.json``) counts the visits and the DDI matrix's
+entries kept and dropped, and the dataset per split.
 """
 
 from __future__ import annotations
@@ -20,23 +24,16 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
 
 from cognet.core.errors import InputError
-from cognet.core.schema import (
-    CODE_COLUMNS,
-    DDI_FILE,
-    VISITS_FILE,
-    VISITS_SCHEMA,
-    write_ddi,
-    write_visits,
-)
+from cognet.core.schema import CODE_COLUMNS, VISITS_SCHEMA
 from cognet.data.pickle_bounds import printable, shown
 from cognet.data.pickles import Voc, describe, load
+from cognet.data.tables import Report, Step, dataset_counts, write_dataset
 
 VOCABULARIES = ("diag_voc", "pro_voc", "med_voc")  # in the order of a visit's fields
 SPLIT_ORDERS = ("test-first", "val-first")
@@ -51,54 +48,32 @@ ATC_LEVELS = {  # medications: every code of med_voc at the level of its first
 }
 
 
-@dataclass(frozen=True)
-class BenchmarkSummary:
-    """What `build_benchmark` wrote: patients and visits per split, vocabulary sizes, DDI
-    pairs, and warnings about the DDI matrix (asymmetric or diagonal entries)."""
-
-    patients: dict[str, int]
-    visits: dict[str, int]
-    vocabulary: dict[str, int]
-    ddi_pairs: int
-    warnings: list[str] = field(default_factory=list)
-
-    def lines(self) -> list[str]:
-        per_split = ", ".join(
-            f"{s} {self.patients[s]:,} patients / {self.visits[s]:,} visits"
-            for s in ("train", "val", "test")
-        )
-        sizes = ", ".join(f"{k} {v:,}" for k, v in self.vocabulary.items())
-        return [per_split, f"vocabularies: {sizes}; DDI pairs {self.ddi_pairs:,}"]
-
-
 def build_benchmark(
     records: str | os.PathLike,
     voc: str | os.PathLike,
     ddi: str | os.PathLike,
     out: str | os.PathLike,
     split_order: str = "test-first",
-) -> BenchmarkSummary:
-    """Read the three files, check them whole, then write OUT/visits.parquet and ddi.parquet.
+) -> Report:
+    """Read the three files, check them whole, then write OUT/visits.parquet, ddi.parquet and
+    summary.json.
 
     Raises `InputError` naming the file and position (patient i, visit j, field) of the first
     problem, before anything is written."""
     if split_order not in SPLIT_ORDERS:
         raise ValueError(f"split_order {split_order!r}; expected one of {SPLIT_ORDERS}")
     words = read_vocabularies(voc)
-    pairs, warnings = read_ddi_matrix(ddi, words["med_voc"])
+    pairs, warnings, ddi_step = read_ddi_matrix(ddi, words["med_voc"])
     table = read_records(records, words, split_order)
-    out = Path(out)
-    write_visits(out / VISITS_FILE, table)
-    write_ddi(out / DDI_FILE, pairs)
+    steps = [Step("records", table.num_rows, table.num_rows, "visits").ended(), ddi_step]
     splits = np.asarray(table["split"].to_pylist())
     patients = np.asarray(table["patient_id"].to_pylist())
-    return BenchmarkSummary(
-        patients={s: len(set(patients[splits == s])) for s in ("train", "val", "test")},
-        visits={s: int((splits == s).sum()) for s in ("train", "val", "test")},
-        vocabulary={k: len(v) for k, v in words.items()},
-        ddi_pairs=len(pairs),
-        warnings=warnings,
-    )
+    dataset = dataset_counts(table, len(pairs))
+    for split in ("train", "val", "test"):
+        dataset[f"{split}_patients"] = len(set(patients[splits == split]))
+        dataset[f"{split}_visits"] = int((splits == split).sum())
+    dataset.update({name: len(idx2word) for name, idx2word in words.items()})
+    return write_dataset(Report("benchmark", Path(out), steps, dataset, warnings), table, pairs)
 
 
 def _is_id(value: object) -> bool:
@@ -150,8 +125,9 @@ def _check_words(idx2word: dict[int, str], where: str, medications: bool) -> Non
         raise InputError(f"{where}: a word appears under two ids")
 
 
-def read_ddi_matrix(path: str | os.PathLike, meds: dict[int, str]) -> tuple[list, list[str]]:
-    """The interacting pairs (word of a, word of b), a < b, of ddi_A_final.pkl, and warnings.
+def read_ddi_matrix(path: str | os.PathLike, meds: dict[int, str]) -> tuple[list, list[str], Step]:
+    """The interacting pairs (word of a, word of b), a < b, of ddi_A_final.pkl, warnings, and
+    the step: the matrix's marked entries and what became of them.
 
     The matrix is n x n over med_voc's ids 0..n-1, of 0s and 1s. An asymmetric entry counts
     as an interaction (the pair is unordered), a diagonal one is dropped; both are warned."""
@@ -179,7 +155,12 @@ def read_ddi_matrix(path: str | os.PathLike, meds: dict[int, str]) -> tuple[list
             f"{path}: {int(linked.diagonal().sum())} diagonal entries (a drug with itself) dropped"
         )
     upper = np.argwhere(np.triu(linked | linked.T, k=1))
-    return [(meds[int(a)], meds[int(b)]) for a, b in upper], warnings
+    dropped = {
+        "the mirror of a pair's other entry": int(np.triu(linked & linked.T, k=1).sum()),
+        "on the diagonal (a drug with itself)": int(linked.diagonal().sum()),
+    }
+    step = Step("ddi_A_final", int(linked.sum()), 0, "interacting pairs", dropped).close()
+    return [(meds[int(a)], meds[int(b)]) for a, b in upper], warnings, step
 
 
 def split_names(n_patients: int, split_order: str) -> list[str]:

@@ -42,7 +42,6 @@ import pyarrow.parquet as pq
 
 from cognet.core.atc import atc3
 from cognet.core.errors import InputError, one_line, where
-from cognet.core.schema import DDI_FILE, VISITS_FILE, write_ddi, write_visits
 from cognet.data.tables import (
     Report,
     SourceTable,
@@ -51,7 +50,7 @@ from cognet.data.tables import (
     code_lists,
     dataset_counts,
     read_ddi_pairs,
-    write_summary,
+    write_dataset,
 )
 
 SPLIT_NAMES = {"train": "train", "tuning": "val", "held_out": "test"}  # MEDS -> cognet
@@ -407,7 +406,7 @@ def build_meds(
         table.num_rows,
         "written",
         {"without a diagnosis or procedure": windows - table.num_rows},
-    )
+    ).ended()
     report_steps = [scan, *steps.values(), written]
     for kind, option, prefix in (
         (DIAGNOSIS, "--diagnosis", codes.diagnosis),
@@ -435,11 +434,8 @@ def build_meds(
     else:
         pairs, step = read_ddi_pairs(Path(ddi), used)
         report_steps.append(step)
-    write_visits(out / VISITS_FILE, table)
-    write_ddi(out / DDI_FILE, pairs)
     report = Report("meds", out, report_steps, dataset_counts(table, len(pairs)), warnings)
-    write_summary(report)
-    return report
+    return write_dataset(report, table, pairs)
 
 
 def _shards(

@@ -33,6 +33,9 @@ Where we differ from the reference, on purpose:
 - Codes are read as strings, so ICD-9 codes keep their leading zeros.
 - No molecule filter: SafeDrug / COGNet also drop ATC-3 codes without a SMILES string
   (DrugBank), which is why their vocabulary has 131 medications; we have no molecule data.
+
+Every step counts the rows it read, kept and dropped (`tables.Step`); the report
+(`tables.Report`) is written to ``OUT/summary.json`` beside the dataset.
 """
 
 from __future__ import annotations
@@ -40,36 +43,27 @@ from __future__ import annotations
 import ast
 import csv
 import json
-import logging
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import pandas as pd
 import pyarrow as pa
 
 from cognet.core.errors import InputError, one_line, where
-from cognet.core.schema import DDI_FILE, VISITS_FILE, VISITS_SCHEMA, write_ddi, write_visits
-from cognet.data.tables import no_mapped_medications
-
-log = logging.getLogger(__name__)
+from cognet.core.schema import VISITS_SCHEMA
+from cognet.data.tables import (
+    Report,
+    Step,
+    check_output,
+    dataset_counts,
+    no_mapped_medications,
+    write_dataset,
+)
 
 DDI_TYPES = ("top40", "reference")
 KEY = ["SUBJECT_ID", "HADM_ID"]
 SIDE_EFFECT = "Polypharmacy Side Effect"
-
-
-@dataclass(frozen=True)
-class Mimic3Summary:
-    """What ``build_mimic3`` wrote: counts of the final dataset."""
-
-    patients: int
-    visits: int
-    diagnoses: int
-    procedures: int
-    medications: int
-    ddi_pairs: int
 
 
 def build_mimic3(
@@ -84,12 +78,14 @@ def build_mimic3(
     top_medications: int = 300,
     top_diagnoses: int = 2000,
     ddi_top_k: int = 40,
-) -> Mimic3Summary:
-    """Write ``visits.parquet`` and ``ddi.parquet`` (DESIGN.md §2, no split column) to ``out``.
+) -> Report:
+    """Write ``visits.parquet`` and ``ddi.parquet`` (DESIGN.md §2, no split column) and
+    ``summary.json`` to ``out``.
 
     ``mimic_dir`` holds PRESCRIPTIONS, DIAGNOSES_ICD, PROCEDURES_ICD and ADMISSIONS as
     ``.csv`` or ``.csv.gz``. Raises ``InputError`` for a missing file or column or an
-    unreadable value, naming the file, column and line.
+    unreadable value, naming the file, column and line, and when OUT would overwrite an
+    input.
     """
     if ddi_types not in DDI_TYPES:
         raise InputError(f"ddi_types must be one of {', '.join(DDI_TYPES)}, not {ddi_types!r}")
@@ -108,19 +104,31 @@ def build_mimic3(
     ndc_rxnorm, rxnorm_atc, drug_atc, ddi = map(Path, (ndc_rxnorm, rxnorm_atc, drug_atc, ddi))
     for path in (ndc_rxnorm, rxnorm_atc, drug_atc, ddi):
         _require_file(path)
+    out = Path(out)
+    check_output(out, [mimic_dir, *tables.values(), ndc_rxnorm, rxnorm_atc, drug_atc, ddi])
 
-    prescriptions = keep_multi_admission_patients(load_prescriptions(tables["PRESCRIPTIONS"]))
-    log.info("prescriptions: %d rows of patients with 2+ admissions", len(prescriptions))
-    medications = prescriptions_to_atc3(
+    prescriptions, step = load_prescriptions(tables["PRESCRIPTIONS"])
+    steps = [step]
+    step = Step("patients with 2+ admissions", len(prescriptions), 0, "kept")
+    prescriptions = keep_multi_admission_patients(prescriptions)
+    step.dropped = {"of a patient with one admission": step.rows - len(prescriptions)}
+    steps.append(step.close())
+    medications, step = prescriptions_to_atc3(
         prescriptions, read_ndc_rxnorm(ndc_rxnorm), read_rxnorm_atc4(rxnorm_atc)
     )
+    steps.append(step)
     if medications.empty and not prescriptions.empty:
         raise InputError(no_mapped_medications(tables["PRESCRIPTIONS"], ndc_rxnorm, rxnorm_atc))
-    medications = medications[
-        medications["ATC3"].isin(ranked_codes(medications["ATC3"])[:top_medications])
-    ]
-    diagnoses = load_diagnoses(tables["DIAGNOSES_ICD"], top_diagnoses)
-    procedures = load_procedures(tables["PROCEDURES_ICD"])
+    step = Step(f"{top_medications} commonest ATC-3", 0, 0, "kept")
+    medications = top_rows(medications, "ATC3", top_medications, step, "of a rarer class")
+    steps.append(step.close())
+    diagnoses, step = load_diagnoses(tables["DIAGNOSES_ICD"])
+    steps.append(step)
+    step = Step(f"{top_diagnoses} commonest diagnoses", 0, 0, "kept")
+    diagnoses = top_rows(diagnoses, "ICD9_CODE", top_diagnoses, step, "of a rarer code")
+    steps.append(step.close())
+    procedures, step = load_procedures(tables["PROCEDURES_ICD"])
+    steps.append(step)
     visits = combine(
         medications,
         diagnoses,
@@ -128,6 +136,7 @@ def build_mimic3(
         load_admit_times(tables["ADMISSIONS"]),
         tables["ADMISSIONS"],
     )
+    steps.append(join_step(medications, diagnoses, len(visits)))
     if visits.empty:
         raise InputError(
             f"{mimic_dir}: no admission has diagnoses, procedures and mapped medications "
@@ -135,20 +144,9 @@ def build_mimic3(
         )
     vocab = {code for codes in visits["medications"] for code in codes}
     pairs = ddi_pairs(ddi, read_cid_atc3(drug_atc, vocab), ddi_types, ddi_top_k)
-
-    out = Path(out)
-    write_visits(out / VISITS_FILE, _visits_table(visits))
-    write_ddi(out / DDI_FILE, pairs)
-    summary = Mimic3Summary(
-        patients=visits["SUBJECT_ID"].nunique(),
-        visits=len(visits),
-        diagnoses=len({c for codes in visits["diagnoses"] for c in codes}),
-        procedures=len({c for codes in visits["procedures"] for c in codes}),
-        medications=len(vocab),
-        ddi_pairs=len(pairs),
-    )
-    log.info("wrote %s: %s", out, summary)
-    return summary
+    table = _visits_table(visits)
+    report = Report("mimic3", out, steps, dataset_counts(table, len(pairs)))
+    return write_dataset(report, table, pairs)
 
 
 # ---------------------------------------------------------------- reading
@@ -230,20 +228,37 @@ def ranked_codes(codes: pd.Series) -> list[str]:
     return [code for code, _ in sorted(counts.items(), key=lambda item: (-item[1], item[0]))]
 
 
+def top_rows(frame: pd.DataFrame, column: str, k: int, step: Step, reason: str) -> pd.DataFrame:
+    """The rows of the ``k`` commonest values of ``column`` (ties by value); step counts."""
+    kept = frame[frame[column].isin(ranked_codes(frame[column])[:k])]
+    step.rows, step.dropped = len(frame), {reason: len(frame) - len(kept)}
+    return kept
+
+
 # ---------------------------------------------------------------- medications
 
 
-def load_prescriptions(path: Path) -> pd.DataFrame:
-    """PRESCRIPTIONS as distinct (SUBJECT_ID, HADM_ID, STARTDATE, NDC) rows, step 1."""
+def load_prescriptions(path: Path) -> tuple[pd.DataFrame, Step]:
+    """PRESCRIPTIONS as distinct (SUBJECT_ID, HADM_ID, STARTDATE, NDC) rows, and the step;
+    step 1."""
     frame = read_csv_columns(path, [*KEY, "ICUSTAY_ID", "STARTDATE", "NDC"])
+    step = Step("prescriptions", len(frame), 0, "distinct (admission, start date, NDC)")
     # NDC "0" goes before the forward fill, so an empty NDC is filled from a real one.
-    frame = frame[frame["NDC"] != "0"].ffill().dropna()
+    zero = frame["NDC"] == "0"
+    filled = frame[~zero].ffill()
+    frame = filled.dropna()
     frame = _ids(frame, path).assign(
         ICUSTAY_ID=_int_ids(frame, "ICUSTAY_ID", path),
         STARTDATE=_timestamps(frame, "STARTDATE", path),
     )
     frame = frame.sort_values([*KEY, "ICUSTAY_ID", "STARTDATE"])  # multi-key sorts are stable
-    return frame[[*KEY, "STARTDATE", "NDC"]].drop_duplicates()
+    distinct = frame[[*KEY, "STARTDATE", "NDC"]].drop_duplicates()
+    step.dropped = {
+        'with NDC "0"': int(zero.sum()),
+        "incomplete after the forward fill": len(filled) - len(frame),
+        "repeating an (admission, start date, NDC)": len(frame) - len(distinct),
+    }
+    return distinct, step.close()
 
 
 def keep_multi_admission_patients(prescriptions: pd.DataFrame) -> pd.DataFrame:
@@ -285,31 +300,50 @@ def read_rxnorm_atc4(path: Path) -> dict[str, str]:
 
 def prescriptions_to_atc3(
     prescriptions: pd.DataFrame, ndc_rxcui: dict[str, str], rxcui_atc4: dict[str, str]
-) -> pd.DataFrame:
-    """Distinct (SUBJECT_ID, HADM_ID, STARTDATE, ATC3) rows; unmapped NDCs are dropped, step 3."""
+) -> tuple[pd.DataFrame, Step]:
+    """Distinct (SUBJECT_ID, HADM_ID, STARTDATE, ATC3) rows, unmapped NDCs dropped, and the
+    step; step 3."""
     atc4 = prescriptions["NDC"].map(ndc_rxcui).map(rxcui_atc4)
     frame = prescriptions[[*KEY, "STARTDATE"]].assign(ATC3=atc4.str[:4])
-    return frame.dropna(subset=["ATC3"]).drop_duplicates()
+    mapped = frame.dropna(subset=["ATC3"])
+    distinct = mapped.drop_duplicates()
+    dropped = {
+        "with an NDC not mapped to ATC-3": len(frame) - len(mapped),
+        "repeating an (admission, start date, ATC-3)": len(mapped) - len(distinct),
+    }
+    step = Step("NDC to ATC-3", len(frame), 0, "mapped to ATC-3", dropped)
+    return distinct, step.close()
 
 
 # ---------------------------------------------------------------- diagnoses, procedures, visits
 
 
-def load_diagnoses(path: Path, top_k: int) -> pd.DataFrame:
-    """Distinct (SUBJECT_ID, HADM_ID, ICD9_CODE) rows of the ``top_k`` commonest codes, step 5."""
-    frame = read_csv_columns(path, [*KEY, "ICD9_CODE"]).dropna()
-    frame = _ids(frame, path).drop_duplicates()
-    return frame[frame["ICD9_CODE"].isin(ranked_codes(frame["ICD9_CODE"])[:top_k])]
+def _code_step(path: Path, read: int, complete: int, distinct: int) -> Step:
+    """The step of DIAGNOSES_ICD or PROCEDURES_ICD: rows read, complete, distinct."""
+    dropped = {
+        "without an id or icd9_code": read - complete,
+        "repeating an (admission, code)": complete - distinct,
+    }
+    name = path.name.split(".")[0].lower()
+    return Step(name, read, 0, "distinct codes of admissions", dropped).close()
 
 
-def load_procedures(path: Path) -> pd.DataFrame:
-    """Distinct (SUBJECT_ID, HADM_ID, ICD9_CODE) rows in SEQ_NUM order, step 6."""
-    frame = read_csv_columns(path, [*KEY, "SEQ_NUM", "ICD9_CODE"]).dropna(
-        subset=[*KEY, "ICD9_CODE"]
-    )
+def load_diagnoses(path: Path) -> tuple[pd.DataFrame, Step]:
+    """Distinct (SUBJECT_ID, HADM_ID, ICD9_CODE) rows and the step; step 5 before its top-k."""
+    read = read_csv_columns(path, [*KEY, "ICD9_CODE"])
+    frame = read.dropna()
+    distinct = _ids(frame, path).drop_duplicates()
+    return distinct, _code_step(path, len(read), len(frame), len(distinct))
+
+
+def load_procedures(path: Path) -> tuple[pd.DataFrame, Step]:
+    """Distinct (SUBJECT_ID, HADM_ID, ICD9_CODE) rows in SEQ_NUM order and the step, step 6."""
+    read = read_csv_columns(path, [*KEY, "SEQ_NUM", "ICD9_CODE"])
+    frame = read.dropna(subset=[*KEY, "ICD9_CODE"])
     frame = _ids(frame, path).assign(SEQ_NUM=pd.to_numeric(frame["SEQ_NUM"], errors="coerce"))
     frame = frame.sort_values([*KEY, "SEQ_NUM"])
-    return frame[[*KEY, "ICD9_CODE"]].drop_duplicates()
+    distinct = frame[[*KEY, "ICD9_CODE"]].drop_duplicates()
+    return distinct, _code_step(path, len(read), len(frame), len(distinct))
 
 
 def load_admit_times(path: Path) -> pd.DataFrame:
@@ -358,6 +392,17 @@ def combine(
     ):
         visits = visits.merge(_code_lists(frame, column, name), on=KEY, how="left")
     return visits[[*KEY, "visit_seq", "diagnoses", "procedures", "medications"]]
+
+
+def join_step(medications: pd.DataFrame, diagnoses: pd.DataFrame, visits: int) -> Step:
+    """Admissions with medications, and those left without diagnoses or procedures (step 7)."""
+    with_meds = medications[KEY].drop_duplicates()
+    with_diag = with_meds.merge(diagnoses[KEY].drop_duplicates(), on=KEY)
+    dropped = {
+        "without a diagnosis": len(with_meds) - len(with_diag),
+        "without a procedure": len(with_diag) - visits,
+    }
+    return Step("admissions with medications", len(with_meds), visits, "visits", dropped).ended()
 
 
 # ---------------------------------------------------------------- drug-drug interactions

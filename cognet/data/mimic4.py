@@ -31,7 +31,6 @@ import numpy as np
 import pandas as pd
 
 from cognet.core.errors import InputError
-from cognet.core.schema import DDI_FILE, VISITS_FILE, write_ddi, write_visits
 from cognet.data.mimic3 import (
     DDI_TYPES,
     KEY,
@@ -39,12 +38,13 @@ from cognet.data.mimic3 import (
     combine,
     ddi_pairs,
     find_table,
+    join_step,
     keep_multi_admission_patients,
     load_admit_times,
-    ranked_codes,
     read_cid_atc3,
     read_ndc_rxnorm,
     read_rxnorm_atc4,
+    top_rows,
 )
 from cognet.data.tables import (
     Report,
@@ -53,7 +53,7 @@ from cognet.data.tables import (
     check_output,
     dataset_counts,
     no_mapped_medications,
-    write_summary,
+    write_dataset,
 )
 
 TABLES = ("ADMISSIONS", "DIAGNOSES_ICD", "PROCEDURES_ICD", "PRESCRIPTIONS")
@@ -198,13 +198,6 @@ def load_icd(path: Path, kind: str) -> tuple[pd.DataFrame, Step]:
     return distinct, step.close()
 
 
-def _top(frame: pd.DataFrame, column: str, k: int, step: Step, reason: str) -> pd.DataFrame:
-    """The rows of the ``k`` commonest values of ``column`` (ties by value); step counts."""
-    kept = frame[frame[column].isin(ranked_codes(frame[column])[:k])]
-    step.rows, step.dropped = len(frame), {reason: len(frame) - len(kept)}
-    return kept
-
-
 # ---------------------------------------------------------------- the conversion
 
 
@@ -248,12 +241,12 @@ def build_mimic4(
     step.dropped = {"of a patient with one admission": step.rows - len(medications)}
     steps.append(step.close())
     step = Step(f"{top_medications} commonest ATC-3", 0, 0, "kept")
-    medications = _top(medications, "ATC3", top_medications, step, "of a rarer class")
+    medications = top_rows(medications, "ATC3", top_medications, step, "of a rarer class")
     steps.append(step.close())
     diagnoses, step = load_icd(tables["DIAGNOSES_ICD"], "diagnoses")
     steps.append(step)
     step = Step(f"{top_diagnoses} commonest diagnoses", 0, 0, "kept")
-    diagnoses = _top(diagnoses, TOKEN, top_diagnoses, step, "of a rarer code")
+    diagnoses = top_rows(diagnoses, TOKEN, top_diagnoses, step, "of a rarer code")
     steps.append(step.close())
     procedures, step = load_icd(tables["PROCEDURES_ICD"], "procedures")
     steps.append(step)
@@ -266,7 +259,7 @@ def build_mimic4(
         tables["ADMISSIONS"],
         code=TOKEN,
     )
-    steps.append(_join_step(medications, diagnoses, len(visits)))
+    steps.append(join_step(medications, diagnoses, len(visits)))
     if visits.empty:
         raise InputError(
             f"{hosp}: no admission has diagnoses, procedures and mapped medications "
@@ -275,19 +268,5 @@ def build_mimic4(
     vocab = {code for codes in visits["medications"] for code in codes}
     pairs = ddi_pairs(mappings[3], read_cid_atc3(mappings[2], vocab), ddi_types, ddi_top_k)
     table = _visits_table(visits)
-    write_visits(out / VISITS_FILE, table)
-    write_ddi(out / DDI_FILE, pairs)
     report = Report("mimic4", out, steps, dataset_counts(table, len(pairs)))
-    write_summary(report)
-    return report
-
-
-def _join_step(medications: pd.DataFrame, diagnoses: pd.DataFrame, visits: int) -> Step:
-    """Admissions with medications, and those left without diagnoses or procedures."""
-    with_meds = medications[KEY].drop_duplicates()
-    with_diag = with_meds.merge(diagnoses[KEY].drop_duplicates(), on=KEY)
-    dropped = {
-        "without a diagnosis": len(with_meds) - len(with_diag),
-        "without a procedure": len(with_diag) - visits,
-    }
-    return Step("admissions with medications", len(with_meds), visits, "visits", dropped)
+    return write_dataset(report, table, pairs)

@@ -41,7 +41,6 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from cognet.core.errors import InputError
-from cognet.core.schema import DDI_FILE, VISITS_FILE, write_ddi, write_visits
 from cognet.data.omop_db import Timeouts, open_cdm
 from cognet.data.tables import (
     Report,
@@ -51,7 +50,7 @@ from cognet.data.tables import (
     code_lists,
     dataset_counts,
     read_ddi_pairs,
-    write_summary,
+    write_dataset,
 )
 
 CLINICAL = (
@@ -123,7 +122,7 @@ def read_persons(table: SourceTable, steps: list[Step]) -> np.ndarray:
             len(persons),
             "persons",
             {"repeating a person_id": len(ids) - len(persons)},
-        )
+        ).ended()
     )
     return persons
 
@@ -170,7 +169,7 @@ def read_visits(
         "of other visit types (--visit-concepts)": int((~of_type).sum()),
         "of a person not in person": int((of_type & ~known).sum()),
     }
-    steps.append(Step("visit_occurrence", len(ids), len(kept), "visits", dropped))
+    steps.append(Step("visit_occurrence", len(ids), len(kept), "visits", dropped).ended())
     seq = (np.arange(len(kept)) - first_of).astype(np.int32)
     return Visits(ids[kept], person[kept], seq, ids[order], position[order])
 
@@ -250,7 +249,7 @@ def read_concepts(table: SourceTable, needed: np.ndarray, steps: list[Step]) -> 
     used = np.isin(ids, needed)
     atc = np.isin(klass, ATC_CLASSES) & (np.array([len(c) for c in code], int) >= 4)
     rows = table.rows_read(rows)
-    steps.append(Step("concept", rows, int((used | atc).sum()), "kept (codes in use, ATC)"))
+    steps.append(Step("concept", rows, int((used | atc).sum()), "kept (codes in use, ATC)").ended())
     tokens = np.array([f"{v}/{c}" for v, c in zip(vocab[used], code[used], strict=True)], object)
     atc_codes = np.array([c[:4] for c in code[atc]], object)
     return Vocabulary(ids[used], tokens, ids[atc], atc_codes)
@@ -290,7 +289,7 @@ def read_atc_map(
         rows += len(up)
     ancestors, descendants = _cat(ancestors), _cat(descendants)
     rows = table.rows_read(rows)
-    steps.append(Step("concept_ancestor", rows, len(ancestors), "with an ATC ancestor"))
+    steps.append(Step("concept_ancestor", rows, len(ancestors), "with an ATC ancestor").ended())
     concepts = np.concatenate([atc_ids, descendants])
     meds = np.concatenate([atc_med, atc_med[np.searchsorted(atc_ids, ancestors)]])
     pairs = np.unique(np.stack([concepts, meds], axis=1), axis=0)  # sorted by concept
@@ -383,7 +382,7 @@ def _convert(source, out, ddi, visit_concepts, column, allow_no_medications) -> 
             table.num_rows,
             "written",
             {"without a condition or procedure": len(visits.ids) - table.num_rows},
-        )
+        ).ended()
     )
     if table.num_rows == 0:
         raise InputError(
@@ -404,11 +403,8 @@ def _convert(source, out, ddi, visit_concepts, column, allow_no_medications) -> 
     else:
         pairs, step = read_ddi_pairs(Path(ddi), used)
         steps.append(step)
-    write_visits(out / VISITS_FILE, table, row_group_size=ROW_GROUP)
-    write_ddi(out / DDI_FILE, pairs)
     report = Report("omop", out, steps, dataset_counts(table, len(pairs)), warnings)
-    write_summary(report)
-    return report
+    return write_dataset(report, table, pairs, row_group_size=ROW_GROUP)
 
 
 def visits_table(visits: Visits, lists: dict[str, tuple[np.ndarray, list[str]]]) -> pa.Table:

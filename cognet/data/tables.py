@@ -2,8 +2,9 @@
 
 `SourceTable` reads one table file (CSV, CSV.gz or Parquet) in record batches, columns
 matched without regard to case, and converts ids and dates with errors that name the file,
-column and row. `Step` / `Report` count what each conversion step read, kept and dropped;
-`write_summary` writes them to ``OUT/summary.json``.
+column and row. `Step` / `Report` count what each conversion step read, kept and dropped:
+every converter returns a `Report`, and `write_dataset` writes its dataset with the report
+in ``OUT/summary.json``.
 
 CSV files are comma- or tab-separated (told by the header line). Tab-separated files are read
 as Athena writes them, without quoting (a concept name may hold a lone ``"``); a field wholly
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import csv
 import gzip
+import logging
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -29,7 +31,9 @@ import pyarrow.parquet as pq
 from cognet.core import strict_json
 from cognet.core.errors import InputError, one_line, where
 from cognet.core.files import target_of, write_text
-from cognet.core.schema import DDI_FILE, VISITS_FILE
+from cognet.core.schema import DDI_FILE, VISITS_FILE, write_ddi, write_visits
+
+log = logging.getLogger(__name__)
 
 SUFFIXES = (".csv.gz", ".tsv.gz", ".csv", ".tsv", ".parquet")  # longest first
 SUMMARY_FILE = "summary.json"
@@ -58,7 +62,13 @@ class Step:
         return cls(name, 0, 0, what, dict.fromkeys(reasons, 0))
 
     def close(self) -> Step:
+        """Kept = rows less every drop; the step has ended (`ended`)."""
         self.kept = self.rows - sum(self.dropped.values())
+        return self.ended()
+
+    def ended(self) -> Step:
+        """Log the step's line (`--verbose` shows each step as it ends); returns the step."""
+        log.info("%s", self.line())
         return self
 
     def line(self) -> str:
@@ -98,6 +108,17 @@ def write_summary(report: Report) -> Path:
     return write_text(
         report.out / SUMMARY_FILE, strict_json.dumps(report.to_json(), indent=2) + "\n"
     )
+
+
+def write_dataset(
+    report: Report, visits: pa.Table, pairs: Sequence[tuple[str, str]], **write_options
+) -> Report:
+    """The end of every conversion: ``visits.parquet`` (`write_visits` with `write_options`),
+    ``ddi.parquet`` and ``summary.json`` into ``report.out``; returns the report."""
+    write_visits(report.out / VISITS_FILE, visits, **write_options)
+    write_ddi(report.out / DDI_FILE, pairs)
+    write_summary(report)
+    return report
 
 
 def check_output(out: Path, inputs: Iterable[Path]) -> None:
