@@ -335,7 +335,8 @@ class COGNet(nn.Module):
     def decoder_step(
         self, tokens, parent, past_key, past_value, *memories, graph=None, attention: bool = False
     ):
-        """tokens, parent [N, B]; past_key [N, B, H, dh, T]; past_value [N, B, H, T, dh].
+        """tokens, parent [N, B] (None: the identity); past_key [N, B, H, dh, T]; past_value
+        [N, B, H, T, dh].
 
         Returns log_probs [N, B, V1], gate [N, B], copy_probs [N, B, S], present_key,
         present_value (T + 1); with `attention` (the exported graph), diag_attention
@@ -347,7 +348,8 @@ class COGNet(nn.Module):
         attn = self.self_attn
         if graph is None:
             graph = self.graph_embeddings()
-        past_key, past_value = reorder(past_key, parent), reorder(past_value, parent)
+        if parent is not None:  # None: every row continues itself (set decoding's samples)
+            past_key, past_value = reorder(past_key, parent), reorder(past_value, parent)
         x = self._embed_tokens(tokens, graph)  # [N, B, s]
         shape = (n, b, attn.heads, 1, attn.head_dim)
         q = attn.q(x).view(shape) * (1.0 / math.sqrt(attn.head_dim))

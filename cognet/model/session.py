@@ -58,7 +58,8 @@ class TorchSession:
         outputs: Sequence[str],
     ) -> tuple[dict[str, np.ndarray], tuple[torch.Tensor, torch.Tensor]]:
         tok = torch.from_numpy(tokens).to(self.device)
-        par = torch.from_numpy(parent).to(self.device)
+        same = (parent == np.arange(parent.shape[1])).all()  # no row changes beams: no gather
+        par = None if same else torch.from_numpy(parent).to(self.device)
         out = self.model.decoder_step(tok, par, *cache, *memories, graph=self.graph, attention=True)
         got = dict(zip(KV_STEP_OUTPUTS, out, strict=True))
         cache = (got["present_key"], got["present_value"])
