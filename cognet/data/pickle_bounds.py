@@ -62,7 +62,8 @@ MEMORY_FLOOR = 1 << 16  # what any file may use, however short (a 5-byte pickle 
 ALLOC = {
     "ref": 16,  # a reference in a list, a tuple, the stack or the memo (8, over-allocated)
     "entry": 192,  # an entry of a dict or a set: table slots grown 4 times, and the resize
-    "object": 64,  # an int of 8 bytes, a float, an empty list or dict
+    "number": 48,  # an int of at most 8 bytes (28 + 4 a 30-bit digit), a float (24)
+    "object": 64,  # an empty list (56) or dict (64)
     "set": 240,  # an empty set or frozenset (a table of 8 slots)
     "bytes": 48,  # a bytes object, plus its length (a slice of the file is a copy)
     "text": 80,  # a str, plus 4 bytes a character

@@ -91,9 +91,18 @@ class BoundedReader(Bounds):
             self.spend(ALLOC["bytes"] + n)
         return self.data[start : self.pos]
 
+    def number(self, fmt: str, what: str) -> int | float:
+        """A fixed-size number of the stream, read in place (no copy)."""
+        size = struct.calcsize(fmt)
+        left = len(self.data) - self.pos
+        if size > left:
+            raise Malformed(f"{what} claims {size:,} bytes; {left:,} are left in the file")
+        (value,) = struct.unpack_from(fmt, self.data, self.pos)
+        self.pos += size
+        return value
+
     def length(self, size: int, what: str) -> bytes:
-        (n,) = struct.unpack({1: "<B", 4: "<I", 8: "<Q"}[size], self.take(size, what))
-        return self.take(n, what)
+        return self.take(self.number({1: "<B", 4: "<I", 8: "<Q"}[size], what), what)
 
     def line(self) -> bytes:
         end = self.data.find(b"\n", self.pos, self.pos + MAX_LINE + 1)
@@ -191,11 +200,11 @@ def _push(make: Callable[[BoundedReader], object], cost: int = 0) -> Callable:
 
 
 def _long(r: BoundedReader, size: int) -> None:
-    (n,) = struct.unpack("<B" if size == 1 else "<I", r.take(size, "an integer"))
+    n = r.number("<B" if size == 1 else "<I", "an integer")
     if n > MAX_INT_BYTES:
         raise Refused(f"an integer of {n:,} bytes (at most {MAX_INT_BYTES})")
     raw = r.take(n, "an integer")
-    r.spend(ALLOC["object"])
+    r.spend(ALLOC["number"])
     r.push(int.from_bytes(raw, "little", signed=True))
 
 
@@ -336,11 +345,11 @@ def _newobj(r: BoundedReader, kwargs: object) -> None:
     _call(r, r.made(r.new(cls, args, kwargs)))
 
 
-def _u(fmt: str, size: int) -> Callable[[BoundedReader], int]:
-    return lambda r: struct.unpack(fmt, r.take(size, "a number"))[0]
+def _u(fmt: str) -> Callable[[BoundedReader], int]:
+    return lambda r: r.number(fmt, "a number")
 
 
-_u1, _u2, _u4, _i4 = _u("<B", 1), _u("<H", 2), _u("<I", 4), _u("<i", 4)
+_u1, _u2, _u4, _i4 = _u("<B"), _u("<H"), _u("<I"), _u("<i")
 
 
 def _proto(r: BoundedReader) -> None:
@@ -349,7 +358,7 @@ def _proto(r: BoundedReader) -> None:
 
 
 def _frame(r: BoundedReader) -> None:
-    (n,) = struct.unpack("<Q", r.take(8, "a frame"))
+    n = r.number("<Q", "a frame")
     if n > len(r.data) - r.pos:
         raise Malformed(f"a frame claims {n:,} bytes; {len(r.data) - r.pos:,} are left")
 
@@ -382,7 +391,7 @@ def _float_line(r: BoundedReader) -> float:
     text = r.text_number(FLOAT, "a text float")
     value = float(text)
     if value in (float("inf"), float("-inf")) and not text.endswith(b"inf"):
-        raise Refused("a text float past the float range (Python refuses it)")
+        raise Malformed("a text float past the float range (Python refuses it)")
     return value
 
 
@@ -445,7 +454,7 @@ def _empty(make: Callable[[], object], cost: int) -> Callable[[BoundedReader], N
     return empty
 
 
-OBJECT = ALLOC["object"]
+OBJECT, NUMBER = ALLOC["object"], ALLOC["number"]
 OPCODES: dict[int, Callable[[BoundedReader], None]] = {
     ord(k): v
     for k, v in {
@@ -459,15 +468,15 @@ OPCODES: dict[int, Callable[[BoundedReader], None]] = {
         "N": _push(lambda r: None),
         "\x88": _push(lambda r: True),
         "\x89": _push(lambda r: False),
-        "I": _push(_int_line, OBJECT),
-        "L": _push(_long_line, OBJECT),
-        "J": _push(_i4, OBJECT),
-        "K": _push(_u1, OBJECT),
-        "M": _push(_u2, OBJECT),
+        "I": _push(_int_line, NUMBER),
+        "L": _push(_long_line, NUMBER),
+        "J": _push(_i4, NUMBER),
+        "K": _push(_u1, NUMBER),
+        "M": _push(_u2, NUMBER),
         "\x8a": lambda r: _long(r, 1),
         "\x8b": lambda r: _long(r, 4),
-        "F": _push(_float_line, OBJECT),
-        "G": _push(lambda r: struct.unpack(">d", r.take(8, "a float"))[0], OBJECT),
+        "F": _push(_float_line, NUMBER),
+        "G": _push(lambda r: r.number(">d", "a float"), NUMBER),
         "T": _push(lambda r: _text(r, r.length(4, "a string"), "ascii")),
         "U": _push(lambda r: _text(r, r.length(1, "a string"), "ascii")),
         "B": _push(lambda r: r.length(4, "bytes")),
