@@ -60,7 +60,7 @@ class BoundedReader(Bounds):
         self.below = 0  # items and marks held under the current mark
         self.memo: list = []  # indices in order (`_put`), so a list: 8 bytes an entry
         self.made_count = 0  # objects the opcodes made: no more memo entries than that
-        self.puts = 0
+        self.puts = 0  # memo entries written (PUT, BINPUT, LONG_BINPUT, MEMOIZE)
         self.opcode_at = 0
 
     # -- what a subclass decides ---------------------------------------------------------------

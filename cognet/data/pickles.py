@@ -19,8 +19,8 @@ Every other global, every other use of these names (a REDUCE of a placeholder, a
 anything but a Voc, a dtype or an array, NEWOBJ of anything but the Voc placeholder, OBJ,
 INST, persistent ids, extension codes) is refused with `InputError` naming it, before it can
 run. The stream is parsed by `cognet.data.pickle_reader`, our own reader, which also bounds
-what a file can build (`cognet.data.pickle_bounds`: lengths, depth, elements through shared
-references, keys, the end); REDUCE, BUILD and NEWOBJ reach only the methods of
+what a file can build (`cognet.data.pickle_bounds`: memory, lengths, depth, elements through
+shared references, keys, the end); REDUCE, BUILD and NEWOBJ reach only the methods of
 `BenchmarkUnpickler` below.
 """
 
