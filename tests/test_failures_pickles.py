@@ -224,11 +224,11 @@ def test_frame_claim_past_the_end_is_refused(tmp_path):
 
 
 def shared_records(width: int) -> bytes:
-    """width x width visits in about 4 * width bytes: one visit (memo 0) in one patient
-    (memo 1), each reused width times by GET."""
-    visit = b"]q\x00(]K\x00a]K\x00a]K\x00ae"  # [[0], [0], [0]]
-    patient = b"]q\x01(" + visit + b"h\x00" * (width - 1) + b"e"
-    return b"\x80\x04](" + patient + b"h\x01" * (width - 1) + b"e."
+    """width x width visits in about 4 * width bytes: one visit (memo 1) in one patient
+    (memo 0), each reused width times by GET."""
+    visit = b"]q\x01(]K\x00a]K\x00a]K\x00ae"  # [[0], [0], [0]]
+    patient = b"]q\x00(" + visit + b"h\x01" * (width - 1) + b"e"
+    return b"\x80\x04](" + patient + b"h\x00" * (width - 1) + b"e."
 
 
 def test_shared_references_count_against_the_walk(tmp_path):
@@ -255,9 +255,9 @@ def test_a_shared_argument_counts_once_per_call(tmp_path):
 
 def test_opcodes_are_counted(tmp_path, monkeypatch):
     """Each opcode makes one object at most; past MAX_OPCODES the file is refused (here 1,000
-    MEMOIZEs of one list under a cap of 500)."""
+    NONEs and POPs under a cap of 500)."""
     monkeypatch.setattr("cognet.data.pickle_bounds.MAX_OPCODES", 500)
-    refused(tmp_path, "records", b"\x80\x04]" + b"\x94" * 1000 + b".", "more than 500 opcodes")
+    refused(tmp_path, "records", b"\x80\x04" + b"N0" * 500 + b"N.", "more than 500 opcodes")
 
 
 # -- 4. time: keys that hash alike -------------------------------------------------------------

@@ -11,6 +11,7 @@ nothing is set on anything.
 from __future__ import annotations
 
 from collections.abc import Callable
+from itertools import chain
 
 from cognet.data.pickle_bounds import Refused, shown
 
@@ -125,10 +126,12 @@ def _create_function(code, namespace, name=None, defaults=None, closure=None, *r
         )
     if closure is not None or not isinstance(name, str) or len(rest) > 2:
         raise Refused(f"dill._dill._create_function {shown(name)}: closures are not allowed")
-    extras = [*(defaults or ())]
-    extras += [v for d in rest if isinstance(d, dict) for v in d.values()]
     plain = all(d is None or isinstance(d, dict) for d in rest)
-    if not plain or not all(_plain_constant(v) for v in extras):
+    if not plain or not isinstance(defaults, (tuple, type(None))):
+        raise Refused(f"dill._dill._create_function {shown(name)}: defaults are not literals")
+    # walked, not copied: what the reader charges a call holds no list of its arguments
+    extras = chain(defaults or (), *(d.values() for d in rest if d is not None))
+    if not all(_plain_constant(v) for v in extras):
         raise Refused(f"dill._dill._create_function {shown(name)}: defaults are not literals")
     return Placeholder(f"function {name} (a placeholder, never called)")
 

@@ -19,8 +19,8 @@ Every other global, every other use of these names (a REDUCE of a placeholder, a
 anything but a Voc, a dtype or an array, NEWOBJ of anything but the Voc placeholder, OBJ,
 INST, persistent ids, extension codes) is refused with `InputError` naming it, before it can
 run. The stream is parsed by `cognet.data.pickle_reader`, our own reader, which also bounds
-what a file can build (`cognet.data.pickle_bounds`: lengths, depth, elements through shared
-references, keys, the end); REDUCE, BUILD and NEWOBJ reach only the methods of
+what a file can build (`cognet.data.pickle_bounds`: memory, lengths, depth, elements through
+shared references, keys, the end); REDUCE, BUILD and NEWOBJ reach only the methods of
 `BenchmarkUnpickler` below.
 """
 
@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import math
 import os
+from itertools import islice
 from pathlib import Path
 
 import numpy as np
@@ -243,9 +244,10 @@ class BenchmarkUnpickler(BoundedReader):
 
     def build(self, target: object, state: object) -> object:
         if isinstance(target, Voc):
-            if not (isinstance(state, dict) and set(state) <= VOC_STATE_KEYS):
-                if isinstance(state, dict):
-                    other = [shown(key) for key in state if key not in VOC_STATE_KEYS][:3]
+            if not (isinstance(state, dict) and state.keys() <= VOC_STATE_KEYS):
+                if isinstance(state, dict):  # three keys shown, however many there are
+                    others = (k for k in state if k not in VOC_STATE_KEYS)
+                    other = [shown(k) for k in islice(others, 3)]
                     what = f"[{', '.join(other)}]"
                 else:
                     what = describe(state)
