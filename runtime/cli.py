@@ -339,7 +339,9 @@ def _score_local(
     if not sort_rows:  # fail on a misordered file before scoring anything
         reader.check_order(source.batches(["patient_id", "visit_seq"]), input_path)
     signature = _signature(input_path, scorer, score_all, explain, sort_rows)
-    parts = writer.PartWriter(out, signature, explain, resume, source.kept_fields)
+    parts = writer.PartWriter(
+        out, signature, explain, resume, source.kept_fields, rows=source.num_rows
+    )
     try:
         started = time.perf_counter()
         scored = _run(scorer, source, parts, score_all, explain, sort_rows, quiet)
