@@ -33,6 +33,7 @@ from cognet.core.lock import claimed
 from cognet.core.manifest import VARIANTS
 from cognet.core.metrics import PATIENT_COLUMNS
 from cognet.core.progress import progress
+from cognet.core.sinks import check_name
 from cognet.runtime import preflight, reader, summary, writer
 from cognet.runtime.options import DEVICES, MAX_CODES, SELECTIONS, ScoreOptions
 from cognet.runtime.scorer import Scorer
@@ -297,6 +298,9 @@ def score(
           --explain --summary-json summary.json
     """
     setup_logging(verbose)
+    for option, path in (("--out", out), ("--summary-json", summary_json)):
+        if path is not None:  # OUT's other files are named from it: it must name a file
+            check_name(path, option)
     # never onto the model in use (its manifest, graphs, engines); the input: `preflight`
     outputs = {**preflight.outputs_of(out), "--summary-json": summary_json}
     check_not_read(outputs, Reads(models=[model_dir]))

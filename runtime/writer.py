@@ -122,7 +122,8 @@ class PartWriter:
             self.parts = self._resumable(marker, rows)
         else:
             self.clear()
-            self.dir.mkdir(parents=True, exist_ok=True)
+            with writing(self.dir):  # a full disk: exit 1 naming the folder
+                self.dir.mkdir(parents=True, exist_ok=True)
         self.resumed_rows = self.rows_done
 
     def _resumable(self, marker: Path, rows: int | None) -> list[dict]:
