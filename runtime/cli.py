@@ -173,6 +173,9 @@ def score_options(func):
 
 def _kept(keep_columns: str, keep_all: bool) -> tuple[str, ...]:
     names = tuple(n.strip() for n in keep_columns.split(",") if n.strip())
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:  # one output column per name
+        raise click.UsageError(f"--keep-columns: {', '.join(twice)} named twice")
     if keep_all and names:
         raise click.UsageError("--keep-columns and --keep-all-columns exclude each other")
     return (reader.KEEP_ALL,) if keep_all else names
