@@ -228,7 +228,11 @@ def _differences(before: object, now: dict) -> str:
     if not isinstance(before, dict):
         return "the run's settings"
     keys = sorted(k for k in before.keys() | now.keys() if before.get(k) != now.get(k))
-    return ", ".join(keys)
+    return ", ".join(SHOWN_KEYS.get(k, k) for k in keys)
+
+
+# the signature's keys that an option sets under another name
+SHOWN_KEYS = {"chunk_targets": "chunk_targets (the input rows per part: --batch-size x 16)"}
 
 
 def part_name(index: int) -> str:
