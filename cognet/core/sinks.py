@@ -36,8 +36,8 @@ def is_null_device(path: str | Path) -> bool:
 
 
 def special_kind(path: str | Path) -> str | None:
-    """"FIFO", "socket", "character device" or "block device" when `path` (links followed)
-    is one, else None (a regular file, a folder, nothing)."""
+    """The kind of special file `path` names (links followed): "FIFO", "socket",
+    "character device" or "block device"; None for a regular file, a folder, nothing."""
     try:
         mode = os.stat(path).st_mode
     except OSError:
