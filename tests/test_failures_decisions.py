@@ -1,10 +1,10 @@
 """Issue 59, item 9: what was decided where the written promises said nothing, one test
-each (docs/guide/failures.md "Decided: what the rules above left open"): a JSON key given twice is refused; vocabulary
-codes are opaque strings (no form check), printed escaped; DDI pairs naming a medication
-outside the vocabulary are kept and ignored (training writes the dataset's pairs, whose
-medications include those seen only outside the train split); every error line shows
-control and bidi characters escaped; `--resume` with another `--batch-size` is refused,
-the batch size setting the parts' rows.
+each (docs/guide/failures.md "Decided: what the rules above left open"): a JSON key given
+twice is refused; vocabulary codes are opaque strings (no form check), printed escaped; DDI
+pairs naming a medication outside the vocabulary are kept and ignored (training writes the
+dataset's pairs, whose medications include those seen only outside the train split); every
+error line shows control and bidi characters escaped; `--resume` with another
+`--batch-size` is refused, the batch size setting the parts' rows.
 """
 
 from __future__ import annotations
