@@ -38,7 +38,8 @@ def run(tiny, visits, tmp_path_factory) -> dict:
     pq.write_table(visits, inp)
     full = root / "full.parquet"
     base = ["score", str(inp), "--model", str(tiny / "model"), "--batch-size", "2", "--all"]
-    result = CliRunner().invoke(main, [*base, "--quiet", "--out", str(full)])
+    summary = ["--summary-json", str(root / "full.json")]
+    result = CliRunner().invoke(main, [*base, "--quiet", "--out", str(full), *summary])
     assert result.exit_code == 0, result.output
     killed = root / "killed.parquet"
     assert killed_after(base, killed, "write_json", 3, before=False) == -9
@@ -46,6 +47,7 @@ def run(tiny, visits, tmp_path_factory) -> dict:
         "base": base,
         "rows": visits.num_rows,
         "want": (full.read_bytes(), writer.rejects_path(full).read_bytes()),
+        "summary": json.loads((root / "full.json").read_text()),
         "killed": writer.work_dir(killed),
     }
 
@@ -168,8 +170,8 @@ def test_a_part_renamed_into_another_place_is_refused(run, tmp_path):
     sizes, sha256): the files name the place they were written for."""
     out, marker, state = damaged(run, tmp_path)
     work, first, last = marker.parent, state["parts"][0], state["parts"][-1]
-    for suffix in (".parquet", ".rejects.parquet", ".metrics.parquet"):
-        (work / f"{last['name']}{suffix}").replace(work / f"{first['name']}{suffix}")
+    for name in last["files"]:
+        (work / name).replace(work / name.replace(last["name"], first["name"]))
     for key in ("rows_scored", "rows_rejected", "reject_reasons", "visits_evaluated"):
         first[key] = last[key]
     rows = first["end"] - first["start"]
@@ -196,9 +198,13 @@ def test_a_changed_or_linked_part_file_is_refused(run, tmp_path):
 
 def test_a_sound_copy_resumes_to_the_uninterrupted_output(run, tmp_path):
     out, _, _ = damaged(run, tmp_path)
-    result = resume(run, out)
+    result = resume(run, out, "--summary-json", str(tmp_path / "s.json"))
     assert result.exit_code == 0, result.output
     assert (out.read_bytes(), writer.rejects_path(out).read_bytes()) == run["want"]
+    summary = json.loads((tmp_path / "s.json").read_text())
+    assert summary["resumed_rows"] > 0 and summary["metrics"] == run["summary"]["metrics"]
+    for key in ("rows_scored", "rows_rejected", "rows_skipped", "visits_evaluated"):
+        assert summary[key] == run["summary"][key], key
 
 
 # Named points of the write: (func of writer, nth call, before it?) or (COGNET_KILL_AT, None)
