@@ -43,7 +43,9 @@ failures: install
 		tests/test_failures_train.py tests/test_failures_outputs.py tests/test_failures_writers.py \
 		tests/test_failures_numbers.py tests/test_failures_db.py tests/test_failures_values.py \
 		tests/test_failures_pickles.py tests/test_failures_fields.py \
-		tests/test_failures_pickle_budget.py tests/test_failures_pickle_property.py
+		tests/test_failures_pickle_budget.py tests/test_failures_pickle_property.py \
+		tests/test_failures_resume.py tests/test_failures_sinks.py tests/test_failures_inputs.py \
+		tests/test_failures_secrets.py tests/test_failures_graphs.py tests/test_failures_decisions.py
 
 bench: install
 	$(VENV)/bin/cognet-bench --out bench

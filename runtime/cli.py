@@ -33,6 +33,7 @@ from cognet.core.lock import claimed
 from cognet.core.manifest import VARIANTS
 from cognet.core.metrics import PATIENT_COLUMNS
 from cognet.core.progress import progress
+from cognet.core.sinks import check_name
 from cognet.runtime import preflight, reader, summary, writer
 from cognet.runtime.options import DEVICES, MAX_CODES, SELECTIONS, ScoreOptions
 from cognet.runtime.scorer import Scorer
@@ -173,6 +174,9 @@ def score_options(func):
 
 def _kept(keep_columns: str, keep_all: bool) -> tuple[str, ...]:
     names = tuple(n.strip() for n in keep_columns.split(",") if n.strip())
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:  # one output column per name
+        raise click.UsageError(f"--keep-columns: {', '.join(twice)} named twice")
     if keep_all and names:
         raise click.UsageError("--keep-columns and --keep-all-columns exclude each other")
     return (reader.KEEP_ALL,) if keep_all else names
@@ -299,6 +303,9 @@ def score(
           --explain --summary-json summary.json
     """
     setup_logging(verbose)
+    for option, path in (("--out", out), ("--summary-json", summary_json)):
+        if path is not None:  # OUT's other files are named from it: it must name a file
+            check_name(path, option)
     # never onto the model in use (its manifest, graphs, engines); the input: `preflight`
     outputs = {**preflight.outputs_of(out), "--summary-json": summary_json}
     check_not_read(outputs, Reads(models=[model_dir]))
@@ -341,7 +348,9 @@ def _score_local(
     if not sort_rows:  # fail on a misordered file before scoring anything
         reader.check_order(source.batches(["patient_id", "visit_seq"]), input_path)
     signature = _signature(input_path, scorer, score_all, explain, sort_rows)
-    parts = writer.PartWriter(out, signature, explain, resume, source.kept_fields)
+    parts = writer.PartWriter(
+        out, signature, explain, resume, source.kept_fields, rows=source.num_rows
+    )
     try:
         started = time.perf_counter()
         scored = _run(scorer, source, parts, score_all, explain, sort_rows, quiet)

@@ -5,6 +5,12 @@ its manifest is refused with one line naming the graph file, the tensor and the 
 - `check_io`: the graph's input and output names, the element types the manifest declares,
   and every fixed axis (embedding width, heads, head width, vocabulary size) against the
   manifest's. Another cognet model's graph passes names and types but not these.
+  The names and shapes the manifest declares are the graph's own: the same input and
+  output names (a manifest naming an output otherwise is refused), the same rank, each
+  fixed axis the same.
+- `check_links`: the graphs of one model agree on the fixed axes of the tensors they pass
+  each other (the encoder's outputs, the memories): one graph of another model, its
+  manifest entry edited to fit it, fits its entry but not its neighbours.
 - `probe`: one tiny run per graph (one visit, one code, ids 0), whose outputs' fixed axes
   are checked too: a graph that loads but cannot run with the manifest's sizes fails here.
 """
@@ -59,6 +65,7 @@ def check_io(
             f"{path}: not the {name} graph (its inputs are {_names(got_in)}; {name} takes "
             f"{_names(inputs)}); re-export the model"
         )
+    check_names(name, path, session, spec)
     declared = {t.name: t.dtype for t in spec.inputs}
     for i in session.get_inputs():
         dtype = ORT_TYPES.get(i.type, i.type)
@@ -77,6 +84,47 @@ def check_io(
 
 
 ANY_RANK = "..."  # the manifest's shape of a tensor of any rank
+
+
+def check_names(name: str, path: object, session: ort.InferenceSession, spec: GraphSpec) -> None:
+    """InputError unless the manifest names exactly the graph's inputs and outputs."""
+    got = (
+        {i.name for i in session.get_inputs()},
+        {o.name for o in session.get_outputs()},
+    )
+    want = (set(spec.input_names), {t.name for t in spec.outputs})
+    for kind, graph, manifest in zip(("inputs", "outputs"), got, want, strict=True):
+        if graph != manifest:
+            raise InputError(
+                f"{path}: the manifest names {kind} of the {name} graph that it does not have "
+                f"({_names(sorted(manifest - graph)) or 'none'}; the graph has "
+                f"{_names(sorted(graph - manifest)) or 'no other'}); re-export the model"
+            )
+
+
+def check_links(sessions: dict[str, ort.InferenceSession], paths: dict[str, object]) -> None:
+    """InputError naming a graph whose tensor has another rank or fixed axis than the same
+    tensor in an earlier graph of the model (`sessions` in load order)."""
+    seen: dict[str, tuple[str, list]] = {}
+    for name, session in sessions.items():
+        for kind, tensors in (("input", session.get_inputs()), ("output", session.get_outputs())):
+            for t in tensors:
+                if t.name not in seen:
+                    seen[t.name] = (name, t.shape)
+                    continue
+                other, shape = seen[t.name]
+                pairs = enumerate(zip(t.shape, shape, strict=False))  # ranks compared below
+                fixed = [(a, g, o) for a, (g, o) in pairs if _differ(g, o)]
+                if len(t.shape) != len(shape) or fixed:
+                    axis, g, o = fixed[0] if fixed else ("rank", len(t.shape), len(shape))
+                    raise InputError(
+                        f"{paths[name]}: {kind} {t.name} axis {axis} is {g}, {o} in "
+                        f"{paths[other]}: graphs of two models; re-export the model"
+                    )
+
+
+def _differ(a, b) -> bool:
+    return isinstance(a, int) and isinstance(b, int) and a != b
 
 
 def check_search(path: object, session: ort.InferenceSession, spec: GraphSpec, dims: Dims) -> None:

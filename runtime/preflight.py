@@ -7,6 +7,9 @@ model or writes anything (an InputError naming the path: exit 2).
 - An output that cannot be written: OUT or the rejects file an existing directory (local
   engine), the work folder an existing file, a folder on the way that is a file or not
   writable, `--summary-json` in a missing folder or an existing directory.
+- An output that names no file (`.`, `/`, empty), or a device, FIFO or socket
+  (`cognet.core.sinks`); `--summary-json /dev/null` is written in place, `--out /dev/null`
+  refused (its rejects file and work folder would go to /dev).
 - INPUT that the local engine cannot read: a directory or a glob (`--engine ray` reads
   them), a missing file.
 
@@ -23,6 +26,7 @@ from pathlib import Path
 
 from cognet.core.errors import InputError
 from cognet.core.files import writable_folder
+from cognet.core.sinks import check_output
 from cognet.runtime import writer
 
 GLOB_CHARS = "*?["
@@ -45,6 +49,13 @@ def check_local(input_path: str, out: str, summary_json: str | None) -> None:
         raise InputError(f"{source}: file not found")
     outputs = outputs_of(out)
     check_overlap(input_path, outputs)
+    for label, path in outputs.items():
+        if check_output(path, label):  # OUT names files beside it: none may go to /dev
+            raise InputError(
+                f"{path}: {label} is the null device; the rejects file and the work folder "
+                "are written beside OUT: name a file in a folder (use --summary-json alone "
+                "for the counts)"
+            )
     for label in ("--out", "rejects file"):
         if Path(outputs[label]).is_dir():
             raise InputError(
@@ -72,6 +83,8 @@ def check_summary(summary_json: str | None, input_path: str, outputs: dict[str, 
     if not summary_json:
         return
     path = Path(summary_json)
+    if check_output(path, "--summary-json"):
+        return  # the null device: written in place
     check_overlap(input_path, {"--summary-json": summary_json})
     for label, other in outputs.items():
         if _same(path, Path(other)) or _inside(path, Path(other)):

@@ -26,10 +26,9 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.parquet as pq
 
 from cognet.core.errors import InputError, one_line, where
-from cognet.core.schema import check_visits_columns
+from cognet.core.schema import check_text, check_visits_columns, parquet_file
 
 log = logging.getLogger(__name__)
 
@@ -56,8 +55,11 @@ RESERVED = ("patient_id", "visit_id", "medications", "score", "probabilities", "
 
 def kept_columns(schema: pa.Schema, keep: Iterable[str], path: object) -> tuple[str, ...]:
     """The input columns that `keep` names (`KEEP_ALL`: every one not in RESERVED), checked:
-    InputError for a column the file lacks or one the output has already."""
+    InputError for a column the file lacks, one the output has already, or one named twice."""
     keep = tuple(keep)
+    twice = sorted({n for n in keep if keep.count(n) > 1})
+    if twice:
+        raise InputError(f"--keep-columns: {', '.join(twice)} named twice (one output column each)")
     if keep == (KEEP_ALL,):
         return tuple(n for n in schema.names if n not in RESERVED)
     for name in keep:
@@ -73,22 +75,42 @@ def check_columns(schema: pa.Schema, path: object) -> None:
     check_visits_columns(schema, path)
 
 
-def cast_input(table: pa.Table | pa.RecordBatch, path: object) -> pa.Table:
+def cast_input(table: pa.Table | pa.RecordBatch, path: object, first_row: int = 0) -> pa.Table:
     """The contract columns of `table` cast to INPUT_SCHEMA (nulls kept)."""
     if isinstance(table, pa.RecordBatch):
         table = pa.Table.from_batches([table])
-    columns = []
-    for field in INPUT_SCHEMA:
-        column = table.column(field.name)
-        if column.type != field.type:
-            try:
-                column = column.cast(field.type)
-            except (pa.ArrowException, ValueError) as exc:
-                raise InputError(
-                    f"{where(path, field.name)}: cannot read as {field.type} ({one_line(exc)})"
-                ) from None
-        columns.append(column)
+    columns = [cast_column(table, f.name, f.type, path, first_row) for f in INPUT_SCHEMA]
     return pa.Table.from_arrays(columns, schema=INPUT_SCHEMA)
+
+
+def cast_column(
+    table: pa.Table, name: str, target: pa.DataType, path: object, first_row: int = 0
+) -> pa.ChunkedArray:
+    """Column `name` of `table` cast to `target`; InputError naming the column, and the row
+    (counted from `first_row`) of an integer that does not fit (a uint64 >= 2^63)."""
+    column = table.column(name)
+    if column.type == target:
+        return column
+    try:
+        return column.cast(target)
+    except (pa.ArrowException, ValueError) as exc:
+        detail = f"cannot read as {target} ({one_line(exc)})"
+        row = None
+        if pa.types.is_integer(column.type) and pa.types.is_integer(target):
+            info = np.iinfo(target.to_pandas_dtype())
+            values = column.to_pylist()  # only on this failure: the batch's rows
+            row = next(
+                (
+                    i
+                    for i, v in enumerate(values)
+                    if v is not None and not info.min <= v <= info.max
+                ),
+                None,
+            )
+            if row is not None:
+                detail = f"value {values[row]} out of the {target} range"
+        at = where(path, name, None if row is None else first_row + row)
+        raise InputError(f"{at}: {detail}") from None
 
 
 class VisitFile:
@@ -101,12 +123,7 @@ class VisitFile:
             raise InputError(f"{self.path}: is a directory, not a Parquet file")
         if not self.path.is_file():
             raise InputError(f"{self.path}: file not found")
-        try:
-            self._file = pq.ParquetFile(self.path)
-        except (pa.ArrowException, OSError) as exc:
-            raise InputError(
-                f"{self.path}: not a readable Parquet file ({one_line(exc)})"
-            ) from None
+        self._file = parquet_file(self.path)
         check_columns(self._file.schema_arrow, self.path)
         self.keep = kept_columns(self._file.schema_arrow, keep, self.path)
         self.kept_fields = [self._file.schema_arrow.field(name) for name in self.keep]
@@ -122,7 +139,8 @@ class VisitFile:
         start = 0
         try:
             for batch in self._file.iter_batches(batch_size=self.batch_rows, columns=reading):
-                table = self._cast(batch, columns)
+                check_text(batch, self.path, start)  # before any value reaches Python
+                table = self._cast(batch, columns, start)
                 table = table.append_column(ROW, pa.array(np.arange(start, start + len(table))))
                 yield keep(table, batch, kept)
                 start += len(table)
@@ -131,11 +149,12 @@ class VisitFile:
                 f"{self.path}: not a readable Parquet file ({one_line(exc)})"
             ) from None
 
-    def _cast(self, batch: pa.RecordBatch, columns: list[str]) -> pa.Table:
+    def _cast(self, batch: pa.RecordBatch, columns: list[str], start: int) -> pa.Table:
         if columns == INPUT_SCHEMA.names:
-            return cast_input(batch, self.path)
+            return cast_input(batch, self.path, start)
         table = pa.Table.from_batches([batch])
-        return pa.table({c: table.column(c).cast(INPUT_SCHEMA.field(c).type) for c in columns})
+        types = {c: INPUT_SCHEMA.field(c).type for c in columns}
+        return pa.table({c: cast_column(table, c, t, self.path, start) for c, t in types.items()})
 
     def sorted_batches(self) -> Iterator[pa.Table]:
         """The whole file in memory, rows grouped by patient (first appearance order) and
@@ -420,7 +439,7 @@ def plan_input(source: str, keep: Iterable[str] = ()) -> InputFiles:
     first_rows, units, start, kept = [], [], 0, ()
     for i, path in enumerate(paths):
         try:
-            meta = pq.ParquetFile(path).metadata
+            meta = parquet_file(Path(path)).metadata
             schema = meta.schema.to_arrow_schema()
         except (pa.ArrowException, OSError) as exc:
             raise InputError(f"{path}: not a readable Parquet file ({one_line(exc)})") from None

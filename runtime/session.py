@@ -53,7 +53,7 @@ from cognet.runtime.device_selectors import (
     bind_input,
 )
 from cognet.runtime.encoder import Encoder, Encodings, EnsembleEncoder
-from cognet.runtime.graphcheck import check_io, check_search, probe
+from cognet.runtime.graphcheck import check_io, check_links, check_search, probe
 from cognet.runtime.options import CPU_VARIANTS, DEVICES, SELECTIONS, check_variant_device
 
 log = logging.getLogger(__name__)
@@ -230,6 +230,7 @@ class OrtModel:
             first = wanted[0] if isinstance(wanted[0], str) else wanted[0][0]
             if first not in got:
                 log.warning("%s: requested %s, onnxruntime runs %s", name, first, got)
+        check_links(sessions, {n: manifest.graph_path(n, variant, member) for n in sessions})
         return sessions
 
     def _parts(self, variant: str | None) -> bool:

@@ -12,6 +12,11 @@ For `--out OUT` (e.g. `recs.parquet`):
   a crash (even kill -9) the marker lists exactly the chunks that are done; `--resume`
   skips them and the final files equal those of an uninterrupted run. The work directory
   is removed once `OUT` and the rejects file are in place;
+- each part file carries its own place (`PART_KEY` in its Parquet metadata: the part's
+  number and input rows), and progress.json its size and sha256: a resume reads
+  progress.json like any input (`check_progress`: every field by type and range, names
+  fixed by position, so nothing outside `OUT.parts/` is read) and proves each part is the
+  one written for its place, or refuses;
 - the locks that make a run the only writer of these files (`outputs`, each locked by
   `cognet.core.lock.claim`, as every command locks its outputs), taken before anything is
   written or removed.
@@ -23,8 +28,11 @@ signature and every committed part file before it scores anything.
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import shutil
+import stat
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -36,12 +44,27 @@ from cognet.core import strict_json
 from cognet.core.errors import InputError, one_line, writing
 from cognet.core.files import atomic_path, write_text
 from cognet.core.interrupt import kill_point
-from cognet.runtime.outputs import REJECTS_SCHEMA, ScoredChunk, output_schema
+from cognet.core.metrics import PATIENT_COLUMNS
+from cognet.runtime.outputs import COUNTS, REJECTS_SCHEMA, ScoredChunk, output_schema
+from cognet.runtime.plan import REASONS
 from cognet.runtime.summary import total_counts
 
 MARKER = "progress.json"
-FORMAT_VERSION = 2  # 2: parts list their files and sizes; the signature of `signature.py`
+# 2: parts list their files and sizes; 3: and their sha256, each part file names its place
+# (PART_KEY), metrics are Parquet
+FORMAT_VERSION = 3
 RESUME_HINT = "delete {dir}/ or run without --resume"
+PART_KEY = b"cognet.part"  # Parquet metadata of a part file: {"part": i, "start": s, "end": e}
+MAX_MARKER_BYTES = 256 << 20  # a progress file holds ~600 bytes per part
+PART_FIELDS = (
+    "name",
+    "start",
+    "end",
+    *(c for c in COUNTS if c != "rows_read"),
+    "reject_reasons",
+    "metrics",
+    "files",
+)
 
 
 def rejects_path(out: str | Path) -> Path:
@@ -76,7 +99,8 @@ class PartWriter:
     """Commits chunks as parts under `work_dir(out)`; `finish` merges them into the outputs.
 
     signature: everything the results depend on (input file, model, settings); a resume
-    with a different signature raises InputError instead of mixing results.
+    with a different signature raises InputError instead of mixing results. rows: the
+    input's row count, which no committed part may claim to pass.
     """
 
     def __init__(
@@ -86,6 +110,7 @@ class PartWriter:
         explain: bool,
         resume: bool = False,
         kept: Sequence[pa.Field] = (),
+        rows: int | None = None,
     ):
         self.out = Path(out)
         self.dir = work_dir(self.out)
@@ -93,39 +118,28 @@ class PartWriter:
         self.signature = signature
         self.parts: list[dict] = []
         marker = self.dir / MARKER
-        if resume and marker.is_file():
-            self.parts = self._resumable(marker)
+        if resume and (marker.exists() or marker.is_symlink()):
+            self.parts = self._resumable(marker, rows)
         else:
             self.clear()
-            self.dir.mkdir(parents=True, exist_ok=True)
+            with writing(self.dir):  # a full disk: exit 1 naming the folder
+                self.dir.mkdir(parents=True, exist_ok=True)
         self.resumed_rows = self.rows_done
 
-    def _resumable(self, marker: Path) -> list[dict]:
-        """The committed parts of the interrupted run; InputError when it cannot resume."""
-
-        def refuse(why: str) -> InputError:
-            hint = RESUME_HINT.format(dir=self.dir)
-            return InputError(f"{marker}: cannot resume: {why} ({hint})")
-
+    def _resumable(self, marker: Path, rows: int | None) -> list[dict]:
+        """The committed parts of the interrupted run (`check_progress`); InputError
+        (`MARKER: cannot resume: ...`) when they cannot be proven to be the ones it wrote."""
+        hint = RESUME_HINT.format(dir=self.dir)
         try:
-            state = json.loads(marker.read_text())
-            parts = state["parts"]
-            if state.get("format_version") != FORMAT_VERSION:
-                raise refuse(f"written by another version ({state.get('format_version')!r})")
-            ends = [0] + [p["end"] for p in parts]
-            if any(p["start"] != ends[i] for i, p in enumerate(parts)):
-                raise refuse("the parts do not follow each other")
-            files = [(self.dir / name, size) for p in parts for name, size in p["files"].items()]
-        except InputError:
-            raise
-        except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError) as exc:
-            raise refuse(f"unreadable progress file ({one_line(exc)[:120]})") from None
-        differ = _differences(state.get("signature"), self.signature)
-        if differ:
-            raise refuse(f"{differ} differ from the interrupted run")
-        for path, size in files:  # every committed part is still there, as it was written
-            if not path.is_file() or path.stat().st_size != size:
-                raise refuse(f"{path.name} is missing or changed")
+            state = _read_marker(marker)
+            differ = _differences(state["signature"], self.signature)
+            if differ:
+                raise ValueError(f"{differ} differ from the interrupted run")
+            parts = check_progress(state["parts"], rows)
+            for i, part in enumerate(parts):
+                _check_part_files(self.dir, i, part)
+        except ValueError as exc:  # InputError included
+            raise InputError(f"{marker}: cannot resume: {one_line(exc)[:300]} ({hint})") from None
         return parts
 
     def clear(self) -> None:
@@ -147,14 +161,15 @@ class PartWriter:
     def write(self, chunk: ScoredChunk) -> None:
         if chunk.start != self.rows_done:
             raise RuntimeError(f"chunk starts at row {chunk.start}, expected {self.rows_done}")
-        name = f"part-{len(self.parts):06d}"
-        files = [f"{name}.parquet", f"{name}.rejects.parquet"]
-        write_parquet(self.dir / files[0], chunk.recommendations)
-        write_parquet(self.dir / files[1], chunk.rejects)
+        index = len(self.parts)
+        name = part_name(index)
+        place = {"part": index, "start": chunk.start, "end": chunk.end}
+        tables = [chunk.recommendations, chunk.rejects]
         if chunk.patient_metrics is not None:
-            files.append(f"{name}.metrics.npy")
-            with atomic_path(self.dir / files[-1]) as tmp, open(tmp, "wb") as f:
-                np.save(f, chunk.patient_metrics, allow_pickle=False)
+            tables.append(_metrics_table(chunk.patient_metrics))
+        files = part_files(index, chunk.patient_metrics is not None)
+        for file, table in zip(files, tables, strict=True):
+            write_parquet(self.dir / file, _placed(table, place))
         self.parts.append(
             {
                 "name": name,
@@ -167,7 +182,7 @@ class PartWriter:
                 "unknown_codes": chunk.unknown_codes,
                 "visits_evaluated": chunk.visits_evaluated,
                 "metrics": chunk.patient_metrics is not None,
-                "files": {f: (self.dir / f).stat().st_size for f in files},
+                "files": {f: _file_record(self.dir / f) for f in files},
             }
         )
         write_json(
@@ -182,8 +197,8 @@ class PartWriter:
     def patient_metrics(self) -> np.ndarray | None:
         """Per-patient metric rows of every part (None when no part has metrics)."""
         rows = [
-            np.load(self.dir / f"{p['name']}.metrics.npy", allow_pickle=False)
-            for p in self.parts
+            _metrics_rows(pq.read_table(self.dir / part_files(i, True)[2]))
+            for i, p in enumerate(self.parts)
             if p["metrics"]
         ]
         return np.concatenate(rows) if rows else None
@@ -202,8 +217,8 @@ class PartWriter:
             with atomic_path(path) as tmp, pq.ParquetWriter(tmp, schema) as w:
                 for part in self.parts:
                     table = pq.read_table(self.dir / f"{part['name']}{suffix}")
-                    if table.num_rows:
-                        w.write_table(table)
+                    if table.num_rows:  # the part's place (metadata) stays out of OUT
+                        w.write_table(table.replace_schema_metadata(schema.metadata))
         self.clear()
         return outputs[0][0], outputs[1][0]
 
@@ -213,4 +228,180 @@ def _differences(before: object, now: dict) -> str:
     if not isinstance(before, dict):
         return "the run's settings"
     keys = sorted(k for k in before.keys() | now.keys() if before.get(k) != now.get(k))
-    return ", ".join(keys)
+    return ", ".join(SHOWN_KEYS.get(k, k) for k in keys)
+
+
+# the signature's keys that an option sets under another name
+SHOWN_KEYS = {"chunk_targets": "chunk_targets (the input rows per part: --batch-size x 16)"}
+
+
+def part_name(index: int) -> str:
+    return f"part-{index:06d}"
+
+
+def part_files(index: int, metrics: bool) -> list[str]:
+    """The files of part `index`: recommendations, rejects (and metrics): fixed by its
+    number, so a progress file cannot name any other."""
+    name = part_name(index)
+    files = [f"{name}.parquet", f"{name}.rejects.parquet"]
+    return [*files, f"{name}.metrics.parquet"] if metrics else files
+
+
+def _placed(table: pa.Table, place: dict) -> pa.Table:
+    """`table` carrying its part's place in its Parquet metadata (PART_KEY)."""
+    meta = dict(table.schema.metadata or {})
+    meta[PART_KEY] = json.dumps(place, sort_keys=True).encode()
+    return table.replace_schema_metadata(meta)
+
+
+def _metrics_table(rows: np.ndarray) -> pa.Table:
+    return pa.table({c: rows[:, j] for j, c in enumerate(PATIENT_COLUMNS)})
+
+
+def _metrics_rows(table: pa.Table) -> np.ndarray:
+    """float64 [patients, len(PATIENT_COLUMNS)] from `_metrics_table`'s table."""
+    columns = [table[c].to_numpy() for c in PATIENT_COLUMNS]
+    return np.stack(columns, axis=1) if table.num_rows else np.zeros((0, len(PATIENT_COLUMNS)))
+
+
+def _file_record(path: Path) -> dict:
+    return {"bytes": path.stat().st_size, "sha256": _sha256(path)}
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _read_marker(marker: Path) -> dict:
+    """progress.json's top level, checked (ValueError naming what is wrong)."""
+    try:
+        info = os.lstat(marker)
+        if not stat.S_ISREG(info.st_mode):
+            raise ValueError("not a regular file")
+        if info.st_size > MAX_MARKER_BYTES:
+            raise ValueError(f"{info.st_size} bytes, more than a progress file holds")
+        state = strict_json.loads(marker.read_bytes())
+    except (OSError, ValueError, RecursionError) as exc:
+        raise ValueError(f"unreadable progress file ({one_line(exc)[:120]})") from None
+    if not isinstance(state, dict) or set(state) != {"format_version", "signature", "parts"}:
+        keys = sorted(state) if isinstance(state, dict) else type(state).__name__
+        raise ValueError(f"unreadable progress file (not a progress file's fields: {keys})")
+    version = state["format_version"]
+    if type(version) is not int or version != FORMAT_VERSION:
+        raise ValueError(f"written by another version ({version!r})")
+    if not isinstance(state["signature"], dict):
+        raise ValueError(f"field 'signature': {_shown(state['signature'])} is not an object")
+    return state
+
+
+def check_progress(parts: object, rows: int | None) -> list[dict]:
+    """The committed parts listed in progress.json, each field checked by type and range
+    (ValueError naming the field): part i is named `part_name(i)` and lists exactly
+    `part_files(i, metrics)`; the parts follow one another from row 0, each within the
+    input's `rows`, and its counts add up to its rows."""
+    if not isinstance(parts, list):
+        raise ValueError(f"field 'parts': {_shown(parts)} is not a list")
+    end = 0
+    for i, part in enumerate(parts):
+        field = f"parts.{i}"
+        if not isinstance(part, dict) or set(part) != set(PART_FIELDS):
+            keys = sorted(part) if isinstance(part, dict) else _shown(part)
+            raise ValueError(f"field '{field}': {keys} are not a part's fields")
+        if part["name"] != part_name(i):
+            raise ValueError(
+                f"field '{field}.name': {_shown(part['name'])} is not {part_name(i)!r} "
+                "(parts are numbered in order)"
+            )
+        if part["start"] != end or type(part["start"]) is not int:
+            raise ValueError(
+                f"field '{field}.start': {_shown(part['start'])} is not {end}, the end of "
+                "the part before (the parts do not follow each other)"
+            )
+        limit = f"the input's {rows} rows" if rows is not None else "no limit"
+        end = _count(part, "end", field, part["start"], rows, f"in [start, {limit}]")
+        for key in COUNTS[1:]:
+            _count(part, key, field, 0, None, ">= 0")
+        read = sum(part[k] for k in ("rows_scored", "rows_rejected", "rows_skipped"))
+        if read != end - part["start"]:
+            raise ValueError(
+                f"field '{field}': scored + rejected + skipped = {read}, not its "
+                f"{end - part['start']} rows"
+            )
+        _check_reasons(part, field)
+        if type(part["metrics"]) is not bool:
+            raise ValueError(f"field '{field}.metrics': {_shown(part['metrics'])} is not a bool")
+        _check_file_records(part, i, field)
+    return parts
+
+
+def _count(part: dict, key: str, field: str, low: int, high: int | None, what: str) -> int:
+    value = part[key]
+    if type(value) is not int or value < low or (high is not None and value > high):
+        raise ValueError(f"field '{field}.{key}': {_shown(value)} is not an integer {what}")
+    return value
+
+
+def _check_reasons(part: dict, field: str) -> None:
+    reasons = part["reject_reasons"]
+    where = f"field '{field}.reject_reasons'"
+    if not isinstance(reasons, dict):
+        raise ValueError(f"{where}: {_shown(reasons)} is not an object")
+    for reason, n in reasons.items():
+        if reason not in REASONS or type(n) is not int or n < 0:
+            raise ValueError(f"{where}: {_shown(reason)}: {_shown(n)} is not a reason's count")
+    if sum(reasons.values()) != part["rows_rejected"]:
+        raise ValueError(f"{where}: they add up to {sum(reasons.values())}, not rows_rejected")
+
+
+def _check_file_records(part: dict, index: int, field: str) -> None:
+    files = part["files"]
+    want = part_files(index, part["metrics"])
+    if not isinstance(files, dict) or sorted(files) != sorted(want):
+        shown = sorted(files) if isinstance(files, dict) else _shown(files)
+        raise ValueError(f"field '{field}.files': {_shown(shown)} are not {want}")
+    for name, record in files.items():
+        ok = isinstance(record, dict) and set(record) == {"bytes", "sha256"}
+        ok = ok and type(record["bytes"]) is int and record["bytes"] >= 0
+        sha = record.get("sha256") if ok else None
+        if not (isinstance(sha, str) and len(sha) == 64 and set(sha) <= set("0123456789abcdef")):
+            raise ValueError(
+                f"field '{field}.files.{name}': {_shown(record)} is not a file's bytes and sha256"
+            )
+
+
+def _check_part_files(folder: Path, index: int, part: dict) -> None:
+    """ValueError unless every file of the part is a regular file in `folder` (no link),
+    of the size and sha256 progress.json records, carrying the part's place (PART_KEY)
+    and the rows its counts claim."""
+    rows = {
+        part_files(index, True)[0]: part["rows_scored"],
+        part_files(index, True)[1]: part["rows_rejected"],
+    }
+    place = {"part": index, "start": part["start"], "end": part["end"]}
+    for name, record in part["files"].items():
+        path = folder / name
+        try:
+            info = os.lstat(path)
+            same = stat.S_ISREG(info.st_mode) and info.st_size == record["bytes"]
+            if not same or _sha256(path) != record["sha256"]:
+                raise ValueError
+            meta = pq.read_metadata(path)
+            written = json.loads((meta.metadata or {}).get(PART_KEY, b"null"))
+        except (OSError, ValueError, pa.ArrowException):
+            raise ValueError(f"{name} is missing or changed") from None
+        if written != place:
+            raise ValueError(
+                f"{name} was written as {_shown(written)}, not as {place} (parts renamed?)"
+            )
+        if name in rows and meta.num_rows != rows[name]:
+            raise ValueError(f"{name} holds {meta.num_rows} rows, not the {rows[name]} it claims")
+
+
+def _shown(value: object) -> str:
+    """A value of progress.json in an error line: its repr, cut."""
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."

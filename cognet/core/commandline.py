@@ -18,7 +18,7 @@ from pathlib import Path
 
 import click
 
-from cognet.core.errors import InputError, OutputError
+from cognet.core.errors import InputError, OutputError, escaped
 from cognet.core.files import Reads, guarded
 from cognet.core.interrupt import EXIT_CODE, Terminated
 
@@ -37,14 +37,14 @@ def handle_errors(func: Callable) -> Callable:
             return func(*args, **kwargs)
         except (click.ClickException, click.exceptions.Exit, click.exceptions.Abort):
             raise
-        except InputError as exc:
-            click.echo(f"Error: {exc}", err=True)
+        except InputError as exc:  # every line escaped: names and values come from files
+            click.echo(f"Error: {escaped(str(exc))}", err=True)
             sys.exit(2)
         except OutputError as exc:
-            click.echo(f"Error: {exc}", err=True)
+            click.echo(f"Error: {escaped(str(exc))}", err=True)
             sys.exit(1)
         except FileNotFoundError as exc:
-            click.echo(f"Error: {exc.filename or exc}: file not found", err=True)
+            click.echo(f"Error: {escaped(str(exc.filename or exc))}: file not found", err=True)
             sys.exit(2)
         except KeyboardInterrupt:
             click.echo("Interrupted", err=True)
@@ -57,7 +57,7 @@ def handle_errors(func: Callable) -> Callable:
 
             if os.environ.get("COGNET_DEBUG"):
                 raise
-            click.echo(f"Error: {type(exc).__name__}: {exc}", err=True)
+            click.echo(f"Error: {type(exc).__name__}: {escaped(str(exc))}", err=True)
             sys.exit(1)
 
     return wrapper
@@ -92,7 +92,7 @@ def _one_line():
     except click.exceptions.NoArgsIsHelpError:
         raise  # the help text, not an error
     except click.UsageError as exc:
-        error = click.ClickException(exc.format_message())
+        error = click.ClickException(escaped(exc.format_message()))
         error.exit_code = exc.exit_code
         raise error from None
 

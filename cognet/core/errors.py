@@ -24,6 +24,21 @@ def one_line(exc: BaseException) -> str:
     return " ".join(str(exc).split()) or type(exc).__name__
 
 
+def escaped(text: str) -> str:
+    """`text` with every character that is not printable (control, format and bidi
+    characters such as ESC or U+202E, line separators, lone surrogates of undecodable file
+    names) written as its Python escape (`\\x1b`, `\\u202e`): an error line shows what a
+    file or option holds, and nothing in it can restyle or reorder the terminal."""
+    if text.isprintable():
+        return text
+    return "".join(
+        c
+        if c.isprintable() or c == " "
+        else c.encode("unicode_escape", "backslashreplace").decode()
+        for c in text
+    )
+
+
 def where(path: object, column: str | None = None, row: int | None = None) -> str:
     """Format the location prefix of an input error: ``FILE: column C, row R``."""
     parts = [str(path)]

@@ -37,6 +37,7 @@ from pathlib import Path
 
 from cognet.core.errors import InputError, OutputError, writing
 from cognet.core.interrupt import kill_point
+from cognet.core.sinks import check_name, check_output, is_null_device, special_kind
 
 DATASET_FILES = ("visits.parquet", "ddi.parquet", "summary.json")
 
@@ -65,8 +66,16 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
     """Yield the temporary path for `path`; when the block ends without error, the file (or
     folder) written there is fsync'ed and renamed to `path`, replacing any file there.
     On an error it is removed. An OSError (a full disk) becomes an OutputError naming
-    `path`."""
+    `path`. The null device is written in place (no rename would keep its node); any other
+    device, FIFO or socket is refused (`cognet.core.sinks`)."""
     path = Path(path)
+    if is_null_device(path):
+        with writing(path):
+            yield path
+        return
+    kind = special_kind(path)
+    if kind:  # checked before work too; never renamed over
+        raise InputError(f"{path}: is a {kind}; an output is never written over one")
     tmp = temp_path(path)
     try:
         with writing(path):
@@ -238,6 +247,9 @@ def check_outputs(
     not given; folders: the options whose output is a folder, or {option: the names of the
     files the run writes in that folder} (each checked as an output too)."""
     folders = _contents(folders)
+    for option, path in outputs.items():
+        if path is not None:  # '' names no file: refused, not taken for "not given"
+            check_name(path, option)
     given = {k: Path(v) for k, v in outputs.items() if v}
     check_not_read(given, reads, folders)
     for option, path in given.items():
@@ -392,6 +404,8 @@ def writable_file(path: str | Path, what: object) -> None:
     """InputError naming `what` unless a file can be written at `path`: not a directory,
     in a folder that exists and is writable."""
     path = Path(path)
+    if check_output(path, what):
+        return  # the null device: written in place, nothing made beside it
     if path.is_dir():
         raise InputError(f"{path}: {what} is a directory; it names a file to write")
     folder = Path(os.path.abspath(path)).parent

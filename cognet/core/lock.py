@@ -43,8 +43,9 @@ import socket
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
-from cognet.core.errors import InputError, one_line, os_reason
+from cognet.core.errors import InputError, OutputError, one_line, os_reason
 from cognet.core.interrupt import terminating
+from cognet.core.sinks import is_null_device
 
 ATTEMPTS = 20  # retries when the file is removed or replaced while we lock it
 
@@ -59,7 +60,8 @@ class OutputLock:
     what: how the error names the locked output (default: the lock file's folder);
     command: this run's command, written in the lock file for a refused run to name;
     keep_folder: never remove the lock's folder; sweep: the output whose leftover temporary
-    names to remove once locked."""
+    names to remove once locked; sink: lock nothing (the null device, which any number of
+    runs may write)."""
 
     def __init__(
         self,
@@ -68,7 +70,9 @@ class OutputLock:
         command: str = "cognet-batch score",
         keep_folder: bool = False,
         sweep: str | Path | None = None,
+        sink: bool = False,
     ):
+        self.sink = sink
         self.path = Path(path)
         self.what = what or str(self.path.parent)
         self.command = command
@@ -91,6 +95,8 @@ class OutputLock:
         """Lock, or raise OutputBusy (held elsewhere) or InputError (cannot create the file)."""
         if self._fd is not None:
             raise RuntimeError(f"{self.path}: already locked by this object")
+        if self.sink:
+            return
         for _ in range(ATTEMPTS):
             fd = self._open()
             try:
@@ -104,14 +110,23 @@ class OutputLock:
                     "end or choose another output"
                 ) from None
             if _same_file(fd, self.path):
-                os.ftruncate(fd, 0)
-                os.write(fd, f"{os.getpid()} {socket.gethostname()} {self.command}\n".encode())
                 self._fd = fd
+                self._sign()
                 if self.sweep is not None:
                     sweep_temps(self.sweep)
                 return
             os.close(fd)  # removed or replaced by its last holder: lock the new one
         raise InputError(f"{self.path}: the lock file keeps changing; is another run looping?")
+
+    def _sign(self) -> None:
+        """Write `PID HOST COMMAND` in the held lock file; on a full disk, let the lock go
+        (its file removed) and raise OutputError naming the output (exit 1)."""
+        try:
+            os.ftruncate(self._fd, 0)
+            os.write(self._fd, f"{os.getpid()} {socket.gethostname()} {self.command}\n".encode())
+        except OSError as exc:
+            self.release()
+            raise OutputError(f"{self.what}: {os_reason(exc)}") from None
 
     def _open(self) -> int:
         folder = self.path.parent
@@ -122,6 +137,8 @@ class OutputLock:
         except FileExistsError:  # made by another run in the meantime
             return os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as exc:
+            if os_reason(exc) == "no space left on device":  # a full disk: exit 1, as writes
+                raise OutputError(f"{self.what}: no space left on device") from None
             raise InputError(f"{self.path}: cannot create ({os_reason(exc)})") from None
 
     def release(self) -> None:
@@ -152,7 +169,10 @@ def claim(out: str | Path, command: str) -> OutputLock:
     folder); use it as a context manager around the whole run. A second run gets OutputBusy
     (exit 2) naming the holder. Once locked, the temporary names a killed run left for `out`
     are removed (`sweep_temps`)."""
-    return OutputLock(lock_file(out), what=str(out), command=command, keep_folder=True, sweep=out)
+    sink = is_null_device(out)  # nothing to lock, and no lock file in /dev
+    return OutputLock(
+        lock_file(out), what=str(out), command=command, keep_folder=True, sweep=out, sink=sink
+    )
 
 
 @contextlib.contextmanager

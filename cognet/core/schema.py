@@ -115,6 +115,65 @@ def _castable(name: str, t: pa.DataType) -> bool:
     return _is_code_list(t)
 
 
+def check_text(table: pa.Table | pa.RecordBatch, path: object, first_row: int = 0) -> None:
+    """InputError naming the column and row (counted from `first_row`) of the first value
+    that is not UTF-8 text, in every string or list-of-string column: Parquet does not
+    check what a writer stored, and Python would fail on it later with a UnicodeDecodeError."""
+    for name in table.column_names:
+        column = table[name]
+        chunks = column.chunks if isinstance(column, pa.ChunkedArray) else [column]
+        row = first_row
+        for chunk in chunks:
+            if _holds_text(chunk.type):
+                try:
+                    chunk.validate(full=True)
+                except pa.ArrowInvalid:
+                    bad, value = _first_not_utf8(chunk)
+                    if bad is not None:
+                        raise InputError(
+                            f"{where(path, name, row + bad)}: {value!r} is not UTF-8 text"
+                        ) from None
+            row += len(chunk)
+
+
+def _holds_text(t: pa.DataType) -> bool:
+    return (
+        _is_text(t) or (pa.types.is_list(t) or pa.types.is_large_list(t)) and _is_text(t.value_type)
+    )
+
+
+def _first_not_utf8(chunk: pa.Array) -> tuple[int | None, bytes | None]:
+    """The first row of a string (or list of strings) array holding bytes that are not
+    UTF-8, and those bytes (cut); (None, None) when there is none."""
+    if pa.types.is_dictionary(chunk.type):
+        chunk = chunk.dictionary_decode()
+    if pa.types.is_list(chunk.type) or pa.types.is_large_list(chunk.type):
+        values = pc.list_flatten(chunk).cast(pa.binary()).to_pylist()
+        parents = pc.list_parent_indices(chunk).to_numpy()
+    else:
+        values = chunk.cast(pa.binary()).to_pylist()
+        parents = np.arange(len(values))
+    for k, value in enumerate(values):
+        try:
+            (value or b"").decode("utf-8")
+        except UnicodeDecodeError:
+            return int(parents[k]), value[:40]
+    return None, None
+
+
+def parquet_file(path: Path) -> pq.ParquetFile:
+    """`pq.ParquetFile(path)`; InputError (exit 2) for a file Parquet cannot read, or whose
+    column names are not UTF-8 (pyarrow decodes them on opening)."""
+    try:
+        return pq.ParquetFile(path)
+    except (pa.ArrowException, OSError) as exc:
+        raise InputError(f"{path}: not a readable Parquet file ({one_line(exc)})") from None
+    except UnicodeDecodeError as exc:
+        raise InputError(
+            f"{path}: the column name {exc.object[:40]!r} is not UTF-8 text (byte {exc.start})"
+        ) from None
+
+
 def _type_name(t: pa.DataType) -> str:
     return "list<string>" if t == _CODES else str(t)
 
@@ -307,17 +366,16 @@ def _with_split(table: pa.Table, seed: int) -> pa.Table:
 def _open(path: Path) -> pq.ParquetFile:
     if not path.is_file():
         raise InputError(f"{path}: file not found")
-    try:
-        return pq.ParquetFile(path)
-    except (pa.ArrowException, OSError) as exc:
-        raise InputError(f"{path}: not a readable Parquet file ({one_line(exc)})") from None
+    return parquet_file(path)
 
 
 def _read(file: pq.ParquetFile, path: Path, columns: list[str]) -> pa.Table:
     try:
-        return file.read(columns=columns)
+        table = file.read(columns=columns)
     except (pa.ArrowException, OSError) as exc:
         raise InputError(f"{path}: not a readable Parquet file ({one_line(exc)})") from None
+    check_text(table, path)
+    return table
 
 
 def read_visits(path: str | os.PathLike, split_seed: int = 0) -> pa.Table:

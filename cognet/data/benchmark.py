@@ -101,13 +101,27 @@ def read_vocabularies(path: str | os.PathLike) -> dict[str, dict[int, str]]:
                 )
             idx2word[int(index)] = word
         _check_words(idx2word, f"{path}: {name}", name == "med_voc")
-        inverse = {word: index for index, word in idx2word.items()}
-        if voc.word2idx is not None and (
-            not isinstance(voc.word2idx, dict) or voc.word2idx != inverse
-        ):
-            raise InputError(f"{path}: {name}: word2idx is not the inverse of idx2word")
+        _check_inverse(voc.word2idx, idx2word, f"{path}: {name}")
         words[name] = idx2word
     return words
+
+
+def _check_inverse(word2idx: object, idx2word: dict[int, str], where: str) -> None:
+    """InputError unless `word2idx` (when there) is the inverse of `idx2word`, its values
+    ids: an array value would compare element by element and fail as a ValueError."""
+    if word2idx is None:
+        return
+    if not isinstance(word2idx, dict):
+        raise InputError(f"{where}: word2idx is {describe(word2idx)}, not a dict")
+    for word, index in word2idx.items():
+        if not isinstance(word, str) or not _is_id(index):
+            raise InputError(
+                f"{where}: word2idx entry {shown(word)}: {shown(index)} is not word -> id"
+            )
+    if {word: int(index) for word, index in word2idx.items()} != {
+        word: index for index, word in idx2word.items()
+    }:
+        raise InputError(f"{where}: word2idx is not the inverse of idx2word")
 
 
 def _check_words(idx2word: dict[int, str], where: str, medications: bool) -> None:

@@ -69,17 +69,29 @@ class Timeouts:
 
 
 def mask_secrets(text: str) -> str:
-    """`text` with every password it may hold masked: a URL's (user part or ``password=``
-    parameter), a key/value string's (``password=...``, quoted or not), and the value of
-    PGPASSWORD wherever it appears."""
-    if "://" in text:
-        try:
-            text = masked(text)[0]
-        except ValueError:  # a URL that does not parse: the user part's password still goes
-            text = re.sub(r"(://[^/@:]*:)[^/@]*@", rf"\1{MASK}@", text)
+    """`text` with every password it may hold masked: a URL's (user part, found on the text
+    itself, so a URL that does not parse is masked too, or ``password=`` parameter), a
+    key/value string's (``password=...``, quoted or not), and the value of PGPASSWORD
+    wherever it appears."""
+    span = password_span(text)
+    if span:
+        text = text[: span[0]] + MASK + text[span[1] :]
     text = SECRET_VALUE.sub(lambda m: m.group(1) + MASK, text)
     env = os.environ.get("PGPASSWORD")
     return text.replace(env, MASK) if env else text
+
+
+def password_span(url: str) -> tuple[int, int] | None:
+    """Where the password of a URL's user part lies in `url` ([start, end)), else None: from
+    the first ':' after '://' to the last '@'. Read on the text, not by a URL parser: a host
+    holds no '@', while a password may hold '/', '?' or '#', which end the user part for a
+    parser (`urlsplit` would take `se` of `u:se#cret@host` for a port, and show `cret`)."""
+    begin = url.find("://")
+    at = url.rfind("@")
+    if begin < 0 or at < begin + 3:
+        return None
+    colon = url.find(":", begin + 3, at)
+    return (colon + 1, at) if colon >= 0 else None
 
 
 def is_database(cdm: str | Path) -> bool:
@@ -227,14 +239,12 @@ class PostgresDatabase(Database):
 def masked(url: str) -> tuple[str, list[str]]:
     """The URL with its password (in the user part or a ``password=`` parameter) replaced by
     ``***``, and the password as written and decoded (empty when there is none)."""
-    parts = urlsplit(url)
     secrets = []
-    netloc = parts.netloc
-    user, at, host = netloc.rpartition("@")
-    if at and ":" in user:
-        name, _, secret = user.partition(":")
-        secrets.append(secret)
-        netloc = f"{name}:{MASK}@{host}"
+    span = password_span(url)
+    if span:
+        secrets.append(url[span[0] : span[1]])
+        url = url[: span[0]] + MASK + url[span[1] :]
+    parts = urlsplit(url)
     query = []
     for item in parts.query.split("&") if parts.query else []:
         key, equals, value = item.partition("=")
@@ -242,7 +252,7 @@ def masked(url: str) -> tuple[str, list[str]]:
             secrets.append(value)
             value = MASK
         query.append(f"{key}{equals}{value}")
-    shown = urlunsplit(parts._replace(netloc=netloc, query="&".join(query)))
+    shown = urlunsplit(parts._replace(query="&".join(query)))
     secrets = [s for s in secrets if s]
     return shown, sorted({*secrets, *(unquote(s) for s in secrets)}, key=len, reverse=True)
 
@@ -272,6 +282,12 @@ def open_database(cdm: str | Path, timeouts: Timeouts = Timeouts()) -> Database:
     scheme = text.split("://", 1)[0].lower() if "://" in text else ""
     if not scheme:
         return DuckDatabase(Path(text))
+    span = password_span(text)
+    if span and any(c in text[span[0] : span[1]] for c in "/?#@"):  # parsers split there
+        raise InputError(
+            f"{mask_secrets(text)}: not a valid URL (its password holds '/', '?', '#' or '@', "
+            "which end a URL's user part: write them %2F, %3F, %23, %40)"
+        )
     try:
         shown, secrets = masked(text)
         urlsplit(text).port  # noqa: B018 - a bad port or IPv6 address raises here

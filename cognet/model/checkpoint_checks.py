@@ -21,6 +21,8 @@ instead of a raw exception or, worse, a model that silently answers differently.
 from __future__ import annotations
 
 import math
+import zipfile
+import zlib
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -149,7 +151,8 @@ def read_graphs(path: Path, n_med: int) -> tuple[np.ndarray, np.ndarray]:
     try:
         with np.load(file, allow_pickle=False) as graphs:
             ehr, ddi = graphs["ehr"], graphs["ddi"]
-    except (OSError, ValueError, KeyError, EOFError) as exc:
+    except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile, zlib.error) as exc:
+        # a file cut short or garbled: checkpoints older than their sha256 record meet it here
         raise InputError(f"{file}: unreadable ({_short(exc)})") from None
     for name, graph in (("ehr", ehr), ("ddi", ddi)):
         if graph.shape != (n_med, n_med):
