@@ -1,5 +1,6 @@
-"""The set head exported: its graph in the model directory and the manifest, its parity with
-the torch head at several shapes."""
+"""The set head exported and served (`--decoding marginal`): its graph in the model directory
+and the manifest, its parity with the torch head at several shapes, and the runtime's sets
+against the torch reference's (what `cognet evaluate --decoding marginal` decodes)."""
 
 from __future__ import annotations
 
@@ -14,8 +15,11 @@ import onnxruntime as ort
 import pyarrow.parquet as pq
 import pytest
 import torch
+from click.testing import CliRunner
 from tiny import make_tiny, random_checkpoint
 
+from cognet.core.ddi import DDIPolicy
+from cognet.core.decoding.request import DecodingRequest
 from cognet.core.errors import InputError
 from cognet.core.head_inputs import HEAD_INPUTS, HEAD_OUTPUT, patient_head_arrays
 from cognet.core.history import patients_from_table
@@ -24,6 +28,10 @@ from cognet.export import export
 from cognet.export.graphs import HeadSizes, head_example
 from cognet.export.validate import HEAD_ATOL, HEAD_CASES
 from cognet.model import checkpoint
+from cognet.model.torch_decoding import decode_patients
+from cognet.runtime import Scorer
+from cognet.runtime import scorer as scorer_module
+from cognet.runtime.cli import main as batch_main
 
 ALLOWLIST = Path(__file__).parents[1] / "export" / "onnx_ops_allowlist.txt"
 
@@ -165,3 +173,148 @@ def test_head_of_another_vocabulary_is_refused(headed, tmp_path):
     (out / "manifest.json").write_text(json.dumps(obj))
     with pytest.raises(InputError, match="field 'head.outputs'"):
         load_manifest(out)
+
+
+# -- serving ------------------------------------------------------------------------------------
+REQUESTS = {
+    "jaccard": DecodingRequest(decoding="marginal"),
+    "threshold": DecodingRequest(decoding="marginal", threshold=0.4),
+    "hard": DecodingRequest(decoding="marginal", ddi=DDIPolicy("hard")),
+    "max-rate": DecodingRequest(decoding="marginal", ddi=DDIPolicy("off", max_rate=0.05)),
+    "pair-price": DecodingRequest(decoding="marginal", ddi=DDIPolicy("off", pair_price=0.2)),
+}
+
+
+@pytest.mark.parametrize("name", list(REQUESTS), ids=list(REQUESTS))
+def test_runtime_marginal_sets_equal_torch(headed, head, name):
+    """The runtime's sets, probabilities and PRAUC scores against the torch reference's
+    (`decode_patients`, what `cognet evaluate --decoding marginal` runs) on every visit."""
+    model, vocab, config = checkpoint.load(headed.ckpt)
+    table = pq.read_table(headed.data / "visits.parquet")
+    patients = list(patients_from_table(table, vocab))
+    request = REQUESTS[name]
+    decoding, ddi = request.resolve(Scorer(headed.model, device="cpu").decoding)
+    want = decode_patients(model, vocab, patients, decoding, ddi, head=head)
+    with Scorer(headed.model, request=request, device="cpu", threads=1) as scorer:
+        assert scorer.decoding == decoding and scorer.ddi == ddi
+        chunks = list(scorer.score_table(table, score_all=True))
+    rows = {r["visit_id"]: r for c in chunks for r in c.recommendations.to_pylist()}
+    visits = [v for p in patients for v in p]
+    assert len(rows) == len(visits) > 300
+    same = 0
+    for v, w in zip(visits, want, strict=True):
+        got = rows[v.visit_id]
+        meds = tuple(vocab.medications[m] for m in w.meds)
+        same += tuple(got["medications"]) == meds
+        if tuple(got["medications"]) == meds:
+            np.testing.assert_allclose(got["probabilities"], w.med_probs, atol=HEAD_ATOL)
+            assert got["score"] == pytest.approx(w.score, abs=HEAD_ATOL)
+    assert same / len(visits) >= 0.995, f"{same} of {len(visits)} sets equal"
+    assert any(len(r["medications"]) for r in rows.values())
+
+
+def test_marginal_scoring_runs_no_encoder_nor_decoder(headed, monkeypatch):
+    def boom(*args, **kwargs):
+        raise AssertionError("an encoder or decoder graph ran")
+
+    table = pq.read_table(headed.data / "visits.parquet")
+    with Scorer(headed.model, decoding="marginal", device="cpu", threads=1) as scorer:
+        monkeypatch.setattr(scorer_module, "encode_plan", boom)
+        monkeypatch.setattr(scorer.decoder, "init", boom)
+        monkeypatch.setattr(scorer.decoder, "step", boom)
+        chunks = list(scorer.score_table(table, score_all=True))
+    assert sum(c.rows_scored for c in chunks) == len(table)
+    assert sum(c.visits_evaluated for c in chunks) == len(table)
+
+
+def test_marginal_explanations_come_from_set_decoding(headed):
+    """The sets are the head's; each medication's copy share and source come from the set
+    decoding's samples of the visit, null where they never emitted it."""
+    table = pq.read_table(headed.data / "visits.parquet")
+    with Scorer(headed.model, decoding="marginal", device="cpu", threads=1) as scorer:
+        plain, explained = (
+            [r for c in scorer.score_table(table, **kw) for r in c.recommendations.to_pylist()]
+            for kw in ({"score_all": True}, {"score_all": True, "explain": True})
+        )
+    rows = table.to_pylist()
+    earlier = {
+        r["visit_id"]: {q["visit_id"] for q in rows if q["patient_id"] == r["patient_id"]}
+        for r in rows
+    }
+    nulls = shares = 0
+    for p, e in zip(plain, explained, strict=True):
+        assert p["medications"] == e["medications"] and p["probabilities"] == e["probabilities"]
+        for ex in e["explanations"]:
+            if ex["copy_share"] is None:
+                nulls += 1
+                assert ex["source_visit"] is None and ex["top_diagnoses"] is None
+                continue
+            shares += 1
+            assert 0.0 <= ex["copy_share"] <= 1.0
+            assert ex["source_visit"] is None or ex["source_visit"] in earlier[e["visit_id"]]
+    assert len(explained) == len(table)
+    assert shares > 0 and nulls > 0  # the head's sets hold medications no sample emitted
+
+
+def test_model_without_head_marginal_exits_2(headed, tmp_path):
+    visits = headed.data / "visits.parquet"
+    out = tmp_path / "recs.parquet"
+    args = ["score", str(visits), "--model", str(headed.plain_model), "--out", str(out)]
+    result = CliRunner().invoke(batch_main, [*args, "--decoding", "marginal"])
+    assert result.exit_code == 2, result.output
+    assert "Traceback" not in result.output
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and str(headed.plain_model) in lines[0] and "set head" in lines[0]
+
+
+@pytest.mark.parametrize(
+    "extra", [["--samples", "4"], ["--beam", "2"], ["--ddi-mode", "soft"]], ids=str
+)
+def test_step_options_with_marginal_exit_2(headed, tmp_path, extra):
+    visits = headed.data / "visits.parquet"
+    args = ["score", str(visits), "--model", str(headed.model), "--out", str(tmp_path / "o")]
+    result = CliRunner().invoke(batch_main, [*args, "--decoding", "marginal", *extra])
+    assert result.exit_code == 2, result.output
+    assert "--decoding marginal" in result.output
+
+
+def test_cli_scores_with_the_head(headed, tmp_path):
+    visits = headed.data / "visits.parquet"
+    out, summary = tmp_path / "recs.parquet", tmp_path / "summary.json"
+    args = ["score", str(visits), "--model", str(headed.model), "--out", str(out), "--all"]
+    args += ["--decoding", "marginal", "--summary-json", str(summary), "--quiet"]
+    result = CliRunner().invoke(batch_main, args)
+    assert result.exit_code == 0, result.output
+    got = json.loads(summary.read_text())
+    assert got["decoding"]["name"] == "marginal"
+    assert got["rows_scored"] == pq.read_table(visits).num_rows == pq.read_table(out).num_rows
+
+
+def test_cli_explain_says_where_the_explanation_comes_from(headed):
+    visits = headed.data / "visits.parquet"
+    table = pq.read_table(visits).to_pylist()
+    vid = next(r["visit_id"] for r in table if r["visit_seq"] == 2)
+    args = ["explain", str(visits), "--model", str(headed.model), "--visit-id", vid]
+    text = CliRunner().invoke(batch_main, [*args, "--decoding", "marginal"])
+    assert text.exit_code == 0, text.output
+    assert "explained by: set decoding" in text.output
+    assert "marginal (set head, one pass)" in text.output
+    obj = json.loads(
+        CliRunner().invoke(batch_main, [*args, "--decoding", "marginal", "--json"]).output
+    )
+    assert obj["explained_by"] == "set decoding"
+    beam = json.loads(CliRunner().invoke(batch_main, [*args, "--json"]).output)
+    assert beam["explained_by"] is None
+
+
+def test_model_without_head_scores_as_before(headed):
+    """A model directory written without a head loads and scores as one with it does (beam
+    and set decoding do not read the head)."""
+    table = pq.read_table(headed.data / "visits.parquet")
+    results = []
+    for model in (headed.plain_model, headed.model):
+        for decoding in ({"beam": 2}, {"decoding": "set", "set_rule": "jaccard", "samples": 4}):
+            with Scorer(model, device="cpu", threads=1, **decoding) as scorer:
+                chunks = list(scorer.score_table(table, score_all=True))
+            results.append([c.recommendations for c in chunks])
+    assert results[0] == results[2] and results[1] == results[3]
