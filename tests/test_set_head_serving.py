@@ -318,3 +318,51 @@ def test_model_without_head_scores_as_before(headed):
                 chunks = list(scorer.score_table(table, score_all=True))
             results.append([c.recommendations for c in chunks])
     assert results[0] == results[2] and results[1] == results[3]
+
+
+# -- cognet-bench ------------------------------------------------------------------------------
+# the runs alone: no series, trade-off nor profile (minutes on a busy machine)
+NO_SERIES = ["--past-visits", "", "--input-sizes", "", "--batch-sizes", "8"]
+NO_SERIES += ["--no-ddi-tradeoff", "--no-profile"]
+
+
+def test_bench_runs_the_marginal_decoding(headed, tmp_path):
+    """`--beams marginal`: the runtime (the head's graph alone) against torch-batched (the
+    checkpoint's head) within the set decodings' tolerance, labelled "marginal"."""
+    from cognet.benchmarks import engines as eng
+    from cognet.benchmarks.cli import main as bench_main
+
+    out = tmp_path / "bench"
+    args = ["--quick", "--model", str(headed.model), "--checkpoint", str(headed.ckpt)]
+    args += ["--data", str(headed.data), "--out", str(out), "--beams", "marginal"]
+    args += ["--engines", "torch-batched,ort-cpu", *NO_SERIES]
+    result = CliRunner().invoke(bench_main, args)
+    assert result.exit_code == 0, result.output
+    runs = json.loads((out / "results.json").read_text())["runs"]
+    marginal = [r for r in runs if r["beam"] == eng.MARGINAL]
+    assert {r["engine"] for r in marginal} == {"torch-batched", "ort-cpu"}
+    assert all(r["matches_reference"] for r in marginal), marginal
+    assert eng.decoding_label(eng.MARGINAL) == "marginal"
+    assert "marginal" in (out / "results.md").read_text()
+
+
+def test_bench_skips_the_marginal_decoding_of_a_model_without_head(headed, tmp_path):
+    from cognet.benchmarks.cli import main as bench_main
+
+    out = tmp_path / "bench"
+    args = ["--quick", "--model", str(headed.plain_model), "--data", str(headed.data)]
+    args += ["--out", str(out), "--beams", "1,marginal", "--engines", "ort-cpu", *NO_SERIES]
+    result = CliRunner().invoke(bench_main, args)
+    assert result.exit_code == 0, result.output
+    results = json.loads((out / "results.json").read_text())
+    assert {r["beam"] for r in results["runs"]} == {1}
+    assert "marginal decoding skipped: the model has no set head" in results["notes"]
+
+
+def test_bench_engine_options_of_the_marginal_decoding():
+    from cognet.benchmarks import engines as eng
+
+    engine = object.__new__(eng.OrtEngine)  # its options only: no model loaded
+    engine.device, engine.threads, engine.selection = "cpu", 1, "auto"
+    engine.variant, engine.streams = None, None
+    assert engine.options(eng.MARGINAL, 256).request.decoding == "marginal"
