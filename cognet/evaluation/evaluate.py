@@ -80,7 +80,7 @@ def predictions_table(
 
 def model_name(beam: int | Decoding, ddi: DDIPolicy = DDIPolicy()) -> str:
     if isinstance(beam, Decoding):
-        name = f"COGNet ({beam.label})" if beam.name == "set" else model_name(beam.beam)
+        name = f"COGNet ({beam.label})" if beam.name != "beam" else model_name(beam.beam)
     else:
         name = f"COGNet (beam {beam})" if beam > 1 else "COGNet (greedy)"
     return name if not ddi.active else f"{name[:-1]}, DDI {ddi.label})"
