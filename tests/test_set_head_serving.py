@@ -366,3 +366,12 @@ def test_bench_engine_options_of_the_marginal_decoding():
     engine.device, engine.threads, engine.selection = "cpu", 1, "auto"
     engine.variant, engine.streams = None, None
     assert engine.options(eng.MARGINAL, 256).request.decoding == "marginal"
+
+
+def test_evaluate_names_the_marginal_decoding():
+    from cognet.core.decoding import Decoding
+    from cognet.evaluation.evaluate import model_name
+
+    name = model_name(Decoding("marginal", head_threshold=0.4, head_rule="threshold"))
+    assert name == "COGNet (marginal (set head, one pass), threshold 0.4)"
+    assert model_name(Decoding("beam", beam=4)) == "COGNet (beam 4)"
