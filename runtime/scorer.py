@@ -174,7 +174,8 @@ class Scorer:
             where = manifest.model_dir if manifest is not None else "the model"
             raise InputError(
                 f"{where}: --decoding marginal reads a set head and this model has none "
-                "(export a checkpoint that has one: cognet train ... --teacher CKPT)"
+                "(train one: cognet train --data DATA --teacher CKPT --out NEW, then "
+                "cognet-export --checkpoint NEW --out MODEL)"
             )
         self._attention = model.attention and "diag_attention" in model.decoder.step_outputs
         self._pool = ThreadPoolExecutor(self.streams, "cognet-batch") if self.streams > 1 else None
