@@ -4,7 +4,6 @@ results.md and throughput.png (see BENCHMARKS.md for the method)."""
 from __future__ import annotations
 
 import logging
-import re
 import time
 from pathlib import Path
 
@@ -34,6 +33,15 @@ QUICK = {  # --quick: a smoke run of seconds (what CI runs)
     "past_visits": "0,2",
     "input_sizes": "300",
 }
+
+
+def _beams(text: str) -> tuple[int, ...]:
+    """--beams: widths, and the decodings named (`engines.DECODING_NAMES`) by their codes."""
+    from cognet.benchmarks import engines as eng
+
+    names = [t.strip() for t in text.split(",") if t.strip()]
+    widths = _ints(",".join(t for t in names if t not in eng.DECODING_NAMES), "--beams")
+    return (*widths, *(eng.DECODING_NAMES[t] for t in names if t in eng.DECODING_NAMES))
 
 
 def _ints(text: str, name: str) -> tuple[int, ...]:
@@ -88,7 +96,8 @@ def _ints(text: str, name: str) -> tuple[int, ...]:
     "--beams",
     default="1,4,set",
     show_default=True,
-    help="Beam widths, and `set` for the model's set decoding (when it has one).",
+    help="Beam widths, `set` for the model's set decoding and `marginal` for its set "
+    "head's (when it has them).",
 )
 @count_option("--repeats", default=3, help="Timed passes per run (the median is reported).")
 @click.option(
@@ -262,7 +271,7 @@ def _settings(sizes: dict, engine_names, threads, max_run_seconds, profile, refe
     try:
         return Settings(
             batch_sizes=_ints(sizes["batch_sizes"], "--batch-sizes"),
-            beams=_ints(re.sub(r"\bset\b", "0", sizes["beams"]), "--beams"),
+            beams=_beams(sizes["beams"]),
             repeats=sizes["repeats"],
             engines=names,
             threads=threads,

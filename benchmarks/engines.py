@@ -26,6 +26,10 @@ recommended medication codes of each scored visit. Engines:
   (a call per batch, the request mode, has one batch to decode);
 - `ort-cuda-fp16-streams`: both levers at once (the float16 graphs, 4 host threads).
 
+Every engine but `torch-perpatient` runs the decodings of `--beams`: beam widths, the
+model's set decoding (`SET`) and its marginal decoding (`MARGINAL`: the set head, one pass;
+the runtime runs the head's graph alone, the torch engines the head of the checkpoint).
+
 `availability(name)` says why an engine cannot run here (None when it can), so that the
 results name every skipped engine with its reason.
 """
@@ -69,11 +73,15 @@ GPU_PATH = ("ort-cpu-gpupath",)  # the GPU's code path on the CPU provider
 APPROXIMATE = tuple(ORT_VARIANTS)  # their agreement with the reference reported
 GPU_ENGINES = (*(e for e, device in ORT_DEVICES.items() if device != "cpu"), "torch-cuda")
 SET = 0  # in a list of beam widths: the model's set decoding (`cognet.core.decoding`)
+MARGINAL = -1  # in a list of beam widths: the model's marginal decoding (its set head)
+SETS = (SET, MARGINAL)  # the decodings that answer sets (in decreasing P(k in S))
+DECODING_NAMES = {"set": SET, "marginal": MARGINAL}  # as `--beams` names them
 
 
 def decoding_label(beam: int) -> str:
-    """How a run's decoding is named: "set", or "beam B"."""
-    return "set" if beam == SET else f"beam {beam}"
+    """How a run's decoding is named: "set", "marginal", or "beam B"."""
+    names = {v: k for k, v in DECODING_NAMES.items()}
+    return names.get(beam, f"beam {beam}")
 
 
 class Engine(Protocol):
@@ -161,6 +169,7 @@ class _TorchBase:
         started = time.perf_counter()
         self.model, self.vocab, config = ckpt.load(checkpoint, device=device)
         self.set_decoding = Decoding.from_json(config.get("decoding"))  # for beam == SET
+        self.head = ckpt.load_head(checkpoint, config)  # for beam == MARGINAL (None: none)
         self.load_s = time.perf_counter() - started
         self.name, self.device = name, device
         self.providers = [f"torch {torch.__version__} {device}"]
@@ -214,6 +223,15 @@ class TorchBatched(_TorchBase):
         if self.device != "cpu":
             tensors = {k: v.to(self.device) for k, v in tensors.items()}
             last = last.to(self.device)
+        if self.beam == MARGINAL:  # the head reads every visit; the last ones are scored
+            from cognet.core.decoding.request import DecodingRequest
+            from cognet.model.torch_decoding import marginal_decode
+
+            decoding, ddi = DecodingRequest(decoding="marginal").resolve(self.set_decoding)
+            # the head stays on the CPU (`SetHead.marginals` feeds it host arrays)
+            args = (self.model, self.vocab, batch.patients, decoding, ddi)
+            decoded = marginal_decode(self.head, *args)
+            return [decoded[i].meds for i in _last_rows(batch.patients)]
         if self.beam == SET:
             from cognet.model.torch_decoding import set_decode
 
@@ -305,6 +323,8 @@ class OrtEngine:
         }
         if beam == SET:  # the model's set decoding
             return ScoreOptions.of(decoding="set", **common)
+        if beam == MARGINAL:  # the model's set head
+            return ScoreOptions.of(decoding="marginal", **common)
         return ScoreOptions.of(decoding="beam", beam=beam, **common)
 
     def _load(self, beam: int, batch_size: int) -> float:

@@ -119,7 +119,7 @@ class Guard:
                 }
             )
             differ.remove(vid)
-        if beam == eng.SET:  # the reference's medications in another order: a float tie
+        if beam in eng.SETS:  # the reference's medications in another order: a float tie
             for vid in [v for v in differ if _same_set(recs[v], self.recs[(beam, v)])]:
                 ties.append(
                     {
@@ -130,7 +130,7 @@ class Guard:
                     }
                 )
                 differ.remove(vid)
-        gaps = self._gaps(differ, recs, beam) if exact and beam != eng.SET else {}
+        gaps = self._gaps(differ, recs, beam) if exact and beam not in eng.SETS else {}
         for vid in differ:
             ref, meds = self.recs[(beam, vid)], recs[vid]
             gap = gaps.get(vid)
@@ -145,7 +145,7 @@ class Guard:
                 examples.append(example)
         # Sets near the threshold may flip with float32 rounding (batch composition, engine):
         # a set decoding run matches when at most SET_TOLERANCE of its visits differ.
-        allowed = int(SET_TOLERANCE * compared) if beam == eng.SET else 0
+        allowed = int(SET_TOLERANCE * compared) if beam in eng.SETS else 0
         return {
             "matches_reference": (bad <= allowed and compared == len(recs)) if exact else None,
             "agreement": (compared - bad) / compared if compared else None,

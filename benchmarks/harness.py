@@ -95,11 +95,17 @@ def run_all(ctx: Context, settings: Settings, say: Callable[[str], None] = print
 
 
 def _beams_to_run(ctx: Context, settings: Settings, say) -> tuple[int, ...]:
-    """settings.beams, less set decoding (with a note) when the model has no tuned threshold."""
+    """settings.beams, less set decoding (with a note) when the model has no tuned threshold,
+    and less the marginal decoding when it has no set head."""
     beams = settings.beams
-    if eng.SET in beams and load_manifest(ctx.model_dir).default_decoding().name != "set":
+    manifest = load_manifest(ctx.model_dir)
+    if eng.SET in beams and manifest.default_decoding().name != "set":
         beams = tuple(b for b in beams if b != eng.SET)
         ctx.notes.append("set decoding skipped: the model has no tuned set threshold")
+        say(ctx.notes[-1])
+    if eng.MARGINAL in beams and manifest.head is None:
+        beams = tuple(b for b in beams if b != eng.MARGINAL)
+        ctx.notes.append("marginal decoding skipped: the model has no set head")
         say(ctx.notes[-1])
     return beams
 
@@ -120,7 +126,7 @@ def _block_jobs(
     jobs = []
     for name, engine in loaded.items():
         if name == PERPATIENT:  # once per beam, one patient per batch; no set decoding
-            if i or beam == eng.SET:
+            if i or beam in eng.SETS:
                 continue
             size, visits = 1, settings.perpatient_visits
         else:
@@ -210,7 +216,7 @@ def profile_best(
         return None
     mine = [r for r in runs if r["engine"] == engine]
     if beam is None:
-        beam = max((r["beam"] for r in mine if r["beam"] != eng.SET), default=None)
+        beam = max((r["beam"] for r in mine if r["beam"] not in eng.SETS), default=None)
     mine = [r for r in mine if r["beam"] == beam]
     if not mine:
         return None

@@ -44,11 +44,12 @@ def profile_ort(
     the model's set decoding (`beam` = engines.SET)."""
 
     def scorer():
-        from cognet.benchmarks.engines import SET
+        from cognet.benchmarks.engines import DECODING_NAMES
         from cognet.benchmarks.engines import scorer as open_scorer
         from cognet.runtime import ScoreOptions
 
-        decoding = {"decoding": "set"} if beam == SET else {"beam": beam}
+        names = {v: k for k, v in DECODING_NAMES.items()}
+        decoding = {"decoding": names[beam]} if beam in names else {"beam": beam}
         options = ScoreOptions.of(**decoding, device=device, threads=threads, batch_size=batch_size)
         s = open_scorer(model_dir, options, gpu_path)
         list(s.score_table(batches[0].table))  # warm-up

@@ -13,7 +13,8 @@ from cognet.core.decoding import BEAM
 @dataclass(frozen=True)
 class Settings:
     batch_sizes: tuple[int, ...] = (1, 16, 256, 4096)
-    # beam widths; eng.SET (0, `--beams ...,set`) stands for the model's set decoding
+    # beam widths; eng.SET (0, `--beams ...,set`) stands for the model's set decoding and
+    # eng.MARGINAL (-1, `--beams ...,marginal`) for its marginal decoding (the set head)
     beams: tuple[int, ...] = (1, 4)
     repeats: int = 3
     engines: tuple[str, ...] = eng.ENGINES
@@ -37,7 +38,7 @@ class Settings:
     profile: bool = True  # profile ort-cpu at beam 4 and its best batch size
 
     def __post_init__(self) -> None:
-        if min(self.batch_sizes, default=0) < 1 or min(self.beams, default=0) < eng.SET:
+        if min(self.batch_sizes, default=0) < 1 or min(self.beams, default=0) < eng.MARGINAL:
             raise ValueError("batch sizes and beams must be >= 1")
         if self.repeats < 1 or self.threads < 1 or self.visits < 1:
             raise ValueError("repeats, threads and visits must be >= 1")

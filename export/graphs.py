@@ -33,6 +33,7 @@ from cognet.core.graphspec import (
     STEP_INPUTS,
     STEP_OUTPUTS,
 )
+from cognet.core.head_inputs import HEAD_INPUTS, HEAD_OUTPUT
 from cognet.core.manifest import TensorSpec
 from cognet.model.network import COGNet, reorder
 
@@ -199,6 +200,7 @@ GRAPH_IO = {
     "decoder_init": (INIT_INPUTS, INIT_OUTPUTS),
     "decoder_step": (STEP_INPUTS, STEP_OUTPUTS),
     **ENCODER_PARTS,  # cut from the encoder graph (`onnx_export.write_encoder_parts`)
+    "head": (HEAD_INPUTS, (HEAD_OUTPUT,)),  # the set head (`cognet.model.set_head`)
 }
 WRAPPERS = {"encoder": EncoderGraph, "decoder_init": InitGraph, "decoder_step": StepGraph}
 
@@ -265,4 +267,55 @@ def example_inputs(model: COGNet, sizes: Sizes, seed: int = 0) -> dict[str, Tens
         **init,
         **memories,
         **step,
+    }
+
+
+# -- the set head ---------------------------------------------------------------------------
+@dataclass(frozen=True)
+class HeadSizes:
+    """One size per dynamic axis of the head's graph (>= 2 for the export, as `Sizes`)."""
+
+    N: int = 3
+    Ld: int = 5
+    Lp: int = 3
+    Ll: int = 4
+    Lh: int = 6
+
+
+def head_specs(n_med: int) -> dict[str, TensorSpec]:
+    """The head graph's tensors (`cognet.core.head_inputs`) with symbolic axis names."""
+    i64, f32 = "int64", "float32"
+    table = {
+        "diagnoses": (i64, ("N", "Ld")),
+        "procedures": (i64, ("N", "Lp")),
+        "last_meds": (i64, ("N", "Ll")),
+        "past_meds": (i64, ("N", "Lh")),
+        "has_history": (f32, ("N",)),
+        HEAD_OUTPUT: (f32, ("N", n_med)),
+    }
+    return {name: TensorSpec(name, dtype, shape) for name, (dtype, shape) in table.items()}
+
+
+def head_example(cfg, sizes: HeadSizes, seed: int = 0, empty: float = 0.2) -> dict[str, Tensor]:
+    """Random but valid head inputs (`cognet.core.head_inputs`: ids padded with each kind's
+    PAD, rows of no code at all PAD only): each list is empty in about `empty` of the rows,
+    and a visit without history has no history medication."""
+    g = torch.Generator().manual_seed(seed)
+    n = sizes.N
+    has = (torch.rand(n, generator=g) >= empty).float()
+
+    def ids(length: int, vocab: int, keep_rows: Tensor | None = None) -> Tensor:
+        x = torch.randint(0, vocab, (n, length), generator=g)
+        keep = torch.randint(1, length + 1, (n, 1), generator=g)
+        keep = keep * (torch.rand(n, 1, generator=g) >= empty)  # some lists empty
+        if keep_rows is not None:
+            keep = keep * keep_rows.long().unsqueeze(1)
+        return torch.where(torch.arange(length) < keep, x, torch.full_like(x, vocab))
+
+    return {
+        "diagnoses": ids(sizes.Ld, cfg.n_diag),
+        "procedures": ids(sizes.Lp, cfg.n_proc),
+        "last_meds": ids(sizes.Ll, cfg.n_med, has),
+        "past_meds": ids(sizes.Lh, cfg.n_med, has),
+        "has_history": has,
     }

@@ -7,7 +7,8 @@ at the same speed. Both give plain graphs (no If/Loop); see `onnx_ops_allowlist.
 operator set.
 
 `graph_spec` describes a written file for the manifest; `write_fp16` and `write_int8` add its
-float16 and int8 variants.
+float16 and int8 variants. `export_head` writes the set head's graph the same way (float32
+only: one Gemm a visit, no variant worth its parity checks).
 After the export: the inputs an ablation leaves unused are put back, fixed axes are pinned,
 the KV-cache Reshapes of the step graph keep literal zeros (`allowzero`), and the graph's
 I/O is checked against `cognet.core.graphspec` with its symbolic axes.
@@ -30,14 +31,38 @@ OPSET = 18
 
 def export_graph(model, name: str, path: Path) -> None:
     """torch.onnx.export one graph with every symbolic axis dynamic, warnings silenced."""
+    from cognet.export.graphs import GRAPH_IO, WRAPPERS, Sizes, example_inputs, tensor_specs
+
+    ins, _ = GRAPH_IO[name]
+    example = example_inputs(model, Sizes())
+    module = WRAPPERS[name](model)
+    _export_module(module, name, tuple(example[k] for k in ins), tensor_specs(model), path)
+
+
+def export_head(head, path: Path) -> GraphSpec:
+    """The set head (`cognet.model.set_head.SetHead`) as the graph `head` written to
+    `path`, checked as the model's graphs are; its manifest entry."""
+    import torch
+
+    from cognet.export.graphs import GRAPH_IO, HeadSizes, head_example, head_specs
+
+    ins, _ = GRAPH_IO["head"]
+    example = head_example(head.cfg, HeadSizes())
+    specs = head_specs(head.cfg.n_med)
+    with torch.no_grad():
+        _export_module(head, "head", tuple(example[k] for k in ins), specs, path)
+    return graph_spec(path, "head", specs)
+
+
+def _export_module(module, name: str, example: tuple, specs: dict, path: Path) -> None:
+    """torch.onnx.export `module` as the graph `name` (`graphs.GRAPH_IO`), every symbolic
+    axis of `specs` dynamic, warnings silenced; its I/O checked against `specs`."""
     import onnx
     import torch
 
-    from cognet.export.graphs import GRAPH_IO, WRAPPERS, Sizes, example_inputs, tensor_specs
+    from cognet.export.graphs import GRAPH_IO
 
     ins, outs = GRAPH_IO[name]
-    specs = tensor_specs(model)
-    example = example_inputs(model, Sizes())
     dynamic_axes = {
         k: {i: d for i, d in enumerate(specs[k].shape) if isinstance(d, str)} for k in (*ins, *outs)
     }
@@ -50,8 +75,8 @@ def export_graph(model, name: str, path: Path) -> None:
     ):
         warnings.simplefilter("ignore")
         torch.onnx.export(
-            WRAPPERS[name](model).eval(),
-            tuple(example[k] for k in ins),
+            module.eval(),
+            example,
             str(tmp),
             input_names=list(ins),
             output_names=list(outs),

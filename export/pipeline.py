@@ -13,6 +13,10 @@ graphs, member 0's under the one-network names (`encoder.onnx`, ...), member i's
 `.member<i>` suffix (`encoder.member1.onnx`, `encoder.member1.fp16.onnx`, ...), plain names
 that the manifest's file checks accept (`cognet.core.files.confined`); the search graphs
 are shared.
+
+A checkpoint with a set head (`cognet.model.set_head`) also gives `head.onnx` (float32 only),
+checked against the torch head by `validate` and listed under the manifest's `head`; one
+without writes exactly what it wrote before heads.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ from cognet.core.manifest import (
 from cognet.export.onnx_export import (
     OPSET,
     export_graph,
+    export_head,
     fuse_linear_layers,
     graph_spec,
     write_encoder_parts,
@@ -66,6 +71,7 @@ GRAPH_FILES = graph_files()
 FP16_FILES = graph_files(variant="fp16")
 INT8_FILES = graph_files(variant="int8")
 PART_FILES = part_files()
+HEAD_GRAPH_FILE = "head.onnx"
 REPORT_FILE = "parity_report.json"
 # every file an export writes but the manifest and the report (TensorRT's are in CACHE_DIR)
 MODEL_FILES = (
@@ -77,6 +83,7 @@ MODEL_FILES = (
     ),
     *(file for member in range(MAX_MEMBERS) for file in part_files(member).values()),
     *SEARCH_FILES.values(),
+    HEAD_GRAPH_FILE,
 )
 
 
@@ -131,9 +138,14 @@ def _export(
     from cognet.model import checkpoint as ckpt
     from cognet.model.ensemble import members_of
 
+    head = ckpt.load_head(checkpoint, config)  # a damaged head fails before any graph is written
     # each member's graphs and variants, and their paths ({variant: {graph: path}})
     exported = [_export_member(net, i, out, fp16, int8) for i, net in enumerate(members_of(model))]
     paths = [p for _, p in exported]
+    head_graph = None
+    if head is not None:
+        log.info("exporting the set head")
+        head_graph = export_head(head, out / HEAD_GRAPH_FILE)
 
     parity = None
     if validate:
@@ -148,9 +160,11 @@ def _export(
             n_patients=n_patients,
             log=log.info,
             int8_paths=[p["int8"] for p in paths] if int8 else None,
+            head=None if head is None else (head, out / HEAD_GRAPH_FILE),
         )
         # the operators TensorRT may meet (onnx_ops_allowlist.txt); the int8 graphs are CPU-only
         floats = [f for p in paths for v in (None, "fp16") for f in p.get(v, {}).values()]
+        floats += [] if head is None else [out / HEAD_GRAPH_FILE]
         parity["ops"] = sorted(_ops(floats))
         if not parity["passed"]:
             report = out / REPORT_FILE
@@ -184,6 +198,7 @@ def _export(
         ddi_target=config.get("ddi_target"),  # its DDI target's policy and threshold, if any
         members=len(exported),
         member_graphs=tuple(graphs for graphs, _ in exported[1:]),
+        head=head_graph,
         model_dir=out,
     )
     if tensorrt:

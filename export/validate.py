@@ -27,6 +27,10 @@ float16 (and int8) `log_probs` are compared as probabilities (exp of both sides)
 has no numbers below 6e-8, so the log of a near-impossible medication is not comparable,
 while the probability error is what decides the beam. The variants' beam-4 lists are
 reported against torch's, not required equal.
+
+A set head (`cognet.model.set_head`): its graph's `marginals` against the torch head's at
+`HEAD_CASES` (one visit; a batch of 7; 64 visits of long lists; lists all empty, first
+visits), within `HEAD_ATOL`, reported under "head" (absent for a model without one).
 """
 
 from __future__ import annotations
@@ -47,7 +51,15 @@ from cognet.core.graphspec import ENCODER_INPUTS, ENCODER_OUTPUTS, INIT_INPUTS
 from cognet.core.history import Visit
 from cognet.core.manifest import GRAPHS
 from cognet.core.vocab import Vocab
-from cognet.export.graphs import GRAPH_IO, WRAPPERS, ReferenceStep, Sizes, example_inputs
+from cognet.export.graphs import (
+    GRAPH_IO,
+    WRAPPERS,
+    HeadSizes,
+    ReferenceStep,
+    Sizes,
+    example_inputs,
+    head_example,
+)
 from cognet.model.ensemble import Ensemble, members_of
 from cognet.model.network import COGNet, ModelConfig, history_inputs
 from cognet.model.torch_decoding import beam_search
@@ -79,6 +91,17 @@ SHAPE_CASES: dict[str, tuple[Sizes, Sequence[int]]] = {
     "padded_batch": (Sizes(N=8, B=4, Ld=16, Lp=8, Lm=12, J=4, S=24), (0, 3, 7)),
     "long_history": (Sizes(N=3, B=4, Ld=10, Lp=5, Lm=20, J=40, S=400), (0, 5)),
     "T_0_to_45": (Sizes(N=4, B=4, Ld=8, Lp=4, Lm=8, J=3, S=12), tuple(range(MAX_LEN + 1))),
+}
+
+
+# the set head's P(k in S), float32 against torch: the same bound as the model's graphs
+HEAD_ATOL = FLOAT32_ATOL
+HEAD_CASES: dict[str, tuple[HeadSizes, float]] = {
+    # name: (sizes, share of rows whose code lists are empty and that have no history)
+    "one_visit": (HeadSizes(N=1, Ld=6, Lp=3, Ll=5, Lh=9), 0.0),
+    "batch7": (HeadSizes(N=7, Ld=12, Lp=6, Ll=8, Lh=20), 0.3),
+    "long_lists_64": (HeadSizes(N=64, Ld=60, Lp=30, Ll=40, Lh=300), 0.2),
+    "all_empty": (HeadSizes(N=5, Ld=1, Lp=1, Ll=1, Lh=1), 1.0),
 }
 
 
@@ -345,6 +368,35 @@ def compare_decoding(
     return report
 
 
+# -- 3. the set head -------------------------------------------------------------------------
+@_one_torch_thread()
+def compare_head(head, path: Path, seed: int = 0) -> dict:
+    """Max abs diff of the head graph's `marginals` against the torch head's at every
+    `HEAD_CASES` case; `passed` when all are within `HEAD_ATOL`."""
+    opts = ort.SessionOptions()
+    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    opts.intra_op_num_threads = 1
+    opts.log_severity_level = 3
+    session = ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
+    ins, (out,) = GRAPH_IO["head"]
+    cases = {}
+    for name, (sizes, empty) in HEAD_CASES.items():
+        inputs = head_example(head.cfg, sizes, seed, empty)
+        with torch.no_grad():
+            ref = head.eval()(*(inputs[k] for k in ins)).numpy()
+        (got,) = session.run([out], {k: inputs[k].numpy() for k in ins})
+        cases[name] = max_abs_diff(ref, got)
+    worst = max(cases.values())
+    shapes = {name: asdict(sizes) for name, (sizes, _) in HEAD_CASES.items()}
+    return {
+        "cases": cases,
+        "shapes": shapes,
+        "max_abs_diff": worst,
+        "atol": HEAD_ATOL,
+        "passed": worst <= HEAD_ATOL,
+    }
+
+
 # -- the report -------------------------------------------------------------------------------
 def validate(
     model: COGNet | Ensemble,
@@ -355,10 +407,12 @@ def validate(
     seed: int = 0,
     log: Callable[[str], None] = lambda _: None,
     int8_paths: Sequence[dict[str, Path]] | None = None,
+    head: tuple | None = None,
 ) -> dict:
     """Run every check; returns the parity report (`passed` says whether all passed), with
     a "float16" / "int8" section for each variant given. `paths`, `fp16_paths`,
-    `int8_paths`: {graph: path} of each member (`members_of(model)`)."""
+    `int8_paths`: {graph: path} of each member (`members_of(model)`); `head`: (the set
+    head, its graph's path), checked under "head"."""
     patients = synthetic_patients(vocab, n_patients, seed)
     log("parity: float32 outputs")
     outputs, graphs = _outputs(model, paths)
@@ -377,6 +431,10 @@ def validate(
             log(f"parity: {name} outputs")
             report[name] = _variant_parity(model, files, vocab, patients, diff, atol, min_top1)
             passed = passed and report[name]["passed"]
+    if head is not None:
+        log("parity: the set head")
+        report["head"] = compare_head(*head, seed=seed)
+        passed = passed and report["head"]["passed"]
     report["passed"] = passed
     return report
 
@@ -428,6 +486,9 @@ def failure_summary(report: dict) -> str:
             f"int8 max probability diff {i8['probs_max_abs_diff']:.3g} (bound {i8['atol']:g}), "
             f"top-1 agreement {i8['top1_agreement']:.3f} (bound {i8['min_top1']:g})"
         )
+    h = report.get("head")
+    if h and not h["passed"]:
+        parts.append(f"set head max abs diff {h['max_abs_diff']:.3g} > {h['atol']:g}")
     return "; ".join(parts) or "ok"
 
 

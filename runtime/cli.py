@@ -19,8 +19,6 @@ from cognet.core.commandline import (
     FiniteFloat,
     OneLineGroup,
     count_option,
-    ddi_options,
-    ddi_policy,
     decoding_options,
     handle_errors,
     setup_logging,
@@ -459,25 +457,22 @@ def _signature(
 @click.argument("input_path", metavar="INPUT", type=click.Path(dir_okay=False))
 @model_option
 @click.option("--visit-id", required=True, help="The visit to explain.")
-@count_option("--beam", help=BEAM_HELP)
-@ddi_options
+@decoding_options
 @click.option("--json", "as_json", is_flag=True, help="Print the explanation as JSON.")
 @handle_errors
 def explain(
     input_path: str,
     model_dir: str,
     visit_id: str,
-    beam: int | None,
-    ddi_mode: str | None,
-    ddi_penalty: float | None,
-    ddi_max_rate: float | None,
-    ddi_pair_price: float | None,
+    request: DecodingRequest,
     as_json: bool,
 ) -> None:
     """Print one visit's decoding step by step: medication, probability, generated or
     copied (copy share), the past visit it was copied from and the diagnoses it attended
     to most (the paper's case study). Its patient's earlier visits with known medications
-    are the history; known medications of the visit itself are shown as the truth.
+    are the history; known medications of the visit itself are shown as the truth. With
+    --decoding marginal the set comes from the set head and the explanation from COGNet's
+    own set decoding of the visit (the header says so).
 
     \b
     Example:
@@ -487,8 +482,6 @@ def explain(
     from cognet.runtime.explain_visit import explain_visit, format_explanation
 
     setup_logging()
-    ddi = ddi_policy(ddi_mode, ddi_penalty, ddi_max_rate, ddi_pair_price)
-    request = DecodingRequest(beam=beam, ddi=ddi)
     scorer = Scorer(model_dir, ScoreOptions(request=request, device="cpu", threads=1))
     result = explain_visit(scorer, input_path, visit_id)
     text = strict_json.dumps(result.to_json(), indent=1) if as_json else None

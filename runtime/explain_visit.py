@@ -10,6 +10,11 @@ recommended medication comes with its probability at its step, whether it was mo
 generated or copied (its copy share, `cognet.core.decoding.attribution`), the past visit it
 was copied from, and the diagnoses it attended to most. When the visit's medications are
 known they are shown as the truth (the visit is still scored as if they were not).
+
+The marginal decoding (`--decoding marginal`) reads its set from the set head, which has no
+steps: its medications come in decreasing P(k in S), and their copy shares, source visits
+and attended diagnoses from COGNet's own set decoding of the visit (`explained_by`; null for
+a medication that decoding's samples never emitted).
 """
 
 from __future__ import annotations
@@ -28,6 +33,8 @@ from cognet.runtime.scorer import Scorer
 
 # Copy share from which a medication is called copied rather than generated.
 COPIED_FROM = 0.5
+# The decoding that explains each decoding that has no steps of its own to explain
+EXPLAINED_BY = {"marginal": "set decoding"}
 
 
 @dataclass(frozen=True)
@@ -35,13 +42,17 @@ class ExplainedStep:
     step: int  # 1-based generation order
     medication: str
     probability: float  # of the medication at its step
-    copy_share: float  # the part of its probability copied from the history
+    # the part of its probability copied from the history; None: never emitted by the
+    # decoding that explains it (`VisitExplanation.explained_by`)
+    copy_share: float | None
     source_visit: str | None  # past visit holding most of its copy weight
     top_diagnoses: list[tuple[str, float]] | None  # (code, attention), heaviest first
     in_truth: bool | None  # None when the visit's medications are unknown
 
     @property
-    def origin(self) -> str:
+    def origin(self) -> str | None:
+        if self.copy_share is None:
+            return None
         return "copied" if self.copy_share >= COPIED_FROM else "generated"
 
 
@@ -58,6 +69,9 @@ class VisitExplanation:
     score: float  # sum of log-probabilities of the hypothesis (END included)
     interacting_pairs: list[tuple[str, str]]  # among the recommended medications
     decoding: str  # the decoding (beam width, or set samples and threshold) and DDI policy
+    # the decoding whose steps the copy shares, sources and attention come from, when not
+    # the one that recommended (the marginal decoding's: "set decoding"); None: the same
+    explained_by: str | None = None
 
     def to_json(self) -> dict:
         out = asdict(self)
@@ -124,7 +138,7 @@ def explain_visit(scorer: Scorer, path: str | Path, visit_id: str) -> VisitExpla
             step=i + 1,
             medication=med,
             probability=float(prob),
-            copy_share=float(ex["copy_share"]),
+            copy_share=None if ex["copy_share"] is None else float(ex["copy_share"]),
             source_visit=ex["source_visit"],
             top_diagnoses=None
             if ex["top_diagnoses"] is None
@@ -149,6 +163,7 @@ def explain_visit(scorer: Scorer, path: str | Path, visit_id: str) -> VisitExpla
         score=float(rec["score"]),
         interacting_pairs=scorer.interacting_pairs(rec["medications"]),
         decoding=f"{scorer.decoding.label}, DDI {cfg.ddi.label}",
+        explained_by=EXPLAINED_BY.get(scorer.decoding.name),
     )
 
 
@@ -158,6 +173,14 @@ def format_explanation(e: VisitExplanation) -> str:
         f"patient {e.patient_id}, visit {e.visit_id} (visit_seq {e.visit_seq}); decoding: "
         f"{e.decoding}",
         f"history ({len(e.history)} visits with medications): {', '.join(e.history) or 'none'}",
+        *(
+            [
+                f"explained by: {e.explained_by} of this visit (copy share, from visit and "
+                "attended diagnoses; n/a where its samples never emitted the medication)"
+            ]
+            if e.explained_by
+            else []
+        ),
         f"diagnoses ({len(e.diagnoses)}): {' '.join(e.diagnoses) or '-'}",
         f"procedures ({len(e.procedures)}): {' '.join(e.procedures) or '-'}",
         "",
@@ -184,8 +207,8 @@ def format_explanation(e: VisitExplanation) -> str:
             str(s.step),
             s.medication,
             f"{s.probability:.3f}",
-            s.origin,
-            f"{s.copy_share:.2f}",
+            s.origin or "n/a",
+            "n/a" if s.copy_share is None else f"{s.copy_share:.2f}",
             s.source_visit or "-",
             top,
         ]

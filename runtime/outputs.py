@@ -15,6 +15,7 @@ import numpy as np
 import pyarrow as pa
 
 from cognet.core.decoding.attribution import copy_share_and_source, most_attended
+from cognet.core.decoding.sampling import SetResult
 from cognet.core.schema import PREDICTIONS_SCHEMA
 from cognet.runtime import reader
 from cognet.runtime.plan import REASONS, REJECTED, Plan
@@ -129,7 +130,9 @@ def explanations(plan: Plan, slots: dict, diag_codes: np.ndarray) -> pa.Array:
     diagnosis codes, an object array). Per medication k: its copy share, the part of its
     probability that came from the history (`cognet.core.decoding.attribution`; 0 for a
     medication in no past visit), the past visit whose slots of k carry most of it (null
-    when none holds it), and the diagnoses of the visit it attended to most at its step."""
+    when none holds it), and the diagnoses of the visit it attended to most at its step.
+    The marginal decoding's sets are explained by the set decoding's samples
+    (`SetResult.emitted`): a medication they never emitted has all three null."""
     visit_ids = plan.table["visit_id"]
     out = []
     for i in range(plan.targets.size):
@@ -149,10 +152,14 @@ def explanations(plan: Plan, slots: dict, diag_codes: np.ndarray) -> pa.Array:
             )
             src = [None if j is None else visit_ids[int(hist[j])].as_py() for j in source]
         top = _top_diagnoses(plan, plan.targets[i], res.attention, k, meds.size, diag_codes)
+        marginal = isinstance(res, SetResult) and res.emitted is not None
+        emitted = res.emitted[k] if marginal else [True] * meds.size
         out.append(
             [
                 {"copy_share": float(s), "source_visit": v, "top_diagnoses": d}
-                for s, v, d in zip(share.tolist(), src, top, strict=True)
+                if seen
+                else {"copy_share": None, "source_visit": None, "top_diagnoses": None}
+                for s, v, d, seen in zip(share.tolist(), src, top, emitted, strict=True)
             ]
         )
     return pa.array(out, pa.list_(EXPLANATION))

@@ -15,6 +15,10 @@ Each chunk (whole patients, see `reader.chunks`) goes through four stages:
   an ensemble's members each encode and init from their own graphs, and the batch decodes
   by the rules of `cognet.core.decoding.ensemble`;
 - emit (`emit`): the output rows in input order, and the metrics with `--all`.
+The marginal decoding (`--decoding marginal`) plans, then reads each target's P(k in S) from
+the set head's graph (`head.HeadSession`) and its set by the set rules: no encoder nor decoder
+graph runs, but with explanations, which come from COGNet's own set decoding of the same
+visits (`selector_choice.explained_marginal_sets`).
 Results come lazily, one `ScoredChunk` at a time, so a caller can write them as they arrive.
 
 What decides the speed (figures: BENCHMARKS.md "Latest results" and "What was tried"):
@@ -45,6 +49,8 @@ from cognet.core.decoding.beam import BeamResult
 from cognet.core.decoding.driver import COMPACT_AT
 from cognet.core.decoding.ensemble import member_sessions
 from cognet.core.decoding.request import DecodingRequest
+from cognet.core.decoding.sampling import SetResult, set_result
+from cognet.core.errors import InputError
 from cognet.core.vocab import Vocab
 from cognet.runtime import emit, reader
 from cognet.runtime.batches import Budgets, least_padded
@@ -53,7 +59,7 @@ from cognet.runtime.options import CHUNK_ROWS, MAX_CODES, ScoreOptions
 from cognet.runtime.outputs import ScoredChunk, rejects_table
 from cognet.runtime.plan import Assembler, Plan
 from cognet.runtime.scoring_model import ScoringModel, open_model
-from cognet.runtime.selector_choice import decode, decoding_configs
+from cognet.runtime.selector_choice import decode, decoding_configs, explained_marginal_sets
 
 log = logging.getLogger(__name__)
 
@@ -163,6 +169,14 @@ class Scorer:
         self.beam_config, self.set_config = decoding_configs(
             self.decoding, self.vocab.end, self.ddi, options.compact_at
         )
+        self.head = model.head if self.decoding.name == "marginal" else None
+        if self.decoding.name == "marginal" and self.head is None:
+            where = manifest.model_dir if manifest is not None else "the model"
+            raise InputError(
+                f"{where}: --decoding marginal reads a set head and this model has none "
+                "(train one: cognet train --data DATA --teacher CKPT --out NEW, then "
+                "cognet-export --checkpoint NEW --out MODEL)"
+            )
         self._attention = model.attention and "diag_attention" in model.decoder.step_outputs
         self._pool = ThreadPoolExecutor(self.streams, "cognet-batch") if self.streams > 1 else None
         self._codes = pa.array(self.vocab.medications, pa.string())
@@ -287,19 +301,12 @@ class Scorer:
         self, chunk: reader.Chunk, assembler: Assembler, score_all: bool, explain: bool
     ) -> ScoredChunk:
         started = time.perf_counter()
-        budgets = self.budgets
         plan = assembler.plan(chunk.table)
-        enc = encode_plan(
-            self.encode, plan, self.vocab, budgets.encode_cells, budgets.encode_batch, self._map
-        )
-        cuts = (budgets.batch_slots, budgets.batch_codes, budgets.batch_codes)
-        parts = least_padded(plan.decode_orders(), cuts, budgets.batch_size)
-        try:
-            results = list(
-                self._map(lambda part: self._decode(plan, enc, part, score_all, explain), parts)
-            )
-        finally:
-            self.encode.release(enc)  # its buffers may serve the next chunk
+        if self.head is not None and not explain:  # one pass of the head, no decoder
+            parts = self.head.batches(plan)
+            results = list(self._map(lambda part: (self._head_sets(plan, part), None), parts))
+        else:
+            parts, results = self._encode_decode(plan, score_all, explain)
         # per target: (its batch's result, its place there, its batch's decoder-init inputs)
         slots: dict[int, tuple[BeamResult, int, dict]] = {}
         if explain or score_all:
@@ -330,14 +337,43 @@ class Scorer:
             visits_evaluated=evaluated,
         )
 
+    def _encode_decode(
+        self, plan: Plan, score_all: bool, explain: bool
+    ) -> tuple[list[np.ndarray], list[tuple[BeamResult | SetResult, dict]]]:
+        """Encode the plan's visits, then decode its targets in batches: (the batches, as
+        indices into plan.targets; each batch's result and decoder-init inputs)."""
+        budgets = self.budgets
+        enc = encode_plan(
+            self.encode, plan, self.vocab, budgets.encode_cells, budgets.encode_batch, self._map
+        )
+        cuts = (budgets.batch_slots, budgets.batch_codes, budgets.batch_codes)
+        parts = least_padded(plan.decode_orders(), cuts, budgets.batch_size)
+        try:
+            results = list(
+                self._map(lambda part: self._decode(plan, enc, part, score_all, explain), parts)
+            )
+        finally:
+            self.encode.release(enc)  # its buffers may serve the next chunk
+        return parts, results
+
+    def _head_sets(self, plan: Plan, part: np.ndarray) -> SetResult:
+        """The marginal decoding's sets of the targets `part` (indices into plan.targets)."""
+        marginals = self.head.marginals(plan, part)
+        return set_result(marginals, 0, self.set_config, self._ddi_adj)
+
     def _decode(
         self, plan: Plan, enc, part: np.ndarray, score_all: bool, explain: bool
-    ) -> tuple[BeamResult, dict]:
+    ) -> tuple[BeamResult | SetResult, dict]:
         """One batch (`part`: indices into plan.targets): its decoder init from the
-        encodings (gathered on the host, or where they are), then its decoding."""
+        encodings (gathered on the host, or where they are), then its decoding (the
+        marginal decoding's: the head's sets, explained by the set decoding)."""
         targets, histories = plan.targets[part], plan.histories.take(part)
         memories, inputs = init_memories(self.decoder, plan, enc, targets, histories)
         ids = plan.table.column("visit_id").take(targets).to_pylist()
+        if self.head is not None:
+            marginals = self.head.marginals(plan, part)
+            args = (self.set_config, ids, self._ddi_adj, self._attention)
+            return explained_marginal_sets(self.decoder, memories, marginals, *args), inputs
         result = decode(
             self.decoder,
             memories,

@@ -36,6 +36,7 @@ class ScoringModel:
     threads: int | None = None  # intra-op threads of each stream's sessions
     streams: int = 1  # batches decoded in parallel
     manifest: Manifest | None = None
+    head: Any = None  # the set head's `head.HeadSession` (`--decoding marginal`), if any
 
 
 def open_model(
@@ -73,4 +74,5 @@ def open_model(
         threads=model.threads,
         streams=streams,
         manifest=manifest,
+        head=model.head,
     )

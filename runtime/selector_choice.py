@@ -20,7 +20,11 @@ from cognet.core.ddi import DDIPolicy
 from cognet.core.decoding import Decoding
 from cognet.core.decoding.beam import BeamConfig, BeamResult, beam_search
 from cognet.core.decoding.draws import visit_keys
-from cognet.core.decoding.ensemble import EnsembleSession, decode_ensemble_sets
+from cognet.core.decoding.ensemble import (
+    EnsembleSession,
+    decode_ensemble_sets,
+    ensemble_marginals,
+)
 from cognet.core.decoding.sampling import (
     SetConfig,
     SetResult,
@@ -35,9 +39,10 @@ def decoding_configs(
     decoding: Decoding, end: int, ddi: DDIPolicy, compact_at: float
 ) -> tuple[BeamConfig, SetConfig | None]:
     """The driver configurations of a decoding: beam search's (always: its beam width and
-    length are reported), and the set decoding's when `decoding` is a set decoding."""
+    length are reported), and the set decoding's when `decoding` is a set decoding (the
+    marginal decoding's: its set rules, and the samples its explanations draw)."""
     beam = BeamConfig.of(decoding, end, ddi, compact_at)
-    if decoding.name != "set":
+    if decoding.name == "beam":
         return beam, None
     return beam, SetConfig.of(decoding, end, ddi, compact_at)
 
@@ -75,6 +80,33 @@ def decode(
     if graphs and not prauc and (not ensemble or session.search is not None):
         return device_selectors.beam_search(session, memories, n, cfg, ddi_adj)
     return beam_search(session, memories, n, cfg, prauc, explain, ddi_adj, attention)
+
+
+def explained_marginal_sets(
+    session: Any,
+    memories: Any,
+    marginals: np.ndarray,
+    cfg: SetConfig,
+    visit_ids: Sequence[str],
+    ddi_adj: np.ndarray | None = None,
+    attention: bool = False,
+) -> SetResult:
+    """The marginal decoding's sets, read from the head's `marginals` [n, M], explained by
+    COGNet's own set decoding of the same visits (its samples, drawn as `decode` draws them,
+    on the host): each medication's gate, copy share and attention are the means over the
+    steps at which samples emitted it; `emitted` says which were (the others have none)."""
+    keys = visit_keys(visit_ids)
+    n = len(visit_ids)
+    if isinstance(session, EnsembleSession):
+        args = (session.members, memories, n, cfg, keys, True, ddi_adj, attention)
+        _, sums, steps = ensemble_marginals(*args)
+    else:
+        _, sums, steps = set_marginals(session, memories, n, cfg, keys, True, ddi_adj, attention)
+    sums = sums or {}
+    result = set_result(marginals, steps, cfg, ddi_adj, sums)
+    count = sums.get("count", np.zeros(marginals.shape))
+    result.emitted = [count[i, m] > 0 for i, m in enumerate(result.meds)]
+    return result
 
 
 def _graph_marginals(session, memories, n, cfg, keys, *_) -> tuple[np.ndarray, None, int]:

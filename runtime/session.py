@@ -54,6 +54,7 @@ from cognet.runtime.device_selectors import (
 )
 from cognet.runtime.encoder import Encoder, Encodings, EnsembleEncoder
 from cognet.runtime.graphcheck import check_io, check_links, check_search, probe
+from cognet.runtime.head import open_head
 from cognet.runtime.options import CPU_VARIANTS, DEVICES, SELECTIONS, check_variant_device
 
 log = logging.getLogger(__name__)
@@ -186,6 +187,9 @@ class OrtModel:
             for m in members
         ]
         self.selection = self._selection(selection)
+        # the set head (`--decoding marginal`): one graph of its own, no engine (no profile)
+        cuda = (CUDA, {"device_id": 0, "use_tf32": "0"})  # full float32, as the decoder's
+        self.head = open_head(manifest, opts, [CPU] if self.device == "cpu" else [cuda, CPU])
         search = None
         if self.selection == "device" or (self.on_device and self.manifest.search):
             search = SearchGraphs(self._search(opts, gpu), bound if self.on_device else None)

@@ -119,9 +119,11 @@ def random_checkpoint(
     ablation: str = "none",
     dim: int = 16,
     heads: int = 2,
+    head: bool = False,
 ) -> Path:
     """A randomly initialised COGNet over the vocabulary of a dataset directory's train split
-    (graphs from its train split and DDI pairs), saved as a checkpoint; returns its path."""
+    (graphs from its train split and DDI pairs), saved as a checkpoint; returns its path.
+    head: with a random set head (`random_head`)."""
     from cognet.core.history import load_split, train_vocabulary
     from cognet.model import checkpoint
     from cognet.model.batching import ddi_adjacency, ehr_adjacency
@@ -154,8 +156,25 @@ def random_checkpoint(
             p.add_(torch.randn_like(p) * 0.3)
         model.gen_head.bias[vocab.end] = -0.5
     ckpt = Path(ckpt)
-    checkpoint.save(ckpt, model, vocab, ehr, ddi, pairs, {"seed": seed, "tiny": True})
+    extra = {"head": (random_head(vocab, seed), {"tiny": True})} if head else {}
+    checkpoint.save(ckpt, model, vocab, ehr, ddi, pairs, {"seed": seed, "tiny": True}, **extra)
     return ckpt
+
+
+def random_head(vocab: Vocab, seed: int = 0, hidden: int = 32):
+    """A randomly initialised set head (`cognet.model.set_head`) whose marginals spread over
+    (0, 1), so that sets and thresholds vary; PAD rows stay zero, as training keeps them."""
+    from cognet.model.set_head import HeadConfig, SetHead
+
+    torch.manual_seed(seed + 1)
+    head = SetHead(HeadConfig(vocab.n_diag, vocab.n_proc, vocab.n_med, hidden=hidden))
+    with torch.no_grad():
+        for p in head.parameters():
+            p.add_(torch.randn_like(p) * 0.5)
+        for table in (head.diagnoses, head.procedures, head.last_meds, head.past_meds):
+            table.weight[table.padding_idx].zero_()
+        head.out.bias -= 1.0  # sets of a few medications, not half the vocabulary
+    return head.eval()
 
 
 def torch_encoder(model: COGNet):

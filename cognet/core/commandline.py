@@ -260,8 +260,9 @@ def decoding_options(func: Callable) -> Callable:
             type=click.Choice(DECODINGS),
             default=None,
             help="set: the model's best set of medications (from seeded samples); "
-            "beam: the paper's beam search. Default: the model's own (set for "
-            "models trained by this version).",
+            "beam: the paper's beam search; marginal: the set read in one pass from "
+            "the model's set head (models trained with one). Default: the model's "
+            "own (set for models trained by this version).",
         ),
         count_option(
             "--beam",
@@ -275,8 +276,8 @@ def decoding_options(func: Callable) -> Callable:
             "--threshold",
             type=FiniteFloat(0, 1, min_open=True),
             default=None,
-            help="Set decoding: threshold on P(medication in set) (default: the "
-            "model's, tuned on validation); it asks for the threshold rule.",
+            help="Set and marginal decoding: threshold on P(medication in set) "
+            "(default: the model's, tuned on validation); it asks for the threshold rule.",
         ),
         click.option(
             "--estimator",
@@ -289,9 +290,9 @@ def decoding_options(func: Callable) -> Callable:
             "--set-rule",
             type=click.Choice(SET_RULES),
             default=None,
-            help="Set decoding: how the set is read from P(medication in set): "
-            "threshold, or the set of highest expected Jaccard (default: the "
-            "model's; threshold with --threshold).",
+            help="Set and marginal decoding: how the set is read from P(medication "
+            "in set): threshold, or the set of highest expected Jaccard (default: "
+            "the model's; threshold with --threshold).",
         ),
     ]
     for option in reversed(options):

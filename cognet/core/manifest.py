@@ -41,7 +41,8 @@ the search graphs, `cognet.export.search_graphs`; absent in models exported befo
 DDI-rate target, `cognet.core.ddi.DDITarget`: the model's default policy,
 `Manifest.default_target`) and, for an ensemble (`cognet.core.decoding.ensemble`), `members`
 (absent: 1) and `member_graphs` ([{graphs, variants}] of members 1.., with member 0's variants;
-member 0's are `graphs` and `variants`; the search graphs serve them all).
+member 0's are `graphs` and `variants`; the search graphs serve them all) and `head` (absent:
+none; the set head's float32 graph, `cognet.core.head_inputs`, read by the marginal decoding).
 """
 
 from __future__ import annotations
@@ -130,6 +131,8 @@ class Manifest:
     # an ensemble's network count and the graphs of members 1.. (`check_manifest` checks them)
     members: int = 1
     member_graphs: tuple[MemberGraphs, ...] = ()
+    # the set head's graph (`cognet.core.head_inputs`); None: the model has no head
+    head: GraphSpec | None = None
     format_version: int = FORMAT_VERSION
     # Where the manifest was loaded from (not serialised); graph paths are relative to it.
     model_dir: Path | None = field(default=None, compare=False)
@@ -194,7 +197,7 @@ class Manifest:
         return Path(self.model_dir or ".") / MANIFEST_FILE
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        out = {
             "format_version": ENSEMBLE_FORMAT_VERSION if self._members_json() else FORMAT_VERSION,
             "opset": self.opset,
             "dims": vars(self.dims).copy(),
@@ -213,7 +216,12 @@ class Manifest:
             "decoding": self.decoding,
             "search": specs_json(self.search),
             "ddi_target": self.ddi_target,
-        } | self._members_json()
+        }
+        return out | self._members_json() | self._head_json()
+
+    def _head_json(self) -> dict[str, Any]:
+        """The head's entry; none without a head (its manifest is as before heads)."""
+        return {} if self.head is None else {"head": self.head.to_json()}
 
     def _members_json(self) -> dict[str, Any]:
         """The ensemble's fields; none for one network (its manifest is as before them)."""
@@ -245,6 +253,7 @@ class Manifest:
             ddi_target=obj.get("ddi_target"),
             members=obj.get("members", 1),  # as read: `check_manifest` checks it
             member_graphs=tuple(MemberGraphs.from_json(m) for m in obj.get("member_graphs", [])),
+            head=GraphSpec.from_json(obj["head"]) if "head" in obj else None,
             model_dir=None if model_dir is None else Path(model_dir),
         )
 
@@ -325,16 +334,23 @@ def check_manifest(manifest: Manifest) -> None:
         if getattr(d, key) != size:
             raise bad(f"dims.{key}", f"{getattr(d, key)}, but the vocabulary has {size} codes")
     _check_members(manifest, bad)
+    if manifest.head is not None:
+        shapes = [tuple(t.shape) for t in manifest.head.outputs]
+        if shapes != [("N", d.n_med)]:
+            raise bad("head.outputs", f"shapes {shapes}, the dims need [('N', {d.n_med})]")
     manifest.default_decoding()  # an InputError naming the decoding field
     manifest.default_target()  # and the ddi_target field
     groups = [("graphs", manifest.graphs), ("search", manifest.search)]
+    if manifest.head is not None:
+        groups.append(("", {"head": manifest.head}))
     groups += [(f"variants.{v}", gs) for v, gs in manifest.variants.items()]
     for i, member in enumerate(manifest.member_graphs, 1):
         groups += [(f"member_graphs.{i}.graphs", member.graphs)]
         groups += [(f"member_graphs.{i}.variants.{v}", gs) for v, gs in member.variants.items()]
     for group, specs in groups:
         for name, spec in specs.items():
-            confined(folder, spec.file, f"{file}: field '{group}.{name}.file'")
+            where = f"{group}.{name}" if group else name
+            confined(folder, spec.file, f"{file}: field '{where}.file'")
     if manifest.tensorrt is not None:
         cache = manifest.tensorrt["cache_dir"]
         confined(folder, cache, f"{file}: field 'tensorrt.cache_dir'")
@@ -359,6 +375,7 @@ def verify_graphs(manifest: Manifest) -> None:
         specs += list(member.graphs.values())  # GRAPHS and the encoder parts
         specs += [gs[g] for gs in member.variants.values() for g in GRAPHS]
     specs += list(manifest.search.values())
+    specs += [] if manifest.head is None else [manifest.head]
     for spec in specs:
         folder = Path(manifest.model_dir or ".")
         path = confined(folder, spec.file, f"{manifest._file()}: graph file")

@@ -106,6 +106,9 @@ class SetResult:
     shares: list[np.ndarray] | None = None
     attention: list[np.ndarray] | None = None  # per visit: [meds, Ld] mean diagnosis attention
     steps: int = 0
+    # per visit: bool [meds], whether a sample emitted it (the marginal decoding's
+    # explanations: its sets are not its samples'); None: every medication of a set was
+    emitted: list[np.ndarray] | None = None
 
 
 class SetRule:
