@@ -34,6 +34,10 @@ from cognet.core.schema import check_visits_columns
 log = logging.getLogger(__name__)
 
 ROW = "_row"
+# `score --split`: a bool column added to the tables; a row False there is not scored but
+# skipped (history only), as a row with known medications is without --all.
+ASKED = "_asked"
+SPLITS = ("train", "val", "test")
 CODES = pa.list_(pa.string())
 INPUT_SCHEMA = pa.schema(
     [
@@ -89,6 +93,31 @@ def cast_input(table: pa.Table | pa.RecordBatch, path: object) -> pa.Table:
                 ) from None
         columns.append(column)
     return pa.Table.from_arrays(columns, schema=INPUT_SCHEMA)
+
+
+def split_rows(path: str | Path, split: str) -> np.ndarray:
+    """bool [rows of the file]: the rows whose `split` column (the dataset's, user guide
+    "Data") is `split`. InputError when the file has no such column or no row of `split`."""
+    try:
+        file = pq.ParquetFile(path)
+        if "split" not in file.schema_arrow.names:
+            raise InputError(
+                f"{where(path, 'split')}: no such column; --split needs the dataset's split "
+                "column (train / val / test)"
+            )
+        column = file.read(columns=["split"]).column("split").cast(pa.string())
+    except (pa.ArrowException, OSError) as exc:
+        raise InputError(f"{path}: not a readable Parquet file ({one_line(exc)})") from None
+    rows = pc.fill_null(pc.equal(column, split), False).to_numpy(zero_copy_only=False)
+    if not rows.any():
+        raise InputError(f"{where(path, 'split')}: no row of split {split!r} (--split)")
+    return rows
+
+
+def asked(batches: Iterable[pa.Table], rows: np.ndarray) -> Iterator[pa.Table]:
+    """`batches` with the ASKED column: rows[ROW] (`split_rows`)."""
+    for table in batches:
+        yield table.append_column(ASKED, pa.array(rows[table[ROW].to_numpy()]))
 
 
 class VisitFile:

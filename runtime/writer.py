@@ -40,7 +40,9 @@ from cognet.runtime.outputs import REJECTS_SCHEMA, ScoredChunk, output_schema
 from cognet.runtime.summary import total_counts
 
 MARKER = "progress.json"
-FORMAT_VERSION = 2  # 2: parts list their files and sizes; the signature of `signature.py`
+# 2: parts list their files and sizes; the signature of `signature.py`; 3: codes_given, and
+# metric rows of first and later visits (`outputs.METRIC_WIDTH`)
+FORMAT_VERSION = 3
 RESUME_HINT = "delete {dir}/ or run without --resume"
 
 
@@ -165,6 +167,7 @@ class PartWriter:
                 "rows_skipped": chunk.rows_skipped,
                 "reject_reasons": chunk.reject_reasons,
                 "unknown_codes": chunk.unknown_codes,
+                "codes_given": chunk.codes_given,
                 "visits_evaluated": chunk.visits_evaluated,
                 "metrics": chunk.patient_metrics is not None,
                 "files": {f: (self.dir / f).stat().st_size for f in files},
