@@ -513,6 +513,15 @@ def _signature(
 @count_option("--beam", help=BEAM_HELP)
 @ddi_options
 @click.option("--json", "as_json", is_flag=True, help="Print the explanation as JSON.")
+@click.option(
+    "--names",
+    "names_file",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="Code names to show, before the shipped ICD-9-CM ones: CSV or TSV (.gz too) with "
+    "columns code, name and optionally kind (diagnosis, procedure, medication), e.g. "
+    "ATC names, which cognet does not ship.",
+)
 @handle_errors
 def explain(
     input_path: str,
@@ -524,24 +533,28 @@ def explain(
     ddi_max_rate: float | None,
     ddi_pair_price: float | None,
     as_json: bool,
+    names_file: str | None,
 ) -> None:
     """Print one visit's decoding step by step: medication, probability, generated or
     copied (copy share), the past visit it was copied from and the diagnoses it attended
-    to most (the paper's case study). Its patient's earlier visits with known medications
-    are the history; known medications of the visit itself are shown as the truth.
+    to most (the paper's case study), with the names of ICD-9-CM codes. Its patient's
+    earlier visits with known medications are the history; known medications of the visit
+    itself are shown as the truth.
 
     \b
     Example:
       cognet-batch explain visits.parquet --model model --visit-id V0012-3
     """
 
+    from cognet.core.code_names import CodeNames
     from cognet.runtime.explain_visit import explain_visit, format_explanation
 
     setup_logging()
+    names = CodeNames.load(names_file)  # a bad names file fails before the model loads
     ddi = ddi_policy(ddi_mode, ddi_penalty, ddi_max_rate, ddi_pair_price)
     request = DecodingRequest(beam=beam, ddi=ddi)
     scorer = Scorer(model_dir, ScoreOptions(request=request, device="cpu", threads=1))
-    result = explain_visit(scorer, input_path, visit_id)
+    result = explain_visit(scorer, input_path, visit_id, names)
     text = strict_json.dumps(result.to_json(), indent=1) if as_json else None
     click.echo(text or format_explanation(result))
 
