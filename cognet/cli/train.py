@@ -220,7 +220,7 @@ def train(data_dir, out, threads, quiet, recipe, **config):
             on_epoch=on_epoch,
             progress=(lambda **kw: bar(**kw)) if bar else None,
         )
-    kept = "; ".join(_weights_label(w) for w in best["members"])
+    kept = _members_label(best["members"])
     click.echo(
         f"weights: {kept}; decoding: "
         f"{Decoding.from_json(best['decoding']).label}; checkpoint written to {out}"
@@ -264,6 +264,14 @@ def ensemble(checkpoints, data_dir, out, threads):
         f"{len(checkpoints)} members; decoding: {Decoding.from_json(done['decoding']).label}; "
         f"checkpoint written to {out}"
     )
+
+
+def _members_label(members: list[dict]) -> str:
+    """How each network's weights were chosen, each named by its member number (as the
+    epoch lines name them) when there are several."""
+    if len(members) == 1:
+        return _weights_label(members[0])
+    return "; ".join(f"member {i}: {_weights_label(w)}" for i, w in enumerate(members))
 
 
 def _weights_label(chosen: dict) -> str:
