@@ -415,9 +415,9 @@ def _report(
         click.echo(line, err=True)
     if not score_all and result["rows_skipped"] and not result["rows_scored"]:
         click.echo(
-            "every visit has its medications, so none was scored (visits are scored when "
-            "their medications are null); --all scores them all and reports the metrics "
-            "against the known medications",
+            "no visit scored: without --all only the visits whose medications are null "
+            "are; --all scores every visit and reports the metrics against the known "
+            "medications",
             err=True,
         )
 

@@ -145,9 +145,9 @@ def test_a_file_with_every_medication_says_how_to_score_it(tiny, visits, tmp_pat
     result = loud(tiny, inp, tmp_path / "o.parquet")
     assert result.exit_code == 0, result.output
     assert f"scored 0 of {visits.num_rows} visits" in result.output
-    assert "--all scores them" in result.output
+    assert "--all scores every visit" in result.output
     result = loud(tiny, inp, tmp_path / "o2.parquet", "--all")
-    assert result.exit_code == 0 and "--all scores them" not in result.output
+    assert result.exit_code == 0 and "--all scores every visit" not in result.output
 
 
 def test_all_prints_metrics_of_first_and_later_visits(tiny, visits, tmp_path):
