@@ -240,9 +240,10 @@ def format_explanation(e: VisitExplanation) -> str:
         "",
         f"{order}: "
         + ("place in the set, most probable first" if e.ranked else "generation order")
-        + f"; prob: {prob}; origin: copied from a copy share of {COPIED_FROM:g} up "
-        "(the share of its probability that came from the history), from the past visit "
-        "named; attended diagnoses: the visit's diagnoses it attended to most (weights)",
+        + f"; prob: {prob}",
+        f"origin: copied from a copy share of {COPIED_FROM:g} up (the share of its "
+        "probability that came from the history), from the past visit named; attended "
+        "diagnoses: the visit's diagnoses it attended to most (weights)",
         f"{len(predicted)} medications",
     ]
     if e.truth is not None:
