@@ -24,6 +24,8 @@ setup(
     python_requires=">=3.10",
     packages=PACKAGES,
     package_dir=PACKAGE_DIR,
+    # the ICD-9-CM names that explanations print (tools/make_code_names.py derives them)
+    package_data={"cognet.core": ["code_names.tsv.gz"]},
     install_requires=[
         "numpy>=1.24",
         "pyarrow>=14",

@@ -13,6 +13,7 @@ import sys
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from cognet.core.decoding.attribution import COPIED_FROM
 from cognet.core.files import atomic_path
 
 
@@ -35,6 +36,9 @@ def make_input(data_dir: str, out: str, split: str = "test") -> int:
 
 
 def report(summary_path: str, recs_path: str, n: int = 5) -> str:
+    from cognet.core.code_names import CodeNames
+
+    names = CodeNames.load()
     summary = json.loads(open(summary_path).read())
     recs = pq.read_table(recs_path).slice(0, n).to_pylist()
     lines = [
@@ -58,12 +62,11 @@ def report(summary_path: str, recs_path: str, n: int = 5) -> str:
         for med, prob, ex in zip(r["medications"], r["probabilities"], explain, strict=True):
             detail = ""
             if ex:
-                source = ex.get("source_visit")
-                detail = (
-                    f", copied {ex.get('copy_share', 0):.0%}"
-                    f"{' from visit ' + source if source else ''}"
-                )
-            lines.append(f"    {med}: {prob:.3f}{detail}")
+                share, source = ex.get("copy_share", 0), ex.get("source_visit")
+                # a source visit only for what was copied (`explain`'s origin threshold)
+                copied = source and share >= COPIED_FROM
+                detail = f", copied {share:.0%}{' from visit ' + source if copied else ''}"
+            lines.append(f"    {names.named('medication', med)}: {prob:.3f}{detail}")
     return "\n".join(lines)
 
 

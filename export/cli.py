@@ -9,6 +9,7 @@ import click
 from cognet.core.commandline import OneLineCommand, handle_errors, setup_logging
 from cognet.core.errors import ParityError
 from cognet.core.files import Reads, guarded
+from cognet.core.progress import progress
 from cognet.core.tensorrt import CACHE_DIR
 
 
@@ -71,7 +72,13 @@ def main(
         built = stage["--out"]
         try:
             manifest = export(
-                checkpoint, built, validate=validate, fp16=fp16, int8=int8, tensorrt=tensorrt
+                checkpoint,
+                built,
+                validate=validate,
+                fp16=fp16,
+                int8=int8,
+                tensorrt=tensorrt,
+                progress=progress,
             )
         except ParityError as exc:
             stage.commit()
@@ -90,9 +97,16 @@ def main(
     decoding = parity["decoding"]
     line = (
         f"exported {out}: float32 max abs diff {parity['float32']['max_abs_diff']:.2g}, "
+        f"greedy lists identical {decoding['beam1']['identical']}/{decoding['beam1']['visits']}, "
         f"beam-4 lists identical {decoding['beam4']['identical']}/"
         f"{decoding['beam4']['visits']}"
     )
+    sets = parity.get("sets")
+    if sets is not None:  # the model's own decoding, reported (a tie may flip a set)
+        line += (
+            f", sets of its decoding ({sets['decoding']}) identical "
+            f"{sets['identical']}/{sets['visits']}"
+        )
     if "float16" in parity:
         line += (
             f"; float16 max diff {parity['float16']['max_abs_diff']:.2g}, "

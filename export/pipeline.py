@@ -95,6 +95,7 @@ def export(
     tensorrt: bool = False,
     n_patients: int = 64,
     int8: bool = False,
+    progress=None,
 ) -> Manifest:
     """Export `checkpoint` to the model directory `out`; returns its manifest.
 
@@ -102,6 +103,8 @@ def export(
     cognet.core.errors.ParityError when validation fails (the report is then in
     `out/parity_report.json`). `n_patients`: random patients decoded by the parity check.
     `fp16` / `int8`: also write the float16 / int8 (CPU) variants of the three graphs.
+    `progress`: a bar factory (`cognet.core.progress.progress`) for the graphs written and
+    the parity checks run.
     """
 
     if tensorrt:
@@ -119,7 +122,17 @@ def export(
         (out / stale).unlink(missing_ok=True)
     try:
         return _export(
-            model, vocab, config, checkpoint, out, validate, fp16, int8, tensorrt, n_patients
+            model,
+            vocab,
+            config,
+            checkpoint,
+            out,
+            validate,
+            fp16,
+            int8,
+            tensorrt,
+            n_patients,
+            progress or _no_bar,
         )
     except ParityError:  # the graphs and the report stay, for a look; no manifest
         raise
@@ -131,16 +144,38 @@ def export(
         raise
 
 
+def _no_bar(**_):
+    from cognet.core.progress import progress
+
+    return progress(quiet=True)
+
+
 def _export(
-    model, vocab, config, checkpoint, out: Path, validate, fp16, int8, tensorrt, n_patients
+    model,
+    vocab,
+    config,
+    checkpoint,
+    out: Path,
+    validate,
+    fp16,
+    int8,
+    tensorrt,
+    n_patients,
+    progress,
 ):
     """`export` once the checkpoint is loaded and OUT is ready."""
+    from cognet.core.decoding import Decoding
     from cognet.model import checkpoint as ckpt
     from cognet.model.ensemble import members_of
 
     head = ckpt.load_head(checkpoint, config)  # a damaged head fails before any graph is written
     # each member's graphs and variants, and their paths ({variant: {graph: path}})
-    exported = [_export_member(net, i, out, fp16, int8) for i, net in enumerate(members_of(model))]
+    nets = members_of(model)
+    exported = []
+    with progress(total=len(nets), desc="writing graphs", unit="network") as bar:
+        for i, net in enumerate(nets):
+            exported.append(_export_member(net, i, out, fp16, int8))
+            bar.update(1)
     paths = [p for _, p in exported]
     head_graph = None
     if head is not None:
@@ -149,19 +184,26 @@ def _export(
 
     parity = None
     if validate:
-        from cognet.export.validate import check
+        from cognet.export.validate import check, parity_steps
         from cognet.export.validate import validate as run_validation
 
-        parity = run_validation(
-            model,
-            vocab,
-            [p[None] for p in paths],
-            [p["fp16"] for p in paths] if fp16 else None,
-            n_patients=n_patients,
-            log=log.info,
-            int8_paths=[p["int8"] for p in paths] if int8 else None,
-            head=None if head is None else (head, out / HEAD_GRAPH_FILE),
-        )
+        fp16_paths = [p["fp16"] for p in paths] if fp16 else None
+        int8_paths = [p["int8"] for p in paths] if int8 else None
+        sets = Decoding.from_json(config.get("decoding"))  # the model's own decoding
+        steps = parity_steps(fp16_paths, int8_paths, sets, head is not None)
+        with progress(total=steps, desc="parity check", unit="check") as bar:
+            parity = run_validation(
+                model,
+                vocab,
+                [p[None] for p in paths],
+                fp16_paths,
+                n_patients=n_patients,
+                log=log.info,
+                int8_paths=int8_paths,
+                sets=sets,
+                step=lambda: bar.update(1),
+                head=None if head is None else (head, out / HEAD_GRAPH_FILE),
+            )
         # the operators TensorRT may meet (onnx_ops_allowlist.txt); the int8 graphs are CPU-only
         floats = [f for p in paths for v in (None, "fp16") for f in p.get(v, {}).values()]
         floats += [] if head is None else [out / HEAD_GRAPH_FILE]

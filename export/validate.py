@@ -14,7 +14,10 @@ Two checks, both run by `cognet.export.export` unless `validate=False`:
    (encodings, memories) are reported, not bounded, since they matter only through them.
 2. Decoding: greedy and beam-4 search driven through the exported graphs by the runtime's
    numpy beam search (`cognet.core.decoding.beam`) must return the medication lists of the torch
-   reference `cognet.model.torch_decoding.beam_search` on every visit.
+   reference `cognet.model.torch_decoding.beam_search` on every visit. A model that decodes
+   sets by default (its checkpoint's decoding) has its sets compared too, through the
+   runtime's set decoding (`cognet.core.decoding.sampling`), against torch's `set_decode`:
+   reported, not required, since a P(k in S) at the threshold may tie in the last float bits.
 
 An ensemble (`cognet.model.ensemble`): each member's graphs against that member's network
 (check 1; the report keeps, per case and output, the worst member, and each member's worst
@@ -301,17 +304,8 @@ def onnx_beam_search(
     from cognet.core.decoding.beam import BeamConfig
     from cognet.core.decoding.beam import beam_search as runtime_beam_search
     from cognet.core.decoding.ensemble import EnsembleSession
-    from cognet.runtime.session import HostDecoder
 
-    sessions, memories = [], []
-    for member in [graphs] if isinstance(graphs, Graphs) else graphs:
-        enc = member.run("encoder", {k: batch[k].numpy() for k in ENCODER_INPUTS})
-        encodings = (torch.from_numpy(enc[k]) for k in ENCODER_OUTPUTS)
-        init = history_inputs(batch, *encodings, cfg)
-        inputs = {k: v.numpy() for k, v in zip(INIT_INPUTS, init, strict=True)}
-        step = member.sessions["decoder_step"]
-        sessions.append(HostDecoder(member.sessions["decoder_init"], step, cfg.heads, cfg.head_dim))
-        memories.append(sessions[-1].init(inputs))
+    sessions, memories = _host_sessions(graphs, batch, cfg)
     if len(sessions) == 1:
         session, memory = sessions[0], memories[0]
     else:
@@ -326,6 +320,81 @@ def onnx_beam_search(
         (tuple(int(m) for m in meds), float(score))
         for meds, score in zip(result.meds, result.score, strict=True)
     ]
+
+
+def _host_sessions(graphs: Graphs | Sequence[Graphs], batch: dict, cfg: ModelConfig):
+    """(the runtime's decoder session of each member's graphs, its memories of `batch`)."""
+    from cognet.runtime.session import HostDecoder
+
+    sessions, memories = [], []
+    for member in [graphs] if isinstance(graphs, Graphs) else graphs:
+        enc = member.run("encoder", {k: batch[k].numpy() for k in ENCODER_INPUTS})
+        encodings = (torch.from_numpy(enc[k]) for k in ENCODER_OUTPUTS)
+        init = history_inputs(batch, *encodings, cfg)
+        inputs = {k: v.numpy() for k, v in zip(INIT_INPUTS, init, strict=True)}
+        step = member.sessions["decoder_step"]
+        sessions.append(HostDecoder(member.sessions["decoder_init"], step, cfg.heads, cfg.head_dim))
+        memories.append(sessions[-1].init(inputs))
+    return sessions, memories
+
+
+def onnx_sets(
+    graphs: Graphs | Sequence[Graphs],
+    batch: dict[str, torch.Tensor],
+    cfg: ModelConfig,
+    decoding: Decoding,
+    visit_ids: Sequence[str],
+) -> list[tuple[int, ...]]:
+    """The sets of `decoding` (set decoding, DDI off) of the targets of `batch`, through the
+    exported graphs and the runtime's set decoding, each visit's draws keyed by its id as
+    torch's `set_decode` keys them."""
+    from cognet.core.decoding.draws import visit_keys
+    from cognet.core.decoding.ensemble import decode_ensemble_sets
+    from cognet.core.decoding.sampling import SetConfig, decode_sets
+
+    sessions, memories = _host_sessions(graphs, batch, cfg)
+    n, keys = len(batch["target"]), visit_keys(visit_ids)
+    set_cfg = SetConfig.of(decoding, cfg.n_med)
+    if len(sessions) == 1:
+        result = decode_sets(sessions[0], memories[0], n, set_cfg, keys)
+    else:
+        result = decode_ensemble_sets(sessions, memories, n, set_cfg, keys)
+    return [tuple(int(m) for m in meds) for meds in result.meds]
+
+
+@_one_torch_thread()
+def compare_sets(
+    model: COGNet | Ensemble,
+    graphs: Graphs | Sequence[Graphs],
+    vocab: Vocab,
+    patients: Sequence[Sequence[Visit]],
+    decoding: Decoding,
+    chunk: int = 256,
+) -> dict:
+    """The sets of torch's `set_decode` vs those decoded through the graphs (`onnx_sets`)."""
+    from cognet.model.batching import make_batch
+    from cognet.model.torch_decoding import set_decode
+
+    same = total = 0
+    mismatches: list[dict] = []
+    for start in range(0, len(patients), chunk):
+        part = patients[start : start + chunk]
+        batch = make_batch(part, vocab, targets=False)
+        ids = [v.visit_id for p in part for v in p]
+        ref = set_decode(model, batch, ids, decoding)
+        got = onnx_sets(graphs, batch, model.cfg, decoding, ids)
+        for i, (r, meds) in enumerate(zip(ref, got, strict=True)):
+            total += 1
+            if tuple(r.meds) == meds:
+                same += 1
+            elif len(mismatches) < 5:
+                mismatches.append({"visit": ids[i], "torch": list(r.meds), "onnx": list(meds)})
+    return {
+        "decoding": decoding.label,
+        "visits": total,
+        "identical": same,
+        "mismatches": mismatches,
+    }
 
 
 @_one_torch_thread()
@@ -407,36 +476,61 @@ def validate(
     seed: int = 0,
     log: Callable[[str], None] = lambda _: None,
     int8_paths: Sequence[dict[str, Path]] | None = None,
+    sets: Decoding | None = None,
+    step: Callable[[], None] = lambda: None,
     head: tuple | None = None,
 ) -> dict:
     """Run every check; returns the parity report (`passed` says whether all passed), with
-    a "float16" / "int8" section for each variant given. `paths`, `fp16_paths`,
-    `int8_paths`: {graph: path} of each member (`members_of(model)`); `head`: (the set
-    head, its graph's path), checked under "head"."""
+    a "float16" / "int8" section for each variant given, and a "sets" section when `sets`
+    (the model's own decoding) is a set decoding. `paths`, `fp16_paths`, `int8_paths`:
+    {graph: path} of each member (`members_of(model)`); `head`: (the set head, its graph's
+    path), checked under "head". `step()` after each check (`parity_steps` of them: a
+    progress bar's)."""
     patients = synthetic_patients(vocab, n_patients, seed)
     log("parity: float32 outputs")
     outputs, graphs = _outputs(model, paths)
     outputs.update(atol=FLOAT32_ATOL, passed=outputs["max_abs_diff"] <= FLOAT32_ATOL)
+    step()
     log("parity: greedy and beam-4 decoding")
     decoding = compare_decoding(model, graphs, vocab, patients)
     decode_ok = all(d["identical"] == d["visits"] for d in decoding.values())
     report = {"float32": outputs, "decoding": {**decoding, "passed": decode_ok}}
+    step()
+    if sets is not None and sets.name == "set":
+        log(f"parity: {sets.label}")
+        report["sets"] = compare_sets(model, graphs, vocab, patients, sets)
+        step()
     passed = outputs["passed"] and decode_ok
-    variants = (
-        ("float16", fp16_paths, "max_abs_diff", FLOAT16_ATOL, FLOAT16_MIN_TOP1),
-        ("int8", int8_paths, "probs_max_abs_diff", INT8_ATOL, INT8_MIN_TOP1),
-    )
-    for name, files, diff, atol, min_top1 in variants:
-        if files is not None:
-            log(f"parity: {name} outputs")
-            report[name] = _variant_parity(model, files, vocab, patients, diff, atol, min_top1)
-            passed = passed and report[name]["passed"]
+    for name, files, diff, atol, min_top1 in _variants(fp16_paths, int8_paths):
+        log(f"parity: {name} outputs")
+        report[name] = _variant_parity(model, files, vocab, patients, diff, atol, min_top1)
+        passed = passed and report[name]["passed"]
+        step()
     if head is not None:
         log("parity: the set head")
         report["head"] = compare_head(*head, seed=seed)
         passed = passed and report["head"]["passed"]
+        step()
     report["passed"] = passed
     return report
+
+
+def _variants(fp16_paths, int8_paths) -> list[tuple]:
+    """(name, paths, the diff bounded, its bound, the least top-1 agreement) of the
+    variants given."""
+    variants = (
+        ("float16", fp16_paths, "max_abs_diff", FLOAT16_ATOL, FLOAT16_MIN_TOP1),
+        ("int8", int8_paths, "probs_max_abs_diff", INT8_ATOL, INT8_MIN_TOP1),
+    )
+    return [v for v in variants if v[1] is not None]
+
+
+def parity_steps(
+    fp16_paths=None, int8_paths=None, sets: Decoding | None = None, head: bool = False
+) -> int:
+    """How many times `validate` calls its `step`."""
+    checks = 2 + (sets is not None and sets.name == "set") + head
+    return checks + len(_variants(fp16_paths, int8_paths))
 
 
 def _outputs(

@@ -29,11 +29,11 @@ from cognet.core.errors import InputError
 from cognet.core.files import Reads, check_not_read
 from cognet.core.lock import claimed
 from cognet.core.manifest import VARIANTS
-from cognet.core.metrics import PATIENT_COLUMNS
 from cognet.core.progress import progress
 from cognet.core.sinks import check_name
 from cognet.runtime import preflight, reader, summary, writer
 from cognet.runtime.options import DEVICES, MAX_CODES, SELECTIONS, ScoreOptions
+from cognet.runtime.outputs import METRIC_WIDTH
 from cognet.runtime.scorer import Scorer
 from cognet.runtime.signature import signature as run_signature
 
@@ -244,7 +244,15 @@ def ray_options(func):
     "score_all",
     is_flag=True,
     help="Score every visit, not only those with null medications, and compute "
-    "metrics against the known medications (written to --summary-json).",
+    "metrics against the known medications (printed, and in --summary-json): all "
+    "visits, first visits (no history) and later ones.",
+)
+@click.option(
+    "--split",
+    type=click.Choice(reader.SPLITS),
+    default=None,
+    help="Score only the rows of this split (the input's split column, as `cognet data` "
+    "writes it); the other rows are history only (skipped). With --all: metrics of one split.",
 )
 @click.option(
     "--explain",
@@ -269,6 +277,15 @@ def ray_options(func):
     is_flag=True,
     help="Sort the rows by patient and visit_seq in memory (files that fit).",
 )
+@click.option(
+    "--max-unknown-share",
+    type=FiniteFloat(min=0, max=1),
+    default=None,
+    metavar="SHARE",
+    help="Fail (exit 2) when more than SHARE of the visits to score are rejected or more "
+    f"than SHARE of their codes are unknown to the model (default: warn above "
+    f"{summary.WARN_SHARE:g} and go on). The local engine then writes no output.",
+)
 @click.option("--quiet", is_flag=True, help="No progress bar nor closing line.")
 @click.option("--verbose", is_flag=True, help="Log what happens on stderr.")
 @handle_errors
@@ -278,11 +295,13 @@ def score(
     out: str,
     options: ScoreOptions,
     score_all: bool,
+    split: str | None,
     explain: bool,
     resume: bool,
     summary_json: str | None,
     ray,
     sort_rows: bool,
+    max_unknown_share: float | None,
     quiet: bool,
     verbose: bool,
 ) -> None:
@@ -312,12 +331,15 @@ def score(
 
         if resume:
             raise InputError("--resume is for --engine local; rerun the --engine ray command")
+        if split:
+            raise InputError("--split is for --engine local; filter the input files instead")
         preflight.check_summary(summary_json, input_path, preflight.outputs_of(out))
         with claimed([summary_json], "cognet-batch score"):  # OUT's locks: ray_tasks.locked
             result = ray_engine.score(
                 input_path, model_dir, out, ray, options, score_all, explain, verbose=verbose
             )
-            _report(result, summary_json, quiet, f"{result['workers']} Ray worker(s)")
+            _check_known(result, max_unknown_share)
+            _report(result, summary_json, quiet, f"{result['workers']} Ray worker(s)", score_all)
         return
     preflight.check_local(input_path, out, summary_json)  # before reading or writing anything
     # one writer per output, whatever the command (cognet/core/lock.py)
@@ -327,7 +349,7 @@ def score(
             model_dir,
             out,
             options,
-            score_all,
+            (score_all, split, max_unknown_share),
             explain,
             resume,
             summary_json,
@@ -337,21 +359,24 @@ def score(
 
 
 def _score_local(
-    input_path, model_dir, out, options, score_all, explain, resume, summary_json, sort_rows, quiet
+    input_path, model_dir, out, options, asked, explain, resume, summary_json, sort_rows, quiet
 ) -> None:
-    """`score` with the local engine, OUT locked."""
+    """`score` with the local engine, OUT locked; asked: (--all, --split,
+    --max-unknown-share)."""
+    score_all, split, max_unknown_share = asked
     loading = time.perf_counter()
     scorer = Scorer(model_dir, options)
     source = reader.VisitFile(input_path, keep=options.keep_columns)
     if not sort_rows:  # fail on a misordered file before scoring anything
         reader.check_order(source.batches(["patient_id", "visit_seq"]), input_path)
-    signature = _signature(input_path, scorer, score_all, explain, sort_rows)
+    in_split = None if split is None else reader.split_rows(input_path, split)
+    signature = _signature(input_path, scorer, score_all, explain, sort_rows, split)
     parts = writer.PartWriter(
         out, signature, explain, resume, source.kept_fields, rows=source.num_rows
     )
     try:
         started = time.perf_counter()
-        scored = _run(scorer, source, parts, score_all, explain, sort_rows, quiet)
+        scored = _run(scorer, source, parts, score_all, explain, sort_rows, quiet, in_split)
         result = _finish(
             scorer,
             source,
@@ -360,23 +385,48 @@ def _score_local(
             scored,
             started - loading,
             time.perf_counter() - started,
+            max_unknown_share,
         )
     except BaseException:
         parts.discard()  # keep only what --resume needs
         raise
-    _report(result, summary_json, quiet, scorer.providers[0])
+    _report(result, summary_json, quiet, scorer.providers[0], score_all)
 
 
-def _report(result: dict, summary_json: str | None, quiet: bool, where: str) -> None:
-    """Write the summary JSON and print the one-line result on stderr."""
+def _check_known(totals: dict, max_share: float | None) -> None:
+    """InputError when more than `max_share` of the visits were rejected or of the codes
+    unknown (--max-unknown-share)."""
+    if max_share is not None:
+        failed = summary.input_warnings(totals, max_share)
+        if failed:
+            raise InputError(f"{'; '.join(failed)} (--max-unknown-share {max_share:g})")
+
+
+def _report(
+    result: dict, summary_json: str | None, quiet: bool, where: str, score_all: bool
+) -> None:
+    """Write the summary JSON and print on stderr the one-line result, the metrics (--all),
+    the warnings of an input the model hardly knows, and how to score a file it skipped."""
     if summary_json:
         writer.write_json(Path(summary_json), result)
-    if not quiet:
+    for line in summary.input_warnings(result):  # even --quiet: the run may be worthless
+        click.echo(f"Warning: {line}", err=True)
+    if quiet:
+        return
+    click.echo(
+        f"scored {result['rows_scored']} of {result['rows_read']} visits "
+        f"({result['rows_rejected']} rejected, {result['rows_skipped']} skipped) "
+        f"in {result['seconds']:.1f}s, {result['visits_per_s']:.0f} visits/s on "
+        f"{where} -> {result['output']}",
+        err=True,
+    )
+    for line in summary.metric_lines(result):
+        click.echo(line, err=True)
+    if not score_all and result["rows_skipped"] and not result["rows_scored"]:
         click.echo(
-            f"scored {result['rows_scored']} of {result['rows_read']} visits "
-            f"({result['rows_rejected']} rejected, {result['rows_skipped']} skipped) "
-            f"in {result['seconds']:.1f}s, {result['visits_per_s']:.0f} visits/s on "
-            f"{where} -> {result['output']}",
+            "no visit scored: without --all only the visits whose medications are null "
+            "are; --all scores every visit and reports the metrics against the known "
+            "medications",
             err=True,
         )
 
@@ -389,9 +439,13 @@ def _run(
     explain: bool,
     sort_rows: bool,
     quiet: bool,
+    in_split=None,
 ) -> int:
-    """Score the chunks not yet committed, committing each; returns visits scored now."""
+    """Score the chunks not yet committed, committing each; returns visits scored now.
+    in_split: bool per input row, the rows to score (--split; None: every row)."""
     batches = source.sorted_batches() if sort_rows else source.batches()
+    if in_split is not None:
+        batches = reader.asked(batches, in_split)
     scored = 0
     with progress(total=source.num_rows, desc="scoring", unit="visit", quiet=quiet) as bar:
         bar.update(parts.rows_done)
@@ -418,15 +472,22 @@ def _finish(
     scored: int,
     load_seconds: float,
     seconds: float,
+    max_unknown_share: float | None = None,
 ) -> dict:
-    """Check the row accounting, merge the parts into the outputs, and build the summary."""
+    """Check the row accounting and the share of unknown input (--max-unknown-share), merge
+    the parts into the outputs, and build the summary."""
     totals = parts.totals()
     summary.check_rows(totals, source.num_rows)
+    try:
+        _check_known(totals, max_unknown_share)
+    except InputError:
+        parts.clear()  # an input error writes nothing, not even what --resume would need
+        raise
     metric_rows = None
     if score_all:
         metric_rows = parts.patient_metrics()
         if metric_rows is None:
-            metric_rows = np.zeros((0, len(PATIENT_COLUMNS)))
+            metric_rows = np.zeros((0, METRIC_WIDTH))
     out, rejects = parts.finish()
     return summary.run_summary(
         summary.Files(source.path, out, rejects),
@@ -439,7 +500,7 @@ def _finish(
 
 
 def _signature(
-    input_path: str, scorer: Scorer, score_all: bool, explain: bool, sort_rows: bool
+    input_path: str, scorer: Scorer, score_all: bool, explain: bool, sort_rows: bool, split=None
 ) -> dict:
     """What a resumed run must share with the interrupted one (`runtime/signature.py`)."""
     return run_signature(
@@ -450,6 +511,7 @@ def _signature(
         score_all=score_all,
         explain=explain,
         sort=sort_rows,
+        split=split,
     )
 
 
@@ -459,6 +521,15 @@ def _signature(
 @click.option("--visit-id", required=True, help="The visit to explain.")
 @decoding_options
 @click.option("--json", "as_json", is_flag=True, help="Print the explanation as JSON.")
+@click.option(
+    "--names",
+    "names_file",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="Code names to show, before the shipped ICD-9-CM ones: CSV or TSV (.gz too) with "
+    "columns code, name and optionally kind (diagnosis, procedure, medication), e.g. "
+    "ATC names, which cognet does not ship.",
+)
 @handle_errors
 def explain(
     input_path: str,
@@ -466,24 +537,27 @@ def explain(
     visit_id: str,
     request: DecodingRequest,
     as_json: bool,
+    names_file: str | None,
 ) -> None:
     """Print one visit's decoding step by step: medication, probability, generated or
     copied (copy share), the past visit it was copied from and the diagnoses it attended
-    to most (the paper's case study). Its patient's earlier visits with known medications
-    are the history; known medications of the visit itself are shown as the truth. With
-    --decoding marginal the set comes from the set head and the explanation from COGNet's
-    own set decoding of the visit (the header says so).
+    to most (the paper's case study), with the names of ICD-9-CM codes. Its patient's
+    earlier visits with known medications are the history; known medications of the visit
+    itself are shown as the truth. With --decoding marginal the set comes from the set head
+    and the explanation from COGNet's own set decoding of the visit (the header says so).
 
     \b
     Example:
       cognet-batch explain visits.parquet --model model --visit-id V0012-3
     """
 
+    from cognet.core.code_names import CodeNames
     from cognet.runtime.explain_visit import explain_visit, format_explanation
 
     setup_logging()
+    names = CodeNames.load(names_file)  # a bad names file fails before the model loads
     scorer = Scorer(model_dir, ScoreOptions(request=request, device="cpu", threads=1))
-    result = explain_visit(scorer, input_path, visit_id)
+    result = explain_visit(scorer, input_path, visit_id, names)
     text = strict_json.dumps(result.to_json(), indent=1) if as_json else None
     click.echo(text or format_explanation(result))
 

@@ -11,7 +11,7 @@ import pyarrow as pa
 
 from cognet.core.decoding.beam import BeamResult
 from cognet.core.metrics import PATIENT_COLUMNS, VisitResult, patient_rows
-from cognet.runtime.outputs import explanations, output_schema, with_kept
+from cognet.runtime.outputs import METRIC_WIDTH, explanations, output_schema, with_kept
 from cognet.runtime.plan import Plan
 
 
@@ -57,9 +57,11 @@ def recommendations(
 
 
 def patient_metrics(plan: Plan, slots: dict, ddi_adj: np.ndarray) -> tuple[np.ndarray, int]:
-    """(`metrics.patient_rows` of the targets with known medications, their count)."""
+    """(the per-patient metric rows of the targets with known medications, `outputs`'
+    METRIC_WIDTH columns: all visits, first visits (no history), later visits; their count)."""
     pids = plan.table["patient_id"]
-    results = []
+    no_history = plan.histories.lengths == 0
+    results, first = [], []
     for i, row in enumerate(plan.targets.tolist()):
         if not plan.has_meds[row]:
             continue
@@ -72,6 +74,18 @@ def patient_metrics(plan: Plan, slots: dict, ddi_adj: np.ndarray) -> tuple[np.nd
                 res.prauc_scores[k],
             )
         )
+        first.append(bool(no_history[i]))
     if not results:
-        return np.zeros((0, len(PATIENT_COLUMNS))), 0
-    return patient_rows(results, ddi_adj), len(results)
+        return np.zeros((0, METRIC_WIDTH)), 0
+    patients = {p: i for i, p in enumerate(dict.fromkeys(r.patient_id for r in results))}
+    width = len(PATIENT_COLUMNS)
+    out = np.full((len(patients), METRIC_WIDTH), np.nan)
+    out[:, :width] = patient_rows(results, ddi_adj)
+    for part, want in enumerate((True, False), start=1):
+        subset = [r for r, f in zip(results, first, strict=True) if f == want]
+        at = [patients[r.patient_id] for r in subset]
+        out[:, -3 + part] = np.bincount(at, minlength=len(patients))
+        if subset:
+            rows = list(dict.fromkeys(at))  # patient_rows' order: first appearance
+            out[rows, part * width : (part + 1) * width] = patient_rows(subset, ddi_adj)
+    return out, len(results)

@@ -15,6 +15,11 @@ The marginal decoding (`--decoding marginal`) reads its set from the set head, w
 steps: its medications come in decreasing P(k in S), and their copy shares, source visits
 and attended diagnoses from COGNet's own set decoding of the visit (`explained_by`; null for
 a medication that decoding's samples never emitted).
+
+In words (`format_explanation`): names beside codes where a public source has them
+(`cognet.core.code_names`: ICD-9-CM diagnoses and procedures; a user's `--names` file first),
+the source visit only beside a medication called copied (copy share from COPIED_FROM up), set
+decoding's order called a rank, what the score means, and the interacting pairs by name.
 """
 
 from __future__ import annotations
@@ -26,26 +31,26 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from cognet.core.code_names import CodeNames
+from cognet.core.decoding.attribution import COPIED_FROM
 from cognet.core.errors import InputError
 from cognet.core.metrics import jaccard
 from cognet.runtime import reader
 from cognet.runtime.scorer import Scorer
 
-# Copy share from which a medication is called copied rather than generated.
-COPIED_FROM = 0.5
 # The decoding that explains each decoding that has no steps of its own to explain
 EXPLAINED_BY = {"marginal": "set decoding"}
 
 
 @dataclass(frozen=True)
 class ExplainedStep:
-    step: int  # 1-based generation order
+    step: int  # 1-based: generation order (beam), rank in the set (set decoding)
     medication: str
     probability: float  # of the medication at its step
     # the part of its probability copied from the history; None: never emitted by the
     # decoding that explains it (`VisitExplanation.explained_by`)
     copy_share: float | None
-    source_visit: str | None  # past visit holding most of its copy weight
+    source_visit: str | None  # past visit holding most of its copy weight (whatever the share)
     top_diagnoses: list[tuple[str, float]] | None  # (code, attention), heaviest first
     in_truth: bool | None  # None when the visit's medications are unknown
 
@@ -66,17 +71,33 @@ class VisitExplanation:
     history: list[str]  # visit_ids of the earlier visits with known medications
     truth: list[str] | None  # the visit's known medications (None when unknown)
     steps: list[ExplainedStep]
-    score: float  # sum of log-probabilities of the hypothesis (END included)
+    score: float  # beam: sum of log-probabilities (END included); set: mean P(k in S)
     interacting_pairs: list[tuple[str, str]]  # among the recommended medications
     decoding: str  # the decoding (beam width, or set samples and threshold) and DDI policy
     # the decoding whose steps the copy shares, sources and attention come from, when not
     # the one that recommended (the marginal decoding's: "set decoding"); None: the same
     explained_by: str | None = None
+    ranked: bool = False  # set decoding: steps are ranks in the set, not generation steps
+    # {kind: {code: name}} of the codes shown that have a name (`cognet.core.code_names`)
+    names: dict[str, dict[str, str]] | None = None
+
+    @property
+    def score_meaning(self) -> str:
+        if self.ranked:
+            return "the mean P(k in S) of the recommended medications (0 to 1)"
+        return (
+            "the sum of the log-probabilities of the list's steps, its end included "
+            "(0 at most; closer to 0: likelier)"
+        )
+
+    def name(self, kind: str, code: str) -> str | None:
+        return (self.names or {}).get(kind, {}).get(code)
 
     def to_json(self) -> dict:
         out = asdict(self)
         for s, step in zip(out["steps"], self.steps, strict=True):
             s["origin"] = step.origin
+        out["score_meaning"] = self.score_meaning
         return out
 
 
@@ -112,8 +133,11 @@ def patient_rows(path: str | Path, visit_id: str) -> tuple[pa.Table, dict]:
     return table, row
 
 
-def explain_visit(scorer: Scorer, path: str | Path, visit_id: str) -> VisitExplanation:
-    """Score one visit of the file at `path` with explanations (see the module docstring)."""
+def explain_visit(
+    scorer: Scorer, path: str | Path, visit_id: str, names: CodeNames | None = None
+) -> VisitExplanation:
+    """Score one visit of the file at `path` with explanations (see the module docstring);
+    names: the code names to show (default: the shipped ones)."""
     table, row = patient_rows(path, visit_id)
     is_target = pc.equal(table[reader.ROW], row[reader.ROW])
     meds = table["medications"]
@@ -151,12 +175,23 @@ def explain_visit(scorer: Scorer, path: str | Path, visit_id: str) -> VisitExpla
     ]
     earlier = [r for r in table.to_pylist() if r[reader.ROW] != row[reader.ROW]]
     cfg = scorer.beam_config
+    diagnoses, procedures = list(row["diagnoses"] or []), list(row["procedures"] or [])
+    shown = {
+        "diagnosis": diagnoses,
+        "procedure": procedures,
+        "medication": [*rec["medications"], *(truth or [])],
+    }
+    names = names or CodeNames.load()
+    found = {
+        kind: {c: n for c in codes if c is not None and (n := names.name(kind, c))}
+        for kind, codes in shown.items()
+    }
     return VisitExplanation(
         patient_id=row["patient_id"],
         visit_id=visit_id,
         visit_seq=int(row["visit_seq"]),
-        diagnoses=list(row["diagnoses"] or []),
-        procedures=list(row["procedures"] or []),
+        diagnoses=diagnoses,
+        procedures=procedures,
         history=[r["visit_id"] for r in earlier if r["medications"] is not None],
         truth=None if truth is None else list(truth),
         steps=steps,
@@ -164,14 +199,19 @@ def explain_visit(scorer: Scorer, path: str | Path, visit_id: str) -> VisitExpla
         interacting_pairs=scorer.interacting_pairs(rec["medications"]),
         decoding=f"{scorer.decoding.label}, DDI {cfg.ddi.label}",
         explained_by=EXPLAINED_BY.get(scorer.decoding.name),
+        ranked=scorer.decoding.name != "beam",
+        names=found,
     )
 
 
 def format_explanation(e: VisitExplanation) -> str:
-    """The step table with a header (visit, codes, history) and a footer (truth, DDI)."""
+    """The step table with a header (visit, score, codes by name, history) and a footer
+    (what the columns mean, truth, interacting pairs by name)."""
+    order = "rank" if e.ranked else "step"
     lines = [
         f"patient {e.patient_id}, visit {e.visit_id} (visit_seq {e.visit_seq}); decoding: "
         f"{e.decoding}",
+        f"score {e.score:.3f}: {e.score_meaning}",
         f"history ({len(e.history)} visits with medications): {', '.join(e.history) or 'none'}",
         *(
             [
@@ -181,19 +221,11 @@ def format_explanation(e: VisitExplanation) -> str:
             if e.explained_by
             else []
         ),
-        f"diagnoses ({len(e.diagnoses)}): {' '.join(e.diagnoses) or '-'}",
-        f"procedures ({len(e.procedures)}): {' '.join(e.procedures) or '-'}",
+        *_codes(e, "diagnoses", "diagnosis", e.diagnoses),
+        *_codes(e, "procedures", "procedure", e.procedures),
         "",
     ]
-    head = [
-        "step",
-        "medication",
-        "prob",
-        "origin",
-        "copy share",
-        "from visit",
-        "attended diagnoses",
-    ]
+    head = [order, "medication", "prob", "origin", "copy share", "from visit", "attended diagnoses"]
     if e.truth is not None:
         head.append("in truth")
     body = []
@@ -203,13 +235,15 @@ def format_explanation(e: VisitExplanation) -> str:
             if s.top_diagnoses is None
             else ", ".join(f"{c} {w:.2f}" for c, w in s.top_diagnoses) or "-"
         )
+        name = e.name("medication", s.medication)
         cells = [
             str(s.step),
-            s.medication,
+            f"{s.medication} {name}" if name else s.medication,
             f"{s.probability:.3f}",
             s.origin or "n/a",
             "n/a" if s.copy_share is None else f"{s.copy_share:.2f}",
-            s.source_visit or "-",
+            # a visit is named only for what was copied: a generated one came from no visit
+            (s.source_visit or "-") if s.origin == "copied" else "-",
             top,
         ]
         if e.truth is not None:
@@ -225,14 +259,50 @@ def format_explanation(e: VisitExplanation) -> str:
             ).rstrip()
         )
     predicted = [s.medication for s in e.steps]
-    lines += ["", f"{len(predicted)} medications, score {e.score:.3f}"]
+    prob = "P(k in S), the share of sampled sets holding k" if e.ranked else "P(k) at its step"
+    lines += [
+        "",
+        f"{order}: "
+        + ("place in the set, most probable first" if e.ranked else "generation order")
+        + f"; prob: {prob}",
+        f"origin: copied from a copy share of {COPIED_FROM:g} up (the share of its "
+        "probability that came from the history), from the past visit named; attended "
+        "diagnoses: the visit's diagnoses it attended to most (weights)",
+        f"{len(predicted)} medications",
+    ]
     if e.truth is not None:
         missed = [m for m in e.truth if m not in predicted]
         hits = len(set(predicted) & set(e.truth))
         lines.append(
             f"truth: {len(e.truth)} medications, {hits} recommended, Jaccard "
-            f"{jaccard(predicted, e.truth):.3f}; missed: {' '.join(missed) or 'none'}"
+            f"{jaccard(predicted, e.truth):.3f}; missed: "
+            + (", ".join(_named(e, "medication", m) for m in missed) or "none")
         )
-    pairs = ", ".join(f"{a}-{b}" for a, b in e.interacting_pairs)
-    lines.append(f"interacting pairs in the recommendation: {pairs or 'none'}")
+    if e.interacting_pairs:
+        lines.append(
+            f"interacting pairs in the recommendation: {len(e.interacting_pairs)} (pairs the "
+            "model's DDI graph lists as adverse drug-drug interactions; --ddi-mode and "
+            "--ddi-pair-price bound them)"
+        )
+        lines += [
+            f"  {_named(e, 'medication', a)} - {_named(e, 'medication', b)}"
+            for a, b in e.interacting_pairs
+        ]
+    else:
+        lines.append("interacting pairs in the recommendation: none")
     return "\n".join(lines)
+
+
+def _named(e: VisitExplanation, kind: str, code: str) -> str:
+    name = e.name(kind, code)
+    return f"{code} ({name})" if name else code
+
+
+def _codes(e: VisitExplanation, title: str, kind: str, codes: list[str]) -> list[str]:
+    """A code list: on one line when no code has a name, else one code and name a line."""
+    if not any(e.name(kind, c) for c in codes):
+        return [f"{title} ({len(codes)}): {' '.join(codes) or '-'}"]
+    width = max(len(c) for c in codes)
+    return [f"{title} ({len(codes)}):"] + [
+        f"  {c.ljust(width)}  {e.name(kind, c) or ''}".rstrip() for c in codes
+    ]

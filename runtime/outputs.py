@@ -16,6 +16,7 @@ import pyarrow as pa
 
 from cognet.core.decoding.attribution import copy_share_and_source, most_attended
 from cognet.core.decoding.sampling import SetResult
+from cognet.core.metrics import PATIENT_COLUMNS
 from cognet.core.schema import PREDICTIONS_SCHEMA
 from cognet.runtime import reader
 from cognet.runtime.plan import REASONS, REJECTED, Plan
@@ -75,8 +76,15 @@ COUNTS = (
     "rows_rejected",
     "rows_skipped",
     "unknown_codes",
+    "codes_given",
     "visits_evaluated",
 )
+# The per-patient metric rows of `--all` (`emit.patient_metrics`), one block of
+# `cognet.core.metrics.patient_rows` columns per part of the patient's evaluated visits: all,
+# first visits (no history: the model generates only), later visits; then the visit counts of
+# the last two (a patient without visits of a part has NaN in its block).
+METRIC_PARTS = ("all", "first", "later")
+METRIC_WIDTH = len(METRIC_PARTS) * len(PATIENT_COLUMNS) + 2
 
 
 @dataclass
@@ -93,9 +101,10 @@ class ScoredChunk:
     rows_skipped: int
     reject_reasons: dict[str, int]
     unknown_codes: int  # codes dropped from kept rows
+    codes_given: int  # codes of those rows, known or not
     seconds: float  # time spent scoring this chunk
-    # `cognet.core.metrics.patient_rows` [patients, len(PATIENT_COLUMNS)] over the scored
-    # visits with known medications (score_all only, else None), and how many there were
+    # [patients, METRIC_WIDTH]: the metric rows of the scored visits with known medications
+    # (score_all only, else None), and how many there were
     patient_metrics: np.ndarray | None = field(default=None, repr=False)
     visits_evaluated: int = 0
 

@@ -11,7 +11,7 @@ Row statuses, checked in this order (the first that applies):
 - rejected `duplicate_visit_id`: a visit_id seen earlier in the input (the first is kept);
 - rejected `too_many_codes`: more than `max_codes` distinct known codes of one kind
   (diagnoses, procedures or medications), asked for or not: such a row is no history either;
-- skipped: not asked for (medications known, without `score_all`);
+- skipped: not asked for (medications known, without `score_all`; outside `--split`);
 - rejected `no_codes`: neither a diagnosis nor a procedure;
 - rejected `unknown_codes`: none of its diagnoses or procedures is in the vocabulary;
 - scored.
@@ -30,7 +30,7 @@ import pyarrow.compute as pc
 
 from cognet.core.ragged import Ragged
 from cognet.core.vocab import Vocab
-from cognet.runtime.reader import HashSet, patient_starts, string_hashes
+from cognet.runtime.reader import ASKED, HashSet, patient_starts, string_hashes
 
 SCORED, REJECTED, SKIPPED = 0, 1, 2
 REASONS = ("missing_key", "duplicate_visit_id", "no_codes", "unknown_codes", "too_many_codes")
@@ -142,6 +142,7 @@ class Plan:
     histories: Spans  # per target: history rows, oldest first
     encode_rows: np.ndarray  # int64: rows to run through the encoder (targets + histories)
     unknown_codes: int  # codes dropped from kept rows
+    codes_given: int  # codes of those rows, known or not (the share unknown: a warning)
 
     @property
     def rows(self) -> int:
@@ -215,7 +216,7 @@ class Assembler:
         missing, duplicate = self.keys(table)
         diag, unk_d, given_d = encode_codes(table["diagnoses"], vocab.diagnoses)
         proc, unk_p, given_p = encode_codes(table["procedures"], vocab.procedures)
-        meds, unk_m, _ = encode_codes(table["medications"], vocab.medications, self._rank)
+        meds, unk_m, given_m = encode_codes(table["medications"], vocab.medications, self._rank)
         has_meds = table["medications"].is_valid().to_numpy(zero_copy_only=False)
 
         reason = np.full(n, -1, np.int8)
@@ -228,6 +229,8 @@ class Assembler:
         reason[duplicate] = REASONS.index("duplicate_visit_id")
         reason[missing] = REASONS.index("missing_key")
         asked = ~unusable & (self.score_all | ~has_meds)
+        if ASKED in table.column_names:  # --split: the other splits are history only
+            asked &= table[ASKED].to_numpy(zero_copy_only=False)
         no_codes = asked & (given_d + given_p == 0)
         unknown = asked & ~no_codes & (diag.lengths + proc.lengths == 0)
         reason[no_codes] = REASONS.index("no_codes")
@@ -236,9 +239,9 @@ class Assembler:
         status[reason >= 0] = REJECTED
         status[asked & (reason < 0)] = SCORED
         kept = ~unusable
-        dropped = int(
-            (unk_d + unk_p + np.where(has_meds, unk_m, 0))[kept & (status != REJECTED)].sum()
-        )
+        counted = kept & (status != REJECTED)
+        dropped = int((unk_d + unk_p + np.where(has_meds, unk_m, 0))[counted].sum())
+        given = int((given_d + given_p + np.where(has_meds, given_m, 0))[counted].sum())
 
         patient = np.cumsum(patient_starts(table)) - 1  # patient number of each row
         history_rows = kept & has_meds
@@ -259,6 +262,7 @@ class Assembler:
             histories=histories,
             encode_rows=np.flatnonzero(used),
             unknown_codes=dropped,
+            codes_given=given,
         )
 
     def _histories(

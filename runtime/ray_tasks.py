@@ -25,10 +25,9 @@ import pyarrow.parquet as pq
 
 from cognet.core.errors import InputError, one_line, where
 from cognet.core.lock import claim
-from cognet.core.metrics import PATIENT_COLUMNS
 from cognet.runtime import reader, writer
 from cognet.runtime.options import ScoreOptions
-from cognet.runtime.outputs import COUNTS, REJECTS_SCHEMA, output_schema
+from cognet.runtime.outputs import COUNTS, METRIC_WIDTH, REJECTS_SCHEMA, output_schema
 from cognet.runtime.scorer import Scorer
 from cognet.runtime.summary import total_counts
 
@@ -306,7 +305,7 @@ def _metric_rows(kept: pa.Table, recs: pa.Table, patient_rows: list[np.ndarray])
     scored = pc.is_in(kept["visit_id"], value_set=recs["visit_id"])
     evaluated = kept.filter(pc.and_(scored, kept["medications"].is_valid()))
     first = evaluated[ROW].to_numpy()[reader.patient_starts(evaluated)] if len(evaluated) else []
-    rows = np.concatenate(patient_rows) if patient_rows else np.zeros((0, len(PATIENT_COLUMNS)))
+    rows = np.concatenate(patient_rows) if patient_rows else np.zeros((0, METRIC_WIDTH))
     if len(first) != len(rows):
         raise RuntimeError(f"{len(first)} patients evaluated, {len(rows)} metric rows")
     buf = io.BytesIO()

@@ -33,6 +33,10 @@ from cognet.core.schema import check_text, check_visits_columns, parquet_file
 log = logging.getLogger(__name__)
 
 ROW = "_row"
+# `score --split`: a bool column added to the tables; a row False there is not scored but
+# skipped (history only), as a row with known medications is without --all.
+ASKED = "_asked"
+SPLITS = ("train", "val", "test")
 CODES = pa.list_(pa.string())
 INPUT_SCHEMA = pa.schema(
     [
@@ -111,6 +115,31 @@ def cast_column(
                 detail = f"value {values[row]} out of the {target} range"
         at = where(path, name, None if row is None else first_row + row)
         raise InputError(f"{at}: {detail}") from None
+
+
+def split_rows(path: str | Path, split: str) -> np.ndarray:
+    """bool [rows of the file]: the rows whose `split` column (the dataset's, user guide
+    "Data") is `split`. InputError when the file has no such column or no row of `split`."""
+    try:
+        file = pq.ParquetFile(path)
+        if "split" not in file.schema_arrow.names:
+            raise InputError(
+                f"{where(path, 'split')}: no such column; --split needs the dataset's split "
+                "column (train / val / test)"
+            )
+        column = file.read(columns=["split"]).column("split").cast(pa.string())
+    except (pa.ArrowException, OSError) as exc:
+        raise InputError(f"{path}: not a readable Parquet file ({one_line(exc)})") from None
+    rows = pc.fill_null(pc.equal(column, split), False).to_numpy(zero_copy_only=False)
+    if not rows.any():
+        raise InputError(f"{where(path, 'split')}: no row of split {split!r} (--split)")
+    return rows
+
+
+def asked(batches: Iterable[pa.Table], rows: np.ndarray) -> Iterator[pa.Table]:
+    """`batches` with the ASKED column: rows[ROW] (`split_rows`)."""
+    for table in batches:
+        yield table.append_column(ASKED, pa.array(rows[table[ROW].to_numpy()]))
 
 
 class VisitFile:

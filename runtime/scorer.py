@@ -332,6 +332,7 @@ class Scorer:
             rows_skipped=counts["skipped"],
             reject_reasons=plan.reject_reasons(),
             unknown_codes=plan.unknown_codes,
+            codes_given=plan.codes_given,
             seconds=time.perf_counter() - started,
             patient_metrics=metrics,
             visits_evaluated=evaluated,

@@ -3,7 +3,7 @@ finishes, so that the output never mixes results of two settings.
 
 It holds the input file (path, size, modification time), the model (the sha256 of its
 `manifest.json`, which names the sha256 of every graph, the vocabulary, the DDI pairs and
-whatever else decides the model's answers), the flags `--all`, `--explain` and `--sort`,
+whatever else decides the model's answers), the flags `--all`, `--explain`, `--sort` and `--split`,
 and every field of `ScoreOptions` except NOT_OUTPUT: a field added to the options changes
 the signature unless it is listed there, so a new decoding option cannot be forgotten.
 
@@ -35,6 +35,7 @@ def signature(
     score_all: bool,
     explain: bool,
     sort: bool,
+    split: str | None = None,
 ) -> dict:
     """The run's signature (JSON); chunk_targets: the visits per chunk the scorer resolved."""
     stat = Path(input_path).stat()
@@ -47,6 +48,7 @@ def signature(
         "all": score_all,
         "explain": explain,
         "sort": sort,
+        "split": split,
         **{name: settings[name] for name in output_fields()},
         "chunk_targets": chunk_targets,
     }

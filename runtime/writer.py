@@ -51,8 +51,9 @@ from cognet.runtime.summary import total_counts
 
 MARKER = "progress.json"
 # 2: parts list their files and sizes; 3: and their sha256, each part file names its place
-# (PART_KEY), metrics are Parquet
-FORMAT_VERSION = 3
+# (PART_KEY), metrics are Parquet; 4: codes_given, and metric rows of first and later visits
+# (`outputs.METRIC_WIDTH`)
+FORMAT_VERSION = 4
 RESUME_HINT = "delete {dir}/ or run without --resume"
 PART_KEY = b"cognet.part"  # Parquet metadata of a part file: {"part": i, "start": s, "end": e}
 MAX_MARKER_BYTES = 256 << 20  # a progress file holds ~600 bytes per part
@@ -180,6 +181,7 @@ class PartWriter:
                 "rows_skipped": chunk.rows_skipped,
                 "reject_reasons": chunk.reject_reasons,
                 "unknown_codes": chunk.unknown_codes,
+                "codes_given": chunk.codes_given,
                 "visits_evaluated": chunk.visits_evaluated,
                 "metrics": chunk.patient_metrics is not None,
                 "files": {f: _file_record(self.dir / f) for f in files},

@@ -363,3 +363,43 @@ def test_float32_parity_compares_log_probs_above_the_floor():
     nan = ref.copy()
     nan[3] = np.nan
     assert val.max_abs_diff(val.floored(ref), val.floored(nan)) == float("inf")
+
+
+class CountingBar:
+    """A tqdm-like bar recording its description, total and count (`export`'s progress)."""
+
+    def __init__(self, made: list, total=None, desc="", unit="it"):
+        self.total, self.desc, self.n = total, desc, 0
+        made.append(self)
+
+    def update(self, n: int = 1) -> None:
+        self.n += n
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *_) -> None:
+        pass
+
+
+def test_export_of_a_set_model_checks_its_sets_and_shows_progress(tiny, tmp_path):
+    """A model whose own decoding is set decoding has its sets compared with torch's, and
+    the graphs written and the parity checks each move a bar to its end."""
+    from tiny import with_set_decoding
+
+    ckpt = with_set_decoding(tiny / "ckpt", tmp_path, "config.json")
+    made: list[CountingBar] = []
+    manifest = export(
+        ckpt, tmp_path / "model", progress=lambda **kw: CountingBar(made, **kw), n_patients=16
+    )
+    assert [(b.desc, b.n == b.total) for b in made] == [
+        ("writing graphs", True),
+        ("parity check", True),
+    ]
+    sets = manifest.parity["sets"]
+    assert sets["decoding"] == "set, 4 samples, threshold 0.3"
+    assert sets["identical"] == sets["visits"] > 0
+    result = CliRunner().invoke(main, ["--checkpoint", str(ckpt), "--out", str(tmp_path / "m2")])
+    assert result.exit_code == 0, result.output
+    assert "greedy lists identical" in result.output and "beam-4 lists identical" in result.output
+    assert "sets of its decoding (set, 4 samples, threshold 0.3) identical" in result.output

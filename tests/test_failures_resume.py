@@ -150,7 +150,7 @@ def test_a_damaged_field_is_named(run, tmp_path, damage):
         (lambda t: t.replace('"signature"', '"signature": ' + deep(100_000) + ', "x"', 1), "64"),
         (
             lambda t: t.replace(
-                '{"format_version": 3,', '{"format_version": 3, "format_version": 3,'
+                '{"format_version": ', '{"format_version": 0, "format_version": ', 1
             ),
             "twice",
         ),

@@ -57,6 +57,12 @@ def test_the_wheel_holds_every_module_of_the_tree(wheel):
 
 
 @pytest.mark.slow
+def test_the_wheel_holds_the_code_names(wheel):
+    """setup.py's package_data: the names that explanations print ship in the wheel."""
+    assert "cognet/core/code_names.tsv.gz" in zipfile.ZipFile(wheel).namelist()
+
+
+@pytest.mark.slow
 def test_the_installed_wheel_runs_the_commands(wheel, tmp_path):
     target = tmp_path / "site"
     done = subprocess.run(

@@ -27,6 +27,7 @@ COUNTS = (
     "rows_rejected",
     "rows_skipped",
     "unknown_codes",
+    "codes_given",
     "visits_evaluated",
     "reject_reasons",
 )

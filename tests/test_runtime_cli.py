@@ -132,6 +132,100 @@ def test_all_reports_metrics(tiny, visits, tmp_path):
     assert "explanations" in pq.read_table(tmp_path / "o.parquet").column_names
 
 
+def loud(tiny: Path, input_path: Path, out: Path, *args: str):
+    """`score` without --quiet: what the console shows (stdout and stderr)."""
+    return CliRunner().invoke(
+        main, ["score", str(input_path), "--model", str(tiny / "model"), "--out", str(out), *args]
+    )
+
+
+def test_a_file_with_every_medication_says_how_to_score_it(tiny, visits, tmp_path):
+    inp = tmp_path / "labelled.parquet"
+    pq.write_table(visits, inp)
+    result = loud(tiny, inp, tmp_path / "o.parquet")
+    assert result.exit_code == 0, result.output
+    assert f"scored 0 of {visits.num_rows} visits" in result.output
+    assert "--all scores every visit" in result.output
+    result = loud(tiny, inp, tmp_path / "o2.parquet", "--all")
+    assert result.exit_code == 0 and "--all scores every visit" not in result.output
+
+
+def test_all_prints_metrics_of_first_and_later_visits(tiny, visits, tmp_path):
+    inp = tmp_path / "in.parquet"
+    pq.write_table(visits, inp)
+    summary = tmp_path / "s.json"
+    result = loud(tiny, inp, tmp_path / "o.parquet", "--all", "--summary-json", str(summary))
+    assert result.exit_code == 0, result.output
+    m = json.loads(summary.read_text())["metrics"]
+    shown = f"Jaccard {m['jaccard']['mean']:.4f} ± {m['jaccard']['std']:.4f}"
+    assert shown in result.output and "PRAUC" in result.output and "DDI rate" in result.output
+    first, later = m["by_history"]["first"], m["by_history"]["later"]
+    n_patients = len(set(visits["patient_id"].to_pylist()))
+    # every patient's first visit has no history; the tiny data's visits all have medications
+    assert (first["n_visits"], first["n_patients"]) == (n_patients, n_patients)
+    assert first["n_visits"] + later["n_visits"] == m["n_visits"] == visits.num_rows
+    assert f"first visits (no history): Jaccard {first['jaccard']:.4f}" in result.output
+    assert f"later visits: Jaccard {later['jaccard']:.4f}" in result.output
+
+
+def test_split_scores_one_split_with_the_others_as_history(tiny, visits, tmp_path):
+    inp = tmp_path / "in.parquet"
+    pq.write_table(visits, inp)
+    summary, out = tmp_path / "s.json", tmp_path / "o.parquet"
+    args = ("--all", "--split", "test", "--summary-json", str(summary))
+    assert score(tiny, inp, out, *args).exit_code == 0
+    s = json.loads(summary.read_text())
+    test_ids = {
+        v
+        for v, sp in zip(visits["visit_id"].to_pylist(), visits["split"].to_pylist(), strict=True)
+        if sp == "test"
+    }
+    assert set(pq.read_table(out)["visit_id"].to_pylist()) == test_ids
+    assert s["metrics"]["n_visits"] == len(test_ids) == s["rows_scored"]
+    assert s["rows_skipped"] == visits.num_rows - len(test_ids)
+    # a split without rows, a file without a split column: one line, exit 2
+    assert "no row of split 'test'" in _error(
+        score(
+            tiny,
+            _written(visits.filter(pa.compute.equal(visits["split"], "train")), tmp_path),
+            out,
+            "--all",
+            "--split",
+            "test",
+        )
+    )
+    bare = tmp_path / "bare.parquet"
+    pq.write_table(visits.drop_columns(["split"]), bare)
+    line = _error(score(tiny, bare, tmp_path / "o3.parquet", "--split", "val"))
+    assert "column 'split'" in line and "--split" in line
+
+
+def _written(table: pa.Table, tmp_path: Path) -> Path:
+    path = tmp_path / "written.parquet"
+    pq.write_table(table, path)
+    return path
+
+
+def test_input_the_model_hardly_knows_warns_or_fails(tiny, visits, tmp_path):
+    rows = last_visits_unknown(visits).to_pylist()
+    for r in rows[: len(rows) // 2]:  # half the patients coded otherwise: unknown codes only
+        r["diagnoses"], r["procedures"] = ["X" + c for c in r["diagnoses"]], ["X0"]
+    inp = _written(pa.Table.from_pylist(rows, schema=visits.schema), tmp_path)
+    result = loud(tiny, inp, tmp_path / "o.parquet")
+    assert result.exit_code == 0, result.output
+    warnings = [line for line in result.output.splitlines() if line.startswith("Warning: ")]
+    assert len(warnings) == 2
+    assert "of the visits to score were rejected" in warnings[0]
+    assert "of the codes of the visits used are unknown to the model" in warnings[1]
+    out = tmp_path / "strict.parquet"
+    line = _error(score(tiny, inp, out, "--max-unknown-share", "0.1"))
+    assert "--max-unknown-share 0.1" in line and "rejected" in line
+    assert not out.exists() and not list(tmp_path.glob("strict.parquet*"))
+    clean = _written(last_visits_unknown(visits), tmp_path)
+    result = loud(tiny, clean, tmp_path / "c.parquet", "--max-unknown-share", "0.1")
+    assert result.exit_code == 0 and "Warning" not in result.output
+
+
 def test_bad_rows_are_rejected_with_reasons(tiny, visits, tmp_path):
     rows = visits.slice(0, 12).to_pylist()
     for r in rows:

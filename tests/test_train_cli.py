@@ -37,6 +37,8 @@ def test_train_then_evaluate(tiny, tmp_path):
     )
     assert res.exit_code == 0, res.output
     assert "val nll" in res.output and "weights: " in res.output
+    # two members (the default): each one's weights named as its epoch lines name it
+    assert "weights: member 0: epoch" in res.output and "; member 1: epoch" in res.output
     for name in ("config.json", "vocab.json", "model.safetensors", "graphs.npz", "train_log.jsonl"):
         assert (out / name).is_file()
     stored = Decoding.from_json(json.loads((out / "config.json").read_text())["decoding"])
@@ -224,3 +226,39 @@ def test_evaluate_refuses_options_of_another_decoding(tiny, tmp_path, args, line
     lines = [text for text in res.output.splitlines() if text.strip()]
     assert "Traceback" not in res.output and lines[-1].endswith(line), lines
     assert not report.exists()
+
+
+class RecordedBar:
+    """A tqdm-like bar that records what it was told (`train`'s progress factory)."""
+
+    made: list[RecordedBar] = []
+
+    def __init__(self, total=None, desc="", unit="it"):
+        self.total, self.desc, self.unit, self.n, self.closed = total, desc, unit, 0, False
+        RecordedBar.made.append(self)
+
+    def update(self, n: int = 1) -> None:
+        self.n += n
+
+    def set_postfix(self, **_) -> None:
+        pass
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def test_every_phase_of_training_has_a_bar(tiny, tmp_path):
+    """The epochs (by batches), their validation, the weight averaging, the set decoding's
+    tuning and the DDI target search each move a bar, closed at its end."""
+    from cognet.training.train import TrainConfig, train
+
+    RecordedBar.made = []
+    cfg = TrainConfig(epochs=2, members=1, select="jaccard", average=(1, 2), ddi_target=0.2)
+    train(tiny / "data", tmp_path / "ckpt", cfg, progress=RecordedBar)
+    moved = {bar.desc: bar.n for bar in RecordedBar.made}
+    for phase in ("epoch 1", "epoch 1 validation", "epoch 2", "averaging weights"):
+        assert moved[phase] > 0, phase
+    assert moved["tuning the set decoding"] == RecordedBar.made[-2].total > 0
+    assert RecordedBar.made[-1].desc == "DDI target 0.2 search"
+    assert moved["DDI target 0.2 search"] >= moved["tuning the set decoding"]
+    assert all(bar.closed for bar in RecordedBar.made)

@@ -231,7 +231,7 @@ def train(data_dir, out, threads, quiet, recipe, **config):
             click.echo(f"set head trained on {teacher}; decoding: {label}; written to {out}")
             return
         best = run_train(data_dir, stage["--out"], cfg, on_epoch=on_epoch, progress=bars)
-    kept = "; ".join(_weights_label(w) for w in best["members"])
+    kept = _members_label(best["members"])
     click.echo(
         f"weights: {kept}; decoding: "
         f"{Decoding.from_json(best['decoding']).label}; checkpoint written to {out}"
@@ -289,6 +289,14 @@ def _head(recipe, shape: dict):
     from cognet.training.set_head import HeadRecipe
 
     return replace(recipe or HeadRecipe(), **{k: v for k, v in shape.items() if v is not None})
+
+
+def _members_label(members: list[dict]) -> str:
+    """How each network's weights were chosen, each named by its member number (as the
+    epoch lines name them) when there are several."""
+    if len(members) == 1:
+        return _weights_label(members[0])
+    return "; ".join(f"member {i}: {_weights_label(w)}" for i, w in enumerate(members))
 
 
 def _weights_label(chosen: dict) -> str:

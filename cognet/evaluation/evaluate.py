@@ -220,7 +220,14 @@ def _search_target(model, vocab, dataset, config: dict, options: EvalOptions) ->
     if decoding.name != "set" or not val:
         raise InputError("--ddi-target needs set decoding and a labelled validation split")
     adj = ddi_matrix(vocab, dataset.ddi_pairs)
-    return choose_target(model, vocab, val, adj, decoding, options.ddi_target)
+    from cognet.core.progress import progress
+
+    # no total: the search decodes validation once per policy it tries, as many as needed
+    desc = f"DDI target {options.ddi_target:g} search"
+    with progress(desc=desc, unit="visit", quiet=options.quiet) as bar:
+        return choose_target(
+            model, vocab, val, adj, decoding, options.ddi_target, on_batch=bar.update
+        )
 
 
 def stored_decoding(config: dict) -> Decoding:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable, Sequence
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -88,13 +89,16 @@ def finish(
     member_runs: list[dict],
     history: list[dict],
     tuning: Tuning,
+    progress=None,
 ) -> tuple[Decoding, dict | None]:
     """Tune the decoding (and the DDI target) of `model` on validation and write the
     checkpoint with its training record `info` (`member_runs`: each member's seed and
     chosen weights, recorded for several members) and train_log.jsonl (`history`).
-    `graphs`: (EHR adjacency, DDI adjacency, DDI pairs). Returns (decoding, target JSON)."""
+    `graphs`: (EHR adjacency, DDI adjacency, DDI pairs); `progress`: an optional bar factory
+    (`cognet.training.train.train`'s). Returns (decoding, target JSON)."""
     ehr, ddi, pairs = graphs
-    decoding, tuned, target = stored_decoding(model, vocab, ddi > 0, tuning)
+    bars = progress or tuning.progress
+    decoding, tuned, target = stored_decoding(model, vocab, ddi > 0, tuning, bars)
     if len(member_runs) > 1:
         info["members"] = len(member_runs)
         info["member_runs"] = member_runs
@@ -108,18 +112,27 @@ def finish(
     return decoding, target
 
 
-def stored_decoding(model, vocab: Vocab, ddi_bool: np.ndarray, tuning: Tuning):
+def stored_decoding(model, vocab: Vocab, ddi_bool: np.ndarray, tuning: Tuning, progress=None):
     """(the decoding the checkpoint stores, its tuning record, the DDI target as JSON or
-    None): beam, or set decoding with its threshold and rule tuned on validation."""
+    None): beam, or set decoding with its threshold and rule tuned on validation; each
+    phase with a bar over the validation visits it decodes when `progress` is given."""
     val = tuning.val_patients
+    n_visits = sum(map(len, val))
     decoding, record = Decoding(name="beam"), {}
     if tuning.decoding in ("set", "marginal"):
-        decoding, record = set_decoding_for(model, vocab, val, ddi_bool, tuning.samples)
+        with bar_of(progress, n_visits, "tuning the set decoding") as bar:
+            decoding, record = set_decoding_for(
+                model, vocab, val, ddi_bool, tuning.samples, bar.update
+            )
     target = None
     if tuning.ddi_target is not None:  # the model's default DDI policy and threshold
         from cognet.training.ddi_target import choose_target
 
-        target, _ = choose_target(model, vocab, val, ddi_bool, decoding, tuning.ddi_target)
+        # no total: the search decodes validation once per policy it tries, as many as needed
+        with bar_of(progress, None, f"DDI target {tuning.ddi_target:g} search") as bar:
+            target, _ = choose_target(
+                model, vocab, val, ddi_bool, decoding, tuning.ddi_target, on_batch=bar.update
+            )
         target = target.to_json()
     return decoding, record, target
 
@@ -151,6 +164,24 @@ def _train_head(model, vocab: Vocab, ddi_bool: np.ndarray, tuning: Tuning, decod
     return (head, record), decoding.with_changes(
         name=name, head_threshold=threshold, head_rule=rule
     )
+
+
+class _NoBar:
+    def update(self, n: int = 1) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+@contextmanager
+def bar_of(progress, total: int | None, desc: str, unit: str = "visit"):
+    """A bar from the factory `progress` (one that does nothing without), closed after."""
+    bar = progress(total=total, desc=desc, unit=unit) if progress else _NoBar()
+    try:
+        yield bar
+    finally:
+        bar.close()
 
 
 def combine(checkpoints: Sequence[str | Path], data_dir: str | Path, out: str | Path) -> dict:

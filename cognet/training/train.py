@@ -32,7 +32,7 @@ from cognet.model.ensemble import Ensemble
 from cognet.model.network import COGNet, ModelConfig
 from cognet.model.torch_decoding import decode_patients
 from cognet.training.loss import aux_loss, ddi_terms, ramp, teacher_forced
-from cognet.training.members import Tuning, finish, read_splits
+from cognet.training.members import Tuning, bar_of, finish, read_splits
 from cognet.training.set_head import HeadRecipe
 from cognet.training.tuning import choose_average, validation_nll
 
@@ -345,7 +345,7 @@ def train(
         progress=progress,
     )
     decoding, target = finish(
-        out, model, vocab, (ehr, ddi, dataset.ddi_pairs), info, runs, history, tuned
+        out, model, vocab, (ehr, ddi, dataset.ddi_pairs), info, runs, history, tuned, progress
     )
     return {
         **best,
@@ -382,6 +382,7 @@ def _train_network(
     snapshots: dict[int, dict] = {}  # epoch -> weights (the last max(average) and the best)
     keep = max(cfg.average)
     patients = list(train_data.patients)
+    n_val = sum(map(len, val_patients))
     for epoch in range(1, cfg.epochs + 1):
         start = time.perf_counter()
         bar = _epoch_bar(progress, len(patients), cfg.batch_size, epoch)
@@ -390,7 +391,10 @@ def _train_network(
         decay.step()
         train_s = time.perf_counter() - start
         record = {"epoch": epoch, "loss": loss, "train_s": train_s, "lr": lr}
-        record.update(_validation(model, vocab, val_patients, ddi_bool, cfg.select))
+        # a bar over the greedy decoding of validation (select=jaccard; the NLL is quick)
+        decoding = progress if cfg.select == "jaccard" else None
+        with bar_of(decoding, n_val, f"epoch {epoch} validation") as bar:
+            record.update(_validation(model, vocab, val_patients, ddi_bool, cfg.select, bar))
         check_finite(model, epoch, loss, record["val_nll"], cfg.lr)
         record["epoch_s"] = time.perf_counter() - start
         epochs_run = epoch
@@ -402,7 +406,9 @@ def _train_network(
         if cfg.patience is not None and stale >= cfg.patience:
             log.info("early stopping after %d epochs without improvement", stale)
             break
-    chosen = _load_final_weights(model, snapshots, best, epochs_run, cfg, vocab, val_patients)
+    chosen = _load_final_weights(
+        model, snapshots, best, epochs_run, cfg, vocab, val_patients, progress
+    )
     return model, best, chosen, epochs_run
 
 
@@ -437,12 +443,15 @@ def _optimiser(model: COGNet, cfg: TrainConfig, vocab: Vocab):
     return optim, decay, aux_head
 
 
-def _validation(model: COGNet, vocab: Vocab, val_patients, ddi_bool, select: str) -> dict:
+def _validation(model: COGNet, vocab: Vocab, val_patients, ddi_bool, select: str, bar=None) -> dict:
     """The epoch's validation metrics: the NLL, and for select="jaccard" the metrics of
-    greedy decoding too."""
+    greedy decoding too (`bar` counts the visits decoded)."""
     record = {"val_nll": validation_nll(model, vocab, val_patients)}
     if select == "jaccard":
-        decoded = decode_patients(model, vocab, val_patients, decoding=Decoding(beam=1))
+        on_batch = bar.update if bar is not None else None
+        decoded = decode_patients(
+            model, vocab, val_patients, decoding=Decoding(beam=1), on_batch=on_batch
+        )
         val = evaluation_report(visit_results(val_patients, decoded), ddi_bool, rounds=1)
         for k in ("jaccard", "f1", "prauc", "ddi", "avg_drugs"):
             record[f"val_{k}"] = val[k]["mean"]
@@ -467,17 +476,31 @@ def _keep_snapshot(snapshots: dict, epoch: int, model: COGNet, drop_until: int) 
 
 
 def _load_final_weights(
-    model: COGNet, snapshots: dict, best: dict, epochs_run: int, cfg: TrainConfig, vocab, val
+    model: COGNet,
+    snapshots: dict,
+    best: dict,
+    epochs_run: int,
+    cfg: TrainConfig,
+    vocab,
+    val,
+    progress=None,
 ) -> dict:
     """Load the best epoch's weights, or the average of epochs ending at or after it when
-    that has a lower val NLL, into `model` (in eval mode); returns which were chosen."""
-    nll = lambda m: validation_nll(m, vocab, val)  # noqa: E731
+    that has a lower val NLL, into `model` (in eval mode); returns which were chosen. A bar
+    from `progress` counts the averages scored."""
     chosen = {"epochs": [best["epoch"]], "val_nll": best["val_nll"]}
     state = snapshots[best["epoch"]]
     sizes = [s for s in cfg.average if s > 1]  # single epochs: their NLL is in `history`
     if sizes:
         ends = range(best["epoch"], epochs_run + 1)
-        averaged, info = choose_average(model, snapshots, sizes, ends, nll)
+        windows = len(ends) * len(set(sizes))  # at most: a window must fit in the snapshots
+        with bar_of(progress, windows, "averaging weights", "average") as bar:
+
+            def nll(m) -> float:
+                bar.update(1)
+                return validation_nll(m, vocab, val)
+
+            averaged, info = choose_average(model, snapshots, sizes, ends, nll)
         if info is not None and info["val_nll"] < chosen["val_nll"]:
             state, chosen = averaged, info
     model.load_state_dict(state)

@@ -127,13 +127,15 @@ def set_decoding_for(
     patients: Sequence[Sequence[Visit]],
     ddi_adj: np.ndarray,
     samples: int,
+    on_batch=None,
 ) -> tuple[Decoding, dict]:
     """The set decoding of `samples` samples (drawn by this version's estimator) with the
-    threshold and the set rule chosen on `patients` (`choose_set_rule`)."""
+    threshold and the set rule chosen on `patients` (`choose_set_rule`); on_batch(visits)
+    after each batch decoded."""
     from cognet.model.torch_decoding import decode_patients
 
     probe = Decoding(name="set", samples=samples, threshold=1.0, estimator=ESTIMATOR)
-    decoded = decode_patients(model, vocab, patients, decoding=probe, ddi=DDIPolicy())
+    decoded = decode_patients(model, vocab, patients, probe, DDIPolicy(), on_batch)
     marginals = np.stack([d.scores for d in decoded])
     tau, rule, info = choose_set_rule(patients, marginals, ddi_adj)
     return probe.with_changes(threshold=tau, rule=rule), info

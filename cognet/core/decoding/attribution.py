@@ -24,6 +24,10 @@ import numpy as np
 
 from cognet.core.graphspec import PROB_FLOOR
 
+# Copy share from which a medication is called copied rather than generated, and its source
+# visit shown (docs/guide/explanations.md).
+COPIED_FROM = 0.5
+
 
 def copy_share_by_slot(gate: np.ndarray, copy: np.ndarray, prob: np.ndarray) -> np.ndarray:
     """[..., S]: (1 - w_g) copy[s] / Pr[k] of each emission (gate [...], copy [..., S],
