@@ -26,6 +26,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+import pyarrow.parquet as pq
 
 from cognet.core.errors import InputError, one_line, where
 from cognet.core.schema import check_text, check_visits_columns, parquet_file
