@@ -5,6 +5,7 @@ line naming the extra to install."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -73,3 +74,35 @@ def test_a_command_that_needs_training_packages_names_the_extra(tiny, tmp_path, 
         'extra, pip install -e ".[train]" (README, Installing)'
     ], done.stderr
     assert not (tmp_path / "ckpt").exists() and not (tmp_path / "model").exists()
+
+
+def test_the_bench_runs_the_runtime_engines_without_torch(tiny, tmp_path):
+    out = tmp_path / "out"
+    argv = ["--quick", "--model", tiny / "model", "--data", tiny / "data", "--out", out]
+    done = runtime_only("cognet-bench", *argv, "--no-profile", "--input-sizes", "")
+    assert done.returncode == 0, done.stderr
+    results = json.loads((out / "results.json").read_text())
+    for name in ("torch-perpatient", "torch-batched", "torch-cuda"):
+        assert results["engines"][name] == {
+            "status": "skipped",
+            "reason": "torch is not installed (the [train] extra)",
+        }
+    assert {r["engine"] for r in results["runs"]} >= {"ort-cpu"}
+    assert [r["visits"] for r in results["latency"]] == [1, 8]
+    notes = results["notes"]
+    assert any(
+        n.startswith("lists not checked: the correctness reference torch-batched") for n in notes
+    )
+    assert any(n.startswith("plots skipped: matplotlib is not installed") for n in notes)
+    assert "DDI trade-off skipped: it needs torch (the [train] extra)" in notes
+    assert not (out / "latency.png").exists() and results["ddi_tradeoff"] is None
+    assert "latency ort-cpu" in done.stdout
+
+
+def test_the_bench_without_a_model_says_it_needs_torch_to_build_one(tmp_path):
+    done = runtime_only("cognet-bench", "--quick", "--out", tmp_path / "out")
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip().splitlines() == [
+        "Error: no --model: building the demo model needs torch (the [train] extra); on a "
+        "runtime-only install, pass --model DIR"
+    ]

@@ -84,8 +84,10 @@ def handle_errors(func: Callable) -> Callable:
             click.echo("Terminated", err=True)
             sys.exit(EXIT_CODE)
         except ModuleNotFoundError as exc:
+            import os
+
             line = missing_extra(exc)
-            if line is None:
+            if line is None or os.environ.get("COGNET_DEBUG"):
                 raise
             click.echo(f"Error: {line}", err=True)
             sys.exit(2)
