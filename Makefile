@@ -12,7 +12,7 @@ DEMO_DIR ?= demo
 DEMO_PATIENTS ?= 2000
 DEMO_EPOCHS ?= 8
 
-.PHONY: demo test failures bench lint commands install clean
+.PHONY: demo test test-quick failures bench lint commands install clean
 
 $(VENV)/.installed: setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -36,6 +36,11 @@ demo: install
 
 test: install
 	$(PY) -m pytest -q
+
+# the suite less the tests marked slow (a trained model, the wheel, the README's blocks)
+# and ray (a local Ray cluster): for a change that touches neither
+test-quick: install
+	$(PY) -m pytest -q -m "not slow and not ray"
 
 # every case of docs/guide/failures.md, one test or more each
 failures: install

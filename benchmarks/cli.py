@@ -1,9 +1,12 @@
-"""The `cognet-bench` command line: every engine side by side, written as results.json,
-results.md and throughput.png (see BENCHMARKS.md for the method)."""
+"""The `cognet-bench` command line: latency and throughput of every engine side by side,
+written as results.json, results.md, latency.png and throughput.png (see BENCHMARKS.md for
+the method). With --model it runs on a runtime-only install (no torch: the torch engines
+are skipped with their reason)."""
 
 from __future__ import annotations
 
 import logging
+import re
 import time
 from pathlib import Path
 
@@ -24,8 +27,9 @@ log = logging.getLogger(__name__)
 
 DEMO_PATIENTS, DEMO_EPOCHS = 2000, 8  # the Makefile's `make demo` model
 TRADEOFF_PATIENTS = 500  # test patients of the DDI trade-off (a policy ~ one torch decode)
-QUICK = {  # --quick: a smoke run of seconds (what CI runs)
+QUICK = {  # --quick: a smoke run (what CI runs)
     "batch_sizes": "1,8",
+    "latency_sizes": "1,8",
     "beams": "1,4",
     "repeats": 1,
     "visits": 16,
@@ -87,10 +91,21 @@ def _ints(text: str, name: str) -> tuple[int, ...]:
     type=click.Path(file_okay=False, path_type=Path),
     default="bench",
     show_default=True,
-    help="Where results.json, results.md, throughput.png go.",
+    help="Where results.json, results.md, latency.png, throughput.png go.",
 )
 @click.option(
-    "--batch-sizes", default="1,16,256,4096", show_default=True, help="Visits decoded together."
+    "--latency-sizes",
+    default="1,16,128,1024,default",
+    show_default=True,
+    help="Visits per request of the latency series: each request one call of the runtime "
+    "with its defaults, p50 / p95 / p99 per request and per visit; `default`: the runtime's "
+    "default batch size; '' to skip.",
+)
+@click.option(
+    "--batch-sizes",
+    default="1,16,256,4096",
+    show_default=True,
+    help="Visits decoded together in the throughput runs ('' to skip them: latency only).",
 )
 @click.option(
     "--beams",
@@ -147,11 +162,10 @@ def _ints(text: str, name: str) -> tuple[int, ...]:
 )
 @click.option(
     "--ddi-tradeoff/--no-ddi-tradeoff",
-    default=True,
-    show_default=True,
-    help="Also report the checkpoint's DDI trade-off (off, hard, soft at several penalties) "
-    "on the test split of --data or of the demo data: a table in results.md and "
-    "ddi_tradeoff.png.",
+    default=None,
+    help="Also report the checkpoint's DDI trade-off (off, hard, soft at several penalties; "
+    "torch) on the test split of --data or of the demo data: a table in results.md and "
+    "ddi_tradeoff.png. Default: when a torch engine is among --engines.",
 )
 @click.option(
     "--profile/--no-profile",
@@ -161,13 +175,15 @@ def _ints(text: str, name: str) -> tuple[int, ...]:
 )
 @click.option(
     "--reference",
-    type=click.Choice(("torch-batched", "torch-cuda")),
+    type=click.Choice(("torch-batched", "torch-cuda", "none")),
     default="torch-batched",
     show_default=True,
-    help="Engine every other engine's recommendations are checked against. On a GPU, "
-    "torch-cuda: torch-batched (CPU) is too slow for batches of 16k+ visits.",
+    help="Engine every other engine's recommendations are checked against; when it is not "
+    "among --engines it still runs, untimed, as the correctness reference (`none`: no "
+    "check, only the engines asked run). On a GPU, torch-cuda: torch-batched (CPU) is too "
+    "slow for batches of 16k+ visits.",
 )
-@click.option("--quick", is_flag=True, help="A smoke run of seconds: tiny sizes, 1 repeat.")
+@click.option("--quick", is_flag=True, help="A smoke run: tiny sizes, 1 repeat.")
 @click.option("--verbose", is_flag=True, help="Log what happens on stderr.")
 @handle_errors
 def main(
@@ -175,6 +191,7 @@ def main(
     checkpoint,
     data_dir,
     out,
+    latency_sizes,
     batch_sizes,
     beams,
     repeats,
@@ -191,20 +208,27 @@ def main(
     quick,
     verbose,
 ):
-    """Measure cognet's inference engines side by side on the same model and visits.
+    """Measure latency and throughput of cognet's inference engines on the same model and
+    visits.
 
-    Engines: torch-perpatient (the paper's way: one patient at a time, no KV cache),
-    torch-batched (cognet's torch reference), ort-cpu (the runtime), and on a GPU ort-cuda,
-    ort-tensorrt, torch-cuda (skipped with a reason where unavailable). Every engine's
-    recommendations are compared with torch-batched's.
+    Latency: requests of 1, 16, 128, 1,024 visits and the default batch, each one call of
+    the runtime as a user makes it; p50, p95 and p99 per request and per visit, with the
+    requests behind each. Throughput: engines torch-perpatient (the paper's way: one patient
+    at a time, no KV cache), torch-batched (cognet's torch reference), ort-cpu (the
+    runtime), and on a GPU ort-cuda, ort-tensorrt, torch-cuda (skipped with a reason where
+    unavailable), at each batch size. Every engine's recommendations are compared with
+    torch-batched's. Only the engines asked run; results files are rewritten as each pass
+    ends.
 
     \b
     Example:
       cognet-bench --out bench                          # builds the demo model first
       cognet-bench --model demo/model --data demo/data --out bench --beams 4
+      cognet-bench --model model --engines ort-cpu --out bench   # no torch needed
     """
     setup_logging(verbose)
     sizes = {
+        "latency_sizes": latency_sizes,
         "batch_sizes": batch_sizes,
         "beams": beams,
         "repeats": repeats,
@@ -221,18 +245,30 @@ def main(
     reads = Reads(models=[model_dir], checkpoints=[checkpoint], datasets=[data_dir])
     guard_outputs("cognet-bench", {"--out": out}, reads, ["--out"])
 
+    if ddi_tradeoff is None:  # torch's own evaluation: only when a torch engine is asked
+        from cognet.benchmarks.engines import TORCH_ENGINES
+
+        ddi_tradeoff = any(e in TORCH_ENGINES for e in settings.engines)
     _run(model_dir, checkpoint, data_dir, out, settings, ddi_tradeoff, quick)
 
 
 def _run(model_dir, checkpoint, data_dir, out: Path, settings, ddi_tradeoff: bool, quick: bool):
-    """Measure (on the demo model when no --model is given), write the results and say
-    the speed ratios."""
-    import torch
-
+    """Measure (on the demo model when no --model is given), write the results as they
+    grow and say the speed ratios."""
     from cognet.benchmarks.harness import run_all
     from cognet.benchmarks.report import write_all
 
-    torch.set_num_threads(settings.threads)  # also for the demo training: see BENCHMARKS.md
+    try:
+        import torch
+    except ImportError:  # a runtime-only install: the torch engines say so when skipped
+        torch = None
+    if torch is not None:
+        torch.set_num_threads(settings.threads)  # also for the demo training: BENCHMARKS.md
+    elif model_dir is None:
+        raise InputError(
+            "no --model: building the demo model needs torch (the [train] extra); on a "
+            "runtime-only install, pass --model DIR"
+        )
     out.mkdir(parents=True, exist_ok=True)
     notes = []
     model_dir, checkpoint, labelled = _model_and_data(
@@ -240,7 +276,12 @@ def _run(model_dir, checkpoint, data_dir, out: Path, settings, ddi_tradeoff: boo
     )
     ctx = make_context(model_dir, checkpoint, data_dir, out, settings, notes)
     started = time.perf_counter()
-    results = run_all(ctx, settings, say=lambda s: click.echo(s, err=True))
+    results = run_all(
+        ctx,
+        settings,
+        say=lambda s: click.echo(s, err=True),
+        progress=lambda partial: write_all(partial, out, plots=False),
+    )
     if ddi_tradeoff:
         results["ddi_tradeoff"] = run_ddi_tradeoff(checkpoint, labelled, out, quick, notes)
     results["seconds"] = round(time.perf_counter() - started, 1)
@@ -261,7 +302,7 @@ def _quick_values(sizes: dict) -> dict:
 def _settings(sizes: dict, engine_names, threads, max_run_seconds, profile, reference, quick):
     """The run's Settings from the options; a value it refuses is a usage error (exit 2)."""
     from cognet.benchmarks import engines as eng
-    from cognet.benchmarks.settings import Settings
+    from cognet.benchmarks.settings import RUNTIME_BATCH, Settings
 
     names = (
         eng.ENGINES
@@ -270,6 +311,10 @@ def _settings(sizes: dict, engine_names, threads, max_run_seconds, profile, refe
     )
     try:
         return Settings(
+            latency_sizes=_ints(
+                re.sub(r"\bdefault\b", str(RUNTIME_BATCH), sizes["latency_sizes"]),
+                "--latency-sizes",
+            ),
             batch_sizes=_ints(sizes["batch_sizes"], "--batch-sizes"),
             beams=_beams(sizes["beams"]),
             repeats=sizes["repeats"],
@@ -281,7 +326,7 @@ def _settings(sizes: dict, engine_names, threads, max_run_seconds, profile, refe
             input_sizes=_ints(sizes["input_sizes"], "--input-sizes"),
             max_run_s=max_run_seconds,
             profile=profile,
-            reference=reference,
+            reference=None if reference == "none" else reference,
             **({"warmup_visits": 4, "past_visits_n": 8, "series_batch_size": 8} if quick else {}),
         )
     except ValueError as exc:
@@ -307,11 +352,14 @@ def _model_and_data(
 
 
 def _echo_summary(results: dict, settings) -> None:
-    """The speed ratios on stdout, and a warning on stderr when a run differs from the
-    reference engine."""
+    """The latency of each request size and the speed ratios on stdout, and a warning on
+    stderr when a run differs from the reference engine."""
     from cognet.benchmarks import engines as eng
+    from cognet.benchmarks.latency import line
     from cognet.benchmarks.report import ratios
 
+    for r in results["latency"]:
+        click.echo(line(r))
     for beam in settings.beams:
         for base, r in ratios(results, beam).items():
             click.echo(
@@ -338,9 +386,12 @@ def run_ddi_tradeoff(checkpoint, data_dir, out: Path, quick: bool, notes: list) 
     the
     test split of `data_dir`, its plot written to OUT/ddi_tradeoff.png; None (and a note)
     when there is no checkpoint or no labelled data."""
-    from cognet.evaluation.ddi_tradeoff import plot, run_tradeoff
-    from cognet.evaluation.evaluate import EvalOptions
-
+    try:
+        from cognet.evaluation.ddi_tradeoff import plot, run_tradeoff
+        from cognet.evaluation.evaluate import EvalOptions
+    except ImportError:  # a runtime-only install
+        notes.append("DDI trade-off skipped: it needs torch (the [train] extra)")
+        return None
     if checkpoint is None or data_dir is None:
         notes.append("DDI trade-off skipped: it needs --checkpoint and --data (or the demo)")
         return None
@@ -390,8 +441,11 @@ def demo_model(root: Path, quick: bool = False, int8: bool = False) -> tuple[Pat
 def find_checkpoint(model_dir: Path) -> Path | None:
     """MODEL/../ckpt when it is the checkpoint the model was exported from."""
     from cognet.core.manifest import load_manifest
-    from cognet.model.checkpoint import checkpoint_hash
 
+    try:
+        from cognet.model.checkpoint import checkpoint_hash
+    except ImportError:  # a runtime-only install: no torch engine would use it
+        return None
     candidate = model_dir.parent / "ckpt"
     if not (candidate / "config.json").is_file():
         return None

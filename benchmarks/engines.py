@@ -114,12 +114,12 @@ def availability(name: str, checkpoint: Path | None, model_dir: Path | None = No
     if name not in ENGINES:
         return f"unknown engine (choose from {', '.join(ENGINES)})"
     if name in TORCH_ENGINES:
-        if checkpoint is None:
-            return "needs the torch checkpoint (--checkpoint)"
         try:
             import torch
         except ImportError:
-            return "torch is not installed"
+            return "torch is not installed (the [train] extra)"
+        if checkpoint is None:
+            return "needs the torch checkpoint (--checkpoint)"
         if name == "torch-cuda" and not torch.cuda.is_available():
             return "torch.cuda.is_available() is False"
         if name == "torch-perpatient" and _members(checkpoint) > 1:

@@ -1,5 +1,7 @@
 """The measurement loop: every engine on the same batches, timed, guarded, summarised.
 
+First the latency series (`latency`: requests of N visits through the runtime), then the
+blocks. The results grow as it goes and are handed to a `progress` callback after every pass.
 For each beam width and batch size, a block (`interleaved_runs`): every engine warms up on one
 untimed batch, then the engines take turns, one pass over the same batches each, `repeats`
 times (a time budget stops the repeats of a slow engine early and skips a larger batch size
@@ -26,6 +28,7 @@ import numpy as np
 from cognet.benchmarks import engines as eng
 from cognet.benchmarks.guard import Guard
 from cognet.benchmarks.interleaved_runs import RECS, Job, measure_block
+from cognet.benchmarks.latency import brief, latency_series, run_percentiles
 from cognet.benchmarks.machine_info import loadavg, machine_info, workload_info
 from cognet.benchmarks.score_subprocess import input_size_series
 from cognet.benchmarks.settings import Context, Settings
@@ -35,6 +38,7 @@ from cognet.core.manifest import load_manifest
 log = logging.getLogger(__name__)
 PERPATIENT = "torch-perpatient"
 SERIES_ENGINES = ("torch-batched", "ort-cpu", "ort-cuda", "ort-tensorrt", "torch-cuda")
+MAIN_RUNTIME = "ort-cpu"  # the engine `cognet-batch score` runs on a CPU (the input-size series)
 
 
 def recompare(runs: list[dict], guard: Guard) -> None:
@@ -46,20 +50,53 @@ def recompare(runs: list[dict], guard: Guard) -> None:
 
 
 # -- the whole benchmark ---------------------------------------------------------------------------
-def run_all(ctx: Context, settings: Settings, say: Callable[[str], None] = print) -> dict:
-    """Every measurement of `settings`; returns the results.json object."""
-    machine = machine_info(settings.threads)
+def run_all(
+    ctx: Context,
+    settings: Settings,
+    say: Callable[[str], None] = print,
+    progress: Callable[[dict], None] = lambda _: None,
+) -> dict:
+    """Every measurement of `settings`; returns the results.json object, handed to `progress`
+    as it grows (after every pass and every latency size), so that a run stopped from outside
+    leaves what it measured."""
     loaded, skipped = load_engines(ctx, settings, say)
-    reference = loaded.get(settings.reference)
-    if reference is None and eng.availability(settings.reference, ctx.checkpoint) is None:
-        reference = eng.load(settings.reference, ctx.model_dir, ctx.checkpoint, settings.threads)
+    reference = correctness_reference(ctx, settings, loaded, say)
     guard = Guard(reference)
     runs, over_budget = [], []
+    results = {
+        "machine": machine_info(settings.threads),
+        "settings": {
+            **asdict(settings),
+            "model": str(ctx.model_dir),
+            "checkpoint": str(ctx.checkpoint) if ctx.checkpoint else None,
+        },
+        "workload": workload_info(ctx.pool),
+        "engines": _engines_json(loaded, skipped, reference),
+        "latency": [],
+        "runs": runs,
+        "runs_over_budget": over_budget,
+        "series": {"past_visits": [], "input_size": []},
+        "profile": None,
+        "set_profile": None,
+        "notes": ctx.notes,
+    }
+    # first: what a user calling the runtime waits
+    results["latency"] = latency_series(
+        ctx, settings, loaded, say, lambda done: progress({**results, "latency": done})
+    )
+    progress(results)
     for beam in _beams_to_run(ctx, settings, say):
         rates: dict[str, tuple[float, float]] = {}  # visits/s at the last batch size, its fall
         for i, bs in enumerate(settings.batch_sizes):
             jobs = _block_jobs(ctx, settings, loaded, beam, i, bs, rates, over_budget, say)
-            for run in measure_block(jobs, beam, settings.repeats, guard, settings.max_run_s, say):
+
+            def partial(records: list[dict]) -> None:
+                progress({**results, "runs": runs + [_in_progress(r) for r in records]})
+
+            block = measure_block(
+                jobs, beam, settings.repeats, guard, settings.max_run_s, say, on_pass=partial
+            )
+            for run in block:
                 run["threads"] = settings.threads
                 runs.append(run)
                 _update_rate(rates, run)
@@ -68,30 +105,48 @@ def run_all(ctx: Context, settings: Settings, say: Callable[[str], None] = print
                 if job.error:
                     skipped[job.engine.name] = job.error
                     loaded.pop(job.engine.name, None)
+            results["engines"] = _engines_json(loaded, skipped, reference)
+            progress(results)
     recompare(runs, guard)
-    series = {
-        "past_visits": past_visits_series(ctx, settings, loaded, guard, say),
-        "input_size": input_size_series(ctx, settings, say),
-    }
-    profile = profile_best(ctx, settings, runs, say) if settings.profile else None
-    set_profile = profile_best(ctx, settings, runs, say, eng.SET) if settings.profile else None
-    machine["load_average_end"] = loadavg()
-    return {
-        "machine": machine,
-        "settings": {
-            **asdict(settings),
-            "model": str(ctx.model_dir),
-            "checkpoint": str(ctx.checkpoint) if ctx.checkpoint else None,
-        },
-        "workload": workload_info(ctx.pool),
-        "engines": _engines_json(loaded, skipped),
-        "runs": runs,
-        "runs_over_budget": over_budget,
-        "series": series,
-        "profile": profile,
-        "set_profile": set_profile,
-        "notes": ctx.notes,
-    }
+    results["series"]["past_visits"] = past_visits_series(ctx, settings, loaded, guard, say)
+    progress(results)
+    if MAIN_RUNTIME in settings.engines:  # the runtime's own command, ort-cpu's path
+        results["series"]["input_size"] = input_size_series(ctx, settings, say)
+    if settings.profile:
+        results["profile"] = profile_best(ctx, settings, runs, say)
+        results["set_profile"] = profile_best(ctx, settings, runs, say, eng.SET)
+    results["machine"]["load_average_end"] = loadavg()
+    return results
+
+
+def correctness_reference(ctx: Context, settings: Settings, loaded: dict, say):
+    """The engine every run's lists are checked against: the asked engine of that name, else
+    loaded for the check alone (untimed: it decodes each visit once) and named the
+    correctness reference; None, with a note, for `--reference none` or when it cannot run."""
+    name = settings.reference
+    if name is None:
+        ctx.notes.append("lists not checked (--reference none)")
+        return None
+    if name in loaded:
+        return loaded[name]
+    reason = eng.availability(name, ctx.checkpoint, ctx.model_dir)
+    if reason is not None:
+        ctx.notes.append(
+            f"lists not checked: the correctness reference {name} cannot run here: {reason}"
+        )
+        say(ctx.notes[-1])
+        return None
+    reference = eng.load(name, ctx.model_dir, ctx.checkpoint, settings.threads)
+    say(
+        f"loaded {name} in {reference.load_s:.2f}s as the correctness reference (not timed: "
+        "it decodes each visit once to check the lists of the engines asked)"
+    )
+    return reference
+
+
+def _in_progress(run: dict) -> dict:
+    """A run of the block still measuring: its passes so far, not compared yet."""
+    return {**run, **Guard(None).compare(run["beam"], {}), "in_progress": True}
 
 
 def _beams_to_run(ctx: Context, settings: Settings, say) -> tuple[int, ...]:
@@ -192,15 +247,24 @@ def _update_rate(rates: dict[str, tuple[float, float]], run: dict) -> None:
     )
 
 
-def _engines_json(loaded: dict, skipped: dict) -> dict:
-    """Each engine's status: ok (load time, providers) or skipped (the reason)."""
-    return {
+def _engines_json(loaded: dict, skipped: dict, reference=None) -> dict:
+    """Each engine's status: ok (load time, providers), skipped (the reason), or the
+    correctness reference when it runs only to check the others."""
+    out = {
         **{
             n: {"status": "ok", "load_s": e.load_s, "providers": e.providers}
             for n, e in loaded.items()
         },
         **{n: {"status": "skipped", "reason": r} for n, r in skipped.items()},
     }
+    if reference is not None and reference.name not in loaded:
+        out[reference.name] = {
+            "status": "correctness reference",
+            "load_s": reference.load_s,
+            "providers": reference.providers,
+            "reason": "not asked: decodes each visit once, untimed, to check the others' lists",
+        }
+    return out
 
 
 def profile_best(
@@ -282,10 +346,6 @@ def past_visits_series(
     return out
 
 
-def _num(x: float | None, fmt: str = ".0f") -> str:
-    return "-" if x is None else format(x, fmt)
-
-
 def _label(engine: str, mode: str = "request") -> str:
     return engine if mode == "request" else f"{engine} (stream)"
 
@@ -298,11 +358,14 @@ def _run_line(run: dict) -> str:
         ok = f"agrees on {run['agreement']:.2%}"
     if run.get("batch_dependent"):  # the reference's answer there depends on its batch
         ok += f" ({run['batch_dependent']} batch-dependent reference)"
-    p50 = run["latency_ms"]["p50"]
+    lat = run_percentiles(run)
+    latency = (
+        "batch latency " + brief(lat, ".2f") if lat["p50"]["ms"] is not None else "one call a pass"
+    )
     return (
         f"{_label(run['engine'], run.get('mode', 'request')):<24} "
         f"{eng.decoding_label(run['beam']):<6} "
         f"batch {run['batch_size']:>5}: {run['visits_per_s']:9.1f} visits/s "
-        f"{run['meds_per_s']:10.1f} meds/s p50 {_num(p50, '.2f'):>9} ms  "
+        f"{run['meds_per_s']:10.1f} meds/s, {run['repeats']} pass(es), {latency}  "
         f"RSS {run['peak_rss_mb']:6.0f} MB  {ok}"
     )

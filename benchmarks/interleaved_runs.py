@@ -86,9 +86,9 @@ class Job:
         meds = sum(len(m) for m in self.recs.values())
         lat = np.asarray(self.latencies) * 1e3
         median_s = float(np.median(self.seconds))
-        quantiles = {f"p{q}": float(np.percentile(lat, q)) for q in (50, 90, 99)}
+        quantiles = {f"p{q}": float(np.percentile(lat, q)) for q in (50, 95, 99)}
         if self.mode == "stream":  # one call per pass: no per-batch latency to report
-            quantiles = dict.fromkeys(quantiles)
+            quantiles, lat = dict.fromkeys(quantiles), lat[:0]
         return {
             "engine": self.engine.name,
             "mode": self.mode,
@@ -101,6 +101,7 @@ class Job:
             "meds_per_s": meds / median_s,
             "meds_per_visit": meds / visits,
             "latency_ms": quantiles,
+            "latency_samples": len(lat),  # batches behind the percentiles
             "seconds": [round(x, 4) for x in self.seconds],
             "warmup_s": self.warmup_s,
             "peak_rss_mb": self.peak_rss,
@@ -127,10 +128,11 @@ def measure_block(
     guard: Guard,
     max_s: float = float("inf"),
     say: Callable[[str], None] | None = None,
+    on_pass: Callable[[list[dict]], None] | None = None,
 ) -> list[dict]:
     """Run the jobs' passes interleaved (pass 1 of every engine, then pass 2, ...). One
     record per job that ran (a failed job has `error` set); `say` gets a line per pass as
-    it ends (a run cut short still reports)."""
+    it ends (a run cut short still reports), `on_pass` the records so far, unchecked."""
     reference = guard.reference.name if guard.reference is not None else None
     for job in jobs:
         job.engine.prepare(beam, job.batch_size)
@@ -153,6 +155,8 @@ def measure_block(
                     guard.add(beam, job.recs)
                 if say is not None:
                     say(job.pass_line(beam))
+                if on_pass is not None:
+                    on_pass([j.record(beam) for j in jobs if j.seconds and j.error is None])
             _release_when_done(job.engine, jobs, repeats, max_s)
     records = []
     for job in jobs:

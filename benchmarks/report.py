@@ -1,4 +1,5 @@
-"""results.json -> results.md (tables) and throughput.png (matplotlib, Agg backend)."""
+"""results.json -> results.md (tables), throughput.png and latency.png (matplotlib, Agg
+backend; skipped, with a note, without it)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from cognet.benchmarks.engines import decoding_label
+from cognet.benchmarks.latency import MIN_SAMPLES, TARGET_REQUESTS, run_percentiles, shown
 from cognet.core import strict_json
 from cognet.core.decoding import BEAM
 from cognet.core.files import atomic_path, write_text
@@ -14,14 +16,37 @@ BASELINES = ("torch-batched", "torch-perpatient")
 MAIN = "ort-cpu"
 
 
-def write_all(results: dict, out: Path) -> list[Path]:
+def write_all(results: dict, out: Path, plots: bool = True) -> list[Path]:
+    """results.json and results.md, and with `plots` throughput.png and latency.png (skipped,
+    with a note saying why, without matplotlib); the paths written."""
     out.mkdir(parents=True, exist_ok=True)
-    paths = [out / "results.json", out / "results.md", out / "throughput.png"]
+    paths = [out / "results.json", out / "results.md"]
+    if plots:
+        paths += _plots(results, out)
     write_text(paths[0], strict_json.dumps(results, indent=1) + "\n")
     write_text(paths[1], markdown(results))
-    plot(results, paths[2])
     if results.get("ddi_tradeoff") and (out / "ddi_tradeoff.png").is_file():
         paths.append(out / "ddi_tradeoff.png")  # written by the trade-off run
+    return paths
+
+
+def _plots(results: dict, out: Path) -> list[Path]:
+    """The plots written; none, and a note, without matplotlib."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        note = (
+            "plots skipped: matplotlib is not installed (the [bench] extra: "
+            'pip install -e ".[bench]")'
+        )
+        if note not in results.setdefault("notes", []):
+            results["notes"].append(note)
+        return []
+    paths = [out / "throughput.png"]
+    plot(results, paths[0])
+    if results.get("latency"):
+        paths.append(out / "latency.png")
+        plot_latency(results, paths[1])
     return paths
 
 
@@ -52,7 +77,8 @@ def ratios(results: dict, beam: int = BEAM, engine: str = MAIN, mode: str | None
 
 
 def markdown(results: dict) -> str:
-    lines = _header(results) + _ratio_lines(results) + _runs_table(results)
+    lines = _header(results) + _ratio_lines(results) + _latency_section(results)
+    lines += _runs_table(results)
     lines += _engines_table(results["engines"])
     lines += _past_visits_section(results)
     lines += _input_size_section(results)
@@ -79,9 +105,11 @@ def _header(results: dict) -> list[str]:
         f"{_load(m.get('load_average_end'))} at the end.",
         "Versions: " + ", ".join(f"{k} {v}" for k, v in m["versions"].items() if v) + ".",
         f"Model: `{s['model']}`. Workload: {_workload(results['workload'])}.",
-        f"Each run: one warm-up batch, then {s['repeats']} repeat(s) over the same "
-        "batches, the engines taking turns pass by pass; visits/s and meds/s are the median "
-        "over repeats, latency percentiles are over every batch of every repeat. "
+        f"Each run: one warm-up batch, then up to {s['repeats']} repeat(s) over the same "
+        "batches (the passes column: how many ran; the time budget stops a slow run's "
+        "repeats), the engines taking turns pass by pass; visits/s and meds/s are the median "
+        "over passes, batch latency percentiles are over every batch of every pass, marked "
+        '"not enough" over fewer batches than the latency section asks. '
         "(stream): the run's visits handed to the runtime in one call, which it chunks, sorts "
         "and batches itself, as `cognet-batch score` does (no per-batch latency).",
         "",
@@ -112,24 +140,27 @@ def _ratio_lines(results: dict) -> list[str]:
 
 
 def _runs_table(results: dict) -> list[str]:
-    """Throughput and latency: one row per run, sorted by decoding, engine and batch size."""
+    """Throughput and latency: one row per run, sorted by decoding, engine and batch size;
+    nothing without runs (`--batch-sizes ''`)."""
+    if not results["runs"]:
+        return []
     lines = [
         "",
         "## Throughput and latency",
         "",
-        "| engine | decoding | batch | visits/s | meds/s | p50 ms | p90 ms | p99 ms "
-        "| peak RSS MB | GPU MB | matches "
-        + results["settings"].get("reference", "torch-batched")
+        "| engine | decoding | batch | passes | visits/s | meds/s | batch p50 ms "
+        "| batch p95 ms | batch p99 ms | peak RSS MB | GPU MB | matches "
+        + (results["settings"].get("reference") or "(no reference)")
         + " |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for run in sorted(results["runs"], key=lambda r: (r["beam"], r["engine"], r["batch_size"])):
-        lat = run["latency_ms"]
+        lat = run_percentiles(run)
         lines.append(
             f"| {_label(run)} | {decoding_label(run['beam'])} | {_batch(run)} "
-            f"| {run['visits_per_s']:.1f} "
-            f"| {run['meds_per_s']:.0f} | {_num(lat['p50'], '.1f')} | {_num(lat['p90'], '.1f')} "
-            f"| {_num(lat['p99'], '.1f')} | {run['peak_rss_mb']:.0f} "
+            f"| {run['repeats']} | {run['visits_per_s']:.1f} "
+            f"| {run['meds_per_s']:.0f} | {shown(lat['p50'])} | {shown(lat['p95'])} "
+            f"| {shown(lat['p99'])} | {run['peak_rss_mb']:.0f} "
             f"| {_num(run.get('gpu_mem_mb'), '.0f', '')} "
             f"| {_guard(run)} |"
         )
@@ -148,8 +179,44 @@ def _engines_table(engines: dict) -> list[str]:
     for name, e in engines.items():
         if e["status"] == "ok":
             lines.append(f"| {name} | ok | {e['load_s']:.2f} | {', '.join(e['providers'])} |")
+        elif "load_s" in e:  # the correctness reference, loaded to check the others only
+            lines.append(f"| {name} | {e['status']} | {e['load_s']:.2f} | {e['reason']} |")
         else:
             lines.append(f"| {name} | skipped | | {e['reason']} |")
+    return lines
+
+
+def _latency_section(results: dict) -> list[str]:
+    """Requests of N visits through the runtime (`benchmarks.latency`); nothing when that
+    series did not run."""
+    rows = results.get("latency") or []
+    if not rows:
+        return []
+    lines = [
+        "",
+        "## Latency: requests of N visits through the runtime",
+        "",
+        "Each request is one `Scorer.score_table` call with the runtime's defaults (the "
+        "model's decoding, its default batch size), timed alone, after one untimed request; "
+        f"up to {TARGET_REQUESTS} requests per size, fewer when the time budget "
+        "(`--max-run-seconds`) runs out. Per visit: a request's time over its visits. A "
+        "percentile over fewer requests than it needs "
+        f"({', '.join(f'{q}: {n}' for q, n in MIN_SAMPLES.items())}) is marked "
+        '"not enough".',
+        "",
+        "| engine | decoding | visits per request | requests | p50 ms | p95 ms | p99 ms "
+        "| p50 ms per visit | p95 ms per visit | p99 ms per visit | visits/s |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        req, per = r["per_request_ms"], r["per_visit_ms"]
+        lines.append(
+            f"| {r['engine']} | {r['decoding']} | {r['visits']:,}"
+            f"{' (default batch)' if r['visits'] == r['batch_size'] else ''} | {r['requests']} "
+            f"| {shown(req['p50'])} | {shown(req['p95'])} | {shown(req['p99'])} "
+            f"| {shown(per['p50'], ',.2f')} | {shown(per['p95'], ',.2f')} "
+            f"| {shown(per['p99'], ',.2f')} | {r['visits_per_s']:,.1f} |"
+        )
     return lines
 
 
@@ -309,6 +376,51 @@ def plot(results: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def plot_latency(results: dict, path: Path) -> None:
+    """ms per request and per visit against visits per request, log axes, p50 / p95 / p99
+    of each engine; a hollow marker where a percentile has not enough requests."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), squeeze=False)
+    styles = {"p50": "-", "p95": "--", "p99": ":"}
+    for ax, key, title in zip(
+        axes[0], ("per_request_ms", "per_visit_ms"), ("per request", "per visit"), strict=True
+    ):
+        for engine in dict.fromkeys(r["engine"] for r in results["latency"]):
+            rows = [r for r in results["latency"] if r["engine"] == engine]
+            for q, style in styles.items():
+                points = [(r["visits"], r[key][q]) for r in rows if r[key][q]["ms"] is not None]
+                if not points:
+                    continue
+                xs, ps = [x for x, _ in points], [p for _, p in points]
+                (line,) = ax.plot(
+                    xs, [p["ms"] for p in ps], style, label=f"{engine} ({rows[0]['decoding']}) {q}"
+                )
+                ax.scatter(
+                    xs,
+                    [p["ms"] for p in ps],
+                    facecolors=[line.get_color() if p["enough"] else "none" for p in ps],
+                    edgecolors=line.get_color(),
+                    zorder=3,
+                )
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel("visits per request")
+        ax.set_ylabel(f"ms {title}")
+        ax.set_title(f"latency {title} (hollow: not enough requests)", fontsize=9)
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0][0].legend(fontsize=7)
+    m = results["machine"]
+    fig.suptitle(f"cognet-bench latency: {m['cpu']}, {m['threads']} thread(s)", fontsize=9)
+    fig.tight_layout()
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, dpi=110, format="png")
+    plt.close(fig)
+
+
 def _labels(runs: Sequence[dict]) -> list[str]:
     seen: list[str] = []
     for r in runs:
@@ -331,6 +443,8 @@ def _batch(run: dict) -> str:
 
 
 def _guard(run: dict) -> str:
+    if run.get("in_progress"):
+        return "not compared yet (run in progress)"
     if run["matches_reference"] is None:
         if run.get("agreement") is not None:  # an approximate engine (fp16)
             equal = run["compared"] - run["mismatches"]

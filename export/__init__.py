@@ -13,9 +13,21 @@ fix-ups), `graphs` (the torch wrappers and tensor specs of each graph), `fp16`, 
 used.
 """
 
+import importlib
+
 from cognet.export.errors import ExportError, TensorRTUnavailable
-from cognet.export.onnx_export import OPSET, cache_tensors
-from cognet.export.pipeline import FP16_FILES, GRAPH_FILES, INT8_FILES, PART_FILES, export
+
+# Imported on first use, so that `cognet-export --help` (and the error naming the extra to
+# install) works on a runtime-only install, which has neither torch nor onnx.
+_LAZY = {
+    "OPSET": "onnx_export",
+    "cache_tensors": "onnx_export",
+    "export": "pipeline",
+    "FP16_FILES": "pipeline",
+    "GRAPH_FILES": "pipeline",
+    "INT8_FILES": "pipeline",
+    "PART_FILES": "pipeline",
+}
 
 __all__ = [
     "export",
@@ -28,3 +40,11 @@ __all__ = [
     "PART_FILES",
     "cache_tensors",
 ]
+
+
+def __getattr__(name: str):
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
+    globals()[name] = value
+    return value

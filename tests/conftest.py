@@ -4,6 +4,8 @@ no test module imports another."""
 
 from __future__ import annotations
 
+import contextlib
+import time
 from pathlib import Path
 
 import pyarrow as pa
@@ -16,6 +18,16 @@ from cognet.data.synth import generate
 TINY_PATIENTS = 60
 SMALL_PATIENTS = 1500
 TINY_MODEL_PATIENTS = 80  # 248 visits
+# How long Ray may take to start on a machine whose cores other work holds (its defaults
+# assume an idle one): a bound that only catches a start that never ends.
+RAY_START_S = 600
+# Ray's own waits that read its system config: a worker's registration, and the GCS health
+# checks that would declare a slow raylet dead.
+RAY_SYSTEM_CONFIG = {
+    "worker_register_timeout_seconds": RAY_START_S,
+    "health_check_timeout_ms": 60_000,
+    "health_check_failure_threshold": 20,
+}
 
 
 @pytest.fixture(scope="session")
@@ -56,9 +68,44 @@ def local_ray():
     pytest.importorskip("ray.data")
     import logging
 
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level=logging.ERROR)
+    with _patient_node_lookup(ray, RAY_START_S):
+        ray.init(
+            num_cpus=2,
+            include_dashboard=False,
+            log_to_driver=False,
+            logging_level=logging.ERROR,
+            _system_config=RAY_SYSTEM_CONFIG,
+        )
     yield ray
     ray.shutdown()
+
+
+@contextlib.contextmanager
+def _patient_node_lookup(ray, seconds: float):
+    """While Ray starts, its lookup of the new node retries for up to `seconds`: Ray 2.60 polls
+    it for a fixed 30 s (ray/_private/node.py, no setting), which a busy machine overruns
+    ("The current node timed out during startup"). Nothing changes where the lookup is absent."""
+    services = getattr(getattr(ray, "_private", None), "services", None)
+    lookup = getattr(services, "get_node", None)
+    if lookup is None:
+        yield
+        return
+
+    def waiting(*args, **kwargs):
+        end = time.monotonic() + seconds
+        while True:
+            try:
+                return lookup(*args, **kwargs)
+            except RuntimeError:  # not registered yet
+                if time.monotonic() > end:
+                    raise
+                time.sleep(0.5)
+
+    services.get_node = waiting
+    try:
+        yield
+    finally:
+        services.get_node = lookup
 
 
 @pytest.fixture

@@ -1,5 +1,6 @@
-"""cognet-bench: the smoke run writes its three files and every engine matches torch-batched;
-the paper-style engine decodes like the reference; the guard flags a wrong engine."""
+"""cognet-bench: the smoke run writes its files (latency.png among them) and every engine
+matches torch-batched; the paper-style engine decodes like the reference; the guard flags a
+wrong engine."""
 
 from __future__ import annotations
 
@@ -46,9 +47,14 @@ def quick_run(tiny, tmp_path_factory) -> tuple[object, Path]:
 def test_quick_run_writes_results_and_guard_passes(quick_run):
     result, out = quick_run
     assert result.exit_code == 0, result.output
-    for name in ("results.json", "results.md", "throughput.png"):
+    for name in ("results.json", "results.md", "throughput.png", "latency.png"):
         assert (out / name).stat().st_size > 0
     results = json.loads((out / "results.json").read_text())
+    # --quick: requests of 1 and 8 visits, through the runtime's default engine
+    assert [(r["engine"], r["visits"]) for r in results["latency"]] == [
+        ("ort-cpu", 1),
+        ("ort-cpu", 8),
+    ]
     assert {"cpu", "cores", "versions"} <= set(results["machine"])
     runs = results["runs"]
     engines = {"torch-perpatient", "torch-batched", "ort-cpu", "ort-cpu-device", "ort-cpu-gpupath"}
@@ -58,7 +64,10 @@ def test_quick_run_writes_results_and_guard_passes(quick_run):
     for run in runs + results["series"]["past_visits"]:
         assert run["matches_reference"] is True, run
         assert run["visits_per_s"] > 0 and run["meds_per_s"] > 0
-        assert set(run["latency_ms"]) == {"p50", "p90", "p99"}
+        assert set(run["latency_ms"]) == {"p50", "p95", "p99"}
+        # stream: one call a pass, no per-batch latency
+        per_pass = 0 if run.get("mode") == "stream" else run["batches"]
+        assert run["latency_samples"] == per_pass * run["repeats"]
         for key in ("engine", "batch_size", "beam", "peak_rss_mb", "providers"):
             assert key in run
     assert [p["returncode"] for p in results["series"]["input_size"]] == [0]
@@ -97,7 +106,7 @@ def test_unavailable_engines_are_skipped_with_a_reason(quick_run):
 def test_results_md_has_the_ratio_and_table(quick_run):
     _, out = quick_run
     text = (out / "results.md").read_text()
-    assert "| engine | decoding | batch | visits/s |" in text
+    assert "| engine | decoding | batch | passes | visits/s |" in text
     assert "x** torch-batched" in text and "x** torch-perpatient" in text
 
 

@@ -214,3 +214,48 @@ def test_list_scores_are_the_beam_scores(tiny):
     longer = [[*m, c] for m, c in zip(lists, vocab.medications, strict=False) if c not in m]
     changed = engine.list_scores(patients[: len(longer)], longer)
     assert all(abs(a - b) > 1e-3 for a, b in zip(changed, scores, strict=False))
+
+
+def test_each_pass_hands_the_records_so_far_to_on_pass(monkeypatch):
+    """The results files are rewritten after every pass (`harness.run_all`'s progress): the
+    block hands over the records of its passes so far, each with the passes it ran."""
+    monkeypatch.setattr(interleaved_runs, "release_memory", lambda: 0.0)
+    monkeypatch.setattr(interleaved_runs, "reset_peak_rss", lambda: True)
+    monkeypatch.setattr(interleaved_runs, "peak_rss_mb", lambda: 12.0)
+
+    class Engine:
+        providers: list = []
+
+        def __init__(self, name):
+            self.name = name
+
+        def prepare(self, beam, batch_size):
+            pass
+
+        def run(self, batch):
+            return batch
+
+        def recommendations(self, batch, out):
+            return {v: () for v in batch}
+
+        def gpu_memory_mb(self):
+            return None
+
+        def release(self):
+            pass
+
+        def after_pass(self):
+            pass
+
+    jobs = [interleaved_runs.Job(Engine(n), 2, [["v1"], ["v2"]], ["w"]) for n in "ab"]
+    seen = []
+    interleaved_runs.measure_block(
+        jobs, 4, 2, Guard(None), on_pass=lambda records: seen.append(records)
+    )
+    assert [[(r["engine"], r["repeats"]) for r in records] for records in seen] == [
+        [("a", 1)],
+        [("a", 1), ("b", 1)],
+        [("a", 2), ("b", 1)],
+        [("a", 2), ("b", 2)],
+    ]
+    assert seen[-1][0]["latency_samples"] == 4  # 2 batches x 2 passes

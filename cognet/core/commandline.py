@@ -22,6 +22,37 @@ from cognet.core.errors import InputError, OutputError, escaped
 from cognet.core.files import Reads, guarded
 from cognet.core.interrupt import EXIT_CODE, Terminated
 
+# The optional packages a command may need, and the extra of setup.py that installs each:
+# on a runtime-only install (`.[cpu]`), a command that needs one names the extra.
+EXTRA_OF = {
+    "torch": "train",
+    "safetensors": "train",
+    "onnx": "train",
+    "onnxscript": "train",
+    "onnxruntime": "cpu",
+    "matplotlib": "bench",
+    "ray": "ray",
+    "duckdb": "db",
+    "adbc_driver_postgresql": "db",
+    "meds": "meds",
+}
+
+
+def missing_extra(exc: ModuleNotFoundError) -> str | None:
+    """The one line naming the extra that installs the missing module; None when the module
+    is not one of cognet's optional packages."""
+    module = (exc.name or "").partition(".")[0]
+    extra = EXTRA_OF.get(module)
+    if extra is None:
+        return None
+    ctx = click.get_current_context(silent=True)
+    command = ctx.command_path if ctx is not None else "this command"
+    other = ' (or ".[gpu]" on a GPU machine)' if extra == "cpu" else ""
+    return (
+        f"{command} needs {module}, which is not installed: install the [{extra}] extra, "
+        f'pip install -e ".[{extra}]"{other} (README, Installing)'
+    )
+
 
 def handle_errors(func: Callable) -> Callable:
     """Turn library exceptions into exit codes: InputError -> 2, anything else -> 1
@@ -52,6 +83,14 @@ def handle_errors(func: Callable) -> Callable:
         except Terminated:
             click.echo("Terminated", err=True)
             sys.exit(EXIT_CODE)
+        except ModuleNotFoundError as exc:
+            import os
+
+            line = missing_extra(exc)
+            if line is None or os.environ.get("COGNET_DEBUG"):
+                raise
+            click.echo(f"Error: {line}", err=True)
+            sys.exit(2)
         except Exception as exc:  # noqa: BLE001 - the CLI boundary
             import os
 
