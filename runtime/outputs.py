@@ -84,7 +84,11 @@ COUNTS = (
 # first visits (no history: the model generates only), later visits; then the visit counts of
 # the last two (a patient without visits of a part has NaN in its block).
 METRIC_PARTS = ("all", "first", "later")
-METRIC_WIDTH = len(METRIC_PARTS) * len(PATIENT_COLUMNS) + 2
+METRIC_COLUMNS = (
+    *(f"{part}.{c}" for part in METRIC_PARTS for c in PATIENT_COLUMNS),
+    *(f"{part}.n_visits" for part in METRIC_PARTS[1:]),
+)
+METRIC_WIDTH = len(METRIC_COLUMNS)
 
 
 @dataclass

@@ -44,8 +44,14 @@ from cognet.core import strict_json
 from cognet.core.errors import InputError, one_line, writing
 from cognet.core.files import atomic_path, write_text
 from cognet.core.interrupt import kill_point
-from cognet.core.metrics import PATIENT_COLUMNS
-from cognet.runtime.outputs import COUNTS, REJECTS_SCHEMA, ScoredChunk, output_schema
+from cognet.runtime.outputs import (
+    COUNTS,
+    METRIC_COLUMNS,
+    METRIC_WIDTH,
+    REJECTS_SCHEMA,
+    ScoredChunk,
+    output_schema,
+)
 from cognet.runtime.plan import REASONS
 from cognet.runtime.summary import total_counts
 
@@ -257,13 +263,13 @@ def _placed(table: pa.Table, place: dict) -> pa.Table:
 
 
 def _metrics_table(rows: np.ndarray) -> pa.Table:
-    return pa.table({c: rows[:, j] for j, c in enumerate(PATIENT_COLUMNS)})
+    return pa.table({c: rows[:, j] for j, c in enumerate(METRIC_COLUMNS)})
 
 
 def _metrics_rows(table: pa.Table) -> np.ndarray:
-    """float64 [patients, len(PATIENT_COLUMNS)] from `_metrics_table`'s table."""
-    columns = [table[c].to_numpy() for c in PATIENT_COLUMNS]
-    return np.stack(columns, axis=1) if table.num_rows else np.zeros((0, len(PATIENT_COLUMNS)))
+    """float64 [patients, METRIC_WIDTH] from `_metrics_table`'s table."""
+    columns = [table[c].to_numpy() for c in METRIC_COLUMNS]
+    return np.stack(columns, axis=1) if table.num_rows else np.zeros((0, METRIC_WIDTH))
 
 
 def _file_record(path: Path) -> dict:
