@@ -10,7 +10,7 @@ import numpy as np
 import pyarrow as pa
 
 from cognet.core.decoding.beam import BeamResult
-from cognet.core.metrics import PATIENT_COLUMNS, VisitResult, patient_rows
+from cognet.core.metrics import PATIENT_COLUMNS, VisitResult, patient_rows, visit_rows
 from cognet.runtime.outputs import METRIC_WIDTH, explanations, output_schema, with_kept
 from cognet.runtime.plan import Plan
 
@@ -80,12 +80,15 @@ def patient_metrics(plan: Plan, slots: dict, ddi_adj: np.ndarray) -> tuple[np.nd
     patients = {p: i for i, p in enumerate(dict.fromkeys(r.patient_id for r in results))}
     width = len(PATIENT_COLUMNS)
     out = np.full((len(patients), METRIC_WIDTH), np.nan)
-    out[:, :width] = patient_rows(results, ddi_adj)
+    visits = visit_rows(results, ddi_adj)  # each visit's metrics once, for every part
+    out[:, :width] = patient_rows(results, ddi_adj, visits)
     for part, want in enumerate((True, False), start=1):
-        subset = [r for r, f in zip(results, first, strict=True) if f == want]
+        mine = np.flatnonzero(np.array(first) == want)
+        subset = [results[i] for i in mine]
         at = [patients[r.patient_id] for r in subset]
         out[:, -3 + part] = np.bincount(at, minlength=len(patients))
         if subset:
             rows = list(dict.fromkeys(at))  # patient_rows' order: first appearance
-            out[rows, part * width : (part + 1) * width] = patient_rows(subset, ddi_adj)
+            block = patient_rows(subset, ddi_adj, visits[mine])
+            out[rows, part * width : (part + 1) * width] = block
     return out, len(results)

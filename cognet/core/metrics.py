@@ -176,22 +176,32 @@ def visit_metrics(result: VisitResult, ddi_adj: np.ndarray) -> dict[str, float]:
 # -- over visits and patients -----------------------------------------------------------------
 
 
-def patient_rows(results: Sequence[VisitResult], ddi_adj: np.ndarray) -> np.ndarray:
+def visit_rows(results: Sequence[VisitResult], ddi_adj: np.ndarray) -> np.ndarray:
+    """float64 [visits, len(PATIENT_COLUMNS)]: each result's `visit_metrics`, in order."""
+    adj = np.asarray(ddi_adj, dtype=bool)
+    rows = [visit_metrics(r, adj) for r in results]
+    return np.array([[vm[k] for k in PATIENT_COLUMNS] for vm in rows], np.float64)
+
+
+def patient_rows(
+    results: Sequence[VisitResult], ddi_adj: np.ndarray, rows: np.ndarray | None = None
+) -> np.ndarray:
     """float64 [patients, len(PATIENT_COLUMNS)]: per patient (in order of first appearance)
-    the mean of each averaged metric over its visits, then its summed DDI hits and pairs.
+    the mean of each averaged metric over its visits, then its summed DDI hits and pairs;
+    `rows`: the results' `visit_rows` when already computed.
 
     Everything `summary_of` and `report` need: a caller that sees its visits in chunks of
     whole patients (the runtime, `cognet-batch score --all`) keeps these rows only and
     concatenates them."""
     if not results:
         raise ValueError("no visit to evaluate")
-    rows: dict[str, list[np.ndarray]] = {}
-    for r in results:
-        vm = visit_metrics(r, ddi_adj)
-        rows.setdefault(r.patient_id, []).append(np.array([vm[k] for k in PATIENT_COLUMNS]))
-    out = np.empty((len(rows), len(PATIENT_COLUMNS)))
-    for i, visits in enumerate(rows.values()):
-        v = np.stack(visits)
+    rows = visit_rows(results, ddi_adj) if rows is None else rows
+    patients: dict[str, list[int]] = {}
+    for i, r in enumerate(results):
+        patients.setdefault(r.patient_id, []).append(i)
+    out = np.empty((len(patients), len(PATIENT_COLUMNS)))
+    for i, at in enumerate(patients.values()):
+        v = rows[at]
         out[i, :-2] = v[:, :-2].mean(axis=0)
         out[i, -2:] = v[:, -2:].sum(axis=0)
     return out
