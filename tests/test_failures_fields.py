@@ -328,6 +328,14 @@ def test_the_schemas_declare_every_field_of_the_dataclasses():
 
     assert set(MODEL_FIELDS) == {f.name for f in dataclasses.fields(ModelConfig)}
     assert {f.name for f in dataclasses.fields(TrainConfig)} <= set(TRAIN.fields)
+    from cognet.core.schemas import HEAD_CONFIG, HEAD_RECIPE
+    from cognet.model.set_head import HeadConfig
+    from cognet.training.set_head import HeadRecipe
+
+    assert set(HEAD_RECIPE.fields) == {f.name for f in dataclasses.fields(HeadRecipe)}
+    assert set(HEAD_CONFIG.fields) - {"format_version"} == {
+        f.name for f in dataclasses.fields(HeadConfig)
+    }
 
 
 # -- item 8: an ensemble of one run given twice -----------------------------------------------

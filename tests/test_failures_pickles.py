@@ -289,7 +289,12 @@ def test_word2idx_that_is_an_array_is_refused(tmp_path):
     voc = op_build(
         op_voc_class() + b")\x81", op_dict((op_str("idx2word"), words), (op_str("word2idx"), array))
     )
-    refused(tmp_path, "voc", stream(op_dict((op_str("diag_voc"), voc))), "word2idx is not")
+    refused(
+        tmp_path,
+        "voc",
+        stream(op_dict((op_str("diag_voc"), voc))),
+        "word2idx is ndarray, not a dict",
+    )
 
 
 # -- 8. values trusted because they parse ------------------------------------------------------

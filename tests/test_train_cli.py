@@ -249,7 +249,8 @@ class RecordedBar:
 
 def test_every_phase_of_training_has_a_bar(tiny, tmp_path):
     """The epochs (by batches), their validation, the weight averaging, the set decoding's
-    tuning and the DDI target search each move a bar, closed at its end."""
+    tuning, the DDI target search and the set head's teacher pass and epochs each move a
+    bar, closed at its end."""
     from cognet.training.train import TrainConfig, train
 
     RecordedBar.made = []
@@ -258,7 +259,12 @@ def test_every_phase_of_training_has_a_bar(tiny, tmp_path):
     moved = {bar.desc: bar.n for bar in RecordedBar.made}
     for phase in ("epoch 1", "epoch 1 validation", "epoch 2", "averaging weights"):
         assert moved[phase] > 0, phase
-    assert moved["tuning the set decoding"] == RecordedBar.made[-2].total > 0
-    assert RecordedBar.made[-1].desc == "DDI target 0.2 search"
+    bars = {bar.desc: bar for bar in RecordedBar.made}
+    assert moved["tuning the set decoding"] == bars["tuning the set decoding"].total > 0
     assert moved["DDI target 0.2 search"] >= moved["tuning the set decoding"]
+    # the set head: the teacher's pass over every training visit, then its epochs
+    assert moved["teacher P(k in S)"] == bars["teacher P(k in S)"].total > 0
+    assert 0 < moved["set head"] <= bars["set head"].total
+    descs = [bar.desc for bar in RecordedBar.made]
+    assert descs.index("DDI target 0.2 search") < descs.index("teacher P(k in S)")
     assert all(bar.closed for bar in RecordedBar.made)

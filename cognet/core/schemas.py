@@ -93,6 +93,19 @@ MODEL = Obj(
 
 WEIGHTS = Obj({"epochs": ListOf(SIZE), "val_nll": Number()}, extra=True)
 RUN = {"seed": SEED, "best_epoch": COUNT, "weights": WEIGHTS, "epochs_run": COUNT}
+# how the set head is trained (`cognet.training.set_head.HeadRecipe`), read by `cognet ensemble`
+HEAD_RECIPE = Obj(
+    {
+        "hidden": SIZE,
+        "dropout": SHARE,
+        "mix": Number(0, 1),
+        "epochs": SIZE,
+        "patience": SIZE,
+        "lr": Number(0, lo_open=True),
+        "batch_size": SIZE,
+    },
+    required=("hidden", "dropout", "mix", "epochs", "patience", "lr", "batch_size"),
+)
 TRAIN = Obj(
     {
         **RUN,
@@ -123,6 +136,7 @@ TRAIN = Obj(
         "recipe": Str(),
         "ddi_target": Nullable(Number(0, 1)),
         "members": MEMBERS,
+        "head": Nullable(HEAD_RECIPE),
         "member_runs": ListOf(Obj(RUN, extra=True)),
         "data": Str(empty=True),
         "unknown_codes_val": COUNT,

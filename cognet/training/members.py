@@ -146,17 +146,19 @@ def _train_head(model, vocab: Vocab, ddi_bool: np.ndarray, tuning: Tuning, decod
     taught = teacher_marginals(
         model, vocab, patients, tuning.samples, tuning.max_history, tuning.progress
     )
-    head, tuned, record = train_head(
-        recipe,
-        vocab,
-        patients,
-        taught,
-        tuning.val_patients,
-        ddi_bool,
-        tuning.seed,
-        tuning.history_dropout,
-        tuning.max_history,
-    )
+    with bar_of(tuning.progress, recipe.epochs, "set head", unit="epoch") as bar:
+        head, tuned, record = train_head(
+            recipe,
+            vocab,
+            patients,
+            taught,
+            tuning.val_patients,
+            ddi_bool,
+            tuning.seed,
+            tuning.history_dropout,
+            tuning.max_history,
+            on_epoch=lambda _: bar.update(1),
+        )
     teacher = {"members": len(members_of(model)), "samples": tuning.samples}
     record["teacher"] = {**teacher, "weights_sha256": weights_digest(model)}
     name = "marginal" if tuning.decoding == "marginal" else decoding.name
@@ -233,7 +235,7 @@ def combine(checkpoints: Sequence[str | Path], data_dir: str | Path, out: str | 
         for name, have, want in zip(("EHR graph", "DDI graph"), graphs, (ehr, ddi), strict=True):
             if not np.array_equal(have, want):
                 raise InputError(f"{path}: its {name} is not that of {data_dir}'s train split")
-        last = train
+        last = config["train"]  # as written: the fields filled in above only compare
         nets.append(model)
         runs.append({k: train[k] for k in ("seed", "best_epoch", "weights", "epochs_run")})
         history += [{**r, "member": i} for r in _log(Path(path))]
