@@ -27,6 +27,9 @@ RAY_SYSTEM_CONFIG = {
     "worker_register_timeout_seconds": RAY_START_S,
     "health_check_timeout_ms": 60_000,
     "health_check_failure_threshold": 20,
+    # off: on a machine shared with other jobs, Ray's memory monitor kills the tests' workers
+    # for the others' memory (a second, raylet line in a refusal's one-line output)
+    "memory_monitor_refresh_ms": 0,
 }
 
 
