@@ -19,6 +19,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from cognet.core.history import visit_histories
 from cognet.core.ragged import Ragged
 
 HEAD_INPUTS = ("diagnoses", "procedures", "last_meds", "past_meds", "has_history")
@@ -95,17 +96,7 @@ def patient_head_arrays(
     `cognet.core.history.Visit`, in order), each with the history COGNet's decoder reads
     (`cognet.model.batching.make_batch`): the earlier visits with known medications, the
     last `max_history`; `no_history[i]` True reads visit i without any (history dropout)."""
-    histories: list[list[int]] = []
-    row = 0
-    for p in patients:
-        known: list[int] = []
-        for v in p:
-            kept = known if max_history is None else known[len(known) - max_history :]
-            dropped = max_history == 0 or (no_history is not None and no_history[row])
-            histories.append([] if dropped else list(kept))
-            if v.meds is not None:
-                known.append(row)
-            row += 1
+    histories = visit_histories(patients, max_history, no_history)
     visits = [v for p in patients for v in p]
     meds = ragged([v.meds or () for v in visits])
     last, past = history_meds(meds, ragged(histories), n_med)

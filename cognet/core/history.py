@@ -98,6 +98,29 @@ def load_split(visits: pa.Table, vocab: Vocab, split: str) -> SplitData:
     return SplitData(patients, unknown, unlabeled)
 
 
+def visit_histories(
+    patients: Sequence[Sequence[Visit]],
+    max_history: int | None = None,
+    no_history: Sequence[bool] | None = None,
+) -> list[list[int]]:
+    """Per visit of `patients` (in order), the rows (visit positions in that order) of its
+    history: its patient's earlier visits with known medications, the last `max_history`;
+    none where `no_history[row]` is True (training's history dropout). The one rule of the
+    decoder's batches (`cognet.model.batching.make_batch`) and the set head's inputs."""
+    histories: list[list[int]] = []
+    row = 0
+    for p in patients:
+        known: list[int] = []
+        for v in p:
+            kept = known if max_history is None else known[len(known) - max_history :]
+            dropped = max_history == 0 or (no_history is not None and no_history[row])
+            histories.append([] if dropped else list(kept))
+            if v.meds is not None:
+                known.append(row)
+            row += 1
+    return histories
+
+
 def pad(seqs: Sequence[Sequence[int]], pad_id: int, min_len: int = 1) -> np.ndarray:
     """Right-pad id lists into an int64 matrix [len(seqs), max(len, min_len)]."""
     width = max([min_len, *map(len, seqs)])

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from cognet.core.ddi import ddi_matrix
-from cognet.core.history import Visit, history_index, pad
+from cognet.core.history import Visit, history_index, pad, visit_histories
 from cognet.core.vocab import Vocab
 
 IGNORE = -100  # target padding, skipped by the loss
@@ -31,16 +31,7 @@ def make_batch(
     (START + medications) and `dec_target` (medications + END) [N, L].
     """
     visits = [v for p in patients for v in p]
-    histories, row = [], 0
-    for p in patients:
-        known: list[int] = []
-        for v in p:
-            h = known if max_history is None else known[len(known) - max_history :]
-            dropped = max_history == 0 or (no_history is not None and no_history[row])
-            histories.append([] if dropped else list(h))
-            if v.meds is not None:
-                known.append(row)
-            row += 1
+    histories = visit_histories(patients, max_history, no_history)
     med_ids = [v.meds or () for v in visits]
     batch = {
         "diagnoses": pad([v.diag for v in visits], vocab.diag_pad),
