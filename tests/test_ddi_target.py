@@ -15,6 +15,7 @@ from click.testing import CliRunner
 
 from cognet.cli import main as cognet_main
 from cognet.core.ddi import DDIPolicy, DDITarget
+from cognet.core.decoding import Decoding
 from cognet.core.decoding.request import DecodingRequest
 from cognet.core.errors import InputError
 from cognet.core.manifest import load_manifest
@@ -30,9 +31,16 @@ def _json(path: Path) -> dict:
     return json.loads(path.read_text())
 
 
-@pytest.fixture(scope="module")
-def targeted(tiny_dataset, tmp_path_factory) -> Path:
-    """A model trained 2 epochs with --ddi-target TARGET on the 60-patient synthetic set."""
+# (what is trained, the decoding its target is chosen for): the default (the set head: its
+# marginals searched, set rules only), and set decoding (no head: every step policy too)
+TRAININGS = {"head": ([], "marginal"), "no-head": (["--no-head"], "set")}
+
+
+@pytest.fixture(scope="module", params=sorted(TRAININGS))
+def targeted(request, tiny_dataset, tmp_path_factory) -> Path:
+    """A model trained 2 epochs with --ddi-target TARGET on the 60-patient synthetic set,
+    with the set head (the marginal decoding its default) and without (set decoding)."""
+    args, decoding = TRAININGS[request.param]
     out = tmp_path_factory.mktemp("targeted") / "ckpt"
     res = CliRunner().invoke(
         cognet_main,
@@ -47,11 +55,20 @@ def targeted(tiny_dataset, tmp_path_factory) -> Path:
             "--ddi-target",
             str(TARGET),
             "--quiet",
+            *args,
         ],
     )
     assert res.exit_code == 0, res.output
     assert f"DDI target {TARGET:g}: " in res.output
+    config = _json(out / "config.json")
+    assert config["decoding"]["name"] == decoding
+    assert DDITarget.from_json(config["ddi_target"]).decoding == decoding
     return out
+
+
+def _threshold(decoding: dict) -> float | None:
+    """The threshold the decoding reads its sets with (set decoding's or the head's)."""
+    return Decoding.from_json(decoding).selection[0]
 
 
 def _evaluate(ckpt, data, tmp_path, *args) -> dict:
@@ -85,7 +102,7 @@ def test_trained_target_holds_on_validation_and_is_the_default(targeted, tiny_da
     # evaluate without a DDI option decodes with the stored pair: the validation rate holds
     rep = _evaluate(targeted, tiny_dataset, tmp_path)
     assert rep["ddi_policy"] == stored.policy.to_json()
-    assert rep["decoding"]["threshold"] == stored.threshold
+    assert _threshold(rep["decoding"]) == stored.threshold
     assert rep["ddi"]["mean"] <= TARGET
     assert rep["ddi"]["mean"] == pytest.approx(stored.val_ddi, abs=1e-6)
     assert rep["jaccard"]["mean"] == pytest.approx(stored.val_jaccard, abs=1e-6)
@@ -94,11 +111,14 @@ def test_trained_target_holds_on_validation_and_is_the_default(targeted, tiny_da
     # --ddi-mode off overrides it: the threshold tuned without a policy, above the target
     off = _evaluate(targeted, tiny_dataset, tmp_path, "--ddi-mode", "off")
     assert off["ddi_policy"] == DDIPolicy().to_json() and "ddi_target" not in off
-    assert off["decoding"]["threshold"] == config["decoding"]["threshold"]
+    assert _threshold(off["decoding"]) == _threshold(config["decoding"])
     assert off["ddi"]["mean"] > TARGET  # so the target was not met by doing nothing
-    # beam search asked: the pair (chosen for a set) does not apply
-    beam = _evaluate(targeted, tiny_dataset, tmp_path, "--decoding", "beam")
-    assert beam["ddi_policy"] == DDIPolicy().to_json()
+    # another decoding asked than the one it was chosen for: the pair does not apply
+    other = "set" if stored.decoding == "marginal" else "beam"
+    beam = _evaluate(targeted, tiny_dataset, tmp_path, "--decoding", other)
+    assert beam["ddi_policy"] == DDIPolicy().to_json() and "ddi_target" not in beam
+    if stored.decoding == "marginal":  # one pass: no step for a soft penalty to act on
+        assert stored.policy.mode != "soft"
 
 
 def test_stored_pair_reaches_the_manifest_and_the_scorer(targeted, tiny_dataset, tmp_path):
@@ -111,7 +131,7 @@ def test_stored_pair_reaches_the_manifest_and_the_scorer(targeted, tiny_dataset,
     assert manifest.default_target() == stored
     assert _json(model / "manifest.json")["ddi_target"] == stored.to_json()
     scorer = Scorer(model, device="cpu", threads=1)
-    assert scorer.ddi == stored.policy and scorer.decoding.threshold == stored.threshold
+    assert scorer.ddi == stored.policy and scorer.decoding.selection[0] == stored.threshold
     assert scorer.settings()["ddi"] == stored.policy.to_json()
     off = Scorer(model, device="cpu", threads=1, ddi=DDIPolicy())
     assert off.ddi == DDIPolicy()
@@ -357,3 +377,15 @@ def test_tradeoff_plot_with_marks(tiny_dataset, targeted, tmp_path):
     assert res.exit_code == 0, res.output
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert f"plot written to {png}" in res.output
+
+
+def test_a_marginal_target_round_trips_and_has_no_step_policy():
+    from dataclasses import replace
+
+    found = DDITarget(0.06, DDIPolicy(max_rate=0.06), 0.4, 0.5, 0.05, decoding="marginal")
+    assert DDITarget.from_json(found.to_json()) == found
+    assert "decoding" not in replace(found, decoding="set").to_json()  # set's: as before
+    with pytest.raises(ValueError, match="soft penalty"):
+        DDITarget(0.06, DDIPolicy("soft", 1.0), 0.4, 0.5, 0.05, decoding="marginal")
+    with pytest.raises(ValueError, match="set or marginal"):
+        DDITarget.from_json({**found.to_json(), "decoding": "beam"})

@@ -196,12 +196,14 @@ def test_train_teacher_adds_a_head_that_evaluate_reads(tmp_path, tiny_dataset):
     assert config["head"]["config"]["hidden"] == 16
     assert config["head"]["training"]["teacher"]["members"] == 1
     assert config["decoding"]["head_threshold"] is not None
+    assert config["decoding"]["name"] == "marginal"  # the head's one pass: the default
     base_cfg = json.loads((base / "config.json").read_text())
+    assert base_cfg["decoding"]["name"] == "set"  # no head: set decoding stays the default
     assert (out / "model.safetensors").read_bytes() == (base / "model.safetensors").read_bytes()
     assert "head" not in base_cfg
     report = tmp_path / "r.json"
     args = ["evaluate", "--checkpoint", str(out), "--data", str(tiny_dataset), "--split", "val"]
-    res = runner.invoke(main, [*args, "--decoding", "marginal", "--json", str(report), "--quiet"])
+    res = runner.invoke(main, [*args, "--json", str(report), "--quiet"])
     assert res.exit_code == 0, res.output
     assert "marginal" in json.loads(report.read_text())["model"]
     bad = runner.invoke(

@@ -42,7 +42,10 @@ def test_train_then_evaluate(tiny, tmp_path):
     for name in ("config.json", "vocab.json", "model.safetensors", "graphs.npz", "train_log.jsonl"):
         assert (out / name).is_file()
     stored = Decoding.from_json(json.loads((out / "config.json").read_text())["decoding"])
-    assert stored.name == "set" and stored.samples == 16 and stored.threshold is not None
+    # the default: the set head's one pass, its set rule tuned on validation (and set
+    # decoding's threshold too: the networks stay a model of their own)
+    assert stored.name == "marginal" and stored.samples == 16 and stored.threshold is not None
+    assert stored.selection[1] in ("threshold", "jaccard") and (out / "head.safetensors").is_file()
     assert f"decoding: {stored.label};" in res.output  # the set rule chosen on validation
     log = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
     # the default trains two members, each its own epochs
@@ -266,5 +269,6 @@ def test_every_phase_of_training_has_a_bar(tiny, tmp_path):
     assert moved["teacher P(k in S)"] == bars["teacher P(k in S)"].total > 0
     assert 0 < moved["set head"] <= bars["set head"].total
     descs = [bar.desc for bar in RecordedBar.made]
-    assert descs.index("DDI target 0.2 search") < descs.index("teacher P(k in S)")
+    # the default decoding is the head's: its target is searched over the head's marginals
+    assert descs.index("set head") < descs.index("DDI target 0.2 search")
     assert all(bar.closed for bar in RecordedBar.made)

@@ -143,8 +143,9 @@ threads_option = count_option(
     "--head/--no-head",
     default=True,
     show_default=True,
-    help="After the networks, train the set head that the one-pass decoding (--decoding "
-    "marginal) reads: it learns the networks' own P(k in S).",
+    help="After the networks, train the set head that the one-pass decoding (marginal, the "
+    "checkpoint's default with it; set decoding without) reads: it learns the networks' own "
+    "P(k in S).",
 )
 @click.option(
     "--head-mix",
@@ -164,8 +165,9 @@ threads_option = count_option(
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 @handle_errors
 def train(data_dir, out, threads, quiet, recipe, **config):
-    """Train COGNet on the train split; choose the weights and the set decoding's threshold
-    on the validation split.
+    """Train COGNet on the train split, then the set head that reads its answer in one pass
+    (the marginal decoding, the checkpoint's default); choose the weights, the thresholds
+    and set rules on the validation split.
 
     \b
     Example:
@@ -195,9 +197,12 @@ def train(data_dir, out, threads, quiet, recipe, **config):
             )
     try:  # the other options are TrainConfig's fields
         cfg = TrainConfig.from_recipe(recipe, **config)
-        cfg = replace(cfg, head=_head(cfg.head, shape) if head else None)
-        if cfg.head is None and cfg.decoding == "marginal":
-            cfg = replace(cfg, decoding="set")  # nothing to read the marginals from
+        if head:
+            cfg = replace(cfg, head=_head(cfg.head, shape))
+        else:  # no head to read the marginals from: set decoding is the default then
+            cfg = replace(
+                cfg, head=None, decoding=None if cfg.decoding == "marginal" else cfg.decoding
+            )
     except (TypeError, ValueError) as exc:
         raise click.UsageError(str(exc)) from None
 

@@ -102,6 +102,9 @@ class DDITarget:
     val_jaccard: float
     val_ddi: float
     rule: str = "threshold"  # the set rule found with it (targets saved before: threshold)
+    # the decoding it was chosen for, and applies to: "set" (targets saved before) or
+    # "marginal" (the set head's P(k in S): set rules only, no step policy)
+    decoding: str = "set"
 
     def __post_init__(self) -> None:
         for name in ("target", "threshold", "val_jaccard", "val_ddi"):
@@ -114,6 +117,10 @@ class DDITarget:
             )
         if self.policy.pair_price and self.rule != "jaccard":
             raise ValueError("a DDI pair price goes with the expected-Jaccard rule (jaccard)")
+        if self.decoding not in ("set", "marginal"):
+            raise ValueError(f"a DDI target is for set or marginal decoding, not {self.decoding!r}")
+        if self.decoding == "marginal" and self.policy.mode == "soft":
+            raise ValueError("a marginal decoding's DDI target has no soft penalty (no steps)")
 
     @property
     def rule_label(self) -> str:
@@ -130,6 +137,8 @@ class DDITarget:
             "val_jaccard": self.val_jaccard,
             "val_ddi": self.val_ddi,
             "rule": self.rule,
+            # written only for the head: targets of set decoding read and write as before
+            **({"decoding": self.decoding} if self.decoding != "set" else {}),
         }
 
     @classmethod
@@ -152,6 +161,7 @@ class DDITarget:
             val_jaccard=finite(obj["val_jaccard"], "val_jaccard"),
             val_ddi=finite(obj["val_ddi"], "val_ddi"),
             rule=obj.get("rule", "threshold"),
+            decoding=obj.get("decoding", "set"),
         )
 
 

@@ -109,13 +109,14 @@ def tradeoff(
     options: EvalOptions | None = None,
     on_policy: Callable[[TradeoffRow], None] | None = None,
     decoding: Decoding = Decoding(),
+    head=None,
 ) -> list[TradeoffRow]:
     """Decode `patients` (lists of `cognet.core.history.Visit`) under every policy; one row each.
 
     ddi_adj: bool [M, M] for the DDI rate (`cognet.core.ddi.ddi_matrix`); the decoding
     itself uses the model's DDI graph, built from the same pairs. options: the bootstrap
     rounds and seed; decoding: what each policy decodes with (default: the paper's beam
-    search)."""
+    search); head: the set head that the marginal decoding reads."""
     from cognet.core.metrics import evaluation_report, visit_results
     from cognet.evaluation.evaluate import EvalOptions
     from cognet.model.torch_decoding import decode_patients, reselect
@@ -128,15 +129,16 @@ def tradeoff(
     for policy in policy_list:
         started = time.perf_counter()
         if policy.pair_price:  # the expected-Jaccard set less the price (no threshold)
-            if decoding.name != "set":
+            if decoding.name == "beam":
                 raise ValueError("a DDI pair price is for set decoding, not beam search")
-            priced = decoding.with_changes(rule="jaccard")
+            rule = "head_rule" if decoding.name == "marginal" else "rule"
+            priced = decoding.with_changes(**{rule: "jaccard"})
             base = DDIPolicy(policy.mode, policy.penalty)
             if base not in steps:
-                steps[base] = decode_patients(model, vocab, patients, decoding, base)
+                steps[base] = decode_patients(model, vocab, patients, decoding, base, head=head)
             decoded = reselect(model, steps[base], priced, policy)  # same P(k in S)
         else:
-            decoded = decode_patients(model, vocab, patients, decoding, policy)
+            decoded = decode_patients(model, vocab, patients, decoding, policy, head=head)
             if policy in bases:
                 steps[policy] = decoded
         seconds = time.perf_counter() - started
@@ -434,9 +436,17 @@ def run_tradeoff(
         raise InputError(f"{data_dir}: the {split} split has no labelled visit")
     ddi_adj = ddi_matrix(vocab, dataset.ddi_pairs)
     policy_list = policies() if policy_list is None else policy_list
-    if decoding.name != "set" and any(p.pair_price for p in policy_list):
+    if decoding.name == "beam" and any(p.pair_price for p in policy_list):
         raise InputError("--pair-prices are for set decoding, not beam search")
-    rows = tradeoff(model, vocab, patients, ddi_adj, policy_list, options, on_policy, decoding)
+    head = None
+    if decoding.name == "marginal":  # one pass: no step for a soft penalty to act on
+        head = checkpoint.load_head(ckpt, config)
+        if head is None:
+            raise InputError(f"{ckpt}: --decoding marginal reads a set head and it has none")
+        policy_list = [p for p in policy_list if p.mode != "soft"]
+    rows = tradeoff(
+        model, vocab, patients, ddi_adj, policy_list, options, on_policy, decoding, head
+    )
     best = recommend(rows)
     truth = ground_truth_ddi(patients, ddi_adj)
     table = (

@@ -101,7 +101,7 @@ def run_evaluation(ckpt, data_dir, options: EvalOptions = EvalOptions()) -> dict
         model, vocab, config = checkpoint.load(ckpt)
         target = DDITarget.from_json(config.get("ddi_target"))  # checked by checkpoint.load
         if options.ddi_target is not None:
-            target, trials = _search_target(model, vocab, dataset, config, options)
+            target, trials = _search_target(ckpt, model, vocab, dataset, config, options)
         decoding, ddi = resolve(config, options.request, target)
         head = checkpoint.load_head(ckpt, config) if decoding.name == "marginal" else None
         if decoding.name == "marginal" and head is None:
@@ -172,7 +172,7 @@ def _decoding_fields(decoding, ddi, target, trials, options: EvalOptions) -> dic
     target's pair when it decided the policy, and the search's trials when one ran."""
     fields = {"ddi_policy": ddi.to_json(), "decoding": decoding.to_json()}
     # the target's pair, when it decided the policy
-    if target is not None and options.request.ddi is None and decoding.name == "set":
+    if target is not None and options.request.ddi is None and decoding.name == target.decoding:
         fields["ddi_target"] = target.to_json()
     if trials is not None:  # every (policy, threshold) the search scored on validation
         fields["ddi_target_search"] = [t.to_json() for t in trials]
@@ -208,17 +208,22 @@ def _target_line(target: DDITarget, test_ddi: float, split: str) -> str:
     )
 
 
-def _search_target(model, vocab, dataset, config: dict, options: EvalOptions) -> tuple:
+def _search_target(ckpt, model, vocab, dataset, config: dict, options: EvalOptions) -> tuple:
     """The DDI target's pair for `options.ddi_target`, chosen on the validation split
     (`cognet.training.ddi_target`), with the decoding that `options` asks on the checkpoint's, and
     the search's trials."""
     from cognet.core.errors import InputError
     from cognet.training.ddi_target import choose_target
 
+    from cognet.model import checkpoint
+
     decoding = _asked(lambda: options.request.decoding_on(stored_decoding(config)))
     val = load_split(dataset.visits, vocab, "val").patients
-    if decoding.name != "set" or not val:
-        raise InputError("--ddi-target needs set decoding and a labelled validation split")
+    if decoding.name == "beam" or not val:
+        raise InputError(
+            "--ddi-target needs set or marginal decoding and a labelled validation split"
+        )
+    head = checkpoint.load_head(ckpt, config) if decoding.name == "marginal" else None
     adj = ddi_matrix(vocab, dataset.ddi_pairs)
     from cognet.core.progress import progress
 
@@ -226,7 +231,7 @@ def _search_target(model, vocab, dataset, config: dict, options: EvalOptions) ->
     desc = f"DDI target {options.ddi_target:g} search"
     with progress(desc=desc, unit="visit", quiet=options.quiet) as bar:
         return choose_target(
-            model, vocab, val, adj, decoding, options.ddi_target, on_batch=bar.update
+            model, vocab, val, adj, decoding, options.ddi_target, on_batch=bar.update, head=head
         )
 
 

@@ -2,7 +2,9 @@
 expected-Jaccard rule), chosen together on the validation split, of best validation Jaccard
 with a validation DDI rate <= R.
 
-`cognet train --ddi-target R` runs `choose_target` after the threshold is tuned and stores
+`cognet train --ddi-target R` runs `choose_target` after the threshold is tuned (after the
+set head is trained, when the marginal decoding is the default: then over the head's
+P(k in S), set rules only) and stores
 the pair with the checkpoint (`cognet.core.ddi.DDITarget`, config.json and the manifest's
 "ddi_target"): `cognet evaluate` and `cognet-batch score` then decode with it unless a
 policy is asked. `cognet evaluate --ddi-target R` runs the same search for a checkpoint.
@@ -194,21 +196,30 @@ def choose_target(
     target: float,
     thresholds: Sequence[float] | None = None,
     on_batch: Callable[[int], None] | None = None,
+    head=None,
 ) -> tuple[DDITarget, list[Trial]]:
-    """`search` for a torch model: `decoding` (a set decoding: its samples and estimator)
-    decodes the validation `patients` under each policy; ddi_adj: bool [M, M]."""
+    """`search` for a torch model: `decoding` decodes the validation `patients`; ddi_adj:
+    bool [M, M]. Set decoding (its samples and estimator) decodes them under each policy;
+    the marginal decoding reads the set head `head` once, since its P(k in S) depend on no
+    policy: only the set rules (cap, pair price, threshold or expected-Jaccard rule, hard's
+    set rule) are searched, no soft penalty."""
     from cognet.model.torch_decoding import decode_patients
     from cognet.training.tuning import THRESHOLDS
 
+    grid = THRESHOLDS if thresholds is None else thresholds
+    if decoding.name == "marginal":
+        decoded = decode_patients(model, vocab, patients, decoding, on_batch=on_batch, head=head)
+        margins = np.stack([d.scores for d in decoded])
+        chosen, trials = search(lambda _: margins, patients, ddi_adj, target, grid, (), 0)
+        return replace(chosen, decoding="marginal"), trials
     if decoding.name != "set":
-        raise ValueError("a DDI target is chosen for set decoding (its threshold)")
+        raise ValueError("a DDI target is chosen for set or marginal decoding (its set rules)")
     probe = decoding.with_changes(threshold=1.0)  # the marginals do not depend on it
 
     def marginals_of(policy: DDIPolicy) -> np.ndarray:
         decoded = decode_patients(model, vocab, patients, probe, policy, on_batch)
         return np.stack([d.scores for d in decoded])
 
-    grid = THRESHOLDS if thresholds is None else thresholds
     return search(marginals_of, patients, ddi_adj, target, grid)
 
 

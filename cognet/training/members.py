@@ -106,6 +106,8 @@ def finish(
     head = None
     if tuning.head is not None:
         head, decoding = _train_head(model, vocab, ddi > 0, tuning, decoding)
+        if tuning.decoding == "marginal" and tuning.ddi_target is not None:
+            target = _target_of(model, vocab, ddi > 0, tuning, decoding, head[0], bars)
     model, json = model.cpu(), decoding.to_json()
     checkpoint.save(out, model, vocab, ehr, ddi, pairs, info, json, target, head)
     write_text(out / "train_log.jsonl", "".join(strict_json.dumps(r) + "\n" for r in history))
@@ -125,16 +127,29 @@ def stored_decoding(model, vocab: Vocab, ddi_bool: np.ndarray, tuning: Tuning, p
                 model, vocab, val, ddi_bool, tuning.samples, bar.update
             )
     target = None
-    if tuning.ddi_target is not None:  # the model's default DDI policy and threshold
-        from cognet.training.ddi_target import choose_target
-
-        # no total: the search decodes validation once per policy it tries, as many as needed
-        with bar_of(progress, None, f"DDI target {tuning.ddi_target:g} search") as bar:
-            target, _ = choose_target(
-                model, vocab, val, ddi_bool, decoding, tuning.ddi_target, on_batch=bar.update
-            )
-        target = target.to_json()
+    if tuning.ddi_target is not None and tuning.decoding != "marginal":  # the head's: after it
+        target = _target_of(model, vocab, ddi_bool, tuning, decoding, None, progress)
     return decoding, record, target
+
+
+def _target_of(model, vocab, ddi_bool, tuning: Tuning, decoding: Decoding, head, progress):
+    """The model's default DDI policy and set rule for `tuning.ddi_target`, chosen on
+    validation for `decoding` (marginal: over the set `head`'s P(k in S)), as JSON."""
+    from cognet.training.ddi_target import choose_target
+
+    # no total: the search decodes validation once per policy it tries, as many as needed
+    with bar_of(progress, None, f"DDI target {tuning.ddi_target:g} search") as bar:
+        target, _ = choose_target(
+            model,
+            vocab,
+            tuning.val_patients,
+            ddi_bool,
+            decoding,
+            tuning.ddi_target,
+            on_batch=bar.update,
+            head=head,
+        )
+    return target.to_json()
 
 
 def _train_head(model, vocab: Vocab, ddi_bool: np.ndarray, tuning: Tuning, decoding: Decoding):

@@ -135,7 +135,9 @@ class TrainConfig:
     # sizes of the windows of consecutive epochs, ending at the best epoch or later, whose
     # averaged weights are tried (1 = one epoch); the lowest validation NLL wins
     average: tuple[int, ...] = (1, 3, 5, 7)
-    decoding: str = "set"  # the checkpoint's default decoding: "set" (tuned) or "beam"
+    # the checkpoint's default decoding: "marginal" (the set head's one pass, tuned; with a
+    # head), "set" (tuned; the default without a head) or "beam". None: the default
+    decoding: str | None = None
     set_samples: int = SAMPLES
     recipe: str = "default"
     # choose a DDI policy and threshold on validation for this DDI rate
@@ -150,6 +152,8 @@ class TrainConfig:
     head: HeadRecipe | None = HeadRecipe()
 
     def __post_init__(self) -> None:
+        if self.decoding is None:  # the one-pass decoding when there is a head to read
+            object.__setattr__(self, "decoding", "set" if self.head is None else "marginal")
         for name, kind in self.__annotations__.items():  # NaN passes every range check below
             value = getattr(self, name)
             if kind.startswith("float") and value is not None:
@@ -172,8 +176,8 @@ class TrainConfig:
         if not 0 <= self.history_dropout < 1 or not 0 <= self.scheduled_sampling <= 1:
             raise ValueError("history_dropout must be in [0, 1), scheduled_sampling in [0, 1]")
         target = self.ddi_target
-        if target is not None and (self.decoding != "set" or not 0 <= target <= 1):
-            raise ValueError("--ddi-target needs set decoding and a DDI rate in [0, 1]")
+        if target is not None and (self.decoding == "beam" or not 0 <= target <= 1):
+            raise ValueError("--ddi-target needs set or marginal decoding, a DDI rate in [0, 1]")
         if self.head is not None and not isinstance(self.head, HeadRecipe):
             raise ValueError(f"head must be a HeadRecipe or None, not {self.head!r}")
         if self.decoding == "marginal" and self.head is None:

@@ -165,13 +165,17 @@ def with_target(
 ) -> tuple[Decoding, DDIPolicy]:
     """The decoding and the policy to run: `resolve` (the caller's changes) on top of the
     model's `default` decoding, and the policy `asked` (None: none asked). A model's DDI
-    target applies when no policy is asked and the decoding stays a set (it was chosen for
-    one): its policy, its set rule and its threshold (read by the threshold rule), as the
-    search chose them, unless the changes set them. Otherwise the asked policy, or off; a
-    model without a target decodes as it always did."""
-    if asked is None and target is not None and default.name == "set":
-        decoding = resolve(default.with_changes(threshold=target.threshold, rule=target.rule))
-        if decoding.name == "set":
+    target applies when no policy is asked and the decoding stays the one it was chosen for
+    (set, or marginal: `DDITarget.decoding`): its policy, its set rule and its threshold
+    (read by the threshold rule), as the search chose them, unless the changes set them.
+    Otherwise the asked policy, or off; a model without a target decodes as it always did."""
+    if asked is None and target is not None and default.name == target.decoding:
+        if target.decoding == "marginal":
+            chosen = {"head_threshold": target.threshold, "head_rule": target.rule}
+        else:
+            chosen = {"threshold": target.threshold, "rule": target.rule}
+        decoding = resolve(default.with_changes(**chosen))
+        if decoding.name == target.decoding:
             return decoding, target.policy
     return resolve(default), asked or DDIPolicy()
 
