@@ -213,9 +213,8 @@ def _search_target(ckpt, model, vocab, dataset, config: dict, options: EvalOptio
     (`cognet.training.ddi_target`), with the decoding that `options` asks on the checkpoint's, and
     the search's trials."""
     from cognet.core.errors import InputError
-    from cognet.training.ddi_target import choose_target
-
     from cognet.model import checkpoint
+    from cognet.training.ddi_target import choose_target
 
     decoding = _asked(lambda: options.request.decoding_on(stored_decoding(config)))
     val = load_split(dataset.visits, vocab, "val").patients
