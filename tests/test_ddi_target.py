@@ -389,3 +389,22 @@ def test_a_marginal_target_round_trips_and_has_no_step_policy():
         DDITarget(0.06, DDIPolicy("soft", 1.0), 0.4, 0.5, 0.05, decoding="marginal")
     with pytest.raises(ValueError, match="set or marginal"):
         DDITarget.from_json({**found.to_json(), "decoding": "beam"})
+
+
+def test_tradeoff_of_the_heads_decoding_reads_its_set_rules_only(targeted, tiny_dataset):
+    """--ddi-tradeoff on a model whose default is the head's one pass: the soft penalties
+    (a step policy) are left out, the set rules each give a row, and a pair price reads
+    the expected-Jaccard set of the same marginals."""
+    from cognet.evaluation.ddi_tradeoff import policies, run_tradeoff
+
+    config = _json(targeted / "config.json")
+    asked = policies((0.5, 1.0), max_rates=(0.05,), pair_prices=(0.01,))
+    options = EvalOptions(rounds=1, split="val")
+    got = run_tradeoff(targeted, tiny_dataset, options, asked).rows
+    if config["decoding"]["name"] == "set":
+        assert [r.policy for r in got] == asked
+        return
+    assert [r.policy for r in got] == [p for p in asked if p.mode != "soft"]
+    off, hard, capped, priced = (r.report for r in got)
+    assert hard["ddi"]["mean"] == 0.0 and capped["ddi"]["mean"] <= 0.05 + 1e-9
+    assert priced["ddi"]["mean"] <= off["ddi"]["mean"]
