@@ -2,8 +2,11 @@
 
 `engines` (the engines behind one interface), `perpatient` (the paper-style baseline),
 `workload` (the visits and batches), `settings` (what a run measures), `harness` (the
-measurement loop and the past-visits series), `guard` (the correctness guard), `machine_info`
-(/proc, memory, machine description), `score_subprocess` (cognet-batch in a subprocess: the
-input-size series), `profile` (where ort-cpu's time goes), `report`
-(results.md and throughput.png), `cli` (the command). See BENCHMARKS.md for the method.
+measurement loop and the past-visits series) with `interleaved_runs` (one block of it),
+`latency` (requests of N visits as a user meets them), `guard` (the correctness guard),
+`agreement` and `estimators` (the runtime against torch, set decoding's estimators),
+`machine_info` (/proc, memory, machine description), `score_subprocess` (cognet-batch in a
+subprocess: the input-size series), `omop_convert` (`cognet data omop`'s time and memory),
+`profile` (where ort-cpu's time goes), `report` (results.md, throughput.png and
+latency.png), `cli` (the command). See BENCHMARKS.md for the method.
 """
