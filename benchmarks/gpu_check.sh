@@ -4,21 +4,21 @@
 #      files) or a wheel (or its split parts) under $WHEELS, and the project itself (editable,
 #      no dependencies: the machine has them);
 #   2. prints onnxruntime's providers and opens CUDA sessions (get_providers() read back);
-#   3. runs cognet-bench at beam 4 over 65,536 visits, batch sizes 4,096 / 16,384 / 65,536:
-#      ort-cuda (the search graphs on the device), ort-cuda-streams (4 host threads feeding
-#      the GPU), ort-cuda-fp16 (the float16 graphs, when the model has them: cognet-export
-#      --fp16) and ort-cuda-fp16-streams (both), checked against torch-cuda, the correctness
-#      reference, which decodes each visit once, untimed, 4,096 at a time (BENCH_ENGINES to
-#      choose; add torch-cuda to time it too: it then decodes every pass of every batch size);
-#   4. runs cognet-bench on 16,384 visits with the model's set decoding, ort-cuda checked
-#      against torch-cuda (BENCH2_ENGINES=ort-cuda,ort-cuda-host adds the host selection);
-#   5. with SCORE_VISITS, scores that file with set decoding and beam 4, float32 and float16;
-#   6. runs `pytest -m gpu` (ort-cuda on both selections, TopK ties on CUDA, set decoding and
-#      torch-cuda against the torch reference, the CLI), last, so that the measurements
-#      come first when time runs short;
-#   7. writes results-<gpu>.json / .md / .png (step 3, with where ort-cuda's time goes),
-#      results-<gpu>-set.* (step 4), gpu-mem.csv (the GPU's memory in use, each second) and
-#      the logs under $OUT (default gpu-check/). Each step has a time limit (BENCH_S,
+#   3. the first run: the default decoding of the day (DEFAULT_DECODING: the set head's one
+#      pass, `marginal`, for a model trained by `cognet train`) and beam 4, batch 16,384 over
+#      16,384 visits, ort-cuda float32 and float16 (FIRST_ENGINES) checked against torch-cuda
+#      (the correctness reference, untimed), with the profile; then the one-pass decoding
+#      alone at batch 65,536 (it has no decoding loop);
+#   4. runs `pytest -m gpu` (ort-cuda on both selections, TopK ties on CUDA, set decoding and
+#      torch-cuda against the torch reference, the CLI);
+#   5. with LEVERS=1, the levers: beam 4 over 65,536 visits, batch sizes 4,096 / 16,384 /
+#      65,536: ort-cuda, ort-cuda-streams (4 host threads feeding the GPU), ort-cuda-fp16 and
+#      ort-cuda-fp16-streams (BENCH_ENGINES), and set decoding on 16,384 visits;
+#   6. with SCORE_VISITS, scores that file with the default decoding and beam 4, float32 and
+#      float16 (the float16 bars);
+#   7. writes results-<gpu>-first.* and results-<gpu>-onepass.* (step 3, with where ort-cuda's
+#      time goes), results-<gpu>.* and results-<gpu>-set.* (step 5), gpu-mem.csv (the GPU's memory in use, each second) and
+#      the logs under $OUT (default gpu-check/). Each step has a time limit (FIRST_S, BENCH_S,
 #      BENCH2_S, SCORE_S, PYTEST_S seconds) and each run of a bench one (RUN_S, RUN2_S).
 #
 # Usage (from the repository root):  WHEELS=.whl MODEL=bench/demo bash benchmarks/gpu_check.sh
@@ -93,28 +93,57 @@ nvidia-smi --query-gpu=timestamp,memory.used --format=csv,noheader -l 1 >"$OUT/g
 smi=$!
 trap 'kill $smi 2>/dev/null' EXIT
 
-# 3. the benchmark at beam 4 (the acceptance): ort-cuda against torch-cuda on 65,536 visits
-BENCH_ENGINES=${BENCH_ENGINES:-ort-cuda,ort-cuda-streams,ort-cuda-fp16,ort-cuda-fp16-streams}
-log "cognet-bench beam 4: $BENCH_ENGINES"
-timeout ${BENCH_S:-240} "$bin/cognet-bench" --model "$MODEL/model" --checkpoint "$MODEL/ckpt" \
-    --out "$OUT/bench" --engines "$BENCH_ENGINES" --reference torch-cuda --beams 4 \
-    --batch-sizes 4096,16384,65536 --visits 65536 --repeats ${REPEATS:-1} --past-visits '' \
-    --input-sizes '' --no-ddi-tradeoff --max-run-seconds ${RUN_S:-60} 2>&1 \
-    | tee "$OUT/bench.log" | grep -v "^\s*$" | grep -v "plugin EP" | tail -20
+# 3. the first run: the default decoding and beam 4 at 16,384, then the one pass at 65,536
+DEFAULT_DECODING=${DEFAULT_DECODING:-marginal}
+FIRST_ENGINES=${FIRST_ENGINES:-ort-cuda,ort-cuda-fp16}
+log "first run: $DEFAULT_DECODING and beam 4 at batch 16,384: $FIRST_ENGINES"
+timeout ${FIRST_S:-240} "$bin/cognet-bench" --model "$MODEL/model" --checkpoint "$MODEL/ckpt" \
+    --out "$OUT/first" --engines "$FIRST_ENGINES" --reference torch-cuda \
+    --beams "$DEFAULT_DECODING,4" --batch-sizes 16384 --visits 16384 --repeats ${REPEATS:-1} \
+    --past-visits '' --input-sizes '' --no-ddi-tradeoff --max-run-seconds ${RUN_S:-60} 2>&1 \
+    | tee "$OUT/first.log" | grep -v "^\s*$" | grep -v "plugin EP" | tail -20
+for ext in json md; do cp "$OUT/first/results.$ext" "$OUT/results-$gpu-first.$ext" 2>/dev/null; done
+if [ "$DEFAULT_DECODING" = marginal ]; then
+    log "the one pass alone at batch 65,536: ort-cuda"
+    timeout ${ONEPASS_S:-90} "$bin/cognet-bench" --model "$MODEL/model" --checkpoint "$MODEL/ckpt" \
+        --out "$OUT/onepass" --engines ort-cuda --reference torch-cuda --beams marginal \
+        --batch-sizes 65536 --visits 65536 --repeats ${REPEATS:-1} --past-visits '' \
+        --input-sizes '' --no-ddi-tradeoff --max-run-seconds ${RUN_S:-60} 2>&1 \
+        | tee "$OUT/onepass.log" | grep -v "^\s*$" | grep -v "plugin EP" | tail -12
+    for ext in json md; do cp "$OUT/onepass/results.$ext" "$OUT/results-$gpu-onepass.$ext" 2>/dev/null; done
+fi
 
-# 4. set decoding on 16,384 visits: ort-cuda against torch-cuda
-log "cognet-bench set: ${BENCH2_ENGINES:-ort-cuda}"
-timeout ${BENCH2_S:-100} "$bin/cognet-bench" --model "$MODEL/model" --checkpoint "$MODEL/ckpt" \
-    --out "$OUT/bench2" --engines ${BENCH2_ENGINES:-ort-cuda} --reference torch-cuda \
-    --beams set --batch-sizes ${BENCH2_SIZES:-4096,16384} --visits ${BENCH2_VISITS:-16384} \
-    --repeats 1 --past-visits '' --input-sizes '' --no-ddi-tradeoff --no-profile \
-    --max-run-seconds ${RUN2_S:-40} 2>&1 \
-    | tee "$OUT/bench2.log" | grep -v "^\s*$" | grep -v "plugin EP" | tail -12
-# 5. optional: the float16 graphs' own bars on real visits. SCORE_VISITS (a Parquet file of
-#    visits, the test split's say) is scored on the GPU with set decoding and beam 4, float32
-#    and float16; the Jaccard and the list agreement are computed afterwards from the outputs.
+# 4. the GPU tests
+log "pytest -m gpu"
+timeout ${PYTEST_S:-200} $PY -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider 2>&1 \
+    | tee "$OUT/pytest-gpu.log" | tail -15
+
+# 5. the levers (LEVERS=1): beam 4 over 65,536 visits by engine, and set decoding
+if [ "${LEVERS:-0}" = 1 ]; then
+    BENCH_ENGINES=${BENCH_ENGINES:-ort-cuda,ort-cuda-streams,ort-cuda-fp16,ort-cuda-fp16-streams}
+    log "cognet-bench beam 4: $BENCH_ENGINES"
+    timeout ${BENCH_S:-240} "$bin/cognet-bench" --model "$MODEL/model" --checkpoint "$MODEL/ckpt" \
+        --out "$OUT/bench" --engines "$BENCH_ENGINES" --reference torch-cuda --beams 4 \
+        --batch-sizes 4096,16384,65536 --visits 65536 --repeats ${REPEATS:-1} --past-visits '' \
+        --input-sizes '' --no-ddi-tradeoff --max-run-seconds ${RUN_S:-60} 2>&1 \
+        | tee "$OUT/bench.log" | grep -v "^\s*$" | grep -v "plugin EP" | tail -20
+    log "cognet-bench set: ${BENCH2_ENGINES:-ort-cuda}"
+    timeout ${BENCH2_S:-100} "$bin/cognet-bench" --model "$MODEL/model" --checkpoint "$MODEL/ckpt" \
+        --out "$OUT/bench2" --engines ${BENCH2_ENGINES:-ort-cuda} --reference torch-cuda \
+        --beams set --batch-sizes ${BENCH2_SIZES:-4096,16384} --visits ${BENCH2_VISITS:-16384} \
+        --repeats 1 --past-visits '' --input-sizes '' --no-ddi-tradeoff --no-profile \
+        --max-run-seconds ${RUN2_S:-40} 2>&1 \
+        | tee "$OUT/bench2.log" | grep -v "^\s*$" | grep -v "plugin EP" | tail -12
+    for ext in json md; do cp "$OUT/bench2/results.$ext" "$OUT/results-$gpu-set.$ext" 2>/dev/null; done
+    for ext in json md; do cp "$OUT/bench/results.$ext" "$OUT/results-$gpu.$ext" 2>/dev/null; done
+    cp "$OUT/bench/throughput.png" "$OUT/throughput-$gpu.png" 2>/dev/null
+fi
+
+# 6. optional: the float16 graphs' own bars on real visits. SCORE_VISITS (a Parquet file of
+#    visits, the test split's say) is scored on the GPU with the default decoding and beam 4,
+#    float32 and float16; the Jaccard and the list agreement are computed afterwards.
 if [ -n "${SCORE_VISITS:-}" ]; then
-    for dec in ${SCORE_DECODINGS:-set beam}; do for variant in fp32 fp16; do
+    for dec in ${SCORE_DECODINGS:-$DEFAULT_DECODING beam}; do for variant in fp32 fp16; do
         log "cognet-batch score $SCORE_VISITS: $dec, $variant"
         extra=(); [ "$variant" = fp16 ] && extra=(--variant fp16)
         timeout ${SCORE_S:-40} "$bin/cognet-batch" score "$SCORE_VISITS" --model "$MODEL/model" \
@@ -122,14 +151,6 @@ if [ -n "${SCORE_VISITS:-}" ]; then
             --summary-json "$OUT/score-$dec-$variant.json" "${extra[@]}" 2>&1 | tail -2
     done; done
 fi
-for ext in json md; do cp "$OUT/bench2/results.$ext" "$OUT/results-$gpu-set.$ext" 2>/dev/null; done
-for ext in json md; do cp "$OUT/bench/results.$ext" "$OUT/results-$gpu.$ext" 2>/dev/null; done
-cp "$OUT/bench/throughput.png" "$OUT/throughput-$gpu.png" 2>/dev/null
 
-# 6. the GPU tests, last: the measurements come first where time runs short
-log "pytest -m gpu"
-timeout ${PYTEST_S:-200} $PY -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider 2>&1 \
-    | tee "$OUT/pytest-gpu.log" | tail -15
-
-rm -rf "$OUT/bench" "$OUT/bench2" "$OUT/demo"
+rm -rf "$OUT/first" "$OUT/onepass" "$OUT/bench" "$OUT/bench2" "$OUT/demo"
 log "done: $(ls "$OUT" | tr '\n' ' ')"
