@@ -62,9 +62,9 @@ from cognet.evaluation.ddi_tradeoff import DEFAULT_PENALTIES
 @click.option(
     "--ddi-target",
     type=FiniteFloat(0, 1),
-    help="Choose the soft DDI penalty, a per-set DDI cap, the pair price and the set "
-    "threshold on the validation split for the best Jaccard at a DDI rate <= this, then "
-    "evaluate --split with them.",
+    help="Choose the DDI policy and set rule (soft penalty, per-set cap, pair price, "
+    "threshold; for the marginal decoding the set rules only) on the validation split for "
+    "the best Jaccard at a DDI rate <= this, then evaluate --split with them.",
 )
 @click.option(
     "--ddi-tradeoff",

@@ -128,9 +128,10 @@ threads_option = count_option(
 @click.option(
     "--ddi-target",
     type=FiniteFloat(0, 1),
-    help="After training, choose the soft DDI penalty, a per-set DDI cap, the pair price "
-    "and the set threshold together on validation for the best Jaccard at a DDI rate <= "
-    "this; evaluation and scoring use them unless a --ddi-mode is given.",
+    help="After training, choose the DDI policy and set rule (soft penalty, per-set cap, "
+    "pair price, threshold; with the set head, over its output: the set rules only) "
+    "together on validation for the best Jaccard at a DDI rate <= this; evaluation and "
+    "scoring of that decoding use them unless a --ddi-mode is given.",
 )
 @click.option(
     "--teacher",

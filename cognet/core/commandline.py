@@ -301,7 +301,7 @@ def decoding_options(func: Callable) -> Callable:
             help="set: the model's best set of medications (from seeded samples); "
             "beam: the paper's beam search; marginal: the set read in one pass from "
             "the model's set head (models trained with one). Default: the model's "
-            "own (set for models trained by this version).",
+            "own (marginal for models trained with the set head, set without).",
         ),
         count_option(
             "--beam",
