@@ -19,7 +19,7 @@ distribution of every chosen candidate kept as a Python list (the reference keep
 PRAUC). Measured on the 2-core machine this bookkeeping, not the decoder, is most of the
 time per step (BENCHMARKS.md).
 
-The selection rules are those of docs/INTERNALS.md "Beam search" (and
+The selection rules are those of docs/DESIGN.md "Beam search" (and
 `cognet.model.torch_decoding`), so the recommendations equal `torch-batched`'s up to float
 rounding: B hypotheses per visit, hypothesis 0 at score 0 and the others at -inf;
 medications already in a hypothesis are skipped; a finished hypothesis proposes only END at

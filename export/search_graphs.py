@@ -2,7 +2,7 @@
 that a decoder step's log-probabilities never leave the device (written with `onnx` alone).
 
 The runtime runs one of them right after each decoder step (`cognet.runtime.device_selectors`). They
-compute exactly the rules of docs/INTERNALS.md "Beam search" / "Set decoding" and
+compute exactly the rules of docs/DESIGN.md "Beam search" / "Set decoding" and
 `cognet.core.ddi`, which the numpy drivers (`cognet.core.decoding.beam`,
 `cognet.core.decoding.sampling`)
 also follow; tests hold the two equal, visit by visit.

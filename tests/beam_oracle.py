@@ -2,7 +2,7 @@
 before every decoding ran through one driver (`cognet.core.decoding.driver`). It starts,
 steps, selects, finishes and traces back on its own, and compacts at every finish, so the
 parity tests compare the driver and its selectors with an independent implementation of
-the rules of docs/INTERNALS.md "Beam search" and `cognet.core.ddi`."""
+the rules of docs/DESIGN.md "Beam search" and `cognet.core.ddi`."""
 
 from __future__ import annotations
 

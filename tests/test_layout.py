@@ -175,8 +175,8 @@ def test_tests_may_import_helper_modules_and_conftest(tmp_path):
         ("README.md", "see DESIGN.md §3\n", ["§3"]),
         ("cognet/core/vocab.py", '"""As DESIGN.md §2 and §7 say."""\n', ["§7"]),
         ("Makefile", "# the layering of DESIGN.md §1, \u00a79\n", ["\u00a79"]),
-        ("docs/INTERNALS.md", "(DESIGN §4: metrics)\n", ["§4"]),
-        ("docs/INTERNALS.md", "docs/DESIGN.md §2 and DESIGN.md §1\n", []),
+        ("docs/guide/how-it-works.md", "(DESIGN §4: metrics)\n", ["§4"]),
+        ("docs/guide/how-it-works.md", "docs/DESIGN.md §2 and DESIGN.md §1\n", []),
         ("README.md", "the section 2.1 of DESIGN.md; § alone\n", []),
     ],
 )

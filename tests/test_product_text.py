@@ -50,7 +50,7 @@ def test_the_product_names_no_issue_number():
 
 # -- cited sections exist ----------------------------------------------------------------
 # A citation names a page and a section of it: `README "Set decoding"`, `README's "Python
-# API"`, `README §Results`, `user guide "Training recipe"`, `docs/INTERNALS.md "Beam search"`,
+# API"`, `README §Results`, `user guide "Training recipe"`, `docs/DESIGN.md "Beam search"`,
 # `BENCHMARKS.md, "Method"`. ("DESIGN.md §N" citations are checked by tools/check_layout.py.)
 CITATION = re.compile(
     r"(?P<page>[\w./-]*\b[\w-]+\.md|\bREADME|\buser guide)(?:'s)?,?[ \t]+"
@@ -105,7 +105,7 @@ def citing_files() -> list[Path]:
 def test_the_citation_pattern_reads_the_ways_sections_are_cited():
     text = (
         'see README "Set decoding": cost\n(README\'s "## Python API" section)\n'
-        'README §Results and more; (BENCHMARKS.md, "Method") and docs/INTERNALS.md "Beam search"\n'
+        'README §Results and more; (BENCHMARKS.md, "Method") and docs/DESIGN.md "Beam search"\n'
         'user guide "Training recipe"; DESIGN.md §2, DESIGN.md §N; open("README.md", "w")'
     )
     assert [(page, section) for _, page, section in citations(text)] == [
@@ -113,7 +113,7 @@ def test_the_citation_pattern_reads_the_ways_sections_are_cited():
         ("README", "Python API"),
         ("README", "Results and more"),
         ("BENCHMARKS.md", "Method"),
-        ("docs/INTERNALS.md", "Beam search"),
+        ("docs/DESIGN.md", "Beam search"),
         ("user guide", "Training recipe"),
     ]
 

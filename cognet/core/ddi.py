@@ -2,7 +2,7 @@
 
 Every decoding follows these rules (beam search in `cognet.core.decoding.beam`, set decoding
 in `cognet.core.decoding.sampling`, both by `apply_step_penalty`; the search graphs of
-`cognet.export.search_graphs` in ONNX), and the tests hold them equal; docs/INTERNALS.md
+`cognet.export.search_graphs` in ONNX), and the tests hold them equal; docs/DESIGN.md
 points here.
 
 The paper's decoding (`off`) recommends what doctors prescribe, interacting pairs included.

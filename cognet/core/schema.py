@@ -52,7 +52,7 @@ PREDICTIONS_SCHEMA = pa.schema(
     [
         ("patient_id", pa.string()),
         ("visit_id", pa.string()),
-        # beam: generation order; set: decreasing P(in set) (docs/INTERNALS.md)
+        # beam: generation order; set: decreasing P(in set) (docs/DESIGN.md §3)
         ("medications", pa.list_(pa.string())),
         # beam: sum of log-probabilities of the hypothesis, END included; set: mean P(in set)
         ("score", pa.float32()),

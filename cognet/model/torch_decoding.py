@@ -5,7 +5,7 @@ Both decodings run the one decoding loop (`cognet.core.decoding.driver.run`) wit
 selectors the runtime uses (`cognet.core.decoding.beam.BeamSelector`,
 `cognet.core.decoding.sampling.SetSampler`) over `TorchSession`, the torch model's
 KV-cached decoder step; so torch and the runtime differ only by their float32 rounding. The
-rules: docs/INTERNALS.md "Beam search" and "Set decoding", `cognet.core.ddi` for the DDI
+rules: docs/DESIGN.md "Beam search" and "Set decoding", `cognet.core.ddi` for the DDI
 policies, `cognet.core.decoding.defaults` for the defaults (beam 4, max length 45). An
 `Ensemble` decodes by the rules of `cognet.core.decoding.ensemble`, over one `TorchSession`
 per member."""

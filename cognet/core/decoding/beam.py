@@ -1,7 +1,7 @@
 """Beam search on the host: the paper's decoding as a selector of the one decoding loop
 (`cognet.core.decoding.driver.run`), in numpy over any decoder session (torch-free).
 
-The rules are those of `cognet.model.torch_decoding.beam_search` (docs/INTERNALS.md "Beam search"):
+The rules are those of `cognet.model.torch_decoding.beam_search` (docs/DESIGN.md "Beam search"):
 scores start at 0 for beam 0 and -inf for the others; medications already in a hypothesis
 get -inf; a finished beam proposes only END with log-probability 0; the B best candidates
 of each visit are taken in a stable descending order (ties -> smaller flat index

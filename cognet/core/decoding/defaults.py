@@ -2,7 +2,7 @@
 (torch-free).
 
 - `beam`: the paper's decoding: beam search, beam 4, at most 45 steps (DESIGN.md §3; the
-  rules: docs/INTERNALS.md "Beam search"). It stays available exactly as it is.
+  rules: docs/DESIGN.md "Beam search"). It stays available exactly as it is.
 - `marginal`: the set rules read from the P(k in S) that a set head (`cognet.model.set_head`)
   learnt from the model's own set decoding, in one pass with no decoding loop; its
   threshold and rule (`head_threshold`, `head_rule`) are tuned on validation apart from

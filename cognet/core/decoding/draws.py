@@ -6,7 +6,7 @@ visit is named by a hash of its id (`visit_key`). The estimators (`ESTIMATORS` o
 `cognet.core.decoding.defaults`) spread the draws over a visit's samples: "plain", each its
 own uniform; "stratified", at each step the samples take the strata 1/S apart of (0, 1) in
 a random order; "tree", the same within each group of samples that share their prefix
-(`Draws` keeps the prefix hashes). docs/INTERNALS.md "Set decoding" has the rules.
+(`Draws` keeps the prefix hashes). docs/DESIGN.md "Set decoding" has the rules.
 """
 
 from __future__ import annotations

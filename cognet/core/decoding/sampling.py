@@ -1,5 +1,5 @@
 """Set decoding: the model's best *set* of medications, from its own copy-or-predict
-distribution (torch-free, numpy; the rules of docs/INTERNALS.md "Set decoding").
+distribution (torch-free, numpy; the rules of docs/DESIGN.md "Set decoding").
 
 The paper's beam search returns the single most probable sequence, and the decoder orders
 medications rare-first, so that sequence must open with a guess among rare alternatives.
