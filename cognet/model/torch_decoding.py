@@ -1,7 +1,8 @@
-"""Decoding with the torch model: beam search and set decoding of `make_batch` batches, and
-`decode_patients` over whole patients (what evaluation, tuning and the benchmarks call).
+"""Decoding with the torch model: beam search and set decoding of `make_batch` batches, the
+marginal decoding (the set head's one pass, then the set rules), and `decode_patients` over
+whole patients (what evaluation, tuning and the benchmarks call).
 
-Both decodings run the one decoding loop (`cognet.core.decoding.driver.run`) with the host
+Beam search and set decoding run the one decoding loop (`cognet.core.decoding.driver.run`) with the host
 selectors the runtime uses (`cognet.core.decoding.beam.BeamSelector`,
 `cognet.core.decoding.sampling.SetSampler`) over `TorchSession`, the torch model's
 KV-cached decoder step; so torch and the runtime differ only by their float32 rounding. The
