@@ -143,7 +143,8 @@ def test_device_selection_of_a_model_without_search_graphs_is_refused(tiny_many,
 @pytest.fixture(scope="module")
 def trained_many(tmp_path_factory):
     """A real-size synthetic dataset (131 medications, 860 patients, > 2,000 visits), a
-    checkpoint of one network trained 2 epochs with the default recipe and its export (an
+    checkpoint of one network trained 2 epochs with the default recipe less the set head
+    (set decoding its default: the selection runs in its loop) and its export (an
     ensemble's beam search selects on the host: tests/test_ensemble_runtime.py)."""
     root = tmp_path_factory.mktemp("search_trained")
     runner = CliRunner()
@@ -161,6 +162,7 @@ def trained_many(tmp_path_factory):
             "1",
             "--members",
             "1",
+            "--no-head",
             "--quiet",
         ],
     ):
