@@ -94,6 +94,29 @@ def test_asked_rule_and_a_ddi_target_read_the_threshold():
     assert (decoding.rule, policy.mode) == ("jaccard", "soft")
 
 
+def test_a_ddi_target_applies_to_the_decoding_run_when_it_is_the_one_it_was_chosen_for():
+    """The decoding run, not the model's stored one, decides: a target chosen for the set
+    head applies when the head is asked on a model whose own decoding is set decoding (as
+    `cognet evaluate --decoding marginal --ddi-target R` finds it), and to nothing else."""
+    capped = DDIPolicy(max_rate=0.06)
+    head = DDITarget(0.06, capped, 0.3, 0.5, 0.05, rule="threshold", decoding="marginal")
+    stored = Decoding(name="set", threshold=0.35, head_threshold=0.4, head_rule="jaccard")
+    for asked, applies in ((None, False), ("set", False), ("beam", False), ("marginal", True)):
+        request = DecodingRequest(decoding=asked)
+        decoding, policy = request.resolve(stored, head)
+        assert (policy == capped) == applies, asked
+        if applies:
+            assert decoding.selection == (0.3, "threshold")
+    # the head's own decoding stored: the target applies unless another decoding is asked
+    own = stored.with_changes(name="marginal")
+    assert DecodingRequest().resolve(own, head)[1] == capped
+    assert DecodingRequest(decoding="set").resolve(own, head)[1] == DDIPolicy()
+    # a set decoding's target on the same model: applies to set decoding only
+    soft = DDITarget(0.06, DDIPolicy("soft", 0.5), 0.25, 0.5, 0.05)
+    assert DecodingRequest().resolve(stored, soft)[1] == soft.policy
+    assert DecodingRequest(decoding="marginal").resolve(stored, soft)[1] == DDIPolicy()
+
+
 def _patients(truths: list[set[int]]) -> list[list[Visit]]:
     return [[Visit(f"p{i}", f"v{i}", (), (), tuple(sorted(t)))] for i, t in enumerate(truths)]
 

@@ -2,8 +2,8 @@
 marginal decoding (the set head's one pass, then the set rules), and `decode_patients` over
 whole patients (what evaluation, tuning and the benchmarks call).
 
-Beam search and set decoding run the one decoding loop (`cognet.core.decoding.driver.run`) with the host
-selectors the runtime uses (`cognet.core.decoding.beam.BeamSelector`,
+Beam search and set decoding run the one decoding loop (`cognet.core.decoding.driver.run`)
+with the host selectors the runtime uses (`cognet.core.decoding.beam.BeamSelector`,
 `cognet.core.decoding.sampling.SetSampler`) over `TorchSession`, the torch model's
 KV-cached decoder step; so torch and the runtime differ only by their float32 rounding. The
 rules: docs/DESIGN.md "Beam search" and "Set decoding", `cognet.core.ddi` for the DDI

@@ -130,7 +130,7 @@ class DecodingRequest:
         `target` (its DDI target: used when no policy is asked; `cognet.core.ddi`). A policy
         with a pair price reads the expected-Jaccard set (`decoding_on` and a target's rule
         ask for it): refused with beam search or an asked threshold rule."""
-        decoding, policy = with_target(self.ddi, target, stored, self.decoding_on)
+        decoding, policy = with_target(self.ddi, target, stored, self.decoding_on, self.name)
         if policy.pair_price and decoding.name == "beam":
             raise ValueError("--ddi-pair-price is for set decoding, not beam search")
         if decoding.name == "marginal" and policy.mode == "soft":
@@ -162,21 +162,21 @@ def with_target(
     target: DDITarget | None,
     default: Decoding,
     resolve: Callable[[Decoding], Decoding],
+    name: str | None = None,
 ) -> tuple[Decoding, DDIPolicy]:
     """The decoding and the policy to run: `resolve` (the caller's changes) on top of the
     model's `default` decoding, and the policy `asked` (None: none asked). A model's DDI
-    target applies when no policy is asked and the decoding stays the one it was chosen for
-    (set, or marginal: `DDITarget.decoding`): its policy, its set rule and its threshold
-    (read by the threshold rule), as the search chose them, unless the changes set them.
-    Otherwise the asked policy, or off; a model without a target decodes as it always did."""
-    if asked is None and target is not None and default.name == target.decoding:
+    target applies when no policy is asked and the decoding run (`name`, the one asked; None:
+    the model's own) is the one it was chosen for (set, or marginal: `DDITarget.decoding`):
+    its policy, its set rule and its threshold (read by the threshold rule), as the search
+    chose them, unless the changes set them. Otherwise the asked policy, or off; a model
+    without a target decodes as it always did."""
+    if asked is None and target is not None and (name or default.name) == target.decoding:
         if target.decoding == "marginal":
             chosen = {"head_threshold": target.threshold, "head_rule": target.rule}
         else:
             chosen = {"threshold": target.threshold, "rule": target.rule}
-        decoding = resolve(default.with_changes(**chosen))
-        if decoding.name == target.decoding:
-            return decoding, target.policy
+        return resolve(default.with_changes(**chosen)), target.policy
     return resolve(default), asked or DDIPolicy()
 
 
