@@ -30,7 +30,7 @@ from cognet.core.decoding.sampling import SetConfig, set_marginals
 from cognet.core.manifest import load_manifest
 from cognet.core.metrics import summary_of
 from cognet.core.schema import split_rows
-from cognet.runtime import Scorer, reader
+from cognet.runtime import ScoreOptions, Scorer, reader
 from cognet.runtime.batches import encoder_budget
 from cognet.runtime.encoder import encode_plan, init_memories
 from cognet.runtime.plan import Assembler
@@ -76,7 +76,9 @@ def marginals(model_dir: Path, table: pa.Table, visits: int, configs, batch: int
 
 
 def jaccard(model_dir: Path, table: pa.Table, samples: int, estimator: str) -> float:
-    scorer = Scorer(model_dir, device="cpu", threads=1, samples=samples, estimator=estimator)
+    scorer = Scorer(
+        model_dir, ScoreOptions.of(device="cpu", threads=1, samples=samples, estimator=estimator)
+    )
     rows = [c.patient_metrics for c in scorer.score_table(table, score_all=True)]
     return summary_of(np.concatenate(rows))["jaccard"]
 

@@ -88,7 +88,7 @@ def run_all(
     for beam in _beams_to_run(ctx, settings, say):
         rates: dict[str, tuple[float, float]] = {}  # visits/s at the last batch size, its fall
         for i, bs in enumerate(settings.batch_sizes):
-            jobs = _block_jobs(ctx, settings, loaded, beam, i, bs, rates, over_budget, say)
+            jobs = _block_jobs(ctx, settings, loaded, (beam, i, bs), (rates, over_budget), say)
 
             def partial(records: list[dict]) -> None:
                 progress({**results, "runs": runs + [_in_progress(r) for r in records]})
@@ -169,15 +169,16 @@ def _block_jobs(
     ctx: Context,
     settings: Settings,
     loaded: dict,
-    beam: int,
-    i: int,
-    bs: int,
-    rates: dict[str, tuple[float, float]],
-    over_budget: list[dict],
+    block: tuple[int, int, int],
+    budget: tuple[dict[str, tuple[float, float]], list[dict]],
     say,
 ) -> list[Job]:
-    """The jobs of one (beam, batch size) block: each loaded engine in each of its modes,
-    less those whose estimated pass is over the time budget (appended to `over_budget`)."""
+    """The jobs of one block (beam, i, bs: the beam width, the index of the batch size in
+    settings.batch_sizes, the batch size): each loaded engine in each of its modes, less
+    those whose estimated pass is over the time budget. budget: (the rates measured, by
+    `_update_rate`; the list the passes over budget are appended to)."""
+    beam, i, bs = block
+    rates, over_budget = budget
     jobs = []
     for name, engine in loaded.items():
         if name == PERPATIENT:  # once per beam, one patient per batch; no set decoding

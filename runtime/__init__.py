@@ -1,7 +1,7 @@
 """cognet.runtime: torch-free batch scoring of visits with an exported COGNet model.
 
 Imports numpy, pyarrow, onnxruntime and `cognet.core` only (`make lint` checks it). Entry
-points: `Scorer`, configured by keywords or one `ScoreOptions` (Python API), and
+points: `Scorer`, configured by one `ScoreOptions` (Python API), and
 `cognet-batch score` (`cognet.runtime.cli`). `DDIPolicy` and `DecodingRequest` are the
 decoding values a caller may pass it.
 """

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import functools
 import time
+from dataclasses import fields
 from pathlib import Path
+from typing import NamedTuple
 
 import click
 import numpy as np
@@ -35,6 +37,7 @@ from cognet.runtime import preflight, reader, summary, writer
 from cognet.runtime.options import DEVICES, MAX_CODES, SELECTIONS, ScoreOptions
 from cognet.runtime.outputs import METRIC_WIDTH
 from cognet.runtime.scorer import Scorer
+from cognet.runtime.signature import RunFlags
 from cognet.runtime.signature import signature as run_signature
 
 BEAM_HELP = f"Beam width (default {BEAM}; 1 = greedy)."
@@ -45,6 +48,9 @@ model_option = click.option(
     type=click.Path(file_okay=False),
     help="Model directory written by cognet-export.",
 )
+
+# the fields of ScoreOptions: `score_options` gives the options so named to the options value
+SCORE_FIELDS = frozenset(f.name for f in fields(ScoreOptions))
 
 
 @click.group(cls=OneLineGroup, context_settings={"help_option_names": ["-h", "--help"]})
@@ -63,34 +69,11 @@ def score_options(func):
     --keep-columns, given to `func` as one `options: ScoreOptions`."""
 
     @functools.wraps(func)
-    def wrapper(
-        *args,
-        request,
-        device,
-        selection,
-        variant,
-        batch_size,
-        threads,
-        streams,
-        max_history_visits,
-        max_codes_per_visit,
-        keep_columns,
-        keep_all_columns,
-        **kwargs,
-    ):
+    def wrapper(*args, keep_columns, keep_all_columns, **kwargs):
+        # the options below (and decoding_options' request) are ScoreOptions' fields by name
+        asked = {name: kwargs.pop(name) for name in SCORE_FIELDS & kwargs.keys()}
         try:
-            options = ScoreOptions(
-                request=request,
-                max_history_visits=max_history_visits,
-                device=device,
-                selection=selection,
-                variant=variant,
-                threads=threads,
-                streams=streams,
-                batch_size=batch_size,
-                max_codes_per_visit=max_codes_per_visit,
-                keep_columns=_kept(keep_columns, keep_all_columns),
-            )
+            options = ScoreOptions(keep_columns=_kept(keep_columns, keep_all_columns), **asked)
         except InputError as exc:  # a mix of options (--variant int8 --device cuda)
             raise click.UsageError(str(exc)) from None
         return func(*args, options=options, **kwargs)
@@ -334,63 +317,59 @@ def score(
         if split:
             raise InputError("--split is for --engine local; filter the input files instead")
         preflight.check_summary(summary_json, input_path, preflight.outputs_of(out))
+        flags = RunFlags(score_all, explain)  # --sort: Ray's buckets are always sorted
         with claimed([summary_json], "cognet-batch score"):  # OUT's locks: ray_tasks.locked
             result = ray_engine.score(
-                input_path, model_dir, out, ray, options, score_all, explain, verbose=verbose
+                input_path, model_dir, out, ray, options, flags, verbose=verbose
             )
             _check_known(result, max_unknown_share)
             _report(result, summary_json, quiet, f"{result['workers']} Ray worker(s)", score_all)
         return
     preflight.check_local(input_path, out, summary_json)  # before reading or writing anything
     # one writer per output, whatever the command (cognet/core/lock.py)
+    flags = RunFlags(score_all, explain, sort_rows, split)
+    asked = _Asked(resume, summary_json, max_unknown_share, quiet)
     with claimed([*writer.outputs(out), summary_json], "cognet-batch score"):
-        _score_local(
-            input_path,
-            model_dir,
-            out,
-            options,
-            (score_all, split, max_unknown_share),
-            explain,
-            resume,
-            summary_json,
-            sort_rows,
-            quiet,
-        )
+        _score_local(input_path, model_dir, out, options, flags, asked)
+
+
+class _Asked(NamedTuple):
+    """What `score` asks of the local engine beside its ScoreOptions and RunFlags."""
+
+    resume: bool
+    summary_json: str | None
+    max_unknown_share: float | None
+    quiet: bool
 
 
 def _score_local(
-    input_path, model_dir, out, options, asked, explain, resume, summary_json, sort_rows, quiet
+    input_path: str,
+    model_dir: str,
+    out: str,
+    options: ScoreOptions,
+    flags: RunFlags,
+    asked: _Asked,
 ) -> None:
-    """`score` with the local engine, OUT locked; asked: (--all, --split,
-    --max-unknown-share)."""
-    score_all, split, max_unknown_share = asked
+    """`score` with the local engine, OUT locked."""
     loading = time.perf_counter()
     scorer = Scorer(model_dir, options)
     source = reader.VisitFile(input_path, keep=options.keep_columns)
-    if not sort_rows:  # fail on a misordered file before scoring anything
+    if not flags.sort:  # fail on a misordered file before scoring anything
         reader.check_order(source.batches(["patient_id", "visit_seq"]), input_path)
-    in_split = None if split is None else reader.split_rows(input_path, split)
-    signature = _signature(input_path, scorer, score_all, explain, sort_rows, split)
+    in_split = None if flags.split is None else reader.split_rows(input_path, flags.split)
+    signature = _signature(input_path, scorer, flags)
     parts = writer.PartWriter(
-        out, signature, explain, resume, source.kept_fields, rows=source.num_rows
+        out, signature, flags.explain, asked.resume, source.kept_fields, rows=source.num_rows
     )
     try:
         started = time.perf_counter()
-        scored = _run(scorer, source, parts, score_all, explain, sort_rows, quiet, in_split)
-        result = _finish(
-            scorer,
-            source,
-            parts,
-            score_all,
-            scored,
-            started - loading,
-            time.perf_counter() - started,
-            max_unknown_share,
-        )
+        scored = _run(scorer, source, parts, flags, asked.quiet, in_split)
+        timing = summary.Timing(started - loading, time.perf_counter() - started, scored)
+        result = _finish(scorer, source, parts, flags.score_all, timing, asked.max_unknown_share)
     except BaseException:
         parts.discard()  # keep only what --resume needs
         raise
-    _report(result, summary_json, quiet, scorer.providers[0], score_all)
+    _report(result, asked.summary_json, asked.quiet, scorer.providers[0], flags.score_all)
 
 
 def _check_known(totals: dict, max_share: float | None) -> None:
@@ -435,15 +414,13 @@ def _run(
     scorer: Scorer,
     source: reader.VisitFile,
     parts: writer.PartWriter,
-    score_all: bool,
-    explain: bool,
-    sort_rows: bool,
+    flags: RunFlags,
     quiet: bool,
     in_split=None,
 ) -> int:
     """Score the chunks not yet committed, committing each; returns visits scored now.
     in_split: bool per input row, the rows to score (--split; None: every row)."""
-    batches = source.sorted_batches() if sort_rows else source.batches()
+    batches = source.sorted_batches() if flags.sort else source.batches()
     if in_split is not None:
         batches = reader.asked(batches, in_split)
     scored = 0
@@ -451,8 +428,8 @@ def _run(
         bar.update(parts.rows_done)
         chunks = scorer.score_batches(
             batches,
-            score_all=score_all,
-            explain=explain,
+            score_all=flags.score_all,
+            explain=flags.explain,
             source=source.path,
             skip_rows=parts.rows_done,
         )
@@ -469,13 +446,12 @@ def _finish(
     source: reader.VisitFile,
     parts: writer.PartWriter,
     score_all: bool,
-    scored: int,
-    load_seconds: float,
-    seconds: float,
+    timing: summary.Timing,
     max_unknown_share: float | None = None,
 ) -> dict:
     """Check the row accounting and the share of unknown input (--max-unknown-share), merge
-    the parts into the outputs, and build the summary."""
+    the parts into the outputs, and build the summary (timing: the seconds to load the
+    model and to score, and the visits scored now)."""
     totals = parts.totals()
     summary.check_rows(totals, source.num_rows)
     try:
@@ -493,25 +469,16 @@ def _finish(
         summary.Files(source.path, out, rejects),
         summary.Setup.of(scorer),
         totals,
-        summary.Timing(load_seconds, seconds, scored),
+        timing,
         metric_rows,
         resumed_rows=parts.resumed_rows,
     )
 
 
-def _signature(
-    input_path: str, scorer: Scorer, score_all: bool, explain: bool, sort_rows: bool, split=None
-) -> dict:
+def _signature(input_path: str, scorer: Scorer, flags: RunFlags) -> dict:
     """What a resumed run must share with the interrupted one (`runtime/signature.py`)."""
     return run_signature(
-        input_path,
-        scorer.manifest.model_dir,
-        scorer.options,
-        scorer.chunk_targets,
-        score_all=score_all,
-        explain=explain,
-        sort=sort_rows,
-        split=split,
+        input_path, scorer.manifest.model_dir, scorer.options, scorer.chunk_targets, flags
     )
 
 

@@ -5,7 +5,7 @@ workers (`--engine ray`), and the benchmarks. It is validated once, on creation,
 `cognet-batch score --summary-json` records it (`to_json`) under "options".
 
     Scorer("model", ScoreOptions(device="cpu", request=DecodingRequest(beam=1)))
-    Scorer("model", device="cpu", beam=1)  # the same: fields of both as keywords
+    Scorer("model", ScoreOptions.of(device="cpu", beam=1))  # the same: fields of both as keywords
 
 None means "the model's or the machine's default", resolved by the scorer: beam from the
 manifest (4), batch_size 128 on the CPU / 512 on a GPU, batch_slots 2^12 / 2^20, threads

@@ -84,6 +84,7 @@ from cognet.runtime.ray_tasks import (
     unpack,
     visit_rows,
 )
+from cognet.runtime.signature import RunFlags
 from cognet.runtime.summary import Files, Setup, Timing, check_rows, run_summary, total_counts
 
 log = logging.getLogger(__name__)
@@ -134,15 +135,18 @@ def score(
     out: str | Path,
     options: RayOptions = RayOptions(),
     score_options: ScoreOptions = ScoreOptions(),
-    score_all: bool = False,
-    explain: bool = False,
+    flags: RunFlags = RunFlags(),
     verbose: bool = False,
 ) -> dict:
     """Score INPUT on Ray into the directories OUT and writer.rejects_path(OUT).
 
+    flags: --all (`score_all`) and --explain; a bucket's rows are always sorted (`sort`
+    changes nothing) and `split` is the local engine's (an InputError here).
     Returns the local engine's summary plus engine, workers (workers_used: those that got
     a bucket), threads_per_worker, gpus_per_worker, input_files, buckets, stage_seconds.
     """
+    if flags.split is not None:
+        raise InputError("--split is for --engine local; filter the input files instead")
     device = score_options.device
     if options.gpus_per_worker and device == "cpu":
         raise InputError("--gpus-per-worker needs --device auto, cuda or tensorrt")
@@ -165,7 +169,7 @@ def score(
             if p.is_file()
         }
         load_seconds = time.perf_counter() - started
-        run = _Run(ray, files, worker_options, score_all, explain, options, workers)
+        run = _Run(ray, files, worker_options, flags, options, workers)
         with locked(ray, out):
             rows = run.execute(model, out, rejects)
     stats = [json.loads(row["stats"]) for row in rows]
@@ -186,7 +190,7 @@ def score(
         setup,
         totals,
         Timing(load_seconds, sum(run.stages.values()), totals["rows_scored"]),
-        _metric_rows(rows) if score_all else None,
+        _metric_rows(rows) if flags.score_all else None,
     )
     result.update(
         engine="ray",
@@ -228,14 +232,17 @@ class _Run:
         ray,
         files: reader.InputFiles,
         score_options: ScoreOptions,
-        score_all: bool,
-        explain: bool,
+        flags: RunFlags,
         options: RayOptions,
         workers: int,
     ):
         self.ray, self.files, self.options, self.workers = ray, files, options, workers
         # what every worker's BucketScorer gets (score_options.threads: its CPU threads)
-        self.scoring = {"options": score_options, "score_all": score_all, "explain": explain}
+        self.scoring = {
+            "options": score_options,
+            "score_all": flags.score_all,
+            "explain": flags.explain,
+        }
         self.buckets = max(4 * workers, math.ceil(files.num_rows / options.block_rows))
         self.stages: dict[str, float] = {}
 

@@ -1,6 +1,6 @@
 """`Scorer`: recommendations for a stream of visits, chunk by chunk, from a model directory.
 
-    with Scorer("model", device="cpu", beam=4) as scorer:
+    with Scorer("model", ScoreOptions.of(device="cpu", beam=4)) as scorer:
         for chunk in scorer.score_file("visits.parquet"):
             print(chunk.recommendations.num_rows, chunk.reject_reasons)
 
@@ -43,19 +43,17 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-from cognet.core.ddi import DDIPolicy, ddi_matrix, require_pairs
+from cognet.core.ddi import ddi_matrix, require_pairs
 from cognet.core.decoding import Decoding
 from cognet.core.decoding.beam import BeamResult
-from cognet.core.decoding.driver import COMPACT_AT
 from cognet.core.decoding.ensemble import member_sessions
-from cognet.core.decoding.request import DecodingRequest
 from cognet.core.decoding.sampling import SetResult, set_result
 from cognet.core.errors import InputError
 from cognet.core.vocab import Vocab
 from cognet.runtime import emit, reader
 from cognet.runtime.batches import Budgets, least_padded
 from cognet.runtime.encoder import PlanEncoder, encode_plan, init_memories
-from cognet.runtime.options import CHUNK_ROWS, MAX_CODES, ScoreOptions
+from cognet.runtime.options import ScoreOptions
 from cognet.runtime.outputs import ScoredChunk, rejects_table
 from cognet.runtime.plan import Assembler, Plan
 from cognet.runtime.scoring_model import ScoringModel, open_model
@@ -67,83 +65,30 @@ log = logging.getLogger(__name__)
 class Scorer:
     """Batched decoding of visits with a model directory from `cognet-export`.
 
-    Configure it with keywords, or with one `ScoreOptions` (what `cognet-batch` builds; see
-    `cognet.runtime.options` for what each field means), not both:
+    Configure it with one `ScoreOptions` (what `cognet-batch` builds; see
+    `cognet.runtime.options` for what each field means); None: the defaults.
+    `ScoreOptions.of` takes its fields and its request's as keywords:
 
-        with Scorer("model", device="cpu", beam=1) as scorer:
+        with Scorer("model", ScoreOptions.of(device="cpu", beam=1)) as scorer:
             for chunk in scorer.score_file("visits.parquet"):
                 ...
         Scorer("model", ScoreOptions(device="cpu", request=DecodingRequest(beam=1)))
 
-    The decoding keywords (`decoding` to `ddi`) change the fields of `request`; None leaves
-    the model's own. A scorer with parallel streams owns a thread pool: `close()`, or the
-    end of the `with` block, stops it. `options` is the options as given; `settings()` what
-    decides the results, resolved.
+    The request's fields (`decoding` to `ddi`) left None leave the model's own. A scorer
+    with parallel streams owns a thread pool: `close()`, or the end of the `with` block,
+    stops it. `options` is the options as given; `settings()` what decides the results,
+    resolved.
     """
 
     def __init__(
-        self,
-        model: str | Path | ScoringModel,
-        options: ScoreOptions | None = None,
-        *,
-        # -- the decoding asked on top of the model's own (None: the model's)
-        decoding: str | None = None,
-        beam: int | None = None,
-        samples: int | None = None,
-        threshold: float | None = None,
-        estimator: str | None = None,
-        set_rule: str | None = None,
-        ddi: DDIPolicy | None = None,
-        request: DecodingRequest | None = None,
-        max_history_visits: int | None = None,
-        # -- where
-        device: str = "auto",
-        threads: int | None = None,
-        streams: int | None = None,
-        variant: str | None = None,
-        selection: str = "auto",
-        # -- batching
-        batch_size: int | None = None,
-        batch_slots: int | None = None,
-        compact_at: float = COMPACT_AT,
-        chunk_targets: int | None = None,
-        chunk_rows: int = CHUNK_ROWS,
-        encode_batch: int | None = None,
-        # -- the input
-        max_codes_per_visit: int = MAX_CODES,
-        keep_columns: Sequence[str] = (),
-    ):
-        asked = ScoreOptions(
-            request=request or DecodingRequest(),
-            max_history_visits=max_history_visits,
-            device=device,
-            threads=threads,
-            streams=streams,
-            variant=variant,
-            batch_size=batch_size,
-            batch_slots=batch_slots,
-            compact_at=compact_at,
-            chunk_targets=chunk_targets,
-            chunk_rows=chunk_rows,
-            encode_batch=encode_batch,
-            max_codes_per_visit=max_codes_per_visit,
-            keep_columns=tuple(keep_columns),
-            selection=selection,
-        )
-        changes = {
-            "decoding": decoding,
-            "beam": beam,
-            "samples": samples,
-            "threshold": threshold,
-            "estimator": estimator,
-            "set_rule": set_rule,
-            "ddi": ddi,
-        }
-        asked = asked.with_fields(**{k: v for k, v in changes.items() if v is not None})
-        if options is None:
-            options = asked
-        elif asked != ScoreOptions():
-            raise TypeError("Scorer: give options or keywords, not both")
+        self, model: str | Path | ScoringModel, options: ScoreOptions | None = None
+    ) -> None:
+        options = ScoreOptions() if options is None else options
+        if not isinstance(options, ScoreOptions):
+            raise TypeError(
+                f"Scorer: options must be a ScoreOptions, not {type(options).__name__} "
+                "(ScoreOptions.of(device=..., beam=...) builds one from keywords)"
+            )
         if not isinstance(model, ScoringModel):
             model = open_model(model, options)
         self.options, self.model = options, model
@@ -244,21 +189,31 @@ class Scorer:
         }
 
     def score_file(
-        self, path: str | Path, *, sort: bool = False, **kwargs
+        self,
+        path: str | Path,
+        *,
+        sort: bool = False,
+        score_all: bool = False,
+        explain: bool = False,
     ) -> Iterator[ScoredChunk]:
-        """Score a visits Parquet file, streamed by record batches (`sort`: in memory)."""
+        """Score a visits Parquet file, streamed by record batches (`sort`: in memory);
+        score_all and explain as `score_batches` takes them."""
         source = reader.VisitFile(path, keep=self.options.keep_columns)
         batches = source.sorted_batches() if sort else source.batches()
-        return self.score_batches(batches, source=path, **kwargs)
+        return self.score_batches(batches, score_all=score_all, explain=explain, source=path)
 
-    def score_table(self, table: pa.Table, **kwargs) -> Iterator[ScoredChunk]:
+    def score_table(
+        self, table: pa.Table, *, score_all: bool = False, explain: bool = False
+    ) -> Iterator[ScoredChunk]:
         """Score an in-memory visits table (DESIGN.md §2 columns; other columns ignored, but
-        those of options.keep_columns)."""
+        those of options.keep_columns); score_all and explain as `score_batches` takes them."""
         reader.check_columns(table.schema, "<table>")
         cast = reader.cast_input(table, "<table>")
         cast = cast.append_column(reader.ROW, pa.array(np.arange(len(cast), dtype=np.int64)))
         kept = reader.kept_columns(table.schema, self.options.keep_columns, "<table>")
-        return self.score_batches([reader.keep(cast, table, kept)], **kwargs)
+        return self.score_batches(
+            [reader.keep(cast, table, kept)], score_all=score_all, explain=explain
+        )
 
     def score_batches(
         self,

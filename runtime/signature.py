@@ -16,6 +16,7 @@ a resume must cut the input where the interrupted run did.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 from cognet.core.manifest import MANIFEST_FILE, file_sha256
@@ -26,16 +27,24 @@ NOT_OUTPUT = frozenset(
 )
 
 
+@dataclass(frozen=True)
+class RunFlags:
+    """The flags of a `cognet-batch score` run, beside its ScoreOptions, that decide what it
+    writes: --all (`score_all`: every visit, and the metrics), --explain, --sort (the input
+    sorted in memory) and --split (score only that split's rows)."""
+
+    score_all: bool = False
+    explain: bool = False
+    sort: bool = False
+    split: str | None = None
+
+
 def signature(
     input_path: str | Path,
     model_dir: str | Path,
     options: ScoreOptions,
     chunk_targets: int,
-    *,
-    score_all: bool,
-    explain: bool,
-    sort: bool,
-    split: str | None = None,
+    flags: RunFlags,
 ) -> dict:
     """The run's signature (JSON); chunk_targets: the visits per chunk the scorer resolved."""
     stat = Path(input_path).stat()
@@ -45,10 +54,10 @@ def signature(
         "input_size": stat.st_size,
         "input_mtime_ns": stat.st_mtime_ns,
         "model": file_sha256(Path(model_dir) / MANIFEST_FILE),
-        "all": score_all,
-        "explain": explain,
-        "sort": sort,
-        "split": split,
+        "all": flags.score_all,
+        "explain": flags.explain,
+        "sort": flags.sort,
+        "split": flags.split,
         **{name: settings[name] for name in output_fields()},
         "chunk_targets": chunk_targets,
     }

@@ -29,7 +29,7 @@ from cognet.model.batching import make_batch
 from cognet.model.network import history_inputs
 from cognet.model.session import TorchSession
 from cognet.model.torch_decoding import decode_patients
-from cognet.runtime import Scorer
+from cognet.runtime import ScoreOptions, Scorer
 from cognet.runtime.cli import main as batch_main
 
 torch.set_num_threads(1)
@@ -125,7 +125,9 @@ def test_onnx_runtime_equals_torch_reference(tiny, reference, policy):
         reference["model"], vocab, reference["patients"], decoding=Decoding(beam=4), ddi=policy
     )
     ref = dict(zip(reference["flat"], decoded, strict=True))
-    scorer = Scorer(tiny / "model", device="cpu", batch_size=64, threads=1, ddi=policy)
+    scorer = Scorer(
+        tiny / "model", ScoreOptions.of(device="cpu", batch_size=64, threads=1, ddi=policy)
+    )
     out = [
         row
         for c in scorer.score_table(reference["visits"], score_all=True)

@@ -20,7 +20,7 @@ from cognet.core.decoding.request import DecodingRequest
 from cognet.core.errors import InputError
 from cognet.core.manifest import load_manifest
 from cognet.evaluation.evaluate import EvalOptions, run_evaluation
-from cognet.runtime import Scorer
+from cognet.runtime import ScoreOptions, Scorer
 from cognet.runtime.cli import main as batch_main
 from cognet.training.ddi_target import search
 
@@ -130,10 +130,10 @@ def test_stored_pair_reaches_the_manifest_and_the_scorer(targeted, tiny_dataset,
     manifest = load_manifest(model)
     assert manifest.default_target() == stored
     assert _json(model / "manifest.json")["ddi_target"] == stored.to_json()
-    scorer = Scorer(model, device="cpu", threads=1)
+    scorer = Scorer(model, ScoreOptions.of(device="cpu", threads=1))
     assert scorer.ddi == stored.policy and scorer.decoding.selection[0] == stored.threshold
     assert scorer.settings()["ddi"] == stored.policy.to_json()
-    off = Scorer(model, device="cpu", threads=1, ddi=DDIPolicy())
+    off = Scorer(model, ScoreOptions.of(device="cpu", threads=1, ddi=DDIPolicy()))
     assert off.ddi == DDIPolicy()
     assert off.decoding == manifest.default_decoding()
     # cognet-batch score: the stored pair by default, --ddi-mode off overrides it; its lists
@@ -177,7 +177,7 @@ def test_model_without_a_target_is_unchanged(tiny, tmp_path):
     assert "ddi_target" not in _json(tiny / "ckpt" / "config.json")
     manifest = load_manifest(tiny / "model")
     assert manifest.default_target() is None
-    scorer = Scorer(tiny / "model", device="cpu", threads=1)
+    scorer = Scorer(tiny / "model", ScoreOptions.of(device="cpu", threads=1))
     assert scorer.ddi == DDIPolicy() and scorer.decoding == manifest.default_decoding()
     default = run_evaluation(tiny / "ckpt", tiny / "data", EvalOptions(rounds=2))["report"]
     off = run_evaluation(

@@ -40,7 +40,7 @@ def _scored(root, visits: pa.Table, **options) -> dict:
     with pytest.MonkeyPatch.context() as patch:
         for name in drivers:
             patch.setattr(device_selectors, name, counted(name))
-        scorer = Scorer(root / "model", device="cpu", threads=1, **options)
+        scorer = Scorer(root / "model", ScoreOptions.of(device="cpu", threads=1, **options))
         chunks = scorer.score_table(as_targets(visits))
         out = {r["visit_id"]: r for c in chunks for r in c.recommendations.to_pylist()}
     assert bool(calls) == (options.get("selection") == "device")
@@ -120,8 +120,10 @@ def test_device_selection_of_a_model_without_search_graphs_is_refused(tiny_many,
     manifest.pop("search")
     (old / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(InputError, match="re-export"):
-        Scorer(old, device="cpu", selection="device")
-    assert Scorer(old, device="cpu").decoder.search is None  # auto: the numpy selection
+        Scorer(old, ScoreOptions.of(device="cpu", selection="device"))
+    assert (
+        Scorer(old, ScoreOptions.of(device="cpu")).decoder.search is None
+    )  # auto: the numpy selection
     from cognet.core.manifest import load_manifest
     from cognet.runtime.session import OrtModel
 
@@ -212,7 +214,7 @@ def test_device_selection_sets_equal_the_host_and_torch_on_a_trained_model(
     assert len(apart) <= 0.005 * len(device), apart
     if policy.mode != "off":
         return  # the torch reference's sets: once (the host path's own tests cover the rest)
-    stored = Scorer(trained_many / "model", device="cpu").decoding
+    stored = Scorer(trained_many / "model", ScoreOptions.of(device="cpu")).decoding
     ref, vocab = _reference(trained_many, stored, policy)
     same = sum(device[k]["medications"] == vocab.med_codes(ref[k].meds) for k in ref)
     assert same / len(ref) >= 0.995

@@ -123,7 +123,9 @@ def test_runtime_equals_torch_ensemble(ensemble, name, batch_size, history):
     model, vocab, config = checkpoint.load(ensemble / "ens")
     table = _visits(ensemble, history)
     ref = _torch_lists(model, vocab, table, decoding)
-    scorer = Scorer(ensemble / "model", device="cpu", batch_size=batch_size, **options)
+    scorer = Scorer(
+        ensemble / "model", ScoreOptions.of(device="cpu", batch_size=batch_size, **options)
+    )
     assert isinstance(scorer.decoder, EnsembleSession) and len(scorer.decoder.members) == 2
     chunks, out = _scored(scorer, table)
     assert out.num_rows == len(ref) > (100 if history else 30)
@@ -184,7 +186,7 @@ def test_search_graphs_decode_the_ensemble_like_torch(ensemble, name, path):
 def test_explanations_of_an_ensemble(ensemble, name):
     _, options = DECODINGS[name]
     table = _visits(ensemble, history=True)
-    scorer = Scorer(ensemble / "model", device="cpu", **options)
+    scorer = Scorer(ensemble / "model", ScoreOptions.of(device="cpu", **options))
     _, out = _scored(scorer, table, explain=True)
     rows = table.to_pylist()
     earlier = {
@@ -213,7 +215,9 @@ def test_cognet_explain_opens_an_ensemble(ensemble):
     table = _visits(ensemble, history=True)
     later = [r["visit_id"] for r in table.to_pylist() if r["visit_seq"] >= 2]
     got = explain_visit(
-        Scorer(ensemble / "model", device="cpu"), ensemble / "data" / "visits.parquet", later[0]
+        Scorer(ensemble / "model", ScoreOptions.of(device="cpu")),
+        ensemble / "data" / "visits.parquet",
+        later[0],
     )
     assert got.history and got.steps
     assert all(0.0 <= s.probability <= 1.0 for s in got.steps)
@@ -292,7 +296,7 @@ def test_one_network_models_are_as_before(tiny):
     assert "members" not in data and "member_graphs" not in data
     assert not [p for p in (tiny / "model").iterdir() if "member" in p.name]
     assert load_manifest(tiny / "model").members == 1
-    scorer = Scorer(tiny / "model", device="cpu")
+    scorer = Scorer(tiny / "model", ScoreOptions.of(device="cpu"))
     assert isinstance(scorer.decoder, HostDecoder) and isinstance(scorer.encode, Encoder)
 
 

@@ -333,14 +333,16 @@ def test_a_second_train_on_the_same_out_is_refused(made, tmp_path):
 def test_a_medication_in_no_past_visit_is_copied_0_percent(made, decoding):
     """The copy share is (1 - w_g) Pr_c[k] / Pr[k]: 0 for a medication that no past visit
     holds (the gate weight 1 - w_g was shown before), in (0, 1] for one copied."""
-    from cognet.runtime import Scorer
+    from cognet.runtime import ScoreOptions, Scorer
 
     table = pq.read_table(made / "to_score.parquet")
     past: dict[str, set] = {}
     for r in table.to_pylist():
         if r["medications"] is not None:
             past.setdefault(r["patient_id"], set()).update(r["medications"])
-    chunks = Scorer(made / "model", device="cpu", **decoding).score_table(table, explain=True)
+    chunks = Scorer(made / "model", ScoreOptions.of(device="cpu", **decoding)).score_table(
+        table, explain=True
+    )
     recs = [r for c in chunks for r in c.recommendations.to_pylist()]
     unsourced = copied = 0
     for r in recs:

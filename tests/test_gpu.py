@@ -84,10 +84,12 @@ def _reference(root, device: str) -> tuple[list, dict]:
 def test_ort_cuda_equals_torch_reference(real_size, batch_size):
     import pyarrow as pa
 
-    from cognet.runtime import Scorer
+    from cognet.runtime import ScoreOptions, Scorer
 
     visits, by_id = _reference(real_size, "cpu")
-    scorer = Scorer(real_size / "model", device="cuda", batch_size=batch_size, decoding="beam")
+    scorer = Scorer(
+        real_size / "model", ScoreOptions.of(device="cuda", batch_size=batch_size, decoding="beam")
+    )
     assert scorer.providers[0] == "CUDAExecutionProvider"
     out = pa.concat_tables([c.recommendations for c in scorer.score_table(visits, score_all=True)])
     assert out.num_rows == visits.num_rows > 1000
@@ -138,7 +140,7 @@ def test_ort_cuda_set_decoding_agrees_with_torch(real_size):
 
     from cognet.core.manifest import load_manifest
     from cognet.model.torch_decoding import decode_patients
-    from cognet.runtime import Scorer
+    from cognet.runtime import ScoreOptions, Scorer
 
     decoding = load_manifest(real_size / "model").default_decoding()
     assert decoding.name == "set"
@@ -150,7 +152,7 @@ def test_ort_cuda_set_decoding_agrees_with_torch(real_size):
     decoded = decode_patients(model, vocab, patients, decoding=decoding)
     flat = [v for p in patients for v in p]
     ref = {v.visit_id: vocab.med_codes(d.meds) for v, d in zip(flat, decoded, strict=True)}
-    scorer = Scorer(real_size / "model", device="cuda", batch_size=512)
+    scorer = Scorer(real_size / "model", ScoreOptions.of(device="cuda", batch_size=512))
     out = pa.concat_tables([c.recommendations for c in scorer.score_table(visits, score_all=True)])
     got = {r["visit_id"]: r["medications"] for r in out.to_pylist()}
     assert sum(got[k] == ref[k] for k in ref) / len(ref) >= 0.995
@@ -204,7 +206,7 @@ def test_ort_cuda_device_selection_equals_torch_reference(real_size, batch_size)
     import pyarrow as pa
 
     from cognet.core.ddi import DDIPolicy
-    from cognet.runtime import Scorer
+    from cognet.runtime import ScoreOptions, Scorer
 
     visits, by_id = _reference(real_size, "cpu")
     policies = [DDIPolicy()] if batch_size != 512 else [DDIPolicy("soft", 0.5), DDIPolicy("hard")]
@@ -220,7 +222,8 @@ def test_ort_cuda_device_selection_equals_torch_reference(real_size, batch_size)
         else:
             ref = by_id
         scorer = Scorer(
-            real_size / "model", device="cuda", batch_size=batch_size, decoding="beam", ddi=policy
+            real_size / "model",
+            ScoreOptions.of(device="cuda", batch_size=batch_size, decoding="beam", ddi=policy),
         )
         assert scorer.decoder.select_on_device
         assert scorer.encode.search is not None  # encodings written and gathered on the GPU
@@ -233,12 +236,12 @@ def test_ort_cuda_device_selection_equals_torch_reference(real_size, batch_size)
 def test_ort_cuda_device_set_decoding_equals_the_cpu(real_size):
     import pyarrow as pa
 
-    from cognet.runtime import Scorer
+    from cognet.runtime import ScoreOptions, Scorer
 
     table = _targets(pq.read_table(real_size / "data" / "visits.parquet"))
     runs = {}
     for device in ("cpu", "cuda"):
-        scorer = Scorer(real_size / "model", device=device, batch_size=1024)
+        scorer = Scorer(real_size / "model", ScoreOptions.of(device=device, batch_size=1024))
         out = pa.concat_tables([c.recommendations for c in scorer.score_table(table)])
         runs[device] = {r["visit_id"]: r["medications"] for r in out.to_pylist()}
     assert len(runs["cpu"]) > 1000
@@ -251,10 +254,13 @@ def test_ort_cuda_with_several_host_streams_equals_torch_reference(real_size):
     """Host threads feeding one GPU (ScoreOptions.streams): the lists of the reference."""
     import pyarrow as pa
 
-    from cognet.runtime import Scorer
+    from cognet.runtime import ScoreOptions, Scorer
 
     visits, by_id = _reference(real_size, "cpu")
-    scorer = Scorer(real_size / "model", device="cuda", batch_size=128, decoding="beam", streams=3)
+    scorer = Scorer(
+        real_size / "model",
+        ScoreOptions.of(device="cuda", batch_size=128, decoding="beam", streams=3),
+    )
     assert scorer.streams == 3 and scorer.decoder.select_on_device
     out = pa.concat_tables([c.recommendations for c in scorer.score_table(_targets(visits))])
     assert {r["visit_id"]: r["medications"] for r in out.to_pylist()} == by_id
@@ -267,13 +273,14 @@ def test_ort_cuda_fp16_scores_end_to_end(real_size):
     import numpy as np
     import pyarrow as pa
 
-    from cognet.runtime import Scorer
+    from cognet.runtime import ScoreOptions, Scorer
 
     table = _targets(pq.read_table(real_size / "data" / "visits.parquet"))
     runs = {}
     for device in ("cpu", "cuda"):
         scorer = Scorer(
-            real_size / "model", device=device, batch_size=512, decoding="beam", variant="fp16"
+            real_size / "model",
+            ScoreOptions.of(device=device, batch_size=512, decoding="beam", variant="fp16"),
         )
         if device == "cuda":
             assert scorer.encode.search is not None and scorer.encode.dtype == np.float16

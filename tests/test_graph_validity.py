@@ -94,7 +94,7 @@ def test_a_whole_model_exported_before_the_ranked_take_graphs_still_loads(
     import pyarrow as pa
     from onnx import TensorProto, helper
 
-    from cognet.runtime import Scorer
+    from cognet.runtime import ScoreOptions, Scorer
 
     old = tmp_path / "model"
     shutil.copytree(exported, old)
@@ -144,12 +144,14 @@ def test_a_whole_model_exported_before_the_ranked_take_graphs_still_loads(
     for selection in ("host", "device"):
         scorer = Scorer(
             old,
-            device="cpu",
-            threads=1,
-            selection=selection,
-            decoding="beam",
-            batch_size=16,
-            compact_at=0.9,
+            ScoreOptions.of(
+                device="cpu",
+                threads=1,
+                selection=selection,
+                decoding="beam",
+                batch_size=16,
+                compact_at=0.9,
+            ),
         )
         chunks = scorer.score_table(targets)
         lists[selection] = pa.concat_tables([c.recommendations for c in chunks])["medications"]

@@ -178,7 +178,10 @@ def test_int8_lists_agree_with_float32_on_most_visits(exported):
     visits = pq.read_table(exported.root / "data" / "visits.parquet")
     runs = {}
     for variant in (None, "int8"):
-        scorer = Scorer(exported.root / "model", device="cpu", threads=1, beam=4, variant=variant)
+        scorer = Scorer(
+            exported.root / "model",
+            ScoreOptions.of(device="cpu", threads=1, beam=4, variant=variant),
+        )
         assert scorer.model.providers == ("CPUExecutionProvider",)
         chunks = scorer.score_table(as_targets(visits))
         runs[variant] = {

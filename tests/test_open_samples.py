@@ -13,7 +13,7 @@ from cognet.core.ddi import DDIPolicy
 from cognet.core.decoding import driver, open_samples
 from cognet.core.decoding.draws import visit_keys
 from cognet.core.decoding.sampling import SetConfig, SetSampler
-from cognet.runtime import Scorer
+from cognet.runtime import ScoreOptions, Scorer
 
 
 class PrefixSession:
@@ -139,11 +139,9 @@ def test_runtime_sets_are_the_one_loops(tiny, batch_size, monkeypatch):
     def score():
         scorer = Scorer(
             tiny / "model",
-            device="cpu",
-            decoding="set",
-            samples=16,
-            threshold=0.3,
-            batch_size=batch_size,
+            ScoreOptions.of(
+                device="cpu", decoding="set", samples=16, threshold=0.3, batch_size=batch_size
+            ),
         )
         chunks = scorer.score_table(table, score_all=True)
         return pa.concat_tables([c.recommendations for c in chunks]).to_pylist()

@@ -1,9 +1,10 @@
 """The Python API: the README's example runs as written, without torch, on a tiny model;
-what `cognet.runtime` exports; `Scorer` as a context manager and its keywords."""
+what `cognet.runtime` exports; `Scorer` as a context manager and its one options value."""
 
 from __future__ import annotations
 
 import ast
+import inspect
 import re
 import subprocess
 import sys
@@ -79,7 +80,9 @@ def test_with_scorer_stops_its_threads(tiny):
     joins them, and closing again does nothing."""
     visits = pq.read_table(tiny / "data" / "visits.parquet")
     before = set(_pool_threads())
-    with Scorer(tiny / "model", device="cpu", threads=2, streams=2, batch_size=8) as scorer:
+    with Scorer(
+        tiny / "model", ScoreOptions.of(device="cpu", threads=2, streams=2, batch_size=8)
+    ) as scorer:
         rows = _scored(scorer, visits)
         assert rows > 0 and set(_pool_threads()) - before  # the streams ran on the pool
     assert scorer._pool is None
@@ -88,13 +91,19 @@ def test_with_scorer_stops_its_threads(tiny):
     assert _scored(scorer, visits) == rows  # a closed scorer decodes on this thread
 
 
-def test_scorer_takes_options_or_keywords_not_both(tiny):
+def test_scorer_takes_one_options_value(tiny):
+    """`Scorer(model, options)` is the one form: `ScoreOptions.of` builds the options from
+    keywords (ScoreOptions' fields and its request's), the scorer takes none of them."""
+    assert list(inspect.signature(Scorer).parameters) == ["model", "options"]
     options = ScoreOptions(device="cpu", request=DecodingRequest(beam=1), batch_size=8)
     by_options = Scorer(tiny / "model", options)
-    by_keywords = Scorer(tiny / "model", device="cpu", beam=1, batch_size=8)
+    by_keywords = Scorer(tiny / "model", ScoreOptions.of(device="cpu", beam=1, batch_size=8))
     assert by_keywords.options == by_options.options
     assert by_keywords.settings() == by_options.settings()
-    with pytest.raises(TypeError, match="options or keywords"):
+    assert Scorer(tiny / "model").options == ScoreOptions()
+    with pytest.raises(TypeError):
         Scorer(tiny / "model", options, beam=2)
+    with pytest.raises(TypeError, match="ScoreOptions.of"):
+        Scorer(tiny / "model", {"device": "cpu"})
     with pytest.raises(InputError, match="beam"):
-        Scorer(tiny / "model", device="cpu", beam=0)
+        Scorer(tiny / "model", ScoreOptions.of(device="cpu", beam=0))

@@ -68,12 +68,14 @@ def test_onnx_runtime_equals_torch_reference(
     """Several batch sizes and streams; many chunks of different sizes."""
     scorer = Scorer(
         tiny / "model",
-        device="cpu",
-        batch_size=batch_size,
-        streams=streams,
-        threads=streams,
-        batch_slots=batch_slots,
-        chunk_targets=chunk_targets,
+        ScoreOptions.of(
+            device="cpu",
+            batch_size=batch_size,
+            streams=streams,
+            threads=streams,
+            batch_slots=batch_slots,
+            chunk_targets=chunk_targets,
+        ),
     )
     assert scorer.providers == ["CPUExecutionProvider"]
     chunks, out = _score(scorer, reference["visits"], score_all=True)
@@ -98,7 +100,7 @@ def test_models_without_encoder_parts_score_the_same(tiny, reference, tmp_path):
     own); a model exported before them (its manifest without them, their files gone)
     encodes with the one encoder graph, and scores the same lists. A manifest naming only
     some of the parts is refused."""
-    with_parts = Scorer(tiny / "model", device="cpu")
+    with_parts = Scorer(tiny / "model", ScoreOptions.of(device="cpu"))
     assert with_parts.encode.split
     old = tmp_path / "model"
     shutil.copytree(tiny / "model", old)
@@ -106,7 +108,7 @@ def test_models_without_encoder_parts_score_the_same(tiny, reference, tmp_path):
     for name in ENCODER_PARTS:
         (old / data["graphs"].pop(name)["file"]).unlink()
     (old / "manifest.json").write_text(json.dumps(data))
-    without = Scorer(old, device="cpu")
+    without = Scorer(old, ScoreOptions.of(device="cpu"))
     assert not without.encode.split and not load_manifest(old).encoder_parts
     got = {
         name: _score(scorer, reference["visits"], score_all=True)[1].to_pylist()
@@ -164,7 +166,7 @@ def test_default_scores_only_unknown_medications(tiny, reference):
         pa.list_(pa.string()),
     )
     table = visits.set_column(visits.schema.get_field_index("medications"), "medications", meds)
-    scorer = Scorer(tiny / "model", device="cpu")
+    scorer = Scorer(tiny / "model", ScoreOptions.of(device="cpu"))
     chunks, out = _score(scorer, table)
     assert out.schema == OUTPUT_SCHEMA
     assert out["visit_id"].to_pylist() == [
@@ -178,7 +180,7 @@ def test_default_scores_only_unknown_medications(tiny, reference):
 
 
 def test_explanations_point_at_past_visits_holding_the_medication(tiny, reference):
-    scorer = Scorer(tiny / "model", device="cpu")
+    scorer = Scorer(tiny / "model", ScoreOptions.of(device="cpu"))
     _, out = _score(scorer, reference["visits"], score_all=True, explain=True)
     attended = pa.list_(pa.struct([("code", pa.string()), ("weight", pa.float32())]))
     assert out.schema.field("explanations").type == pa.list_(
@@ -234,14 +236,14 @@ def test_max_history_visits_keeps_the_latest(tiny, reference):
     patient = target.split("-")[0]
     keep = [v == target or v == f"{patient}-2" for v in vid]
     alone = visits.filter(pa.array(keep))
-    scorer = Scorer(tiny / "model", device="cpu", max_history_visits=1)
+    scorer = Scorer(tiny / "model", ScoreOptions.of(device="cpu", max_history_visits=1))
     _, truncated = _score(scorer, visits, score_all=True)
-    _, direct = _score(Scorer(tiny / "model", device="cpu"), alone, score_all=True)
+    _, direct = _score(Scorer(tiny / "model", ScoreOptions.of(device="cpu")), alone, score_all=True)
     row = truncated.filter(pa.compute.equal(truncated["visit_id"], target)).to_pylist()[0]
     expect = direct.filter(pa.compute.equal(direct["visit_id"], target)).to_pylist()[0]
     assert row["medications"] == expect["medications"]
     _, none = _score(
-        Scorer(tiny / "model", device="cpu", max_history_visits=0),
+        Scorer(tiny / "model", ScoreOptions.of(device="cpu", max_history_visits=0)),
         visits,
         score_all=True,
         explain=True,
@@ -258,7 +260,9 @@ def test_a_row_without_patient_id_does_not_split_its_patient(tiny, reference):
     ids = broken["patient_id"].to_pylist()
     ids[i] = None  # the inserted copy loses its patient_id
     broken = broken.set_column(0, "patient_id", pa.array(ids, pa.string()))
-    chunks, out = _score(Scorer(tiny / "model", device="cpu"), broken, score_all=True)
+    chunks, out = _score(
+        Scorer(tiny / "model", ScoreOptions.of(device="cpu")), broken, score_all=True
+    )
     assert sum(c.reject_reasons.get("missing_key", 0) for c in chunks) == 1
     row = out.filter(pa.compute.equal(out["visit_id"], vid[i])).to_pylist()
     assert len(row) == 1
@@ -268,7 +272,7 @@ def test_a_row_without_patient_id_does_not_split_its_patient(tiny, reference):
 
 
 def test_beam_option_and_greedy(tiny, reference):
-    scorer = Scorer(tiny / "model", device="cpu", beam=1)
+    scorer = Scorer(tiny / "model", ScoreOptions.of(device="cpu", beam=1))
     _, out = _score(scorer, reference["visits"].slice(0, 40), score_all=True)
     model, vocab, _ = checkpoint.load(tiny / "ckpt")
     patients = list(patients_from_table(reference["visits"].slice(0, 40), vocab))

@@ -29,7 +29,7 @@ from cognet.export.graphs import HeadSizes, head_example
 from cognet.export.validate import HEAD_ATOL, HEAD_CASES
 from cognet.model import checkpoint
 from cognet.model.torch_decoding import decode_patients
-from cognet.runtime import Scorer
+from cognet.runtime import ScoreOptions, Scorer
 from cognet.runtime import scorer as scorer_module
 from cognet.runtime.cli import main as batch_main
 
@@ -194,9 +194,9 @@ def test_runtime_marginal_sets_equal_torch(headed, head, name):
     table = pq.read_table(headed.data / "visits.parquet")
     patients = list(patients_from_table(table, vocab))
     request = REQUESTS[name]
-    decoding, ddi = request.resolve(Scorer(headed.model, device="cpu").decoding)
+    decoding, ddi = request.resolve(Scorer(headed.model, ScoreOptions.of(device="cpu")).decoding)
     want = decode_patients(model, vocab, patients, decoding, ddi, head=head)
-    with Scorer(headed.model, request=request, device="cpu", threads=1) as scorer:
+    with Scorer(headed.model, ScoreOptions.of(request=request, device="cpu", threads=1)) as scorer:
         assert scorer.decoding == decoding and scorer.ddi == ddi
         chunks = list(scorer.score_table(table, score_all=True))
     rows = {r["visit_id"]: r for c in chunks for r in c.recommendations.to_pylist()}
@@ -219,7 +219,9 @@ def test_marginal_scoring_runs_no_encoder_nor_decoder(headed, monkeypatch):
         raise AssertionError("an encoder or decoder graph ran")
 
     table = pq.read_table(headed.data / "visits.parquet")
-    with Scorer(headed.model, decoding="marginal", device="cpu", threads=1) as scorer:
+    with Scorer(
+        headed.model, ScoreOptions.of(decoding="marginal", device="cpu", threads=1)
+    ) as scorer:
         monkeypatch.setattr(scorer_module, "encode_plan", boom)
         monkeypatch.setattr(scorer.decoder, "init", boom)
         monkeypatch.setattr(scorer.decoder, "step", boom)
@@ -232,7 +234,9 @@ def test_marginal_explanations_come_from_set_decoding(headed):
     """The sets are the head's; each medication's copy share and source come from the set
     decoding's samples of the visit, null where they never emitted it."""
     table = pq.read_table(headed.data / "visits.parquet")
-    with Scorer(headed.model, decoding="marginal", device="cpu", threads=1) as scorer:
+    with Scorer(
+        headed.model, ScoreOptions.of(decoding="marginal", device="cpu", threads=1)
+    ) as scorer:
         plain, explained = (
             [r for c in scorer.score_table(table, **kw) for r in c.recommendations.to_pylist()]
             for kw in ({"score_all": True}, {"score_all": True, "explain": True})
@@ -315,7 +319,7 @@ def test_model_without_head_scores_as_before(headed):
     results = []
     for model in (headed.plain_model, headed.model):
         for decoding in ({"beam": 2}, {"decoding": "set", "set_rule": "jaccard", "samples": 4}):
-            with Scorer(model, device="cpu", threads=1, **decoding) as scorer:
+            with Scorer(model, ScoreOptions.of(device="cpu", threads=1, **decoding)) as scorer:
                 chunks = list(scorer.score_table(table, score_all=True))
             results.append([c.recommendations for c in chunks])
     assert results[0] == results[2] and results[1] == results[3]

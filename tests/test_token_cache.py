@@ -33,7 +33,7 @@ from cognet.export import OPSET, export, graphs
 from cognet.export.graphs import ReferenceStep, Sizes, StepGraph, example_inputs, kv_cache
 from cognet.export.onnx_export import _literal_zeros, _zero_safe_flatten
 from cognet.model import checkpoint
-from cognet.runtime import Scorer
+from cognet.runtime import ScoreOptions, Scorer
 from cognet.runtime.session import OrtModel
 
 
@@ -172,7 +172,7 @@ def test_a_model_with_a_kv_cache_step_scores_the_same(tiny_model, tmp_path, deco
         assert cache == (set() if model_dir == out else {"past_key", "past_value"})
         asked = {"set_rule": "jaccard", "estimator": "stratified"} if decoding == "set" else {}
         request = DecodingRequest(decoding=decoding, **asked)
-        scorer = Scorer(model_dir, device="cpu", threads=1, request=request)
+        scorer = Scorer(model_dir, ScoreOptions.of(device="cpu", threads=1, request=request))
         chunks = list(scorer.score_table(table, score_all=True))
         got = {}
         for chunk in chunks:
@@ -203,7 +203,7 @@ def test_the_exported_score_table_validates_and_scores_like_q_dot_k(
         names = {i.name for i in proto.graph.initializer}
         assert ("score_table" in names) == has_table and ("k_table" in names) != has_table
         request = DecodingRequest(decoding="beam")
-        scorer = Scorer(tmp_path / name, device="cpu", threads=1, request=request)
+        scorer = Scorer(tmp_path / name, ScoreOptions.of(device="cpu", threads=1, request=request))
         got = {}
         for chunk in scorer.score_table(table, score_all=True):
             rec = chunk.recommendations.to_pydict()

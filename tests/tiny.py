@@ -402,9 +402,9 @@ def torch_sets(root, decoding, split: str | None = None, ddi: DDIPolicy = DDIPol
 def runtime_sets(root, **options) -> dict:
     """visit_id -> medication codes: the runtime's answers (`Scorer` on `root/model`, CPU,
     `options` as its keywords) for every visit of `root/data`."""
-    from cognet.runtime import Scorer
+    from cognet.runtime import ScoreOptions, Scorer
 
-    scorer = Scorer(root / "model", device="cpu", **options)
+    scorer = Scorer(root / "model", ScoreOptions.of(device="cpu", **options))
     table = pq.read_table(root / "data" / "visits.parquet")
     out = pa.concat_tables([c.recommendations for c in scorer.score_table(table, score_all=True)])
     return {r["visit_id"]: r["medications"] for r in out.to_pylist()}

@@ -165,7 +165,35 @@ threads_option = count_option(
 @threads_option
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 @handle_errors
-def train(data_dir, out, threads, quiet, recipe, **config):
+def train(
+    data_dir,
+    out,
+    recipe,
+    epochs,
+    members,
+    seed,
+    lr,
+    batch_size,
+    patience,
+    scheduled_sampling,
+    history_dropout,
+    aux_loss,
+    ddi_loss,
+    ddi_loss_target,
+    lr_decay,
+    dim,
+    emb_dropout,
+    attn_dropout,
+    device,
+    ddi_target,
+    teacher,
+    head,
+    head_mix,
+    head_hidden,
+    ablation,
+    threads,
+    quiet,
+):
     """Train COGNet on the train split, then the set head that reads its answer in one pass
     (the marginal decoding, the checkpoint's default); choose the weights, the thresholds
     and set rules on the validation split.
@@ -186,18 +214,33 @@ def train(data_dir, out, threads, quiet, recipe, **config):
 
     setup_logging()
     torch.set_num_threads(threads)
-    teacher, head = config.pop("teacher"), config.pop("head")
-    shape = {"mix": config.pop("head_mix"), "hidden": config.pop("head_hidden")}
+    # the changes to the recipe's TrainConfig, field by field (None: the recipe's value;
+    # dim, emb_dropout, attn_dropout and ablation are its network's, a ModelConfig's)
+    changes = {
+        "epochs": epochs,
+        "members": members,
+        "seed": seed,
+        "lr": lr,
+        "batch_size": batch_size,
+        "patience": patience,
+        "scheduled_sampling": scheduled_sampling,
+        "history_dropout": history_dropout,
+        "aux_loss": aux_loss,
+        "ddi_loss": ddi_loss,
+        "ddi_loss_target": ddi_loss_target,
+        "lr_decay": lr_decay,
+        "dim": dim,
+        "emb_dropout": emb_dropout,
+        "attn_dropout": attn_dropout,
+        "device": device,
+        "ddi_target": ddi_target,
+        "ablation": ablation,
+    }
+    shape = {"mix": head_mix, "hidden": head_hidden}
     if teacher is not None:
-        given = [k for k, v in config.items() if v not in (None, False, 0.0, "none", "cpu")]
-        given = [k for k in given if k != "seed"]  # the teacher's seed is used
-        if given or not head or recipe != "default":
-            what = given[0] if given else ("no-head" if not head else "recipe")
-            raise click.UsageError(
-                f"--teacher trains the set head only: --{what.replace('_', '-')} does not apply"
-            )
-    try:  # the other options are TrainConfig's fields
-        cfg = TrainConfig.from_recipe(recipe, **config)
+        _teacher_alone(changes, head, recipe)
+    try:
+        cfg = TrainConfig.from_recipe(recipe, **changes)
         if head:
             cfg = replace(cfg, head=_head(cfg.head, shape))
         else:  # no head to read the marginals from: set decoding is the default then
@@ -288,6 +331,21 @@ def ensemble(checkpoints, data_dir, out, threads):
         f"{len(checkpoints)} members; decoding: {Decoding.from_json(done['decoding']).label}; "
         f"checkpoint written to {out}"
     )
+
+
+def _teacher_alone(changes: dict, head: bool, recipe: str) -> None:
+    """A usage error naming the first option given (in the command line's order) that
+    --teacher, which trains the set head alone, does not take: an option of the networks
+    (`changes`, but --seed: the teacher's is used), --no-head or --recipe."""
+    given = [k for k, v in changes.items() if v not in (None, False, 0.0, "none", "cpu")]
+    given = [k for k in given if k != "seed"]  # the teacher's seed is used
+    order = list(click.get_current_context().params)  # click: those given first, in order
+    given.sort(key=order.index)
+    if given or not head or recipe != "default":
+        what = given[0] if given else ("no-head" if not head else "recipe")
+        raise click.UsageError(
+            f"--teacher trains the set head only: --{what.replace('_', '-')} does not apply"
+        )
 
 
 def _head(recipe, shape: dict):

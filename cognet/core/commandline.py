@@ -9,6 +9,7 @@ runtime may import this module and `cognet.core` only (`make lint` checks both).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import logging
 import math
@@ -269,26 +270,15 @@ def decoding_options(func: Callable) -> Callable:
     from cognet.core.decoding.defaults import BEAM, DECODINGS, ESTIMATORS, SET_RULES
     from cognet.core.decoding.request import DecodingRequest
 
+    # the options below are the request's fields by name; the DDI options make its `ddi`
+    named = [f.name for f in dataclasses.fields(DecodingRequest) if f.name != "ddi"]
+
     @functools.wraps(func)
-    def wrapper(
-        *args,
-        decoding,
-        beam,
-        samples,
-        threshold,
-        estimator,
-        set_rule,
-        ddi_mode,
-        ddi_penalty,
-        ddi_max_rate,
-        ddi_pair_price,
-        **kwargs,
-    ):
+    def wrapper(*args, ddi_mode, ddi_penalty, ddi_max_rate, ddi_pair_price, **kwargs):
         policy = ddi_policy(ddi_mode, ddi_penalty, ddi_max_rate, ddi_pair_price)
+        asked = {name: kwargs.pop(name) for name in named}
         try:
-            request = DecodingRequest(
-                decoding, beam, samples, threshold, estimator, set_rule, policy
-            )
+            request = DecodingRequest(**asked, ddi=policy)
         except ValueError as exc:
             raise click.UsageError(str(exc)) from None
         return func(*args, request=request, **kwargs)

@@ -166,8 +166,11 @@ def write_vocabulary(folder: Path, rng: np.random.Generator, fmt: str) -> None:
     writer.close()
 
 
-def _events(folder, rng, fmt, kind, rows, visit_ids, persons, n_codes, standard, source) -> None:
-    """``rows`` event rows (condition, procedure or drug) on visits drawn from ``visit_ids``."""
+def _events(folder, rng, fmt, event: tuple, rows, visit_ids, persons) -> None:
+    """``rows`` event rows (condition, procedure or drug) on visits drawn from ``visit_ids``;
+    ``event``: its row of EVENTS (kind, rows per visit, codes, first standard and source
+    concept ids)."""
+    kind, _, n_codes, standard, source = event
     name = "drug_exposure" if kind == "drug" else f"{kind}_occurrence"
     schema = pa.schema(
         [
@@ -238,8 +241,9 @@ def generate_extract(
         )
     writer.close()
     every = np.arange(1, visits + 1)
-    for kind, per_visit, n_codes, standard, source in EVENTS:
+    for event in EVENTS:
+        per_visit = event[1]
         rows = drug_rows if per_visit is None else per_visit * visits
         on = every if per_visit else every[every % 10 != 0]  # 10% of visits get no drug
-        _events(folder, rng, fmt, kind, rows, on, persons, n_codes, standard, source)
+        _events(folder, rng, fmt, event, rows, on, persons)
     return folder

@@ -326,8 +326,10 @@ def train(
             if on_epoch:
                 on_epoch(record)
 
+        if i > 0:  # a later member: the generators seeded anew (the first was, above)
+            seed_everything(member.seed)
         net, best, chosen, epochs_run = _train_network(
-            member, vocab, train_data, val_patients, ehr, ddi, report, progress, i > 0
+            member, vocab, train_data, val_patients, (ehr, ddi), report, progress
         )
         nets.append(net)
         run = {"seed": member.seed, "best_epoch": best["epoch"], "weights": chosen}
@@ -365,18 +367,15 @@ def _train_network(
     vocab,
     train_data,
     val_patients,
-    ehr,
-    ddi,
+    graphs: tuple[np.ndarray, np.ndarray],
     report,
     progress,
-    reseed: bool,
 ):
-    """One network trained with `cfg` (its seed): (the network in eval mode with the weights
-    chosen on validation, the best epoch's record, which weights, epochs run). `reseed`:
-    seed the generators anew first (a later member; the first was seeded by `train`).
+    """One network trained with `cfg` (its seed; the caller seeds the generators): (the
+    network in eval mode with the weights chosen on validation, the best epoch's record,
+    which weights, epochs run). `graphs`: the EHR and DDI adjacency matrices [M, M].
     """
-    if reseed:
-        seed_everything(cfg.seed)
+    ehr, ddi = graphs
     model = COGNet(cfg.model_config(vocab), ehr, ddi).to(cfg.device)
     optim, decay, aux_head = _optimiser(model, cfg, vocab)
     rng = random.Random(cfg.seed)
@@ -410,9 +409,11 @@ def _train_network(
         if cfg.patience is not None and stale >= cfg.patience:
             log.info("early stopping after %d epochs without improvement", stale)
             break
-    chosen = _load_final_weights(
-        model, snapshots, best, epochs_run, cfg, vocab, val_patients, progress
-    )
+
+    def val_nll(net: COGNet) -> float:
+        return validation_nll(net, vocab, val_patients)
+
+    chosen = _load_final_weights(model, snapshots, best, epochs_run, cfg, val_nll, progress)
     return model, best, chosen, epochs_run
 
 
@@ -485,13 +486,13 @@ def _load_final_weights(
     best: dict,
     epochs_run: int,
     cfg: TrainConfig,
-    vocab,
-    val,
+    val_nll: Callable[[COGNet], float],
     progress=None,
 ) -> dict:
     """Load the best epoch's weights, or the average of epochs ending at or after it when
-    that has a lower val NLL, into `model` (in eval mode); returns which were chosen. A bar
-    from `progress` counts the averages scored."""
+    that has a lower val NLL (`val_nll` of a model: its validation NLL), into `model` (in
+    eval mode); returns which were chosen. A bar from `progress` counts the averages
+    scored."""
     chosen = {"epochs": [best["epoch"]], "val_nll": best["val_nll"]}
     state = snapshots[best["epoch"]]
     sizes = [s for s in cfg.average if s > 1]  # single epochs: their NLL is in `history`
@@ -502,7 +503,7 @@ def _load_final_weights(
 
             def nll(m) -> float:
                 bar.update(1)
-                return validation_nll(m, vocab, val)
+                return val_nll(m)
 
             averaged, info = choose_average(model, snapshots, sizes, ends, nll)
         if info is not None and info["val_nll"] < chosen["val_nll"]:
