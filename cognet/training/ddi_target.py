@@ -210,7 +210,9 @@ def choose_target(
     if decoding.name == "marginal":
         decoded = decode_patients(model, vocab, patients, decoding, on_batch=on_batch, head=head)
         margins = np.stack([d.scores for d in decoded])
-        chosen, trials = search(lambda _: margins, patients, ddi_adj, target, grid, (), 0)
+        chosen, trials = search(
+            lambda _: margins, patients, ddi_adj, target, grid, ladder=(), refine=0
+        )
         return replace(chosen, decoding="marginal"), trials
     if decoding.name != "set":
         raise ValueError("a DDI target is chosen for set or marginal decoding (its set rules)")
