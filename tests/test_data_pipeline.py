@@ -20,6 +20,7 @@ from mimic_tables import (
 )
 from tiny import run_pipeline
 
+from cognet.data.mimic3 import SafeDrugFiles
 from cognet.data.mimic4 import build_mimic4
 from cognet.data.omop import build_omop
 from cognet.data.synth_omop import generate_extract
@@ -63,13 +64,12 @@ def test_mimic4_dataset_trains_and_scores(tmp_path):
         write_gz(hosp / f"{name}.csv.gz", (headers[name], rows))
     (tmp_path / "ndc.txt").write_text(NDC_RXNORM)
     (tmp_path / "drug-atc.csv").write_text(DRUG_ATC)
-    report = build_mimic4(
-        tmp_path / "mimiciv",
+    mappings = SafeDrugFiles(
         tmp_path / "ndc.txt",
         write_csv(tmp_path / "atc4.csv", RXNORM_ATC),
         tmp_path / "drug-atc.csv",
         write_csv(tmp_path / "ddi.csv", DDI),
-        tmp_path / "data",
     )
+    report = build_mimic4(tmp_path / "mimiciv", mappings, tmp_path / "data")
     assert report.dataset["visits"] > 60 and report.dataset["ddi_pairs"] > 0
     run_pipeline(tmp_path / "data", tmp_path)

@@ -33,7 +33,8 @@ from mimic_tables import (
 from cognet.cli.data import mimic3_command
 from cognet.core.errors import InputError
 from cognet.core.schema import read_dataset
-from cognet.data.mimic3 import build_mimic3, load_prescriptions, ranked_codes
+from cognet.data.mimic3 import SafeDrugFiles, build_mimic3, load_prescriptions, ranked_codes
+from cognet.data.tables import Report
 
 PRESCRIPTIONS = (
     ["ROW_ID", "SUBJECT_ID", "HADM_ID", "ICUSTAY_ID", "STARTDATE", "DRUG", "NDC"],
@@ -195,6 +196,12 @@ def files(tmp_path: Path) -> dict[str, Path]:
     }
 
 
+def build(files: dict[str, Path], **options) -> Report:
+    """`build_mimic3` on the fixture's files (the dict the CLI tests turn into options)."""
+    mappings = SafeDrugFiles(*(files[k] for k in ("ndc_rxnorm", "rxnorm_atc", "drug_atc", "ddi")))
+    return build_mimic3(files["mimic_dir"], mappings, files["out"], **options)
+
+
 def cli_args(files: dict[str, Path], *extra: str) -> list[str]:
     args = []
     for key, path in files.items():
@@ -208,7 +215,7 @@ def read_pairs(out: Path) -> list[tuple[str, str]]:
 
 
 def test_builds_the_reference_visits(files):
-    report = build_mimic3(**files)
+    report = build(files)
     assert pq.read_table(files["out"] / "visits.parquet").to_pylist() == VISITS
     assert read_pairs(files["out"]) == ALL_PAIRS  # 40 types: all three of the fixture
     assert report.dataset == {
@@ -223,7 +230,7 @@ def test_builds_the_reference_visits(files):
 
 
 def test_summary_json_counts_what_each_step_kept_and_dropped(files):
-    report = build_mimic3(**files)
+    report = build(files)
     summary = json.loads((files["out"] / "summary.json").read_text())
     assert summary == report.to_json() and summary["source"] == "mimic3"
     steps = {s["name"]: s for s in summary["steps"]}
@@ -253,12 +260,12 @@ def test_summary_json_counts_what_each_step_kept_and_dropped(files):
 def test_each_step_is_logged_as_it_ends(files, caplog):
     """What --verbose shows: every step's line, in the report's order."""
     with caplog.at_level(logging.INFO, logger="cognet.data.tables"):
-        report = build_mimic3(**files)
+        report = build(files)
     assert [r.getMessage() for r in caplog.records] == [s.line() for s in report.steps]
 
 
 def test_files_follow_the_dataset_contract(files):
-    build_mimic3(**files)
+    build(files)
     visits = pq.read_schema(files["out"] / "visits.parquet")
     assert visits.names == [
         "patient_id",
@@ -279,7 +286,7 @@ def test_files_follow_the_dataset_contract(files):
 
 
 def test_output_reads_back_as_a_dataset(files):
-    build_mimic3(**files)
+    build(files)
     dataset = read_dataset(files["out"])
     assert dataset.ddi_pairs == ALL_PAIRS
     assert dataset.visits.drop_columns("split").to_pylist() == VISITS
@@ -290,7 +297,7 @@ def test_keeps_the_most_frequent_medications_and_diagnoses(files):
     # medication counts (distinct patient, admission, start date, ATC-3):
     # A02B 5, B01A 4, N02B 3, C03C 1. Diagnosis counts (whole table, distinct):
     # 4019 8, 0389 3, 25000 2, then 5849 = E8798 = V4581 = 1: the tie goes to 5849.
-    build_mimic3(**files, top_medications=3, top_diagnoses=4, ddi_top_k=1)
+    build(files, top_medications=3, top_diagnoses=4, ddi_top_k=1)
     visits = pq.read_table(files["out"] / "visits.parquet").to_pylist()
     assert [(v["visit_id"], v["diagnoses"], v["medications"]) for v in visits] == [
         ("102", ["0389", "25000"], ["N02B"]),
@@ -314,7 +321,7 @@ def test_keeps_the_most_frequent_medications_and_diagnoses(files):
     ],
 )
 def test_ddi_side_effect_types(files, ddi_types, k, pairs):
-    build_mimic3(**files, ddi_types=ddi_types, ddi_top_k=k)
+    build(files, ddi_types=ddi_types, ddi_top_k=k)
     assert read_pairs(files["out"]) == pairs
 
 
@@ -362,7 +369,7 @@ def test_reads_gzipped_lower_case_tables(files):
         ):
             shutil.copyfileobj(src, dst)
         path.unlink()
-    build_mimic3(**files)
+    build(files)
     assert pq.read_table(files["out"] / "visits.parquet").to_pylist() == VISITS
 
 
@@ -370,13 +377,13 @@ def test_mapping_file_is_parsed_never_executed(files, tmp_path):
     marker = tmp_path / "executed"
     files["ndc_rxnorm"].write_text(f"{{'{N1}': __import__('pathlib').Path('{marker}').touch()}}")
     with pytest.raises(InputError, match="ndc2rxnorm_mapping.txt: not a dict literal"):
-        build_mimic3(**files)
+        build(files)
     assert not marker.exists()
 
 
 def test_mapping_file_as_json(files):
     files["ndc_rxnorm"].write_text(NDC_RXNORM.replace("'", '"'))
-    build_mimic3(**files)
+    build(files)
     assert pq.read_table(files["out"] / "visits.parquet").to_pylist() == VISITS
 
 
@@ -387,7 +394,7 @@ def test_no_mapped_medication_is_refused_saying_what_to_do(files):
         match="no prescription's NDC maps to ATC-3 through .*"
         "ndc2rxnorm_mapping.txt.*use SafeDrug's",
     ):
-        build_mimic3(**files)
+        build(files)
     assert not (files["out"] / "visits.parquet").exists()
 
 
@@ -450,7 +457,7 @@ def test_visit_without_admission_row_is_an_input_error(files):
     path = files["mimic_dir"] / "ADMISSIONS.csv"
     path.write_text("".join(line for line in path.open() if ",1,102," not in line))
     with pytest.raises(InputError, match="no admission row for HADM_ID 102 of SUBJECT_ID 1"):
-        build_mimic3(**files)
+        build(files)
 
 
 def test_cli_help_explains_the_sort_bug():

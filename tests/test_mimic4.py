@@ -29,7 +29,9 @@ from mimic_tables import write_csv as write_plain_csv
 from cognet.cli import main
 from cognet.core.errors import InputError
 from cognet.core.schema import read_dataset
+from cognet.data.mimic3 import SafeDrugFiles
 from cognet.data.mimic4 import build_mimic4, icd_token
+from cognet.data.tables import Report
 
 ADMISSIONS = (
     ["subject_id", "hadm_id", "admittime", "dischtime", "deathtime", "admission_type"],
@@ -135,6 +137,12 @@ def files(tmp_path: Path) -> dict[str, Path]:
     }
 
 
+def build(files: dict[str, Path], **options) -> Report:
+    """`build_mimic4` on the fixture's files (the dict the CLI tests turn into options)."""
+    mappings = SafeDrugFiles(*(files[k] for k in ("ndc_rxnorm", "rxnorm_atc", "drug_atc", "ddi")))
+    return build_mimic4(files["mimic_dir"], mappings, files["out"], **options)
+
+
 def cli_args(files: dict[str, Path]) -> list[str]:
     return [a for key, path in files.items() for a in ("--" + key.replace("_", "-"), str(path))]
 
@@ -159,7 +167,7 @@ def test_icd_tokens_follow_omop(code, version, kind, token):
 
 
 def test_builds_the_visits(files):
-    report = build_mimic4(**files)
+    report = build(files)
     assert pq.read_table(files["out"] / "visits.parquet").to_pylist() == VISITS
     ddi = pq.read_table(files["out"] / "ddi.parquet").to_pylist()
     assert [(p["drug_a"], p["drug_b"]) for p in ddi] == ALL_PAIRS
@@ -177,7 +185,7 @@ def test_builds_the_visits(files):
 
 
 def test_counts_every_dropped_row(files):
-    steps = {s.name: s for s in build_mimic4(**files).steps}
+    steps = {s.name: s for s in build(files).steps}
     assert steps["prescriptions"].dropped == {
         "without hadm_id": 1,
         'with NDC "0" or empty': 2,
@@ -199,7 +207,7 @@ def test_counts_every_dropped_row(files):
 
 
 def test_keeps_the_commonest_codes(files):
-    build_mimic4(**files, top_medications=2, top_diagnoses=1)
+    build(files, top_medications=2, top_diagnoses=1)
     visits = pq.read_table(files["out"] / "visits.parquet").to_pylist()
     # ATC-3 rows: A02B 3 (2001, 3001, 3002), then B01A, C03C, N02B 1 each: B01A by name.
     # Diagnoses: ICD10CM/I10 (3 admissions) alone; 2002 keeps none, so it goes.
@@ -216,7 +224,7 @@ def test_reads_the_hosp_folder_itself_and_plain_csv(files):
             gzip.decompress(path.read_bytes())
         )
         path.unlink()
-    build_mimic4(**{**files, "mimic_dir": hosp})
+    build({**files, "mimic_dir": hosp})
     assert pq.read_table(files["out"] / "visits.parquet").to_pylist() == VISITS
 
 
@@ -286,7 +294,7 @@ def test_bad_icd_version_names_the_line(files):
         (header, [*rows[:3], [10001, 2002, 9, "4019", 11], *rows[3:]]),
     )
     with pytest.raises(InputError) as error:
-        build_mimic4(**files)
+        build(files)
     assert (
         str(error.value)
         == f"{path}: column 'icd_version', line 5: 11 is not an ICD version (9 or 10)"
@@ -295,4 +303,4 @@ def test_bad_icd_version_names_the_line(files):
 
 def test_refuses_to_overwrite_its_input(files):
     with pytest.raises(InputError, match="the output would overwrite the input"):
-        build_mimic4(**{**files, "out": files["mimic_dir"] / "hosp"})
+        build({**files, "out": files["mimic_dir"] / "hosp"})

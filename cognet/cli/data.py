@@ -11,7 +11,7 @@ import click
 from cognet.core import strict_json
 from cognet.core.commandline import count_option, db_timeout_options, handle_errors, setup_logging
 from cognet.core.files import DATASET_FILES, Reads, guarded
-from cognet.data.mimic3 import DDI_TYPES, build_mimic3
+from cognet.data.mimic3 import DDI_TYPES, SafeDrugFiles, build_mimic3
 from cognet.data.mimic4 import build_mimic4
 from cognet.data.tables import Report
 
@@ -265,11 +265,12 @@ def convert_mimic(
     **files: Path,
 ) -> None:
     """`cognet data mimic3` and `mimic4`, which differ by their builder only; `files`: the
-    mapping files, passed to `build` by name."""
-    reads = Reads(files=list(files.values()), folders=[mimic_dir])
+    mapping files (`SafeDrugFiles`) by name."""
+    mappings = SafeDrugFiles(**files)
+    reads = Reads(files=mappings.paths(), folders=[mimic_dir])
 
     def build_into(folder: Path) -> Report:
-        return build(mimic_dir, out=folder, ddi_types=ddi_types, **files)
+        return build(mimic_dir, mappings, folder, ddi_types)
 
     convert(command, out, reads, verbose, build_into)
 

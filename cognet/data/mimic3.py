@@ -45,6 +45,7 @@ import csv
 import json
 import os
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import pandas as pd
@@ -66,12 +67,26 @@ KEY = ["SUBJECT_ID", "HADM_ID"]
 SIDE_EFFECT = "Polypharmacy Side Effect"
 
 
+@dataclass(frozen=True)
+class SafeDrugFiles:
+    """The SafeDrug / COGNet mapping files that `build_mimic3` and `build_mimic4` read beside
+    the tables: NDC -> RxCUI (``ndc2rxnorm_mapping.txt``), RxCUI -> ATC-4
+    (``RXCUI2atc4.csv``), STITCH CID -> ATC (``drug-atc.csv``) and the TWOSIDES pairs
+    (``drug-DDI.csv``)."""
+
+    ndc_rxnorm: str | os.PathLike
+    rxnorm_atc: str | os.PathLike
+    drug_atc: str | os.PathLike
+    ddi: str | os.PathLike
+
+    def paths(self) -> list[Path]:
+        """The four files as paths, in field order."""
+        return [Path(p) for p in (self.ndc_rxnorm, self.rxnorm_atc, self.drug_atc, self.ddi)]
+
+
 def build_mimic3(
     mimic_dir: str | os.PathLike,
-    ndc_rxnorm: str | os.PathLike,
-    rxnorm_atc: str | os.PathLike,
-    drug_atc: str | os.PathLike,
-    ddi: str | os.PathLike,
+    files: SafeDrugFiles,
     out: str | os.PathLike,
     ddi_types: str = "top40",
     *,
@@ -83,9 +98,9 @@ def build_mimic3(
     ``summary.json`` to ``out``.
 
     ``mimic_dir`` holds PRESCRIPTIONS, DIAGNOSES_ICD, PROCEDURES_ICD and ADMISSIONS as
-    ``.csv`` or ``.csv.gz``. Raises ``InputError`` for a missing file or column or an
-    unreadable value, naming the file, column and line, and when OUT would overwrite an
-    input.
+    ``.csv`` or ``.csv.gz``; ``files`` are the mapping files. Raises ``InputError`` for a
+    missing file or column or an unreadable value, naming the file, column and line, and
+    when OUT would overwrite an input.
     """
     if ddi_types not in DDI_TYPES:
         raise InputError(f"ddi_types must be one of {', '.join(DDI_TYPES)}, not {ddi_types!r}")
@@ -101,7 +116,7 @@ def build_mimic3(
         name: find_table(mimic_dir, name)
         for name in ("PRESCRIPTIONS", "DIAGNOSES_ICD", "PROCEDURES_ICD", "ADMISSIONS")
     }
-    ndc_rxnorm, rxnorm_atc, drug_atc, ddi = map(Path, (ndc_rxnorm, rxnorm_atc, drug_atc, ddi))
+    ndc_rxnorm, rxnorm_atc, drug_atc, ddi = files.paths()
     for path in (ndc_rxnorm, rxnorm_atc, drug_atc, ddi):
         _require_file(path)
     out = Path(out)

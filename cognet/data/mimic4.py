@@ -34,6 +34,7 @@ from cognet.core.errors import InputError
 from cognet.data.mimic3 import (
     DDI_TYPES,
     KEY,
+    SafeDrugFiles,
     _visits_table,
     combine,
     ddi_pairs,
@@ -203,10 +204,7 @@ def load_icd(path: Path, kind: str) -> tuple[pd.DataFrame, Step]:
 
 def build_mimic4(
     mimic_dir: str | Path,
-    ndc_rxnorm: str | Path,
-    rxnorm_atc: str | Path,
-    drug_atc: str | Path,
-    ddi: str | Path,
+    files: SafeDrugFiles,
     out: str | Path,
     ddi_types: str = "top40",
     *,
@@ -214,7 +212,8 @@ def build_mimic4(
     top_diagnoses: int = 2000,
     ddi_top_k: int = 40,
 ) -> Report:
-    """Write ``visits.parquet``, ``ddi.parquet`` and ``summary.json`` to ``out``.
+    """Write ``visits.parquet``, ``ddi.parquet`` and ``summary.json`` to ``out``, with the
+    mapping files of `build_mimic3` (``files``).
 
     Raises InputError naming the file, column and line for a missing file or column or an
     unreadable value, and when OUT would overwrite an input.
@@ -223,7 +222,7 @@ def build_mimic4(
         raise InputError(f"ddi_types must be one of {', '.join(DDI_TYPES)}, not {ddi_types!r}")
     hosp, out = hosp_folder(Path(mimic_dir)), Path(out)
     tables = {name: find_table(hosp, name) for name in TABLES}
-    mappings = [Path(p) for p in (ndc_rxnorm, rxnorm_atc, drug_atc, ddi)]
+    mappings = files.paths()
     for path in mappings:
         if not path.is_file():
             raise InputError(f"{path}: file not found")
