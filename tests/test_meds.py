@@ -19,7 +19,7 @@ from omop_tables import write_table
 from cognet.cli import main
 from cognet.core.errors import InputError
 from cognet.core.schema import read_dataset
-from cognet.data.meds import build_meds
+from cognet.data.meds import MedicationMaps, build_meds
 from cognet.data.omop import build_omop
 
 COHORT = make_cohort()
@@ -56,7 +56,7 @@ def test_three_forms_give_the_same_visits(meds_dir, maps, tmp_path):
     db = write_duckdb(tmp_path / "cdm.duckdb", {n: typed(t) for n, t in tables.items()})
     build_omop(folder, tmp_path / "csv")
     build_omop(f"duckdb:///{db}", tmp_path / "db")
-    build_meds(meds_dir, tmp_path / "meds_out", **maps)
+    build_meds(meds_dir, tmp_path / "meds_out", maps=MedicationMaps(**maps))
     name = "visits.parquet"
     assert (tmp_path / "db" / name).read_bytes() == (tmp_path / "csv" / name).read_bytes()
     to_omop_token = token_pairs()
@@ -106,7 +106,7 @@ def test_every_dropped_event_is_counted(meds_dir, maps, tmp_path):
 
 
 def test_split_comes_from_subject_splits(meds_dir, maps, tmp_path):
-    build_meds(meds_dir, tmp_path / "out", **maps)
+    build_meds(meds_dir, tmp_path / "out", maps=MedicationMaps(**maps))
     split = {
         str(s.subject): {"train": "train", "tuning": "val", "held_out": "test"}[s.split]
         for s in COHORT
@@ -117,17 +117,17 @@ def test_split_comes_from_subject_splits(meds_dir, maps, tmp_path):
 
 def test_without_subject_splits_the_split_is_seeded(meds_dir, maps, tmp_path):
     (meds_dir / "metadata" / "subject_splits.parquet").unlink()
-    build_meds(meds_dir, tmp_path / "out", **maps)
+    build_meds(meds_dir, tmp_path / "out", maps=MedicationMaps(**maps))
     assert "split" not in pq.read_schema(tmp_path / "out" / "visits.parquet").names
     dataset = read_dataset(tmp_path / "out", split_seed=0)
     assert dataset.visits.num_rows == len(rows(tmp_path / "out"))
 
 
 def test_without_hadm_id_windows_hold_the_discharge_instant(meds_dir, maps, tmp_path):
-    build_meds(meds_dir, tmp_path / "with", **maps)
+    build_meds(meds_dir, tmp_path / "with", maps=MedicationMaps(**maps))
     for shard in sorted((meds_dir / "data").rglob("*.parquet")):
         pq.write_table(pq.read_table(shard).drop_columns(["hadm_id"]), shard)
-    build_meds(meds_dir, tmp_path / "without", **maps)
+    build_meds(meds_dir, tmp_path / "without", maps=MedicationMaps(**maps))
     by_time = rows(tmp_path / "without")
     for row in by_time:
         assert "@" in row.pop("visit_id")  # <subject_id>@<admission time>
@@ -138,7 +138,7 @@ def test_without_hadm_id_windows_hold_the_discharge_instant(meds_dir, maps, tmp_
 def test_trains_with_one_epoch_and_scores(meds_dir, maps, tmp_path):
     from tiny import run_pipeline
 
-    build_meds(meds_dir, tmp_path / "data", **maps)
+    build_meds(meds_dir, tmp_path / "data", maps=MedicationMaps(**maps))
     run_pipeline(tmp_path / "data", tmp_path)
 
 
@@ -232,7 +232,7 @@ def test_cli_help_has_an_example():
 def test_subjects_missing_from_subject_splits_are_dropped_and_counted(meds_dir, maps, tmp_path):
     path = meds_dir / "metadata" / "subject_splits.parquet"
     pq.write_table(pq.read_table(path).slice(1), path)  # COHORT[0] has no split
-    build_meds(meds_dir, tmp_path / "out", **maps)
+    build_meds(meds_dir, tmp_path / "out", maps=MedicationMaps(**maps))
     gone = COHORT[0]
     used = sum(3 + len(a.diagnoses) + len(a.procedures) + len(a.drugs) for a in gone.admissions)
     events = steps(tmp_path / "out")["events"]["dropped"]
@@ -243,5 +243,5 @@ def test_subjects_missing_from_subject_splits_are_dropped_and_counted(meds_dir, 
 def test_output_onto_the_meds_folder_is_refused(meds_dir, maps):
     before = {p: p.read_bytes() for p in meds_dir.rglob("*.parquet")}
     with pytest.raises(InputError, match="the output would overwrite the input"):
-        build_meds(meds_dir, meds_dir, **maps)
+        build_meds(meds_dir, meds_dir, maps=MedicationMaps(**maps))
     assert {p: p.read_bytes() for p in meds_dir.rglob("*.parquet")} == before

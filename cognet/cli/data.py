@@ -513,21 +513,13 @@ def meds(
         --ndc-rxnorm ndc2rxnorm_mapping.txt --rxnorm-atc ndc2atc_level4.csv \\
         --ddi ddi_atc3.csv
     """
-    from cognet.data.meds import MedsCodes, build_meds
+    from cognet.data.meds import MedicationMaps, MedsCodes, build_meds
 
     codes = MedsCodes(visit_start, visit_end, diagnosis, procedure, medication)
+    maps = MedicationMaps(ndc_rxnorm, rxnorm_atc, medication_map)
 
     def build(folder: Path) -> Report:
-        return build_meds(
-            meds_dir,
-            folder,
-            ddi,
-            codes,
-            ndc_rxnorm,
-            rxnorm_atc,
-            medication_map,
-            allow_no_medications,
-        )
+        return build_meds(meds_dir, folder, ddi, codes, maps, allow_no_medications)
 
     reads = Reads(files=[ddi, ndc_rxnorm, rxnorm_atc, medication_map], folders=[meds_dir])
     convert("cognet data meds", out, reads, verbose, build)

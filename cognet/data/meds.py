@@ -79,6 +79,22 @@ class MedsCodes:
         return [self.visit_start, self.visit_end, self.diagnosis, self.procedure, self.medication]
 
 
+@dataclass(frozen=True)
+class MedicationMaps:
+    """What maps medication codes to ATC-3 beyond their ATC parent codes: the SafeDrug files
+    for NDC parent codes (``ndc2rxnorm_mapping.txt`` and ``RXCUI2atc4.csv``, together) and a
+    file of code -> atc3 rows, which wins over parent codes. None: not used."""
+
+    ndc_rxnorm: str | Path | None = None
+    rxnorm_atc: str | Path | None = None
+    medication_map: str | Path | None = None
+
+    def paths(self) -> list[Path]:
+        """The files given, as paths."""
+        given = (self.ndc_rxnorm, self.rxnorm_atc, self.medication_map)
+        return [Path(p) for p in given if p is not None]
+
+
 START, END, DIAGNOSIS, PROCEDURE, MEDICATION = range(5)
 LISTS = {DIAGNOSIS: "diagnoses", PROCEDURE: "procedures", MEDICATION: "medications"}
 
@@ -355,21 +371,19 @@ def build_meds(
     out: str | Path,
     ddi: str | Path | None = None,
     codes: MedsCodes = MedsCodes(),
-    ndc_rxnorm: str | Path | None = None,
-    rxnorm_atc: str | Path | None = None,
-    medication_map: str | Path | None = None,
+    maps: MedicationMaps = MedicationMaps(),
     allow_no_medications: bool = False,
 ) -> Report:
     """Convert the MEDS dataset in ``meds_dir`` into ``out`` (visits.parquet, ddi.parquet,
-    summary.json). Raises InputError naming the file and column for input that fails the
-    MEDS schemas, and when no visit or no medication is left (the latter unless
-    ``allow_no_medications``)."""
+    summary.json), medications mapped to ATC-3 by their parent codes and ``maps``. Raises
+    InputError naming the file and column for input that fails the MEDS schemas, and when
+    no visit or no medication is left (the latter unless ``allow_no_medications``)."""
     meds_dir, out = Path(meds_dir), Path(out)
     shards, codes_path, splits_path = find_meds(meds_dir)
-    extra = [Path(p) for p in (ddi, ndc_rxnorm, rxnorm_atc, medication_map) if p is not None]
+    extra = ([Path(ddi)] if ddi is not None else []) + maps.paths()
     check_output(out, [meds_dir, *shards, codes_path, *([splits_path] * bool(splits_path)), *extra])
     med_map = read_medication_map(
-        codes_path, codes.medication, ndc_rxnorm, rxnorm_atc, medication_map
+        codes_path, codes.medication, maps.ndc_rxnorm, maps.rxnorm_atc, maps.medication_map
     )
     splits = read_splits(splits_path) if splits_path else None
     scan = Step.counting("events", "of the kinds used", ["of other codes"])
