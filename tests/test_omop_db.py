@@ -18,7 +18,7 @@ from pg_server import PASSWORD, PgServer
 from cognet.cli import main
 from cognet.core.errors import InputError
 from cognet.data.omop import ATC_CLASSES, CLINICAL, VOCABULARY, build_omop
-from cognet.data.omop_db import DUCKDB_MEMORY, masked, open_cdm, open_database
+from cognet.data.omop_db import DUCKDB_MEMORY, DbOptions, masked, open_cdm, open_database
 
 OPTIONS = [{}, {"source_codes": True}, {"visit_concepts": [9201, 262]}]
 
@@ -250,7 +250,7 @@ def pg():
 @pytest.mark.parametrize("options", OPTIONS, ids=["standard", "source-codes", "visit-types"])
 def test_postgres_gives_the_files_output_byte_for_byte(pg, ddi_file, tmp_path, options):
     out = tmp_path / "from_pg"
-    build_omop(pg.url(), out, ddi_file, vocab_schema="vocab", **options)
+    build_omop(pg.url(), out, ddi_file, database=DbOptions(vocab_schema="vocab"), **options)
     assert_same_output(from_files(tmp_path, ddi_file, **options), out)
 
 

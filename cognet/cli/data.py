@@ -385,19 +385,18 @@ def omop(
     from cognet.data.omop import build_omop, parse_concept_ids
 
     concepts = parse_concept_ids(visit_concepts)
-    from cognet.data.omop_db import Timeouts, database_file
+    from cognet.data.omop_db import DbOptions, Timeouts, database_file
 
     def build(folder: Path) -> Report:
+        timeouts = Timeouts(connect_timeout, statement_timeout)
         return build_omop(
             cdm,
             folder,
             ddi,
             concepts,
             source_codes,
-            cdm_schema=cdm_schema,
-            vocab_schema=vocab_schema,
+            database=DbOptions(cdm_schema, vocab_schema, timeouts),
             allow_no_medications=allow_no_medications,
-            timeouts=Timeouts(connect_timeout, statement_timeout),
         )
 
     folder = Path(cdm) if Path(cdm).is_dir() else None  # else a database

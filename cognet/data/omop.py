@@ -41,7 +41,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from cognet.core.errors import InputError
-from cognet.data.omop_db import Timeouts, open_cdm
+from cognet.data.omop_db import DbOptions, open_cdm
 from cognet.data.tables import (
     Report,
     SourceTable,
@@ -324,24 +324,22 @@ def build_omop(
     visit_concepts: Sequence[int] | None = None,
     source_codes: bool = False,
     *,
-    cdm_schema: str = "cdm",
-    vocab_schema: str | None = None,
+    database: DbOptions = DbOptions(),
     allow_no_medications: bool = False,
-    timeouts: Timeouts | None = None,
 ) -> Report:
     """Convert the OMOP CDM in ``cdm`` into ``out`` (visits.parquet, ddi.parquet,
     summary.json). ``cdm`` is a folder of table files or a database (`omop_db`: a DuckDB file
-    or URL, a PostgreSQL URL, its tables in ``cdm_schema`` and the vocabulary in
-    ``vocab_schema``, by default the same). Raises InputError, naming the file or table, column
-    and row, for a missing table or column or an unreadable value, when OUT would overwrite an
-    input, and when no drug maps to ATC-3 (unless ``allow_no_medications``). ``timeouts``:
-    the longest waits on a database server (`omop_db.Timeouts`; default 30 s to connect, an
-    hour per statement)."""
+    or URL, a PostgreSQL URL, read as ``database`` says: its schemas and the longest waits on
+    the server, by default the schema cdm for every table, 30 s to connect and an hour per
+    statement). Raises InputError, naming the file or table, column and row, for a missing
+    table or column or an unreadable value, when OUT would overwrite an input, and when no drug
+    maps to ATC-3 (unless ``allow_no_medications``)."""
     column = "_source_concept_id" if source_codes else "_concept_id"
-    vocab_schema = vocab_schema or cdm_schema
+    cdm_schema = database.cdm_schema
+    vocab_schema = database.vocab_schema or cdm_schema
     schemas = dict.fromkeys(CLINICAL, cdm_schema) | dict.fromkeys(VOCABULARY, vocab_schema)
     events = {f"{k}_occurrence": k + column for k in ("condition", "procedure")}
-    timeouts = timeouts or Timeouts()
+    timeouts = database.timeouts
     with open_cdm(cdm, CLINICAL + VOCABULARY, schemas, events, ATC_CLASSES, timeouts) as source:
         return _convert(source, Path(out), ddi, visit_concepts, column, allow_no_medications)
 

@@ -68,6 +68,17 @@ class Timeouts:
                 raise ValueError(f"the {name} timeout must be a number of seconds > 0")
 
 
+@dataclass(frozen=True)
+class DbOptions:
+    """How `build_omop` reads a CDM database (a folder of files ignores them): the schema of
+    the clinical tables, that of concept and concept_ancestor (None: the same) and the
+    longest waits on the server."""
+
+    cdm_schema: str = "cdm"
+    vocab_schema: str | None = None
+    timeouts: Timeouts = Timeouts()
+
+
 def mask_secrets(text: str) -> str:
     """`text` with every password it may hold masked: a URL's (user part, found on the text
     itself, so a URL that does not parse is masked too, or ``password=`` parameter), a
