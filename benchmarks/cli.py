@@ -424,13 +424,13 @@ def demo_model(root: Path, quick: bool = False, int8: bool = False) -> tuple[Pat
         err=True,
     )
     from cognet.data.synth import generate
-    from cognet.export import export
+    from cognet.export import ExportOptions, export
     from cognet.training.train import TrainConfig, train
 
     started = time.perf_counter()
     generate(root / "data", patients=patients, seed=0)
     train(root / "data", ckpt, TrainConfig(epochs=epochs, seed=0))
-    export(ckpt, model, int8=int8)
+    export(ckpt, model, ExportOptions(int8=int8))
     note = (
         f"built the demo model in {root} ({patients} synthetic patients, {epochs} "
         f"epoch(s), {time.perf_counter() - started:.0f}s)"

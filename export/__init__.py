@@ -2,8 +2,8 @@
 
 `export(checkpoint, out)` writes `encoder.onnx`, `decoder_init.onnx`, `decoder_step.onnx`,
 the encoder cut by kind of code (`encoder_diag.onnx`, `encoder_proc.onnx`,
-`encoder_med.onnx`; `PART_FILES`), plus `*.fp16.onnx` with `fp16=True`, `*.int8.onnx` with
-`int8=True`, and `manifest.json`
+`encoder_med.onnx`; `PART_FILES`), plus `*.fp16.onnx` with `ExportOptions(fp16=True)`,
+`*.int8.onnx` with `int8=True`, and `manifest.json`
 (`cognet.core.manifest`), after checking the graphs (`onnx.checker`, symbolic input axes)
 and, unless `validate=False`, their parity with the torch model (`cognet.export.validate`).
 
@@ -23,6 +23,7 @@ _LAZY = {
     "OPSET": "onnx_export",
     "cache_tensors": "onnx_export",
     "export": "pipeline",
+    "ExportOptions": "pipeline",
     "FP16_FILES": "pipeline",
     "GRAPH_FILES": "pipeline",
     "INT8_FILES": "pipeline",
@@ -31,6 +32,7 @@ _LAZY = {
 
 __all__ = [
     "export",
+    "ExportOptions",
     "ExportError",
     "TensorRTUnavailable",
     "OPSET",

@@ -59,7 +59,7 @@ def main(
       cognet-export --checkpoint ckpt --out model --fp16
       cognet-export --checkpoint ckpt --out model --int8
     """
-    from cognet.export import export
+    from cognet.export import ExportOptions, export
     from cognet.export.pipeline import MODEL_FILES, REPORT_FILE
 
     setup_logging(verbose)
@@ -71,15 +71,8 @@ def main(
     with guarded("cognet-export", {"--out": out}, reads, written) as stage:
         built = stage["--out"]
         try:
-            manifest = export(
-                checkpoint,
-                built,
-                validate=validate,
-                fp16=fp16,
-                int8=int8,
-                tensorrt=tensorrt,
-                progress=progress,
-            )
+            options = ExportOptions(validate=validate, fp16=fp16, int8=int8, tensorrt=tensorrt)
+            manifest = export(checkpoint, built, options, progress=progress)
         except ParityError as exc:
             stage.commit()
             click.echo(f"Error: {str(exc).replace(str(built), out)}", err=True)

@@ -22,6 +22,7 @@ without writes exactly what it wrote before heads.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 
 from cognet.core import strict_json
@@ -87,27 +88,37 @@ MODEL_FILES = (
 )
 
 
+@dataclass(frozen=True)
+class ExportOptions:
+    """What an export writes and checks beside the float32 graphs and the manifest.
+
+    `validate`: check the graphs' parity with the torch model, on `n_patients` random
+    patients; `fp16` / `int8`: also write the float16 / int8 (CPU) variants of the three
+    graphs; `tensorrt`: build TensorRT engines."""
+
+    validate: bool = True
+    fp16: bool = False
+    int8: bool = False
+    tensorrt: bool = False
+    n_patients: int = 64
+
+
 def export(
     checkpoint: str | Path,
     out: str | Path,
-    validate: bool = True,
-    fp16: bool = False,
-    tensorrt: bool = False,
-    n_patients: int = 64,
-    int8: bool = False,
+    options: ExportOptions = ExportOptions(),
     progress=None,
 ) -> Manifest:
-    """Export `checkpoint` to the model directory `out`; returns its manifest.
+    """Export `checkpoint` to the model directory `out` as `options` say; returns its
+    manifest.
 
     Raises InputError for an unreadable checkpoint, TensorRTUnavailable, and
     cognet.core.errors.ParityError when validation fails (the report is then in
-    `out/parity_report.json`). `n_patients`: random patients decoded by the parity check.
-    `fp16` / `int8`: also write the float16 / int8 (CPU) variants of the three graphs.
-    `progress`: a bar factory (`cognet.core.progress.progress`) for the graphs written and
-    the parity checks run.
+    `out/parity_report.json`). `progress`: a bar factory (`cognet.core.progress.progress`)
+    for the graphs written and the parity checks run.
     """
 
-    if tensorrt:
+    if options.tensorrt:
         from cognet.export.tensorrt import require_tensorrt
 
         require_tensorrt()
@@ -121,19 +132,7 @@ def export(
     for stale in ("manifest.json", REPORT_FILE, *MODEL_FILES):
         (out / stale).unlink(missing_ok=True)
     try:
-        return _export(
-            model,
-            vocab,
-            config,
-            checkpoint,
-            out,
-            validate,
-            fp16,
-            int8,
-            tensorrt,
-            n_patients,
-            progress or _no_bar,
-        )
+        return _export(model, vocab, config, checkpoint, out, options, progress or _no_bar)
     except ParityError:  # the graphs and the report stay, for a look; no manifest
         raise
     except BaseException:  # a full disk, an interrupt: no partial model left
@@ -150,20 +149,9 @@ def _no_bar(**_):
     return progress(quiet=True)
 
 
-def _export(
-    model,
-    vocab,
-    config,
-    checkpoint,
-    out: Path,
-    validate,
-    fp16,
-    int8,
-    tensorrt,
-    n_patients,
-    progress,
-):
+def _export(model, vocab, config, checkpoint, out: Path, options: ExportOptions, progress):
     """`export` once the checkpoint is loaded and OUT is ready."""
+    fp16, int8 = options.fp16, options.int8
     from cognet.core.decoding import Decoding
     from cognet.model import checkpoint as ckpt
     from cognet.model.ensemble import members_of
@@ -183,26 +171,26 @@ def _export(
         head_graph = export_head(head, out / HEAD_GRAPH_FILE)
 
     parity = None
-    if validate:
-        from cognet.export.validate import check, parity_steps
+    if options.validate:
+        from cognet.export.validate import Exported, check, parity_steps
         from cognet.export.validate import validate as run_validation
 
-        fp16_paths = [p["fp16"] for p in paths] if fp16 else None
-        int8_paths = [p["int8"] for p in paths] if int8 else None
-        sets = Decoding.from_json(config.get("decoding"))  # the model's own decoding
-        steps = parity_steps(fp16_paths, int8_paths, sets, head is not None)
+        checked = Exported(
+            model,
+            vocab,
+            [p[None] for p in paths],
+            fp16_paths=[p["fp16"] for p in paths] if fp16 else None,
+            int8_paths=[p["int8"] for p in paths] if int8 else None,
+            sets=Decoding.from_json(config.get("decoding")),  # the model's own decoding
+            head=None if head is None else (head, out / HEAD_GRAPH_FILE),
+        )
+        steps = parity_steps(checked)
         with progress(total=steps, desc="parity check", unit="check") as bar:
             parity = run_validation(
-                model,
-                vocab,
-                [p[None] for p in paths],
-                fp16_paths,
-                n_patients=n_patients,
+                checked,
+                n_patients=options.n_patients,
                 log=log.info,
-                int8_paths=int8_paths,
-                sets=sets,
                 step=lambda: bar.update(1),
-                head=None if head is None else (head, out / HEAD_GRAPH_FILE),
             )
         # the operators TensorRT may meet (onnx_ops_allowlist.txt); the int8 graphs are CPU-only
         floats = [f for p in paths for v in (None, "fp16") for f in p.get(v, {}).values()]
@@ -243,7 +231,7 @@ def _export(
         head=head_graph,
         model_dir=out,
     )
-    if tensorrt:
+    if options.tensorrt:
         from cognet.export.tensorrt import build_engines
 
         manifest = build_engines(manifest, fp16=fp16)

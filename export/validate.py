@@ -467,28 +467,39 @@ def compare_head(head, path: Path, seed: int = 0) -> dict:
 
 
 # -- the report -------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Exported:
+    """What the parity check compares: the torch model and its vocabulary against the graphs
+    exported from it. `paths`, `fp16_paths`, `int8_paths`: {graph: path} of each member
+    (`members_of(model)`), None for a variant not written; `sets`: the model's own decoding
+    (its sets are checked when it is a set decoding); `head`: (the set head, its graph's
+    path), None without one."""
+
+    model: COGNet | Ensemble
+    vocab: Vocab
+    paths: Sequence[dict[str, Path]]
+    fp16_paths: Sequence[dict[str, Path]] | None = None
+    int8_paths: Sequence[dict[str, Path]] | None = None
+    sets: Decoding | None = None
+    head: tuple | None = None
+
+
 def validate(
-    model: COGNet | Ensemble,
-    vocab: Vocab,
-    paths: Sequence[dict[str, Path]],
-    fp16_paths: Sequence[dict[str, Path]] | None = None,
+    exported: Exported,
     n_patients: int = 64,
     seed: int = 0,
     log: Callable[[str], None] = lambda _: None,
-    int8_paths: Sequence[dict[str, Path]] | None = None,
-    sets: Decoding | None = None,
     step: Callable[[], None] = lambda: None,
-    head: tuple | None = None,
 ) -> dict:
-    """Run every check; returns the parity report (`passed` says whether all passed), with
-    a "float16" / "int8" section for each variant given, and a "sets" section when `sets`
-    (the model's own decoding) is a set decoding. `paths`, `fp16_paths`, `int8_paths`:
-    {graph: path} of each member (`members_of(model)`); `head`: (the set head, its graph's
-    path), checked under "head". `step()` after each check (`parity_steps` of them: a
-    progress bar's)."""
+    """Run every check on `n_patients` synthetic patients (`seed`); returns the parity report
+    (`passed` says whether all passed), with a "float16" / "int8" section for each variant
+    given, a "sets" section when the model's own decoding is a set decoding, and a "head"
+    section with a set head. `step()` after each check (`parity_steps` of them: a progress
+    bar's)."""
+    model, vocab, sets, head = exported.model, exported.vocab, exported.sets, exported.head
     patients = synthetic_patients(vocab, n_patients, seed)
     log("parity: float32 outputs")
-    outputs, graphs = _outputs(model, paths)
+    outputs, graphs = _outputs(model, exported.paths)
     outputs.update(atol=FLOAT32_ATOL, passed=outputs["max_abs_diff"] <= FLOAT32_ATOL)
     step()
     log("parity: greedy and beam-4 decoding")
@@ -501,7 +512,7 @@ def validate(
         report["sets"] = compare_sets(model, graphs, vocab, patients, sets)
         step()
     passed = outputs["passed"] and decode_ok
-    for name, files, diff, atol, min_top1 in _variants(fp16_paths, int8_paths):
+    for name, files, diff, atol, min_top1 in _variants(exported.fp16_paths, exported.int8_paths):
         log(f"parity: {name} outputs")
         report[name] = _variant_parity(model, files, vocab, patients, diff, atol, min_top1)
         passed = passed and report[name]["passed"]
@@ -525,12 +536,11 @@ def _variants(fp16_paths, int8_paths) -> list[tuple]:
     return [v for v in variants if v[1] is not None]
 
 
-def parity_steps(
-    fp16_paths=None, int8_paths=None, sets: Decoding | None = None, head: bool = False
-) -> int:
+def parity_steps(exported: Exported) -> int:
     """How many times `validate` calls its `step`."""
-    checks = 2 + (sets is not None and sets.name == "set") + head
-    return checks + len(_variants(fp16_paths, int8_paths))
+    sets = exported.sets
+    checks = 2 + (sets is not None and sets.name == "set") + (exported.head is not None)
+    return checks + len(_variants(exported.fp16_paths, exported.int8_paths))
 
 
 def _outputs(

@@ -50,11 +50,11 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny random model (tests/tiny.py `make_tiny`, 80 patients, 248 visits): a folder with
     `data/` (dataset with a split column), `ckpt/` (checkpoint) and `model/` (its export,
     unvalidated). Do not modify."""
-    from cognet.export import export
+    from cognet.export import ExportOptions, export
 
     root = tmp_path_factory.mktemp("tiny")
     _, ckpt = make_tiny(root, n_patients=TINY_MODEL_PATIENTS)
-    export(ckpt, root / "model", validate=False)
+    export(ckpt, root / "model", ExportOptions(validate=False))
     return root
 
 

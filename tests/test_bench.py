@@ -234,9 +234,9 @@ def test_fp16_engine_reports_its_agreement(quick_run, tiny, tmp_path):
     guard.add(4, {"v1": ("A", "B"), "v2": ("C",)})
     got = guard.compare(4, {"v1": ("A",), "v2": ("C",)}, exact=False)
     assert got["matches_reference"] is None and got["agreement"] == 0.5
-    from cognet.export import export
+    from cognet.export import ExportOptions, export
 
-    export(tiny / "ckpt", tmp_path / "model", validate=False, fp16=True)
+    export(tiny / "ckpt", tmp_path / "model", ExportOptions(validate=False, fp16=True))
     out = tmp_path / "out"
     args = [
         "--quick",

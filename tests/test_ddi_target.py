@@ -122,11 +122,11 @@ def test_trained_target_holds_on_validation_and_is_the_default(targeted, tiny_da
 
 
 def test_stored_pair_reaches_the_manifest_and_the_scorer(targeted, tiny_dataset, tmp_path):
-    from cognet.export import export
+    from cognet.export import ExportOptions, export
 
     stored = DDITarget.from_json(_json(targeted / "config.json")["ddi_target"])
     model = tmp_path / "model"
-    export(targeted, model, validate=False)
+    export(targeted, model, ExportOptions(validate=False))
     manifest = load_manifest(model)
     assert manifest.default_target() == stored
     assert _json(model / "manifest.json")["ddi_target"] == stored.to_json()

@@ -84,11 +84,11 @@ def tiny_many(tmp_path_factory):
     """A tiny random model (20 medications) over 700 patients (> 2,000 visits)."""
     from tiny import make_tiny
 
-    from cognet.export import export
+    from cognet.export import ExportOptions, export
 
     root = tmp_path_factory.mktemp("search_tiny")
     _, ckpt = make_tiny(root, n_patients=700)
-    export(ckpt, root / "model", validate=False)
+    export(ckpt, root / "model", ExportOptions(validate=False))
     return root
 
 
@@ -170,9 +170,9 @@ def trained_many(tmp_path_factory):
     ):
         res = runner.invoke(cognet_main, args)
         assert res.exit_code == 0, res.output
-    from cognet.export import export
+    from cognet.export import ExportOptions, export
 
-    export(root / "ckpt", root / "model", validate=False)
+    export(root / "ckpt", root / "model", ExportOptions(validate=False))
     return root
 
 
@@ -347,9 +347,9 @@ def test_init_gathered_on_the_device_equals_the_host_assembly(tiny_many, batch):
 def test_the_fp16_variant_scores_end_to_end(tiny_many, tmp_path):
     """The float16 graphs through the whole runtime (float32 assembly cast to what the
     graphs take), on both selections: the same lists as each other, close to float32's."""
-    from cognet.export import export
+    from cognet.export import ExportOptions, export
 
-    export(tiny_many / "ckpt", tmp_path / "model", validate=False, fp16=True)
+    export(tiny_many / "ckpt", tmp_path / "model", ExportOptions(validate=False, fp16=True))
     (tmp_path / "data").symlink_to(tiny_many / "data")
     visits = pq.read_table(tiny_many / "data" / "visits.parquet")
     fp32 = _scored(tmp_path, visits, decoding="beam", batch_size=256, selection="host")

@@ -21,7 +21,15 @@ from cognet.core.graphspec import ENCODER_PARTS, MIX_GRAPH, STEP_INPUTS, STEP_OU
 from cognet.core.history import patients_from_table
 from cognet.core.manifest import GRAPHS, Manifest, load_manifest
 from cognet.core.vocab import Vocab
-from cognet.export import FP16_FILES, GRAPH_FILES, OPSET, PART_FILES, cache_tensors, export
+from cognet.export import (
+    FP16_FILES,
+    GRAPH_FILES,
+    OPSET,
+    PART_FILES,
+    ExportOptions,
+    cache_tensors,
+    export,
+)
 from cognet.export import validate as val
 from cognet.export.cli import main
 from cognet.export.graphs import (
@@ -57,7 +65,7 @@ class Exported(NamedTuple):
 def exported(tiny300, tmp_path_factory) -> Exported:
     """The tiny checkpoint exported with its float16 variant (and validated)."""
     out = tmp_path_factory.mktemp("model")
-    manifest = export(tiny300[1], out, fp16=True)
+    manifest = export(tiny300[1], out, ExportOptions(fp16=True))
     model, vocab, _ = checkpoint.load(tiny300[1])
     return Exported(manifest, out, model, vocab, tiny300[1])
 
@@ -266,7 +274,7 @@ def test_beam4_and_greedy_lists_equal_torch_on_real_visits(exported, tiny300):
 def test_ablations_export_with_every_input(tmp_path, ablation):
     """An ablation that leaves graph inputs unused still exports them (same I/O for all)."""
     _, ckpt = make_tiny(tmp_path, ablation=ablation)
-    manifest = export(ckpt, tmp_path / "model", n_patients=16)
+    manifest = export(ckpt, tmp_path / "model", ExportOptions(n_patients=16))
     assert manifest.parity["passed"] and manifest.ablation == ablation
     assert manifest.graph_spec("decoder_init").input_names == GRAPH_IO["decoder_init"][0]
 
@@ -390,7 +398,10 @@ def test_export_of_a_set_model_checks_its_sets_and_shows_progress(tiny, tmp_path
     ckpt = with_set_decoding(tiny / "ckpt", tmp_path, "config.json")
     made: list[CountingBar] = []
     manifest = export(
-        ckpt, tmp_path / "model", progress=lambda **kw: CountingBar(made, **kw), n_patients=16
+        ckpt,
+        tmp_path / "model",
+        ExportOptions(n_patients=16),
+        progress=lambda **kw: CountingBar(made, **kw),
     )
     assert [(b.desc, b.n == b.total) for b in made] == [
         ("writing graphs", True),

@@ -34,7 +34,7 @@ def made(tmp_path_factory) -> Path:
     """root/data, root/ckpt and root/second (one network each), root/ens (both) and
     root/model (the ensemble's export, unvalidated: member_graphs and an fp16 variant).
     Read-only: tests copy what they change."""
-    from cognet.export import export
+    from cognet.export import ExportOptions, export
     from cognet.model import checkpoint
     from cognet.model.ensemble import Ensemble
 
@@ -46,7 +46,7 @@ def made(tmp_path_factory) -> Path:
     pairs = [tuple(p) for p in config["ddi_pairs"]]
     ens = Ensemble([a, b])
     checkpoint.save(root / "ens", ens, vocab, graphs["ehr"], graphs["ddi"], pairs, {"seed": 0})
-    export(root / "ens", root / "model", validate=False, fp16=True)
+    export(root / "ens", root / "model", ExportOptions(validate=False, fp16=True))
     return root
 
 

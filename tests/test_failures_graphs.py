@@ -22,11 +22,11 @@ from cognet.runtime.cli import main
 @pytest.fixture(scope="module")
 def wide(tmp_path_factory) -> Path:
     """A model of width 32 (the tiny model's is 16), exported unvalidated."""
-    from cognet.export import export
+    from cognet.export import ExportOptions, export
 
     root = tmp_path_factory.mktemp("wide")
     _, ckpt = make_tiny(root, n_patients=30, dim=32, heads=2)
-    export(ckpt, root / "model", validate=False)
+    export(ckpt, root / "model", ExportOptions(validate=False))
     return root / "model"
 
 

@@ -32,7 +32,7 @@ def wide(tmp_path_factory) -> Path:
     diagnosis code twice."""
     from tiny import random_checkpoint, tiny_ddi, tiny_visits
 
-    from cognet.export import export
+    from cognet.export import ExportOptions, export
 
     root = tmp_path_factory.mktemp("wide")
     data = root / "data"
@@ -43,7 +43,7 @@ def wide(tmp_path_factory) -> Path:
     rows = table.to_pylist() + [{**row, "diagnoses": codes}]
     pq.write_table(pa.Table.from_pylist(rows, table.schema), data / "visits.parquet")
     pq.write_table(tiny_ddi(), data / "ddi.parquet")
-    export(random_checkpoint(data, root / "ckpt"), root / "model", validate=False)
+    export(random_checkpoint(data, root / "ckpt"), root / "model", ExportOptions(validate=False))
     copies = []
     for k in range(50):
         ids = {

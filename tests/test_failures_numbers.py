@@ -31,11 +31,11 @@ from cognet.runtime.cli import main as batch_main
 def made(tmp_path_factory) -> Path:
     """root/data, root/ckpt, root/model (unvalidated export), root/to_score.parquet.
     Read-only: tests copy what they change."""
-    from cognet.export import export
+    from cognet.export import ExportOptions, export
 
     root = tmp_path_factory.mktemp("numbers")
     data, ckpt = make_tiny(root, n_patients=30)
-    export(ckpt, root / "model", validate=False)
+    export(ckpt, root / "model", ExportOptions(validate=False))
     visits = pq.read_table(data / "visits.parquet").drop_columns(["split"])
     column = visits["medications"]
     meds = [None] * 5 + column.to_pylist()[5:]

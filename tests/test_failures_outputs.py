@@ -38,13 +38,13 @@ def made(tmp_path_factory) -> Path:
     """root/data, root/ckpt, root/model (unvalidated export), root/to_score.parquet (each
     patient's last visit without medications) and root/other/model, a model of another
     width (dim 32) for the swapped-graph case. Read-only: tests copy what they change."""
-    from cognet.export import export
+    from cognet.export import ExportOptions, export
 
     root = tmp_path_factory.mktemp("outputs")
     data, ckpt = make_tiny(root, n_patients=30)
-    export(ckpt, root / "model", validate=False)
+    export(ckpt, root / "model", ExportOptions(validate=False))
     _, other = make_tiny(root / "other", n_patients=30, dim=32, heads=2)
-    export(other, root / "other" / "model", validate=False)
+    export(other, root / "other" / "model", ExportOptions(validate=False))
     visits = pq.read_table(data / "visits.parquet").drop_columns(["split"])
     pids = visits["patient_id"].to_pylist()
     last = [i + 1 == len(pids) or pids[i + 1] != p for i, p in enumerate(pids)]

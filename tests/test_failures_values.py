@@ -85,11 +85,11 @@ def test_a_code_prefix_that_matches_nothing_is_refused_with_the_counts(meds, tmp
 def made(tmp_path_factory) -> Path:
     """root/data, root/ckpt, root/model, root/to_score.parquet, root/bare (a dataset
     without DDI pairs) and root/bare_model (a model of a checkpoint without them)."""
-    from cognet.export import export
+    from cognet.export import ExportOptions, export
 
     root = tmp_path_factory.mktemp("values")
     data, ckpt = make_tiny(root, n_patients=30)
-    export(ckpt, root / "model", validate=False)
+    export(ckpt, root / "model", ExportOptions(validate=False))
     visits = pq.read_table(data / "visits.parquet").drop_columns(["split"])
     pq.write_table(visits, root / "to_score.parquet")
     bare = root / "bare"
@@ -101,7 +101,7 @@ def made(tmp_path_factory) -> Path:
     shutil.copytree(ckpt, root / "bare_ckpt")
     config["ddi_pairs"] = []
     (root / "bare_ckpt" / "config.json").write_text(json.dumps(config))
-    export(root / "bare_ckpt", root / "bare_model", validate=False)
+    export(root / "bare_ckpt", root / "bare_model", ExportOptions(validate=False))
     return root
 
 

@@ -47,11 +47,11 @@ def made(tmp_path_factory) -> Path:
     """root/data, root/ckpt, root/model (unvalidated export) and root/to_score.parquet (the
     last visit of each patient without medications). Read-only: tests copy what they
     change."""
-    from cognet.export import export
+    from cognet.export import ExportOptions, export
 
     root = tmp_path_factory.mktemp("writers")
     data, ckpt = make_tiny(root, n_patients=30)
-    export(ckpt, root / "model", validate=False)
+    export(ckpt, root / "model", ExportOptions(validate=False))
     visits = pq.read_table(data / "visits.parquet").drop_columns(["split"])
     pids = visits["patient_id"].to_pylist()
     last = [i + 1 == len(pids) or pids[i + 1] != p for i, p in enumerate(pids)]

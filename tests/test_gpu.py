@@ -56,13 +56,13 @@ def real_size(tmp_path_factory):
     """A synthetic dataset of real vocabulary sizes (131 medications, ~19 per visit), a
     checkpoint trained one epoch on the GPU, and its export (with the float16 graphs)."""
     from cognet.data.synth import generate
-    from cognet.export import export
+    from cognet.export import ExportOptions, export
     from cognet.training.train import TrainConfig, train
 
     root = tmp_path_factory.mktemp("real_size")
     generate(root / "data", patients=600, seed=3)
     train(root / "data", root / "ckpt", TrainConfig(epochs=1, device="cuda", seed=0))
-    export(root / "ckpt", root / "model", validate=False, fp16=True)
+    export(root / "ckpt", root / "model", ExportOptions(validate=False, fp16=True))
     return root
 
 

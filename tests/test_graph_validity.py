@@ -16,10 +16,10 @@ from cognet.core.graphspec import TAKE_DTYPES, TAKE_RANKS, take_graph_name
 def exported(tiny, tmp_path_factory):
     """The tiny checkpoint exported with its float16 variant (unvalidated: parity is
     tests/test_export.py's)."""
-    from cognet.export import export
+    from cognet.export import ExportOptions, export
 
     out = tmp_path_factory.mktemp("checked") / "model"
-    export(tiny / "ckpt", out, validate=False, fp16=True)
+    export(tiny / "ckpt", out, ExportOptions(validate=False, fp16=True))
     return out
 
 

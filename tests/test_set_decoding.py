@@ -93,9 +93,9 @@ def trained(tmp_path_factory):
     for args in steps:
         res = runner.invoke(cognet_main, args)
         assert res.exit_code == 0, res.output
-    from cognet.export import export
+    from cognet.export import ExportOptions, export
 
-    export(root / "ckpt", root / "model", validate=False)
+    export(root / "ckpt", root / "model", ExportOptions(validate=False))
     return root
 
 

@@ -24,7 +24,7 @@ from cognet.core.errors import InputError
 from cognet.core.head_inputs import HEAD_INPUTS, HEAD_OUTPUT, patient_head_arrays
 from cognet.core.history import patients_from_table
 from cognet.core.manifest import Manifest, file_sha256, load_manifest
-from cognet.export import export
+from cognet.export import ExportOptions, export
 from cognet.export.graphs import HeadSizes, head_example
 from cognet.export.validate import HEAD_ATOL, HEAD_CASES
 from cognet.model import checkpoint
@@ -52,7 +52,7 @@ def headed(tmp_path_factory) -> Headed:
     data, plain = make_tiny(root, n_patients=120)
     ckpt = random_checkpoint(data, root / "ckpt_head", head=True)
     manifest = export(ckpt, root / "model")
-    export(plain, root / "plain_model", validate=False)
+    export(plain, root / "plain_model", ExportOptions(validate=False))
     return Headed(data, ckpt, plain, root / "model", root / "plain_model", manifest)
 
 
@@ -152,7 +152,7 @@ def test_checkpoint_without_head_exports_as_before(headed):
 def test_reexport_without_head_removes_the_head_graph(headed, tmp_path):
     out = tmp_path / "model"
     shutil.copytree(headed.model, out)
-    export(headed.plain, out, validate=False)
+    export(headed.plain, out, ExportOptions(validate=False))
     assert not (out / "head.onnx").exists()
     assert load_manifest(out).head is None
 

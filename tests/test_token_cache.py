@@ -29,7 +29,7 @@ from cognet.core.graphspec import (
     STEP_OUTPUTS,
 )
 from cognet.core.manifest import file_sha256, load_manifest
-from cognet.export import OPSET, export, graphs
+from cognet.export import OPSET, ExportOptions, export, graphs
 from cognet.export.graphs import ReferenceStep, Sizes, StepGraph, example_inputs, kv_cache
 from cognet.export.onnx_export import _literal_zeros, _zero_safe_flatten
 from cognet.model import checkpoint
@@ -42,7 +42,7 @@ def tiny_model(tmp_path_factory):
     """(data, ckpt, model dir, torch model) of a tiny random model, exported unvalidated."""
     data, ckpt = make_tiny(tmp_path_factory.mktemp("tiny"), n_patients=120)
     out = tmp_path_factory.mktemp("model") / "model"
-    export(ckpt, out, validate=False)
+    export(ckpt, out, ExportOptions(validate=False))
     model, _, _ = checkpoint.load(ckpt)
     return data, ckpt, out, model.eval()
 
@@ -193,9 +193,9 @@ def test_the_exported_score_table_validates_and_scores_like_q_dot_k(
     give the same beam-4 lists."""
     data, ckpt, out, _ = tiny_model
     monkeypatch.setattr(graphs, "SCORE_TABLE_MAX", 0)
-    export(ckpt, tmp_path / "qk", validate=True)
+    export(ckpt, tmp_path / "qk", ExportOptions(validate=True))
     monkeypatch.undo()
-    export(ckpt, tmp_path / "table", validate=True)
+    export(ckpt, tmp_path / "table", ExportOptions(validate=True))
     table = pq.read_table(data / "visits.parquet")
     lists = []
     for name, has_table in (("table", True), ("qk", False)):

@@ -136,7 +136,7 @@ def test_lr_decay_is_applied_per_epoch(trained):
 
 
 def test_exported_graphs_do_not_depend_on_the_training_loss(trained, tmp_path):
-    from cognet.export import GRAPH_FILES, export
+    from cognet.export import GRAPH_FILES, ExportOptions, export
 
     def structure(path):
         graph = onnx.load(str(path)).graph
@@ -148,7 +148,7 @@ def test_exported_graphs_do_not_depend_on_the_training_loss(trained, tmp_path):
         )
 
     for name in ("plain", "aux"):
-        export(trained[name], tmp_path / name, validate=False)
+        export(trained[name], tmp_path / name, ExportOptions(validate=False))
     for file in GRAPH_FILES.values():
         assert structure(tmp_path / "plain" / file) == structure(tmp_path / "aux" / file)
     weights = [
