@@ -22,7 +22,7 @@ from cognet.core.manifest import load_manifest
 from cognet.evaluation.evaluate import EvalOptions, run_evaluation
 from cognet.runtime import ScoreOptions, Scorer
 from cognet.runtime.cli import main as batch_main
-from cognet.training.ddi_target import search
+from cognet.training.ddi_target import Grid, Validation, search
 
 TARGET = 0.05  # below the validation DDI rate of the model decoded without a policy
 
@@ -254,7 +254,7 @@ def test_search_keeps_the_best_pair_holding_the_target():
         return out
 
     found, trials = search(
-        marginals_of, visits, adj, 0.0, thresholds=(0.2, 0.45), caps=(None,), prices=()
+        marginals_of, Validation(visits, adj), 0.0, Grid((0.2, 0.45), caps=(None,), prices=())
     )
     assert found.val_ddi == 0.0 and found.val_jaccard == 1.0
     assert found.policy.mode == "soft" and 0 < found.policy.penalty
@@ -264,17 +264,21 @@ def test_search_keeps_the_best_pair_holding_the_target():
     assert asked[0] == "off" and len(asked) == len(set(asked))  # each policy decoded once
     # a penalty that changes nothing: no soft pair holds it, hard does (drops 1 after 0)
     fixed = lambda policy: base  # noqa: E731
-    found, _ = search(fixed, visits, adj, 0.0, thresholds=(0.2,), refine=1, caps=(None,), prices=())
+    found, _ = search(
+        fixed, Validation(visits, adj), 0.0, Grid((0.2,), caps=(None,), prices=()), refine=1
+    )
     assert found.policy == DDIPolicy("hard") and found.val_ddi == 0.0
     # a per-set cap needs no penalty: off with max-rate 0 drops 1 (it follows 0) at once
     asked.clear()
-    found, trials = search(marginals_of, visits, adj, 0.0, thresholds=(0.2, 0.45), prices=())
+    found, trials = search(marginals_of, Validation(visits, adj), 0.0, Grid((0.2, 0.45), prices=()))
     assert found.policy == DDIPolicy("off", max_rate=0.0) and found.val_jaccard == 1.0
     assert {t.policy.max_rate for t in trials} == {None, 0.0}
     assert found.threshold == 0.2 and asked[:2] == ["off", "soft 0.25"]
     # a pair price needs no penalty either: the expected-Jaccard set less the price passes
     # over 1 (it interacts with 0, the most probable); the lowest such price wins
-    found, trials = search(marginals_of, visits, adj, 0.0, thresholds=(0.2, 0.45), caps=(None,))
+    found, trials = search(
+        marginals_of, Validation(visits, adj), 0.0, Grid((0.2, 0.45), caps=(None,))
+    )
     assert found.policy.mode == "off" and found.policy.pair_price > 0 and found.rule == "jaccard"
     assert (found.val_jaccard, found.val_ddi) == (1.0, 0.0)
     cheaper = [t for t in trials if 0 < t.policy.pair_price < found.policy.pair_price]
@@ -293,7 +297,8 @@ def test_search_weighs_the_expected_jaccard_rule_with_the_thresholds():
     truths = [tuple(np.flatnonzero(rng.random(m) < row).tolist()) for row in marg]
     visits = [[Visit(f"P{i}", f"V{i}", (), (), t)] for i, t in enumerate(truths)]
     adj = np.zeros((m, m), bool)
-    found, trials = search(lambda policy: marg, visits, adj, 0.5, (0.3, 0.4, 0.5), caps=(None,))
+    grid = Grid((0.3, 0.4, 0.5), caps=(None,))
+    found, trials = search(lambda policy: marg, Validation(visits, adj), 0.5, grid)
     by_rule = {t.rule for t in trials}
     assert by_rule == {"threshold", "jaccard"} and found.rule == "jaccard"
     assert found.val_jaccard > max(t.jaccard for t in trials if t.rule == "threshold")
@@ -309,7 +314,7 @@ def test_search_weighs_the_expected_jaccard_rule_with_the_thresholds():
         [Visit(f"P{i}", f"V{i}", (), (), tuple(np.flatnonzero(row >= 0.4).tolist()))]
         for i, row in enumerate(marg)
     ]
-    found, _ = search(lambda policy: marg, cut, adj, 0.5, (0.3, 0.4, 0.5), caps=(None,))
+    found, _ = search(lambda policy: marg, Validation(cut, adj), 0.5, grid)
     assert (found.rule, found.threshold, found.val_jaccard) == ("threshold", 0.4, 1.0)
 
 

@@ -214,7 +214,7 @@ def _search_target(ckpt, model, vocab, dataset, config: dict, options: EvalOptio
     the search's trials."""
     from cognet.core.errors import InputError
     from cognet.model import checkpoint
-    from cognet.training.ddi_target import choose_target
+    from cognet.training.ddi_target import Validation, choose_target
 
     decoding = _asked(lambda: options.request.decoding_on(stored_decoding(config)))
     val = load_split(dataset.visits, vocab, "val").patients
@@ -229,8 +229,9 @@ def _search_target(ckpt, model, vocab, dataset, config: dict, options: EvalOptio
     # no total: the search decodes validation once per policy it tries, as many as needed
     desc = f"DDI target {options.ddi_target:g} search"
     with progress(desc=desc, unit="visit", quiet=options.quiet) as bar:
+        split = Validation(val, adj)
         return choose_target(
-            model, vocab, val, adj, decoding, options.ddi_target, on_batch=bar.update, head=head
+            model, vocab, split, decoding, options.ddi_target, on_batch=bar.update, head=head
         )
 
 

@@ -57,6 +57,27 @@ CAP_FACTORS = (1.0, 1.1, 1.2, 1.35, 1.5, 1.75, 2.0)
 PRICES = tuple(float(f"{p:.3g}") for p in np.geomspace(0.0002, 0.05, 59))
 
 
+@dataclass(frozen=True, eq=False)
+class Validation:
+    """The split a DDI target is chosen on, fixed through a search: its patients (each a list
+    of visits with their true medications) and the DDI adjacency, bool [M, M], that counts
+    the DDI rate."""
+
+    patients: Sequence[Sequence[Visit]]
+    ddi_adj: np.ndarray
+
+
+@dataclass(frozen=True)
+class Grid:
+    """The set rules a search tries with every policy: the threshold rule at each of
+    `thresholds`, under each per-set cap of `caps` (None: none, then `CAP_FACTORS` x the
+    target), and the expected-Jaccard rule at each pair price of `prices`."""
+
+    thresholds: Sequence[float]
+    caps: Sequence[float | None] | None = None
+    prices: Sequence[float] = PRICES
+
+
 @dataclass(frozen=True)
 class Trial:
     """One (policy, set rule) scored on the validation split; `threshold` is read by the
@@ -79,9 +100,8 @@ class Trial:
 
 
 def score_thresholds(
-    patients: Sequence[Sequence[Visit]],
+    split: Validation,
     marginals: np.ndarray,
-    ddi_adj: np.ndarray,
     policy: DDIPolicy,
     thresholds: Sequence[float],
     caps: Sequence[float | None] = (None,),
@@ -90,13 +110,14 @@ def score_thresholds(
 ) -> list[Trial]:
     """Validation Jaccard and DDI rate (`cognet.core.metrics`: Jaccard averaged per patient
     then over patients, the DDI rate pooled over every visit; every patient once) of the
-    sets that `policy`'s marginals [visits, M] give by each rule (the threshold rule at each
-    threshold), under each per-set cap (`max_rate`; None: none), and by the expected-Jaccard
-    rule at each pair price of `prices` (no cap)."""
+    sets that `policy`'s marginals [visits, M] of `split`'s visits give by each rule (the
+    threshold rule at each threshold), under each per-set cap (`max_rate`; None: none), and
+    by the expected-Jaccard rule at each pair price of `prices` (no cap)."""
+    patients = split.patients
     visits = [v for p in patients for v in p]
     owner = np.array([i for i, p in enumerate(patients) for _ in p])
     counts = np.bincount(owner, minlength=len(patients))
-    adj = np.asarray(ddi_adj, bool)
+    adj = np.asarray(split.ddi_adj, bool)
 
     def trial(asked: DDIPolicy, tau: float, rule: str) -> Trial:
         sets = select_sets(marginals, tau, asked, adj, rule)
@@ -114,22 +135,19 @@ def score_thresholds(
 
 def search(
     marginals_of: Callable[[DDIPolicy], np.ndarray],
-    patients: Sequence[Sequence[Visit]],
-    ddi_adj: np.ndarray,
+    split: Validation,
     target: float,
-    thresholds: Sequence[float],
+    grid: Grid,
     ladder: Sequence[float] = LADDER,
     refine: int = REFINE,
-    caps: Sequence[float | None] | None = None,
-    prices: Sequence[float] = PRICES,
 ) -> tuple[DDITarget, list[Trial]]:
     """The pair of best validation Jaccard whose DDI rate is <= target (the module's
     docstring says which penalties are tried), and every trial. marginals_of(policy): the
-    marginals P(k in S) [visits, M] of `patients`' visits decoded under that policy. caps:
-    the per-set caps tried (None: none, then `CAP_FACTORS` x target); prices: the pair
-    prices tried with the expected-Jaccard rule."""
+    marginals P(k in S) [visits, M] of `split`'s visits decoded under that policy; `grid`:
+    the set rules tried with each."""
     if not 0 <= target <= 1:
         raise ValueError(f"the DDI target must be in [0, 1], not {target}")
+    caps, thresholds, prices = grid.caps, grid.thresholds, grid.prices
     if caps is None:
         caps = (None, *sorted({round(min(1.0, target * f), 6) for f in CAP_FACTORS}))
     trials: list[Trial] = []
@@ -137,7 +155,7 @@ def search(
 
     def run(policy: DDIPolicy) -> Trial | None:
         margins = marginals_of(policy)
-        got = score_thresholds(patients, margins, ddi_adj, policy, thresholds, caps, prices=prices)
+        got = score_thresholds(split, margins, policy, thresholds, caps, prices=prices)
         trials.extend(got)
         fits = [t for t in got if t.ddi <= target + RATE_TOLERANCE]
         top = max(fits, key=_preference, default=None)
@@ -190,29 +208,25 @@ def _round(penalty: float) -> float:
 def choose_target(
     model,
     vocab,
-    patients: Sequence[Sequence[Visit]],
-    ddi_adj: np.ndarray,
+    split: Validation,
     decoding: Decoding,
     target: float,
-    thresholds: Sequence[float] | None = None,
     on_batch: Callable[[int], None] | None = None,
     head=None,
 ) -> tuple[DDITarget, list[Trial]]:
-    """`search` for a torch model: `decoding` decodes the validation `patients`; ddi_adj:
-    bool [M, M]. Set decoding (its samples and estimator) decodes them under each policy;
-    the marginal decoding reads the set head `head` once, since its P(k in S) depend on no
-    policy: only the set rules (cap, pair price, threshold or expected-Jaccard rule, hard's
-    set rule) are searched, no soft penalty."""
+    """`search` for a torch model over `cognet.training.tuning.THRESHOLDS`: `decoding`
+    decodes the validation patients of `split`. Set decoding (its samples and estimator)
+    decodes them under each policy; the marginal decoding reads the set head `head` once,
+    since its P(k in S) depend on no policy: only the set rules (cap, pair price, threshold
+    or expected-Jaccard rule, hard's set rule) are searched, no soft penalty."""
     from cognet.model.torch_decoding import decode_patients
     from cognet.training.tuning import THRESHOLDS
 
-    grid = THRESHOLDS if thresholds is None else thresholds
+    patients, grid = split.patients, Grid(THRESHOLDS)
     if decoding.name == "marginal":
         decoded = decode_patients(model, vocab, patients, decoding, on_batch=on_batch, head=head)
         margins = np.stack([d.scores for d in decoded])
-        chosen, trials = search(
-            lambda _: margins, patients, ddi_adj, target, grid, ladder=(), refine=0
-        )
+        chosen, trials = search(lambda _: margins, split, target, grid, ladder=(), refine=0)
         return replace(chosen, decoding="marginal"), trials
     if decoding.name != "set":
         raise ValueError("a DDI target is chosen for set or marginal decoding (its set rules)")
@@ -222,7 +236,7 @@ def choose_target(
         decoded = decode_patients(model, vocab, patients, probe, policy, on_batch)
         return np.stack([d.scores for d in decoded])
 
-    return search(marginals_of, patients, ddi_adj, target, grid)
+    return search(marginals_of, split, target, grid)
 
 
 def describe(target: DDITarget) -> str:

@@ -135,15 +135,14 @@ def stored_decoding(model, vocab: Vocab, ddi_bool: np.ndarray, tuning: Tuning, p
 def _target_of(model, vocab, ddi_bool, tuning: Tuning, decoding: Decoding, head, progress):
     """The model's default DDI policy and set rule for `tuning.ddi_target`, chosen on
     validation for `decoding` (marginal: over the set `head`'s P(k in S)), as JSON."""
-    from cognet.training.ddi_target import choose_target
+    from cognet.training.ddi_target import Validation, choose_target
 
     # no total: the search decodes validation once per policy it tries, as many as needed
     with bar_of(progress, None, f"DDI target {tuning.ddi_target:g} search") as bar:
         target, _ = choose_target(
             model,
             vocab,
-            tuning.val_patients,
-            ddi_bool,
+            Validation(tuning.val_patients, ddi_bool),
             decoding,
             tuning.ddi_target,
             on_batch=bar.update,
