@@ -246,7 +246,8 @@ def test_checkpoint_round_trip_and_a_bad_member_count(tmp_path):
     n_med = nets[0].cfg.n_med
     graphs = np.zeros((n_med, n_med), np.float32)
     tiny_vocab = checkpoint.load(first)[1]
-    checkpoint.save(ckpt, Ensemble(nets), tiny_vocab, graphs, graphs, [], {"tiny": True})
+    empty = checkpoint.Graphs(graphs, graphs, [])
+    checkpoint.save(ckpt, Ensemble(nets), tiny_vocab, empty, {"tiny": True})
     loaded, _, config = checkpoint.load(ckpt)
     assert config["members"] == 2 and isinstance(loaded, Ensemble)
     for a, b in zip(members_of(loaded), nets, strict=True):

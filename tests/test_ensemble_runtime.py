@@ -61,7 +61,8 @@ def ensemble(tmp_path_factory) -> Path:
     ckpt = root / "ens"
     nets = Ensemble([a, b])
     own = DECODINGS["set"][0].to_json()  # its own decoding: set decoding, as a trained one's
-    checkpoint.save(ckpt, nets, vocab, graphs["ehr"], graphs["ddi"], pairs, {}, decoding=own)
+    both = checkpoint.Graphs(graphs["ehr"], graphs["ddi"], pairs)
+    checkpoint.save(ckpt, nets, vocab, both, {}, checkpoint.Tuned(decoding=own))
     result = CliRunner().invoke(
         export_main, ["--checkpoint", str(ckpt), "--out", str(root / "model")]
     )

@@ -45,7 +45,8 @@ def made(tmp_path_factory) -> Path:
     graphs = np.load(first / "graphs.npz")
     pairs = [tuple(p) for p in config["ddi_pairs"]]
     ens = Ensemble([a, b])
-    checkpoint.save(root / "ens", ens, vocab, graphs["ehr"], graphs["ddi"], pairs, {"seed": 0})
+    both = checkpoint.Graphs(graphs["ehr"], graphs["ddi"], pairs)
+    checkpoint.save(root / "ens", ens, vocab, both, {"seed": 0})
     export(root / "ens", root / "model", ExportOptions(validate=False, fp16=True))
     return root
 

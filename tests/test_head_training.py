@@ -120,8 +120,10 @@ def test_checkpoint_keeps_the_head_and_refuses_a_damaged_one(tmp_path):
     assert checkpoint.load_head(ckpt, config) is None  # a checkpoint without a head
     head = SetHead(HeadConfig(vocab.n_diag, vocab.n_proc, vocab.n_med, hidden=8))
     out = tmp_path / "with_head"
-    graphs = checkpoint.checks.read_graphs(ckpt, vocab.n_med)
-    checkpoint.save(out, model, vocab, *graphs, [], {"seed": 0}, head=(head, {"mix": 0.5}))
+    graphs = checkpoint.Graphs(*checkpoint.checks.read_graphs(ckpt, vocab.n_med), [])
+    checkpoint.save(
+        out, model, vocab, graphs, {"seed": 0}, checkpoint.Tuned(head=(head, {"mix": 0.5}))
+    )
     _, _, config = checkpoint.load(out)
     loaded = checkpoint.load_head(out, config)
     for a, b in zip(head.state_dict().values(), loaded.state_dict().values(), strict=True):

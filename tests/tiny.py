@@ -156,8 +156,9 @@ def random_checkpoint(
             p.add_(torch.randn_like(p) * 0.3)
         model.gen_head.bias[vocab.end] = -0.5
     ckpt = Path(ckpt)
-    extra = {"head": (random_head(vocab, seed), {"tiny": True})} if head else {}
-    checkpoint.save(ckpt, model, vocab, ehr, ddi, pairs, {"seed": seed, "tiny": True}, **extra)
+    tuned = checkpoint.Tuned(head=(random_head(vocab, seed), {"tiny": True}) if head else None)
+    graphs = checkpoint.Graphs(ehr, ddi, pairs)
+    checkpoint.save(ckpt, model, vocab, graphs, {"seed": seed, "tiny": True}, tuned)
     return ckpt
 
 

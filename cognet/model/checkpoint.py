@@ -15,7 +15,9 @@ under `members.<i>.`, and the members share the configuration, vocabulary and gr
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
 from contextlib import ExitStack
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -37,23 +39,41 @@ FORMAT_VERSION = 1
 FILES = ("config.json", "vocab.json", "model.safetensors", "graphs.npz")
 
 
+@dataclass(frozen=True, eq=False)
+class Graphs:
+    """The graphs a model is built on, saved with it: the EHR and DDI adjacencies, [M, M]
+    (graphs.npz), and the DDI pairs the DDI adjacency comes from (config.json "ddi_pairs")."""
+
+    ehr_adj: np.ndarray
+    ddi_adj: np.ndarray
+    ddi_pairs: Sequence[tuple[str, str]]
+
+
+@dataclass(frozen=True, eq=False)
+class Tuned:
+    """What tuning on validation adds to a checkpoint: the model's default decoding and DDI
+    target as JSON (None: none stored), and a set head with its training record (written to
+    head.safetensors)."""
+
+    decoding: dict | None = None
+    ddi_target: dict | None = None
+    head: tuple[SetHead, dict] | None = None
+
+
 def save(
     out: str | Path,
     model: COGNet | Ensemble,
     vocab: Vocab,
-    ehr_adj: np.ndarray,
-    ddi_adj: np.ndarray,
-    ddi_pairs: list[tuple[str, str]],
+    graphs: Graphs,
     train_config: dict,
-    decoding: dict | None = None,
-    ddi_target: dict | None = None,
-    head: tuple[SetHead, dict] | None = None,
+    tuned: Tuned = Tuned(),
 ) -> Path:
     """Write the checkpoint: every file atomically (`cognet.core.files.atomic_path`), the
     weights first, config.json (holding the sha256 of the others: `checkpoint_checks`) last,
     so a checkpoint is complete once config.json is there. A failed write (a full disk)
-    raises OutputError naming the file and leaves no new file behind. `head`: a set head
-    and its training record, written to head.safetensors."""
+    raises OutputError naming the file and leaves no new file behind."""
+    ehr_adj, ddi_adj, ddi_pairs = graphs.ehr_adj, graphs.ddi_adj, graphs.ddi_pairs
+    decoding, ddi_target, head = tuned.decoding, tuned.ddi_target, tuned.head
     out = Path(out)
     created = not out.is_dir()
     with writing(out):

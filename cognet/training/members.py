@@ -80,23 +80,32 @@ class Tuning:
     progress: Callable | None = None
 
 
+@dataclass(frozen=True, eq=False)
+class RunRecord:
+    """What a training run recorded, for its checkpoint: config.json's "train" fields
+    (`info`), each member's seed and chosen weights (`member_runs`, recorded for several
+    members) and the epochs' log lines (`history`, train_log.jsonl)."""
+
+    info: dict
+    member_runs: list[dict]
+    history: list[dict]
+
+
 def finish(
     out: Path,
     model: COGNet | Ensemble,
     vocab: Vocab,
-    graphs: tuple[np.ndarray, np.ndarray, list],
-    info: dict,
-    member_runs: list[dict],
-    history: list[dict],
+    graphs: checkpoint.Graphs,
+    record: RunRecord,
     tuning: Tuning,
     progress=None,
 ) -> tuple[Decoding, dict | None]:
     """Tune the decoding (and the DDI target) of `model` on validation and write the
-    checkpoint with its training record `info` (`member_runs`: each member's seed and
-    chosen weights, recorded for several members) and train_log.jsonl (`history`).
-    `graphs`: (EHR adjacency, DDI adjacency, DDI pairs); `progress`: an optional bar factory
-    (`cognet.training.train.train`'s). Returns (decoding, target JSON)."""
-    ehr, ddi, pairs = graphs
+    checkpoint of `model` on `graphs` with its training `record` and train_log.jsonl.
+    `progress`: an optional bar factory (`cognet.training.train.train`'s). Returns
+    (decoding, target JSON)."""
+    info, member_runs, history = record.info, record.member_runs, record.history
+    ddi = graphs.ddi_adj
     bars = progress or tuning.progress
     decoding, tuned, target = stored_decoding(model, vocab, ddi > 0, tuning, bars)
     if len(member_runs) > 1:
@@ -109,7 +118,7 @@ def finish(
         if tuning.decoding == "marginal" and tuning.ddi_target is not None:
             target = _target_of(model, vocab, ddi > 0, tuning, decoding, head[0], bars)
     model, json = model.cpu(), decoding.to_json()
-    checkpoint.save(out, model, vocab, ehr, ddi, pairs, info, json, target, head)
+    checkpoint.save(out, model, vocab, graphs, info, checkpoint.Tuned(json, target, head))
     write_text(out / "train_log.jsonl", "".join(strict_json.dumps(r) + "\n" for r in history))
     return decoding, target
 
@@ -271,9 +280,9 @@ def combine(checkpoints: Sequence[str | Path], data_dir: str | Path, out: str | 
         history_dropout=first.get("history_dropout", 0.0),
         max_history=first.get("max_history"),
     )
-    decoding, target = finish(
-        Path(out), Ensemble(nets), vocab, (ehr, ddi, dataset.ddi_pairs), info, runs, history, tuning
-    )
+    graphs = checkpoint.Graphs(ehr, ddi, dataset.ddi_pairs)
+    record = RunRecord(info, runs, history)
+    decoding, target = finish(Path(out), Ensemble(nets), vocab, graphs, record, tuning)
     return {"decoding": decoding.to_json(), "ddi_target": target, "members": runs}
 
 
@@ -321,10 +330,9 @@ def attach_head(
         max_history=train.get("max_history"),
         progress=progress,
     )
-    pairs = dataset.ddi_pairs
-    stored, target = finish(
-        Path(out), model, vocab, (ehr, ddi, pairs), info, runs, _log(Path(teacher)), tuning
-    )
+    graphs = checkpoint.Graphs(ehr, ddi, dataset.ddi_pairs)
+    record = RunRecord(info, runs, _log(Path(teacher)))
+    stored, target = finish(Path(out), model, vocab, graphs, record, tuning)
     return {"decoding": stored.to_json(), "ddi_target": target}
 
 

@@ -28,11 +28,12 @@ from cognet.core.schema import DDI_FILE
 from cognet.core.strict_json import finite
 from cognet.core.vocab import Vocab
 from cognet.model.batching import IGNORE, ddi_adjacency, ehr_adjacency, make_batch
+from cognet.model.checkpoint import Graphs
 from cognet.model.ensemble import Ensemble
 from cognet.model.network import COGNet, ModelConfig
 from cognet.model.torch_decoding import decode_patients
 from cognet.training.loss import aux_loss, ddi_terms, ramp, teacher_forced
-from cognet.training.members import Tuning, bar_of, finish, read_splits
+from cognet.training.members import RunRecord, Tuning, bar_of, finish, read_splits
 from cognet.training.set_head import HeadRecipe
 from cognet.training.tuning import choose_average, validation_nll
 
@@ -350,9 +351,9 @@ def train(
         max_history=cfg.max_history,
         progress=progress,
     )
-    decoding, target = finish(
-        out, model, vocab, (ehr, ddi, dataset.ddi_pairs), info, runs, history, tuned, progress
-    )
+    graphs = Graphs(ehr, ddi, dataset.ddi_pairs)
+    record = RunRecord(info, runs, history)
+    decoding, target = finish(out, model, vocab, graphs, record, tuned, progress)
     return {
         **best,
         "weights": chosen,
