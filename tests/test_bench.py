@@ -460,10 +460,11 @@ def test_the_demo_model_has_int8_graphs_when_their_engine_runs(tmp_path, monkeyp
     """No --model: the demo model is exported with --int8 when ort-cpu-int8 is selected
     (data, training and export recorded, not run)."""
     from cognet.benchmarks import cli
+    from cognet.export import ExportOptions
 
     exports = []
     monkeypatch.setattr("cognet.data.synth.generate", lambda *args, **kwargs: None)
     monkeypatch.setattr("cognet.training.train.train", lambda *args, **kwargs: None)
-    monkeypatch.setattr("cognet.export.export", lambda ckpt, model, **kw: exports.append(kw))
+    monkeypatch.setattr("cognet.export.export", lambda ckpt, model, opts: exports.append(opts))
     model, _, _ = cli._model_and_data(None, None, None, tmp_path, True, [], int8=int8)
-    assert model == tmp_path / "demo" / "model" and exports == [{"int8": int8}]
+    assert model == tmp_path / "demo" / "model" and exports == [ExportOptions(int8=int8)]
