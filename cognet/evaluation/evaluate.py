@@ -15,18 +15,24 @@ import pyarrow as pa
 from cognet.core.ddi import DDIPolicy, DDITarget, ddi_matrix, require_pairs
 from cognet.core.decoding import Decoding
 from cognet.core.decoding.request import DecodingRequest
+from cognet.core.errors import InputError
 from cognet.core.files import atomic_path
 from cognet.core.history import Visit, load_split, train_vocabulary
 from cognet.core.metrics import (
     VisitResult,
     ddi_rate_of_sets,
     evaluation_report,
+    format_table,
     summarize,
     visit_results,
 )
-from cognet.core.schema import DDI_FILE, PREDICTIONS_SCHEMA
+from cognet.core.progress import progress
+from cognet.core.schema import DDI_FILE, PREDICTIONS_SCHEMA, read_dataset
 from cognet.core.vocab import Vocab
+from cognet.evaluation.baselines import run_baseline
+from cognet.model import checkpoint
 from cognet.model.torch_decoding import decode_patients
+from cognet.training.ddi_target import choose_target
 
 log = logging.getLogger(__name__)
 
@@ -88,9 +94,6 @@ def model_name(beam: int | Decoding, ddi: DDIPolicy = DDIPolicy()) -> str:
 
 def run_evaluation(ckpt, data_dir, options: EvalOptions = EvalOptions()) -> dict:
     """What `cognet evaluate` does: returns {"report": dict, "table": str}."""
-    from cognet.core.schema import read_dataset
-    from cognet.model import checkpoint
-
     split, baseline, seed = options.split, options.baseline, options.seed
     dataset = read_dataset(data_dir)
     asked = "--ddi-target" if options.ddi_target is not None else "the DDI policy"
@@ -105,8 +108,6 @@ def run_evaluation(ckpt, data_dir, options: EvalOptions = EvalOptions()) -> dict
         decoding, ddi = resolve(config, options.request, target)
         head = checkpoint.load_head(ckpt, config) if decoding.name == "marginal" else None
         if decoding.name == "marginal" and head is None:
-            from cognet.core.errors import InputError
-
             raise InputError(
                 f"{ckpt}: --decoding marginal reads a set head and this checkpoint has none "
                 f"(add one: cognet train --data DATA --teacher {ckpt} --out NEW)"
@@ -115,13 +116,9 @@ def run_evaluation(ckpt, data_dir, options: EvalOptions = EvalOptions()) -> dict
         vocab = train_vocabulary(dataset.visits)
     data = load_split(dataset.visits, vocab, split)
     if not data.patients:
-        from cognet.core.errors import InputError
-
         raise InputError(f"{data_dir}: the {split} split has no labelled visit")
     ddi_adj = ddi_matrix(vocab, dataset.ddi_pairs)
     if baseline:
-        from cognet.evaluation.baselines import run_baseline
-
         results = run_baseline(baseline, vocab, dataset.visits, split=split, seed=seed)
         name = baseline
     else:
@@ -147,8 +144,6 @@ def run_evaluation(ckpt, data_dir, options: EvalOptions = EvalOptions()) -> dict
 def _decode_split(model, vocab: Vocab, patients, decoding, ddi, options: EvalOptions, head=None):
     """Decode every patient (with a progress bar) into VisitResults; write the predictions
     Parquet file when `options.predictions` asks for it."""
-    from cognet.core.progress import progress
-
     n_visits = sum(map(len, patients))
     with progress(total=n_visits, desc="decoding", unit="visit", quiet=options.quiet) as bar:
         decoded = decode_patients(model, vocab, patients, decoding, ddi, bar.update, head=head)
@@ -182,8 +177,6 @@ def _decoding_fields(decoding, ddi, target, trials, options: EvalOptions) -> dic
 def _summary_table(name: str, rep: dict, split: str, unknown_codes: int) -> str:
     """The metrics table, the split's ground-truth DDI rate and sizes, and the Jaccard of
     first and later visits."""
-    from cognet.core.metrics import format_table
-
     parts = rep["by_history"]
     return (
         format_table({name: rep}) + f"\nground-truth DDI rate of the {split} split: "
@@ -212,10 +205,6 @@ def _search_target(ckpt, model, vocab, dataset, config: dict, options: EvalOptio
     """The DDI target's pair for `options.ddi_target`, chosen on the validation split
     (`cognet.training.ddi_target`), with the decoding that `options` asks on the checkpoint's, and
     the search's trials."""
-    from cognet.core.errors import InputError
-    from cognet.model import checkpoint
-    from cognet.training.ddi_target import choose_target
-
     decoding = _asked(lambda: options.request.decoding_on(stored_decoding(config)))
     val = load_split(dataset.visits, vocab, "val").patients
     if decoding.name == "beam" or not val:
@@ -224,7 +213,6 @@ def _search_target(ckpt, model, vocab, dataset, config: dict, options: EvalOptio
         )
     head = checkpoint.load_head(ckpt, config) if decoding.name == "marginal" else None
     adj = ddi_matrix(vocab, dataset.ddi_pairs)
-    from cognet.core.progress import progress
 
     # no total: the search decodes validation once per policy it tries, as many as needed
     desc = f"DDI target {options.ddi_target:g} search"
@@ -251,8 +239,6 @@ def resolve(
 
 
 def _asked(get: Callable):
-    from cognet.core.errors import InputError
-
     try:
         return get()
     except ValueError as exc:
