@@ -30,8 +30,11 @@ import numpy as np
 
 from cognet.core.ddi import DDIPolicy, ddi_matrix, require_pairs
 from cognet.core.decoding import Decoding
+from cognet.core.errors import InputError
 from cognet.core.files import atomic_path
-from cognet.core.schema import DDI_FILE
+from cognet.core.history import load_split
+from cognet.core.metrics import evaluation_report, visit_results
+from cognet.core.schema import DDI_FILE, read_dataset
 
 if TYPE_CHECKING:  # cognet.evaluation.evaluate imports torch: only where a policy is decoded
     from cognet.evaluation.evaluate import EvalOptions
@@ -117,7 +120,8 @@ def tradeoff(
     itself uses the model's DDI graph, built from the same pairs. options: the bootstrap
     rounds and seed; decoding: what each policy decodes with (default: the paper's beam
     search); head: the set head that the marginal decoding reads."""
-    from cognet.core.metrics import evaluation_report, visit_results
+    # torch, through these two: lazy, so that `cognet evaluate --help` and the bench's report
+    # import this module without it
     from cognet.evaluation.evaluate import EvalOptions
     from cognet.model.torch_decoding import decode_patients, reselect
 
@@ -262,11 +266,9 @@ def plot(
 
 def _pyplot():
     """matplotlib.pyplot on the Agg backend; an InputError when matplotlib is missing."""
-    try:
+    try:  # matplotlib: the [bench] extra, needed by the plot only
         import matplotlib
     except ImportError:
-        from cognet.core.errors import InputError
-
         raise InputError("--plot needs matplotlib: pip install 'cognet[bench]'") from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -416,9 +418,8 @@ def run_tradeoff(
     policy of `policy_list` (default: `policies()`) on the split of `options` of a dataset
     directory (its first `max_patients` patients when given: a policy costs about a torch
     decoding of the split), decoded as `options` says on top of the checkpoint's own."""
-    from cognet.core.errors import InputError
-    from cognet.core.history import load_split
-    from cognet.core.schema import read_dataset
+    # torch, through these two: lazy, so that `cognet evaluate --help` and the bench's report
+    # import this module without it
     from cognet.evaluation.evaluate import EvalOptions, ground_truth_ddi, stored_decoding
     from cognet.model import checkpoint
 
