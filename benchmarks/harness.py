@@ -292,6 +292,7 @@ def profile_best(
         if best["mode"] == "request"
         else [ctx.pool.take(np.arange(visits))]
     )
+    # onnxruntime, which profile imports: lazy, so that --help and the torch engines run without it
     from cognet.benchmarks.profile import profile_ort
 
     device = eng.ORT_DEVICES[engine]
