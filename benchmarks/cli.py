@@ -31,6 +31,7 @@ from cognet.core.files import Reads
 from cognet.core.manifest import load_manifest
 from cognet.data.synth import generate
 from cognet.evaluation.ddi_tradeoff import plot, run_tradeoff
+from cognet.evaluation.options import EvalOptions
 
 log = logging.getLogger(__name__)
 
@@ -381,8 +382,8 @@ def run_ddi_tradeoff(checkpoint, data_dir, out: Path, quick: bool, notes: list) 
     the
     test split of `data_dir`, its plot written to OUT/ddi_tradeoff.png; None (and a note)
     when there is no checkpoint or no labelled data."""
-    try:  # torch, through evaluate: lazy, so that --help and the runtime engines run without it
-        from cognet.evaluation.evaluate import EvalOptions
+    try:  # torch: lazy, so that --help and the runtime engines run without it
+        import torch  # noqa: F401 (the trade-off decodes with it)
     except ImportError:  # a runtime-only install
         notes.append("DDI trade-off skipped: it needs torch (the [train] extra)")
         return None

@@ -18,6 +18,7 @@ from cognet.core.files import Reads, write_text
 from cognet.core.strict_json import finite
 from cognet.evaluation.ddi_tradeoff import DEFAULT_PENALTIES, policies, run_tradeoff
 from cognet.evaluation.ddi_tradeoff import plot as plot_tradeoff
+from cognet.evaluation.options import EvalOptions
 
 
 @click.command()
@@ -139,7 +140,7 @@ def evaluate(
     # torch (the [train] extra): lazy, so that `cognet --help` runs without it
     import torch
 
-    from cognet.evaluation.evaluate import EvalOptions, run_evaluation
+    from cognet.evaluation.evaluate import run_evaluation
 
     setup_logging()
     torch.set_num_threads(threads)
@@ -215,10 +216,11 @@ def _marks(marks: tuple[str, ...]) -> list[tuple[str, float, float]]:
 
 
 def _tradeoff(ckpt, data_dir, options, levels, plot, json_out) -> None:
-    """--ddi-tradeoff; options: `cognet.evaluation.evaluate.EvalOptions` (no policy asked);
+    """--ddi-tradeoff; options: `cognet.evaluation.options.EvalOptions` (no policy asked);
     levels: the --penalties, --max-rates and --pair-prices texts; plot: the --plot path (or
     None) and the --mark points."""
-    pens, caps = _floats(levels[0], "--penalties"), _floats(levels[1], "--max-rates")
+    pens = _floats(levels[0], "--penalties")
+    caps = _floats(levels[1], "--max-rates")
     prices = _floats(levels[2], "--pair-prices")
     if any(p < 0 for p in pens) or any(not 0 <= r <= 1 for r in (*caps, *prices)):
         raise click.UsageError("penalties must be >= 0, max rates and pair prices in [0, 1]")

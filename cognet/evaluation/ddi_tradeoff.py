@@ -24,7 +24,6 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -35,9 +34,7 @@ from cognet.core.files import atomic_path
 from cognet.core.history import load_split
 from cognet.core.metrics import evaluation_report, visit_results
 from cognet.core.schema import DDI_FILE, read_dataset
-
-if TYPE_CHECKING:  # cognet.evaluation.evaluate imports torch: only where a policy is decoded
-    from cognet.evaluation.evaluate import EvalOptions
+from cognet.evaluation.options import EvalOptions, ground_truth_ddi, stored_decoding
 
 # fine between 0.25 and 1, where the frontier bends on real data (docs/guide/ddi.md)
 DEFAULT_PENALTIES = (0.1, 0.25, 0.35, 0.5, 0.6, 0.7, 0.8, 1.0, 2.0)
@@ -120,9 +117,7 @@ def tradeoff(
     itself uses the model's DDI graph, built from the same pairs. options: the bootstrap
     rounds and seed; decoding: what each policy decodes with (default: the paper's beam
     search); head: the set head that the marginal decoding reads."""
-    # torch, through these two: lazy, so that `cognet evaluate --help` and the bench's report
-    # import this module without it
-    from cognet.evaluation.evaluate import EvalOptions
+    # torch: lazy, so that `cognet evaluate --help` and the bench's report run without it
     from cognet.model.torch_decoding import decode_patients, reselect
 
     options = options or EvalOptions()
@@ -418,10 +413,7 @@ def run_tradeoff(
     policy of `policy_list` (default: `policies()`) on the split of `options` of a dataset
     directory (its first `max_patients` patients when given: a policy costs about a torch
     decoding of the split), decoded as `options` says on top of the checkpoint's own."""
-    # torch, through these two: lazy, so that `cognet evaluate --help` and the bench's report
-    # import this module without it
-    from cognet.evaluation.evaluate import EvalOptions, ground_truth_ddi, stored_decoding
-    from cognet.model import checkpoint
+    from cognet.model import checkpoint  # torch: lazy, as in `tradeoff`
 
     options = options or EvalOptions()
     split = options.split

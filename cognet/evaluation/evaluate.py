@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -20,7 +19,6 @@ from cognet.core.files import atomic_path
 from cognet.core.history import Visit, load_split, train_vocabulary
 from cognet.core.metrics import (
     VisitResult,
-    ddi_rate_of_sets,
     evaluation_report,
     format_table,
     summarize,
@@ -30,33 +28,12 @@ from cognet.core.progress import progress
 from cognet.core.schema import DDI_FILE, PREDICTIONS_SCHEMA, read_dataset
 from cognet.core.vocab import Vocab
 from cognet.evaluation.baselines import run_baseline
+from cognet.evaluation.options import EvalOptions, ground_truth_ddi, stored_decoding
 from cognet.model import checkpoint
 from cognet.model.torch_decoding import decode_patients
 from cognet.training.ddi_target import choose_target
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class EvalOptions:
-    """What `cognet evaluate` (and `--ddi-tradeoff`) evaluates and how, in one value: the
-    command builds it from its options, the functions below take it whole."""
-
-    split: str = "test"
-    # the decoding and DDI policy asked on top of the checkpoint's own (`resolve`)
-    request: DecodingRequest = DecodingRequest()
-    # choose a DDI target's pair on the validation split for this rate
-    # (`cognet.training.ddi_target`) and evaluate with it, instead of the checkpoint's own
-    ddi_target: float | None = None
-    rounds: int = 10  # bootstrap rounds of 80% of the patients (1: every patient, once)
-    seed: int = 0
-    baseline: str | None = None  # evaluate this baseline instead of the checkpoint
-    predictions: str | Path | None = None  # write every visit's recommendation there
-    quiet: bool = True  # no progress bar
-
-
-def ground_truth_ddi(patients: Sequence[Sequence[Visit]], ddi_adj: np.ndarray) -> float:
-    return float(ddi_rate_of_sets([v.meds or () for p in patients for v in p], ddi_adj))
 
 
 def predictions_table(
@@ -94,12 +71,16 @@ def model_name(beam: int | Decoding, ddi: DDIPolicy = DDIPolicy()) -> str:
 
 def run_evaluation(ckpt, data_dir, options: EvalOptions = EvalOptions()) -> dict:
     """What `cognet evaluate` does: returns {"report": dict, "table": str}."""
-    split, baseline, seed = options.split, options.baseline, options.seed
+    split = options.split
+    baseline = options.baseline
+    seed = options.seed
     dataset = read_dataset(data_dir)
     asked = "--ddi-target" if options.ddi_target is not None else "the DDI policy"
     if options.ddi_target is not None or (options.request.ddi and options.request.ddi.active):
         require_pairs(dataset.ddi_pairs, Path(data_dir) / DDI_FILE, asked)
-    ddi, target, trials = options.request.ddi or DDIPolicy(), None, None
+    ddi = options.request.ddi or DDIPolicy()
+    target = None
+    trials = None
     if ckpt:
         model, vocab, config = checkpoint.load(ckpt)
         target = DDITarget.from_json(config.get("ddi_target"))  # checked by checkpoint.load
@@ -220,12 +201,6 @@ def _search_target(ckpt, model, vocab, dataset, config: dict, options: EvalOptio
         return choose_target(
             model, vocab, val, adj, decoding, options.ddi_target, on_batch=bar.update, head=head
         )
-
-
-def stored_decoding(config: dict) -> Decoding:
-    """A checkpoint's own decoding (config.json "decoding"; beam 4 for a model from before
-    set decoding); a bad one is an InputError."""
-    return _asked(lambda: Decoding.from_json(config.get("decoding")))
 
 
 def resolve(
