@@ -286,7 +286,8 @@ def profile_best(
     if not mine:
         return None
     best = max(mine, key=lambda r: r["visits_per_s"])
-    bs, visits = best["batch_size"], max(best["batch_size"], settings.visits)
+    bs = best["batch_size"]
+    visits = max(bs, settings.visits)
     batches = (
         ctx.pool.batches(bs, visits)
         if best["mode"] == "request"
@@ -334,7 +335,8 @@ def past_visits_series(
     """Throughput against the number of past visits of each scored visit."""
     out = []
     engines = [loaded[n] for n in SERIES_ENGINES if n in loaded]
-    bs, beam = min(settings.series_batch_size, settings.past_visits_n), settings.series_beam
+    bs = min(settings.series_batch_size, settings.past_visits_n)
+    beam = settings.series_beam
     for past in settings.past_visits:
         table = with_history(ctx.pool.source, past, settings.past_visits_n)
         pool = Pool(table, ctx.pool.vocab)

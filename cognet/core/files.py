@@ -145,7 +145,8 @@ def _exchange(a: Path, b: Path) -> bool:
         renameat2 = libc.renameat2
     except (OSError, AttributeError):
         return False
-    at_fdcwd, exchange = -100, 2
+    at_fdcwd = -100  # AT_FDCWD: paths relative to the working folder
+    exchange = 2  # RENAME_EXCHANGE
     if renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), exchange) == 0:
         return True
     code = ctypes.get_errno()

@@ -109,7 +109,8 @@ def finish(
         head, decoding = _train_head(model, vocab, ddi > 0, tuning, decoding)
         if tuning.decoding == "marginal" and tuning.ddi_target is not None:
             target = _target_of(model, vocab, ddi > 0, tuning, decoding, head[0], bars)
-    model, json = model.cpu(), decoding.to_json()
+    model = model.cpu()
+    json = decoding.to_json()
     checkpoint.save(out, model, vocab, ehr, ddi, pairs, info, json, target, head)
     write_text(out / "train_log.jsonl", "".join(strict_json.dumps(r) + "\n" for r in history))
     return decoding, target
@@ -121,7 +122,8 @@ def stored_decoding(model, vocab: Vocab, ddi_bool: np.ndarray, tuning: Tuning, p
     phase with a bar over the validation visits it decodes when `progress` is given."""
     val = tuning.val_patients
     n_visits = sum(map(len, val))
-    decoding, record = Decoding(name="beam"), {}
+    decoding = Decoding(name="beam")
+    record = {}
     if tuning.decoding in ("set", "marginal"):
         with bar_of(progress, n_visits, "tuning the set decoding") as bar:
             decoding, record = set_decoding_for(
@@ -154,7 +156,8 @@ def _target_of(model, vocab, ddi_bool, tuning: Tuning, decoding: Decoding, head,
 def _train_head(model, vocab: Vocab, ddi_bool: np.ndarray, tuning: Tuning, decoding: Decoding):
     """(the set head learnt from `model`'s P(k in S) and its record, the stored decoding with
     the head's tuned threshold and rule, named "marginal" when that is the default)."""
-    recipe, patients = tuning.head, tuning.train_patients
+    recipe = tuning.head
+    patients = tuning.train_patients
     taught = teacher_marginals(
         model, vocab, patients, tuning.samples, tuning.max_history, tuning.progress
     )
