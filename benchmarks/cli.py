@@ -12,6 +12,12 @@ from pathlib import Path
 
 import click
 
+from cognet.benchmarks import engines as eng
+from cognet.benchmarks.harness import run_all
+from cognet.benchmarks.latency import line
+from cognet.benchmarks.report import ratios, write_all
+from cognet.benchmarks.settings import RUNTIME_BATCH, Context, Settings
+from cognet.benchmarks.workload import Pool, dataset_visits, synthetic_visits
 from cognet.core.commandline import (
     FiniteFloat,
     OneLineCommand,
@@ -22,6 +28,10 @@ from cognet.core.commandline import (
 )
 from cognet.core.errors import InputError
 from cognet.core.files import Reads
+from cognet.core.manifest import load_manifest
+from cognet.data.synth import generate
+from cognet.evaluation.ddi_tradeoff import plot, run_tradeoff
+from cognet.evaluation.options import EvalOptions
 
 log = logging.getLogger(__name__)
 
@@ -41,8 +51,6 @@ QUICK = {  # --quick: a smoke run (what CI runs)
 
 def _beams(text: str) -> tuple[int, ...]:
     """--beams: widths, and the decodings named (`engines.DECODING_NAMES`) by their codes."""
-    from cognet.benchmarks import engines as eng
-
     names = [t.strip() for t in text.split(",") if t.strip()]
     widths = _ints(",".join(t for t in names if t not in eng.DECODING_NAMES), "--beams")
     return (*widths, *(eng.DECODING_NAMES[t] for t in names if t in eng.DECODING_NAMES))
@@ -246,18 +254,13 @@ def main(
     guard_outputs("cognet-bench", {"--out": out}, reads, ["--out"])
 
     if ddi_tradeoff is None:  # torch's own evaluation: only when a torch engine is asked
-        from cognet.benchmarks.engines import TORCH_ENGINES
-
-        ddi_tradeoff = any(e in TORCH_ENGINES for e in settings.engines)
+        ddi_tradeoff = any(e in eng.TORCH_ENGINES for e in settings.engines)
     _run(model_dir, checkpoint, data_dir, out, settings, ddi_tradeoff, quick)
 
 
 def _run(model_dir, checkpoint, data_dir, out: Path, settings, ddi_tradeoff: bool, quick: bool):
     """Measure (on the demo model when no --model is given), write the results as they
     grow and say the speed ratios."""
-    from cognet.benchmarks.harness import run_all
-    from cognet.benchmarks.report import write_all
-
     try:
         import torch
     except ImportError:  # a runtime-only install: the torch engines say so when skipped
@@ -301,9 +304,6 @@ def _quick_values(sizes: dict) -> dict:
 
 def _settings(sizes: dict, engine_names, threads, max_run_seconds, profile, reference, quick):
     """The run's Settings from the options; a value it refuses is a usage error (exit 2)."""
-    from cognet.benchmarks import engines as eng
-    from cognet.benchmarks.settings import RUNTIME_BATCH, Settings
-
     names = (
         eng.ENGINES
         if engine_names.strip() == "all"
@@ -354,10 +354,6 @@ def _model_and_data(
 def _echo_summary(results: dict, settings) -> None:
     """The latency of each request size and the speed ratios on stdout, and a warning on
     stderr when a run differs from the reference engine."""
-    from cognet.benchmarks import engines as eng
-    from cognet.benchmarks.latency import line
-    from cognet.benchmarks.report import ratios
-
     for r in results["latency"]:
         click.echo(line(r))
     for beam in settings.beams:
@@ -386,9 +382,8 @@ def run_ddi_tradeoff(checkpoint, data_dir, out: Path, quick: bool, notes: list) 
     the
     test split of `data_dir`, its plot written to OUT/ddi_tradeoff.png; None (and a note)
     when there is no checkpoint or no labelled data."""
-    try:
-        from cognet.evaluation.ddi_tradeoff import plot, run_tradeoff
-        from cognet.evaluation.evaluate import EvalOptions
+    try:  # torch: lazy, so that --help and the runtime engines run without it
+        import torch  # noqa: F401 (the trade-off decodes with it)
     except ImportError:  # a runtime-only install
         notes.append("DDI trade-off skipped: it needs torch (the [train] extra)")
         return None
@@ -423,7 +418,7 @@ def demo_model(root: Path, quick: bool = False, int8: bool = False) -> tuple[Pat
         f"patients, {epochs} epoch(s) of training, export)",
         err=True,
     )
-    from cognet.data.synth import generate
+    # torch and onnx (the [train] extra): lazy, as only the demo model needs them here
     from cognet.export import ExportOptions, export
     from cognet.training.train import TrainConfig, train
 
@@ -440,9 +435,7 @@ def demo_model(root: Path, quick: bool = False, int8: bool = False) -> tuple[Pat
 
 def find_checkpoint(model_dir: Path) -> Path | None:
     """MODEL/../ckpt when it is the checkpoint the model was exported from."""
-    from cognet.core.manifest import load_manifest
-
-    try:
+    try:  # torch: lazy, so that --help and the runtime engines run without it
         from cognet.model.checkpoint import checkpoint_hash
     except ImportError:  # a runtime-only install: no torch engine would use it
         return None
@@ -464,10 +457,6 @@ def make_context(
     settings,
     notes: list[str],
 ):
-    from cognet.benchmarks.settings import Context
-    from cognet.benchmarks.workload import Pool, dataset_visits, synthetic_visits
-    from cognet.core.manifest import load_manifest
-
     vocab = load_manifest(model_dir).vocabulary()
     need = settings.pool_size
     if data_dir is None:

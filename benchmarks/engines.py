@@ -36,13 +36,23 @@ results name every skipped engine with its reason.
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
+import numpy as np
+
 from cognet.benchmarks.workload import Batch
-from cognet.core.decoding import BEAM, Decoding
+from cognet.core.decoding import BEAM, MAX_LEN, Decoding
+from cognet.core.decoding.ensemble import mix_log_probs
+from cognet.core.decoding.request import DecodingRequest
+from cognet.core.errors import InputError
+from cognet.core.manifest import load_manifest
+from cognet.model.checkpoint_checks import members
 
 TORCH_ENGINES = ("torch-perpatient", "torch-batched", "torch-cuda")
 ORT_DEVICES = {
@@ -130,14 +140,10 @@ def availability(name: str, checkpoint: Path | None, model_dir: Path | None = No
     except ImportError:
         return "onnxruntime is not installed"
     if name in ORT_VARIANTS and model_dir is not None:
-        from cognet.core.manifest import load_manifest
-
         variant = ORT_VARIANTS[name]
         if variant not in load_manifest(model_dir, verify=False).variants:
             return f"the model has no {variant} graphs (cognet-export --{variant})"
     if name in GPU_PATH and model_dir is not None:
-        from cognet.core.manifest import load_manifest
-
         if not load_manifest(model_dir, verify=False).search:
             return "the model has no search graphs (exported before them)"
     wanted = {
@@ -161,6 +167,8 @@ def load(name: str, model_dir: Path, checkpoint: Path | None, threads: int) -> E
 
 class _TorchBase:
     def __init__(self, name: str, checkpoint: Path, threads: int, device: str = "cpu"):
+        # torch (the [train] extra), in each torch engine's methods: lazy, so that --help and
+        # the runtime engines run without it
         import torch
 
         from cognet.model import checkpoint as ckpt
@@ -215,29 +223,28 @@ class TorchBatched(_TorchBase):
     def run(self, batch: Batch) -> list[tuple[int, ...]]:
         import torch
 
-        from cognet.model.batching import make_batch
-        from cognet.model.torch_decoding import beam_search
+        from cognet.model import batching, torch_decoding  # torch: lazy (see __init__)
 
-        tensors = make_batch(batch.patients, self.vocab, targets=False)
+        tensors = batching.make_batch(batch.patients, self.vocab, targets=False)
         last = torch.as_tensor(_last_rows(batch.patients))
         if self.device != "cpu":
             tensors = {k: v.to(self.device) for k, v in tensors.items()}
             last = last.to(self.device)
         if self.beam == MARGINAL:  # the head reads every visit; the last ones are scored
-            from cognet.core.decoding.request import DecodingRequest
-            from cognet.model.torch_decoding import marginal_decode
-
             decoding, ddi = DecodingRequest(decoding="marginal").resolve(self.set_decoding)
             # the head stays on the CPU (`SetHead.marginals` feeds it host arrays)
             args = (self.model, self.vocab, batch.patients, decoding, ddi)
-            decoded = marginal_decode(self.head, *args)
+            decoded = torch_decoding.marginal_decode(self.head, *args)
             return [decoded[i].meds for i in _last_rows(batch.patients)]
         if self.beam == SET:
-            from cognet.model.torch_decoding import set_decode
-
-            decoded = set_decode(self.model, tensors, batch.visit_ids, self.set_decoding, rows=last)
+            decoded = torch_decoding.set_decode(
+                self.model, tensors, batch.visit_ids, self.set_decoding, rows=last
+            )
             return [d.meds for d in decoded]
-        return [d.meds for d in beam_search(self.model, tensors, beam=self.beam, rows=last)]
+        return [
+            d.meds
+            for d in torch_decoding.beam_search(self.model, tensors, beam=self.beam, rows=last)
+        ]
 
     def list_scores(self, patients: Sequence[Sequence], lists: Sequence[Sequence[str]]):
         """float64 [N]: the model's log-probability of each patient's last visit getting
@@ -245,14 +252,9 @@ class TorchBatched(_TorchBase):
         as the decoding allows): a beam's score, teacher forced; sums in float64. An
         ensemble's steps are its members' token-level mixture, as its beam search scores
         them (`cognet.core.decoding.ensemble.mix_log_probs`)."""
-        import numpy as np
         import torch
 
-        from cognet.core.decoding import MAX_LEN
-        from cognet.core.decoding.ensemble import mix_log_probs
-        from cognet.model.batching import make_batch, select_rows
-        from cognet.model.ensemble import members_of
-        from cognet.model.network import history_inputs
+        from cognet.model import batching, ensemble, network  # torch: lazy (see __init__)
 
         vocab = self.vocab
         index = {code: i for i, code in enumerate(vocab.medications)}
@@ -266,15 +268,15 @@ class TorchBatched(_TorchBase):
             tokens[i, 1 : len(seq) + 1] = seq
             targets[i, : len(seq)] = seq
             counted[i, : len(seq) + (len(seq) < MAX_LEN)] = True
-        batch = make_batch(patients, vocab, targets=False)
-        batch = select_rows(batch, torch.as_tensor(_last_rows(patients)))
+        batch = batching.make_batch(patients, vocab, targets=False)
+        batch = batching.select_rows(batch, torch.as_tensor(_last_rows(patients)))
         batch = {k: v.to(self.device) for k, v in batch.items()}
         steps = []  # each member's log_probs [N, width, V1], where it ran
         with torch.no_grad():
-            for model in members_of(self.model):
+            for model in ensemble.members_of(self.model):
                 codes = (batch["diagnoses"], batch["procedures"], batch["medications"])
                 enc = model.encode_visits(*codes)
-                memories = model.decoder_init(*history_inputs(batch, *enc, model.cfg))
+                memories = model.decoder_init(*network.history_inputs(batch, *enc, model.cfg))
                 fed = torch.as_tensor(tokens).to(self.device)
                 steps.append(model.decode_teacher_forced(fed, memories)[0])
         picks = torch.as_tensor(targets).to(self.device)[..., None]
@@ -291,7 +293,7 @@ class TorchPerPatient(_TorchBase):
         super().__init__("torch-perpatient", checkpoint, threads)
 
     def run(self, batch: Batch) -> list[tuple[int, ...]]:
-        from cognet.benchmarks.perpatient import decode_perpatient
+        from cognet.benchmarks.perpatient import decode_perpatient  # torch: lazy (see __init__)
 
         return decode_perpatient(self.model, batch.patients, self.vocab, self.beam)
 
@@ -311,8 +313,6 @@ class OrtEngine:
 
     def options(self, beam: int, batch_size: int):
         """The `cognet.runtime.ScoreOptions` of a run at this beam width and batch size."""
-        from cognet.runtime import ScoreOptions
-
         common = {
             "device": self.device,
             "threads": self.threads,
@@ -322,10 +322,10 @@ class OrtEngine:
             "streams": self.streams,
         }
         if beam == SET:  # the model's set decoding
-            return ScoreOptions.of(decoding="set", **common)
+            return score_options(decoding="set", **common)
         if beam == MARGINAL:  # the model's set head
-            return ScoreOptions.of(decoding="marginal", **common)
-        return ScoreOptions.of(decoding="beam", beam=beam, **common)
+            return score_options(decoding="marginal", **common)
+        return score_options(decoding="beam", beam=beam, **common)
 
     def _load(self, beam: int, batch_size: int) -> float:
         started = time.perf_counter()
@@ -364,16 +364,23 @@ class OrtEngine:
 def scorer(model_dir: Path, options, gpu_path: bool = False):
     """A `cognet.runtime.Scorer` of the model for `options`; gpu_path: the GPU's code path on
     the CPU provider."""
-    from cognet.runtime import Scorer
-    from cognet.runtime.scorer import open_model
+    # onnxruntime, through the runtime: lazy, so that --help and the torch engines run
+    # without it (the [cpu] or [gpu] extra)
+    from cognet.runtime.scorer import Scorer, open_model
 
     return Scorer(open_model(model_dir, options, gpu_path), options)
 
 
+def score_options(**fields):
+    """`cognet.runtime.ScoreOptions.of(**fields)`: the runtime's options, its defaults for
+    the fields not given."""
+    from cognet.runtime.options import ScoreOptions  # onnxruntime: lazy, as in `scorer`
+
+    return ScoreOptions.of(**fields)
+
+
 def nvidia_smi(*query: str) -> str | None:
     """stdout of `nvidia-smi QUERY... --format=csv,noheader,nounits` (None when unavailable)."""
-    import subprocess
-
     try:
         return subprocess.run(
             ["nvidia-smi", *query, "--format=csv,noheader,nounits"],
@@ -388,8 +395,6 @@ def nvidia_smi(*query: str) -> str | None:
 
 def nvidia_smi_memory_mb() -> float | None:
     """GPU memory this process holds now, from nvidia-smi (None when unavailable)."""
-    import os
-
     out = nvidia_smi("--query-compute-apps=pid,used_memory")
     if out is None:
         return None
@@ -401,13 +406,8 @@ def nvidia_smi_memory_mb() -> float | None:
 
 
 def _members(checkpoint: Path) -> int:
-    """The networks of a checkpoint (`cognet.model.checkpoint.members`; 1 when unreadable:
+    """The networks of a checkpoint (`cognet.model.checkpoint_checks.members`; 1 when unreadable:
     loading it says why)."""
-    import json
-
-    from cognet.core.errors import InputError
-    from cognet.model.checkpoint import members
-
     try:
         config = json.loads((Path(checkpoint) / "config.json").read_text())
         return members(Path(checkpoint), config) if isinstance(config, dict) else 1

@@ -286,12 +286,14 @@ def profile_best(
     if not mine:
         return None
     best = max(mine, key=lambda r: r["visits_per_s"])
-    bs, visits = best["batch_size"], max(best["batch_size"], settings.visits)
+    bs = best["batch_size"]
+    visits = max(bs, settings.visits)
     batches = (
         ctx.pool.batches(bs, visits)
         if best["mode"] == "request"
         else [ctx.pool.take(np.arange(visits))]
     )
+    # onnxruntime, which profile imports: lazy, so that --help and the torch engines run without it
     from cognet.benchmarks.profile import profile_ort
 
     device = eng.ORT_DEVICES[engine]
@@ -333,7 +335,8 @@ def past_visits_series(
     """Throughput against the number of past visits of each scored visit."""
     out = []
     engines = [loaded[n] for n in SERIES_ENGINES if n in loaded]
-    bs, beam = min(settings.series_batch_size, settings.past_visits_n), settings.series_beam
+    bs = min(settings.series_batch_size, settings.past_visits_n)
+    beam = settings.series_beam
     for past in settings.past_visits:
         table = with_history(ctx.pool.source, past, settings.past_visits_n)
         pool = Pool(table, ctx.pool.vocab)

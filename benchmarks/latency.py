@@ -172,7 +172,5 @@ def latency_series(
 def runtime_scorer(ctx: Context, settings: Settings, engine):
     """The engine's `Scorer` with the runtime's defaults: only where it runs and its threads
     are set."""
-    from cognet.runtime import ScoreOptions
-
-    options = ScoreOptions.of(device=engine.device, threads=settings.threads)
+    options = eng.score_options(device=engine.device, threads=settings.threads)
     return eng.scorer(ctx.model_dir, options)

@@ -27,6 +27,8 @@ from pathlib import Path
 
 import onnxruntime as ort
 
+from cognet.benchmarks.engines import DECODING_NAMES, score_options
+from cognet.benchmarks.engines import scorer as open_scorer
 from cognet.benchmarks.workload import Batch
 
 
@@ -44,13 +46,9 @@ def profile_ort(
     the model's set decoding (`beam` = engines.SET)."""
 
     def scorer():
-        from cognet.benchmarks.engines import DECODING_NAMES
-        from cognet.benchmarks.engines import scorer as open_scorer
-        from cognet.runtime import ScoreOptions
-
         names = {v: k for k, v in DECODING_NAMES.items()}
         decoding = {"decoding": names[beam]} if beam in names else {"beam": beam}
-        options = ScoreOptions.of(**decoding, device=device, threads=threads, batch_size=batch_size)
+        options = score_options(**decoding, device=device, threads=threads, batch_size=batch_size)
         s = open_scorer(model_dir, options, gpu_path)
         list(s.score_table(batches[0].table))  # warm-up
         return s

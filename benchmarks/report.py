@@ -9,8 +9,10 @@ from pathlib import Path
 from cognet.benchmarks.engines import decoding_label
 from cognet.benchmarks.latency import MIN_SAMPLES, TARGET_REQUESTS, run_percentiles, shown
 from cognet.core import strict_json
+from cognet.core.ddi import DDIPolicy
 from cognet.core.decoding import BEAM
 from cognet.core.files import atomic_path, write_text
+from cognet.evaluation.ddi_tradeoff import TradeoffRow, markdown_table
 
 BASELINES = ("torch-batched", "torch-perpatient")
 MAIN = "ort-cpu"
@@ -318,9 +320,6 @@ def _over_budget_lines(skipped: list[dict]) -> list[str]:
 
 def _tradeoff_section(t: dict) -> list[str]:
     """The DDI trade-off (`cognet.evaluation.ddi_tradeoff.TradeoffResult.to_json`) as Markdown."""
-    from cognet.core.ddi import DDIPolicy
-    from cognet.evaluation.ddi_tradeoff import TradeoffRow, markdown_table
-
     rows = [TradeoffRow(DDIPolicy(**r["policy"]), r["report"], r["seconds"]) for r in t["rows"]]
     best = next((r for r in rows if r.policy.label == t["recommended"]), None)
     first = rows[0].report

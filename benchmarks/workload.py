@@ -24,7 +24,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from cognet.core.history import Visit, patients_from_table
+from cognet.core.schema import read_visits
 from cognet.core.vocab import Vocab
+from cognet.data.synth import generate
 
 COLUMNS = ("patient_id", "visit_id", "visit_seq", "diagnoses", "procedures", "medications")
 # Patients 0..TRAIN_PATIENTS-1 of the synthetic generator train the demo model; benchmark
@@ -153,9 +155,6 @@ def with_history(table: pa.Table, past: int, patients: int) -> pa.Table:
 
 def synthetic_visits(out_dir: Path, patients: int, seed: int = 0) -> pa.Table:
     """Rows of synthetic patients TRAIN_PATIENTS..TRAIN_PATIENTS + patients - 1."""
-    from cognet.core.schema import read_visits
-    from cognet.data.synth import generate
-
     generate(out_dir, patients=TRAIN_PATIENTS + patients, seed=seed)
     table = read_visits(out_dir / "visits.parquet")
     first = pc.index(table["patient_id"], _patient_id_at(table, TRAIN_PATIENTS)).as_py()
@@ -172,8 +171,6 @@ def _patient_id_at(table: pa.Table, k: int) -> str:
 
 def dataset_visits(data_dir: Path) -> pa.Table:
     """Every row of a dataset directory's visits.parquet (patients contiguous, ordered)."""
-    from cognet.core.schema import read_visits
-
     return read_visits(Path(data_dir) / "visits.parquet")
 
 

@@ -13,13 +13,13 @@ import sys
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from cognet.core.code_names import CodeNames
 from cognet.core.decoding.attribution import COPIED_FROM
 from cognet.core.files import atomic_path
+from cognet.core.schema import read_dataset, split_rows
 
 
 def make_input(data_dir: str, out: str, split: str = "test") -> int:
-    from cognet.core.schema import read_dataset, split_rows
-
     visits = read_dataset(data_dir).visits
     visits = split_rows(visits, split).drop_columns(["split"])
     pids = visits.column("patient_id").to_pylist()
@@ -36,8 +36,6 @@ def make_input(data_dir: str, out: str, split: str = "test") -> int:
 
 
 def report(summary_path: str, recs_path: str, n: int = 5) -> str:
-    from cognet.core.code_names import CodeNames
-
     names = CodeNames.load()
     summary = json.loads(open(summary_path).read())
     recs = pq.read_table(recs_path).slice(0, n).to_pylist()

@@ -59,8 +59,9 @@ def main(
       cognet-export --checkpoint ckpt --out model --fp16
       cognet-export --checkpoint ckpt --out model --int8
     """
-    from cognet.export import ExportOptions, export
-    from cognet.export.pipeline import MODEL_FILES, REPORT_FILE
+    # torch and onnx (the [train] extra), through the pipeline: lazy, so that --help runs
+    # without them
+    from cognet.export.pipeline import MODEL_FILES, REPORT_FILE, ExportOptions, export
 
     setup_logging(verbose)
     # never onto the checkpoint, one run per MODEL, checked before the work; the model is

@@ -21,18 +21,35 @@ import warnings
 from contextlib import contextmanager, redirect_stderr, redirect_stdout
 from pathlib import Path
 
+import onnx
+import torch
+from onnx import TensorProto, helper
+from onnx.utils import Extractor
+from torch.onnx import symbolic_helper as sym
+
 from cognet.core.files import atomic_path
-from cognet.core.graphspec import STEP_CACHE_INPUTS
+from cognet.core.graphspec import ENCODER_PARTS, STEP_CACHE_INPUTS
 from cognet.core.manifest import GraphSpec, TensorSpec, file_sha256
 from cognet.export.errors import ExportError
+from cognet.export.fp16 import to_float16
+from cognet.export.graphs import (
+    GRAPH_IO,
+    WRAPPERS,
+    HeadSizes,
+    Sizes,
+    example_inputs,
+    head_example,
+    head_specs,
+    tensor_specs,
+)
+from cognet.export.int8 import quantize
+from cognet.export.linear_fusion import fuse_linears
 
 OPSET = 18
 
 
 def export_graph(model, name: str, path: Path) -> None:
     """torch.onnx.export one graph with every symbolic axis dynamic, warnings silenced."""
-    from cognet.export.graphs import GRAPH_IO, WRAPPERS, Sizes, example_inputs, tensor_specs
-
     ins, _ = GRAPH_IO[name]
     example = example_inputs(model, Sizes())
     module = WRAPPERS[name](model)
@@ -42,10 +59,6 @@ def export_graph(model, name: str, path: Path) -> None:
 def export_head(head, path: Path) -> GraphSpec:
     """The set head (`cognet.model.set_head.SetHead`) as the graph `head` written to
     `path`, checked as the model's graphs are; its manifest entry."""
-    import torch
-
-    from cognet.export.graphs import GRAPH_IO, HeadSizes, head_example, head_specs
-
     ins, _ = GRAPH_IO["head"]
     example = head_example(head.cfg, HeadSizes())
     specs = head_specs(head.cfg.n_med)
@@ -57,11 +70,6 @@ def export_head(head, path: Path) -> GraphSpec:
 def _export_module(module, name: str, example: tuple, specs: dict, path: Path) -> None:
     """torch.onnx.export `module` as the graph `name` (`graphs.GRAPH_IO`), every symbolic
     axis of `specs` dynamic, warnings silenced; its I/O checked against `specs`."""
-    import onnx
-    import torch
-
-    from cognet.export.graphs import GRAPH_IO
-
     ins, outs = GRAPH_IO[name]
     dynamic_axes = {
         k: {i: d for i, d in enumerate(specs[k].shape) if isinstance(d, str)} for k in (*ins, *outs)
@@ -104,8 +112,6 @@ def _zero_safe_flatten():
     empty (the first decoder step has T = 0) and, with allowzero=0, reads the literal 0 of
     T as "copy the input's dim".
     """
-    import torch
-    from torch.onnx import symbolic_helper as sym
 
     def flatten(g, x, start_dim, end_dim):
         rank = sym._get_tensor_rank(x)
@@ -131,8 +137,6 @@ def _zero_safe_flatten():
 def _restore_unused_inputs(proto, names, specs: dict[str, TensorSpec]) -> None:
     """Put back the inputs an ablation leaves unused (the exporter drops them), in graphspec
     order, so every graph has the same inputs whatever the ablation."""
-    from onnx import TensorProto, helper
-
     have = {v.name: v for v in proto.graph.input}
     elem = {"int64": TensorProto.INT64, "float32": TensorProto.FLOAT}
     inputs = [
@@ -188,8 +192,6 @@ def _literal_zeros(proto, sources=STEP_CACHE_INPUTS) -> None:
     """allowzero=1 on the Reshapes of the step's cache (`sources`; empty at T = 0): their
     target shapes come from Shape ops, so a 0 is a real size, as in torch, not "copy the
     input's dim"."""
-    from onnx import helper
-
     cache = cache_tensors(proto.graph, sources)
     for node in proto.graph.node:
         if node.op_type == "Reshape" and node.input[0] in cache:
@@ -200,8 +202,6 @@ def _literal_zeros(proto, sources=STEP_CACHE_INPUTS) -> None:
 
 def _check_io(proto, name: str, specs: dict[str, TensorSpec]) -> None:
     """The graph's inputs and outputs are exactly the spec's, with symbolic axes kept."""
-    from cognet.export.graphs import GRAPH_IO
-
     ins, outs = GRAPH_IO[name]
     for values, expected in ((proto.graph.input, ins), (proto.graph.output, outs)):
         names = tuple(v.name for v in values)
@@ -221,8 +221,6 @@ def graph_spec(
     path: Path, name: str, specs: dict[str, TensorSpec], dtype_of=lambda spec: spec.dtype
 ) -> GraphSpec:
     """The manifest entry of a written graph file: its sha256 and typed inputs/outputs."""
-    from cognet.export.graphs import GRAPH_IO
-
     ins, outs = GRAPH_IO[name]
     typed = lambda k: TensorSpec(k, dtype_of(specs[k]), specs[k].shape)  # noqa: E731
     return GraphSpec(path.name, file_sha256(path), tuple(map(typed, ins)), tuple(map(typed, outs)))
@@ -231,10 +229,6 @@ def graph_spec(
 def fuse_linear_layers(path: Path, name: str, specs: dict[str, TensorSpec]) -> None:
     """Rewrite the float32 graph file `path` with its linear layers as two-dimensional Gemms
     (`cognet.export.linear_fusion`), checked, in place."""
-    import onnx
-
-    from cognet.export.linear_fusion import fuse_linears
-
     proto = onnx.load(str(path))
     if fuse_linears(proto):
         _check_io(proto, name, specs)
@@ -248,11 +242,6 @@ def write_encoder_parts(
     """The encoder graph file `src` cut into one graph per kind of code
     (`graphspec.ENCODER_PARTS`: each part's nodes are the encoder's nodes its outputs need,
     unchanged), checked and written to `files` ({part: path}); their manifest entries."""
-    import onnx
-    from onnx.utils import Extractor
-
-    from cognet.core.graphspec import ENCODER_PARTS
-
     cut = Extractor(onnx.load(str(src)))
     out = {}
     for name, (ins, outs) in ENCODER_PARTS.items():
@@ -268,10 +257,6 @@ def write_encoder_parts(
 
 def write_fp16(src: Path, dst: Path, name: str, specs: dict[str, TensorSpec]) -> GraphSpec:
     """The float16 variant of the graph file `src`, checked and written to `dst`."""
-    import onnx
-
-    from cognet.export.fp16 import to_float16
-
     half = to_float16(onnx.load(str(src)))
     onnx.checker.check_model(half, full_check=True)
     with atomic_path(dst) as tmp:
@@ -282,10 +267,6 @@ def write_fp16(src: Path, dst: Path, name: str, specs: dict[str, TensorSpec]) ->
 def write_int8(src: Path, dst: Path, name: str, specs: dict[str, TensorSpec]) -> GraphSpec:
     """The int8 variant of the graph file `src` (`cognet.export.int8`), checked and written
     to `dst`: its inputs and outputs are the float32 graph's."""
-    import onnx
-
-    from cognet.export.int8 import quantize
-
     with atomic_path(dst) as tmp:
         quantize(src, tmp)
         proto = onnx.load(str(tmp))
@@ -296,8 +277,6 @@ def write_int8(src: Path, dst: Path, name: str, specs: dict[str, TensorSpec]) ->
 
 def _variant_spec(proto, path: Path, name: str, specs: dict[str, TensorSpec]) -> GraphSpec:
     """`graph_spec` of a variant's graph file, its tensors typed as the graph declares them."""
-    import onnx
-
     dtypes = {
         v.name: v.type.tensor_type.elem_type for v in (*proto.graph.input, *proto.graph.output)
     }

@@ -18,6 +18,7 @@ from cognet.core import tensorrt
 from cognet.core.decoding import MAX_LEN
 from cognet.core.manifest import GRAPHS, Manifest
 from cognet.core.tensorrt import CACHE_DIR
+from cognet.export.errors import TensorRTUnavailable
 
 # Symbolic axis -> (min, opt, max). T starts at 0 (first step, empty cache).
 PROFILE_AXES = {
@@ -35,8 +36,6 @@ PROFILE_AXES = {
 def require_tensorrt() -> None:
     """Raise TensorRTUnavailable unless ONNX Runtime has the TensorRT EP and a GPU is visible."""
     import onnxruntime as ort
-
-    from cognet.export.errors import TensorRTUnavailable
 
     if "TensorrtExecutionProvider" not in ort.get_available_providers():
         raise TensorRTUnavailable(
@@ -77,8 +76,6 @@ def build_engines(manifest: Manifest, fp16: bool = False) -> Manifest:
     hence the profiles, are the same) by running it once at the profile's opt shape."""
     import numpy as np
     import onnxruntime as ort
-
-    from cognet.export.errors import TensorRTUnavailable
 
     (Path(manifest.model_dir or ".") / CACHE_DIR).mkdir(exist_ok=True)
     entry = {"cache_dir": CACHE_DIR, "fp16": fp16, "profiles": {}}

@@ -17,6 +17,7 @@ import click
 import numpy as np
 
 from cognet.core import strict_json
+from cognet.core.code_names import CodeNames
 from cognet.core.commandline import (
     FiniteFloat,
     OneLineGroup,
@@ -33,7 +34,8 @@ from cognet.core.lock import claimed
 from cognet.core.manifest import VARIANTS
 from cognet.core.progress import progress
 from cognet.core.sinks import check_name
-from cognet.runtime import preflight, reader, summary, writer
+from cognet.runtime import preflight, ray_engine, reader, summary, writer
+from cognet.runtime.explain_visit import explain_visit, format_explanation
 from cognet.runtime.options import DEVICES, MAX_CODES, SELECTIONS, ScoreOptions
 from cognet.runtime.outputs import METRIC_WIDTH
 from cognet.runtime.scorer import Scorer
@@ -171,9 +173,7 @@ def ray_options(func):
     def wrapper(*args, engine, address, num_workers, gpus_per_worker, block_rows, **kwargs):
         ray = None
         if engine == "ray":
-            from cognet.runtime.ray_engine import RayOptions
-
-            ray = RayOptions(address, num_workers, gpus_per_worker, block_rows)
+            ray = ray_engine.RayOptions(address, num_workers, gpus_per_worker, block_rows)
         return func(*args, ray=ray, **kwargs)
 
     options = [
@@ -310,8 +310,6 @@ def score(
     outputs = {**preflight.outputs_of(out), "--summary-json": summary_json}
     check_not_read(outputs, Reads(models=[model_dir]))
     if ray is not None:  # the same Scorer on a Ray cluster (cognet.runtime.ray_engine)
-        from cognet.runtime import ray_engine
-
         if resume:
             raise InputError("--resume is for --engine local; rerun the --engine ray command")
         if split:
@@ -517,9 +515,6 @@ def explain(
     Example:
       cognet-batch explain visits.parquet --model model --visit-id V0012-3
     """
-
-    from cognet.core.code_names import CodeNames
-    from cognet.runtime.explain_visit import explain_visit, format_explanation
 
     setup_logging()
     names = CodeNames.load(names_file)  # a bad names file fails before the model loads

@@ -11,8 +11,15 @@ import click
 from cognet.core import strict_json
 from cognet.core.commandline import count_option, db_timeout_options, handle_errors, setup_logging
 from cognet.core.files import DATASET_FILES, Reads, guarded
+from cognet.core.schema import read_dataset
+from cognet.data.benchmark import build_benchmark
+from cognet.data.meds import MedicationMaps, MedsCodes, build_meds
 from cognet.data.mimic3 import DDI_TYPES, SafeDrugFiles, build_mimic3
 from cognet.data.mimic4 import build_mimic4
+from cognet.data.omop import build_omop, parse_concept_ids
+from cognet.data.omop_db import DbOptions, Timeouts, database_file
+from cognet.data.stats import compute_stats, format_stats
+from cognet.data.synth import generate
 from cognet.data.tables import Report
 
 
@@ -102,8 +109,6 @@ def synth(out_dir: Path, patients: int, seed: int) -> None:
     Example:
       cognet data synth --out data --patients 6350 --seed 0
     """
-    from cognet.data.synth import generate
-
     start = time.perf_counter()
     with guarded("cognet data synth", {"--out": out_dir}, Reads(), FOLDER) as stage:
         generate(stage["--out"], patients=patients, seed=seed)
@@ -130,9 +135,6 @@ def stats(dataset: Path, as_json: bool) -> None:
       cognet data stats data
       cognet data stats data --json > stats.json
     """
-    from cognet.core.schema import read_dataset
-    from cognet.data.stats import compute_stats, format_stats
-
     figures = compute_stats(read_dataset(dataset))
     click.echo(strict_json.dumps(figures, indent=2) if as_json else format_stats(figures))
 
@@ -189,7 +191,6 @@ def benchmark(
       cognet data benchmark --records records_final.pkl --voc voc_final.pkl \\
         --ddi ddi_A_final.pkl --out data/benchmark
     """
-    from cognet.data.benchmark import build_benchmark
 
     def build(folder: Path) -> Report:
         return build_benchmark(records, voc, ddi, folder, split_order)
@@ -382,10 +383,7 @@ def omop(
       PGPASSWORD=... cognet data omop --cdm postgresql://ohdsi@db.example.org/cdm \\
         --cdm-schema cdm --vocab-schema vocab --out data/omop
     """
-    from cognet.data.omop import build_omop, parse_concept_ids
-
     concepts = parse_concept_ids(visit_concepts)
-    from cognet.data.omop_db import DbOptions, Timeouts, database_file
 
     def build(folder: Path) -> Report:
         timeouts = Timeouts(connect_timeout, statement_timeout)
@@ -512,8 +510,6 @@ def meds(
         --ndc-rxnorm ndc2rxnorm_mapping.txt --rxnorm-atc ndc2atc_level4.csv \\
         --ddi ddi_atc3.csv
     """
-    from cognet.data.meds import MedicationMaps, MedsCodes, build_meds
-
     codes = MedsCodes(visit_start, visit_end, diagnosis, procedure, medication)
     maps = MedicationMaps(ndc_rxnorm, rxnorm_atc, medication_map)
 

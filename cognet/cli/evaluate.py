@@ -16,7 +16,9 @@ from cognet.core.commandline import (
 )
 from cognet.core.files import Reads, write_text
 from cognet.core.strict_json import finite
-from cognet.evaluation.ddi_tradeoff import DEFAULT_PENALTIES
+from cognet.evaluation.ddi_tradeoff import DEFAULT_PENALTIES, policies, run_tradeoff
+from cognet.evaluation.ddi_tradeoff import plot as plot_tradeoff
+from cognet.evaluation.options import EvalOptions
 
 
 @click.command()
@@ -135,9 +137,10 @@ def evaluate(
       cognet evaluate --checkpoint ckpt --data data --ddi-tradeoff --plot tradeoff.png
       cognet evaluate --checkpoint ckpt --data data --ddi-target 0.06
     """
+    # torch (the [train] extra): lazy, so that `cognet --help` runs without it
     import torch
 
-    from cognet.evaluation.evaluate import EvalOptions, run_evaluation
+    from cognet.evaluation.evaluate import run_evaluation
 
     setup_logging()
     torch.set_num_threads(threads)
@@ -213,12 +216,11 @@ def _marks(marks: tuple[str, ...]) -> list[tuple[str, float, float]]:
 
 
 def _tradeoff(ckpt, data_dir, options, levels, plot, json_out) -> None:
-    """--ddi-tradeoff; options: `cognet.evaluation.evaluate.EvalOptions` (no policy asked);
+    """--ddi-tradeoff; options: `cognet.evaluation.options.EvalOptions` (no policy asked);
     levels: the --penalties, --max-rates and --pair-prices texts; plot: the --plot path (or
     None) and the --mark points."""
-    from cognet.evaluation import ddi_tradeoff
-
-    pens, caps = _floats(levels[0], "--penalties"), _floats(levels[1], "--max-rates")
+    pens = _floats(levels[0], "--penalties")
+    caps = _floats(levels[1], "--max-rates")
     prices = _floats(levels[2], "--pair-prices")
     if any(p < 0 for p in pens) or any(not 0 <= r <= 1 for r in (*caps, *prices)):
         raise click.UsageError("penalties must be >= 0, max rates and pair prices in [0, 1]")
@@ -231,12 +233,12 @@ def _tradeoff(ckpt, data_dir, options, levels, plot, json_out) -> None:
                 err=True,
             )
 
-    policy_list = ddi_tradeoff.policies(pens, caps, prices)
-    result = ddi_tradeoff.run_tradeoff(ckpt, data_dir, options, policy_list, on_policy=done)
+    policy_list = policies(pens, caps, prices)
+    result = run_tradeoff(ckpt, data_dir, options, policy_list, on_policy=done)
     click.echo(result.table)
     plot_out, points = plot
     if plot_out:
-        ddi_tradeoff.plot(result.rows, plot_out, result.recommended, marks=points)
+        plot_tradeoff(result.rows, plot_out, result.recommended, marks=points)
         click.echo(f"plot written to {plot_out}", err=True)
     if json_out:
         write_text(json_out, strict_json.dumps(result.to_json(), indent=1) + "\n")

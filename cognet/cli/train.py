@@ -13,11 +13,15 @@ from cognet.core.commandline import (
     handle_errors,
     setup_logging,
 )
+from cognet.core.ddi import DDITarget
 from cognet.core.decoding import (
     Decoding,
 )
 from cognet.core.files import Reads, guarded
 from cognet.core.progress import progress
+from cognet.core.schemas import HEAD_FILE
+from cognet.model.checkpoint_checks import FILES
+from cognet.training.ddi_target import describe
 
 RECIPE_CHOICES = ("default", "reference")
 
@@ -205,12 +209,11 @@ def train(
       cognet train --data data --out ckpt-safe --ddi-target 0.06
       cognet train --data data --out ckpt-head --teacher ckpt
     """
+    # torch (the [train] extra): lazy, so that `cognet --help` runs without it
     import torch
 
-    from cognet.core.schemas import HEAD_FILE
+    from cognet.training import train as training
     from cognet.training.members import attach_head
-    from cognet.training.train import TrainConfig
-    from cognet.training.train import train as run_train
 
     setup_logging()
     torch.set_num_threads(threads)
@@ -240,7 +243,7 @@ def train(
     if teacher is not None:
         _teacher_alone(changes, head, recipe)
     try:
-        cfg = TrainConfig.from_recipe(recipe, **changes)
+        cfg = training.TrainConfig.from_recipe(recipe, **changes)
         if head:
             cfg = replace(cfg, head=_head(cfg.head, shape))
         else:  # no head to read the marginals from: set decoding is the default then
@@ -268,8 +271,6 @@ def train(
 
     bar = None if quiet else progress
     # one run per --out, never onto the dataset it reads (cognet.core.files.guarded)
-    from cognet.model.checkpoint import FILES
-
     written = {"--out": (*FILES, HEAD_FILE, "train_log.jsonl")}
     bars = (lambda **kw: bar(**kw)) if bar else None
     reads = Reads(datasets=[data_dir], checkpoints=[teacher])
@@ -279,16 +280,13 @@ def train(
             label = Decoding.from_json(done["decoding"]).label
             click.echo(f"set head trained on {teacher}; decoding: {label}; written to {out}")
             return
-        best = run_train(data_dir, stage["--out"], cfg, on_epoch=on_epoch, progress=bars)
+        best = training.train(data_dir, stage["--out"], cfg, on_epoch=on_epoch, progress=bars)
     kept = _members_label(best["members"])
     click.echo(
         f"weights: {kept}; decoding: "
         f"{Decoding.from_json(best['decoding']).label}; checkpoint written to {out}"
     )
     if best.get("ddi_target"):
-        from cognet.core.ddi import DDITarget
-        from cognet.training.ddi_target import describe
-
         click.echo(describe(DDITarget.from_json(best["ddi_target"])))
 
 
@@ -315,10 +313,9 @@ def ensemble(checkpoints, data_dir, out, threads):
       cognet train --data data --out ckpt_b --seed 1000 --members 1
       cognet ensemble ckpt_a ckpt_b --data data --out ckpt
     """
+    # torch (the [train] extra): lazy, so that `cognet --help` runs without it
     import torch
 
-    from cognet.core.schemas import HEAD_FILE
-    from cognet.model.checkpoint import FILES
     from cognet.training.members import combine
 
     setup_logging()
@@ -350,7 +347,7 @@ def _teacher_alone(changes: dict, head: bool, recipe: str) -> None:
 
 def _head(recipe, shape: dict):
     """The recipe's set head with the --head-* options given."""
-    from cognet.training.set_head import HeadRecipe
+    from cognet.training.set_head import HeadRecipe  # torch: lazy, as in `train`
 
     return replace(recipe or HeadRecipe(), **{k: v for k, v in shape.items() if v is not None})
 

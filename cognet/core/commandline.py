@@ -19,6 +19,9 @@ from pathlib import Path
 
 import click
 
+from cognet.core.ddi import DDI_MODES, RECOMMENDED_PENALTY, policy_from_options
+from cognet.core.decoding.defaults import BEAM, DECODINGS, ESTIMATORS, SET_RULES
+from cognet.core.decoding.request import DecodingRequest
 from cognet.core.errors import InputError, OutputError, escaped
 from cognet.core.files import Reads, guarded
 from cognet.core.interrupt import EXIT_CODE, Terminated
@@ -205,8 +208,6 @@ def db_timeout_options(func: Callable) -> Callable:
 def ddi_options(func: Callable) -> Callable:
     """--ddi-mode / --ddi-penalty / --ddi-max-rate (see `cognet.core.ddi`); turn them into a
     policy with `ddi_policy`."""
-    from cognet.core.ddi import DDI_MODES, RECOMMENDED_PENALTY
-
     options = [
         click.option(
             "--ddi-mode",
@@ -252,8 +253,6 @@ def ddi_policy(
 ):
     """The `cognet.core.ddi.DDIPolicy` of the ddi_options, or None when none was given (the
     model's own policy applies); click.UsageError on a bad mix."""
-    from cognet.core.ddi import policy_from_options
-
     if mode is None and penalty is None and max_rate is None and pair_price is None:
         return None
     try:
@@ -267,9 +266,6 @@ def decoding_options(func: Callable) -> Callable:
     --estimator, --set-rule and the DDI options), given to `func` as one `request:
     DecodingRequest`; `cognet evaluate` and `cognet-batch score` take them alike. An option
     that does not apply to the asked decoding is a usage error (exit 2, one line)."""
-    from cognet.core.decoding.defaults import BEAM, DECODINGS, ESTIMATORS, SET_RULES
-    from cognet.core.decoding.request import DecodingRequest
-
     # the options below are the request's fields by name; the DDI options make its `ddi`
     named = [f.name for f in dataclasses.fields(DecodingRequest) if f.name != "ddi"]
 

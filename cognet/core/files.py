@@ -37,6 +37,7 @@ from pathlib import Path
 
 from cognet.core.errors import InputError, OutputError, writing
 from cognet.core.interrupt import kill_point
+from cognet.core.lock import claimed
 from cognet.core.sinks import check_name, check_output, is_null_device, special_kind
 
 DATASET_FILES = ("visits.parquet", "ddi.parquet", "summary.json")
@@ -144,7 +145,8 @@ def _exchange(a: Path, b: Path) -> bool:
         renameat2 = libc.renameat2
     except (OSError, AttributeError):
         return False
-    at_fdcwd, exchange = -100, 2
+    at_fdcwd = -100  # AT_FDCWD: paths relative to the working folder
+    exchange = 2  # RENAME_EXCHANGE
     if renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), exchange) == 0:
         return True
     code = ctypes.get_errno()
@@ -339,8 +341,6 @@ def guarded(
     into place when the block succeeds; when it fails (an exit with a code other than 0, an
     interrupt and SIGTERM included) the staged folder goes and nothing else: a run never
     removes what it did not create. A folder made for a lock goes when left empty."""
-    from cognet.core.lock import claimed
-
     folders = _contents(folders)
     check_outputs(outputs, reads, folders)
     given = {k: Path(v) for k, v in outputs.items() if v}

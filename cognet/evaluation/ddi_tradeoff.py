@@ -24,17 +24,17 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from cognet.core.ddi import DDIPolicy, ddi_matrix, require_pairs
 from cognet.core.decoding import Decoding
+from cognet.core.errors import InputError
 from cognet.core.files import atomic_path
-from cognet.core.schema import DDI_FILE
-
-if TYPE_CHECKING:  # cognet.evaluation.evaluate imports torch: only where a policy is decoded
-    from cognet.evaluation.evaluate import EvalOptions
+from cognet.core.history import load_split
+from cognet.core.metrics import evaluation_report, visit_results
+from cognet.core.schema import DDI_FILE, read_dataset
+from cognet.evaluation.options import EvalOptions, ground_truth_ddi, stored_decoding
 
 # fine between 0.25 and 1, where the frontier bends on real data (docs/guide/ddi.md)
 DEFAULT_PENALTIES = (0.1, 0.25, 0.35, 0.5, 0.6, 0.7, 0.8, 1.0, 2.0)
@@ -117,8 +117,7 @@ def tradeoff(
     itself uses the model's DDI graph, built from the same pairs. options: the bootstrap
     rounds and seed; decoding: what each policy decodes with (default: the paper's beam
     search); head: the set head that the marginal decoding reads."""
-    from cognet.core.metrics import evaluation_report, visit_results
-    from cognet.evaluation.evaluate import EvalOptions
+    # torch: lazy, so that `cognet evaluate --help` and the bench's report run without it
     from cognet.model.torch_decoding import decode_patients, reselect
 
     options = options or EvalOptions()
@@ -262,11 +261,9 @@ def plot(
 
 def _pyplot():
     """matplotlib.pyplot on the Agg backend; an InputError when matplotlib is missing."""
-    try:
+    try:  # matplotlib: the [bench] extra, needed by the plot only
         import matplotlib
     except ImportError:
-        from cognet.core.errors import InputError
-
         raise InputError("--plot needs matplotlib: pip install 'cognet[bench]'") from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -416,11 +413,7 @@ def run_tradeoff(
     policy of `policy_list` (default: `policies()`) on the split of `options` of a dataset
     directory (its first `max_patients` patients when given: a policy costs about a torch
     decoding of the split), decoded as `options` says on top of the checkpoint's own."""
-    from cognet.core.errors import InputError
-    from cognet.core.history import load_split
-    from cognet.core.schema import read_dataset
-    from cognet.evaluation.evaluate import EvalOptions, ground_truth_ddi, stored_decoding
-    from cognet.model import checkpoint
+    from cognet.model import checkpoint  # torch: lazy, as in `tradeoff`
 
     options = options or EvalOptions()
     split = options.split

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -15,42 +14,26 @@ import pyarrow as pa
 from cognet.core.ddi import DDIPolicy, DDITarget, ddi_matrix, require_pairs
 from cognet.core.decoding import Decoding
 from cognet.core.decoding.request import DecodingRequest
+from cognet.core.errors import InputError
 from cognet.core.files import atomic_path
 from cognet.core.history import Visit, load_split, train_vocabulary
 from cognet.core.metrics import (
     VisitResult,
-    ddi_rate_of_sets,
     evaluation_report,
+    format_table,
     summarize,
     visit_results,
 )
-from cognet.core.schema import DDI_FILE, PREDICTIONS_SCHEMA
+from cognet.core.progress import progress
+from cognet.core.schema import DDI_FILE, PREDICTIONS_SCHEMA, read_dataset
 from cognet.core.vocab import Vocab
+from cognet.evaluation.baselines import run_baseline
+from cognet.evaluation.options import EvalOptions, ground_truth_ddi, stored_decoding
+from cognet.model import checkpoint
 from cognet.model.torch_decoding import decode_patients
+from cognet.training.ddi_target import Validation, choose_target
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class EvalOptions:
-    """What `cognet evaluate` (and `--ddi-tradeoff`) evaluates and how, in one value: the
-    command builds it from its options, the functions below take it whole."""
-
-    split: str = "test"
-    # the decoding and DDI policy asked on top of the checkpoint's own (`resolve`)
-    request: DecodingRequest = DecodingRequest()
-    # choose a DDI target's pair on the validation split for this rate
-    # (`cognet.training.ddi_target`) and evaluate with it, instead of the checkpoint's own
-    ddi_target: float | None = None
-    rounds: int = 10  # bootstrap rounds of 80% of the patients (1: every patient, once)
-    seed: int = 0
-    baseline: str | None = None  # evaluate this baseline instead of the checkpoint
-    predictions: str | Path | None = None  # write every visit's recommendation there
-    quiet: bool = True  # no progress bar
-
-
-def ground_truth_ddi(patients: Sequence[Sequence[Visit]], ddi_adj: np.ndarray) -> float:
-    return float(ddi_rate_of_sets([v.meds or () for p in patients for v in p], ddi_adj))
 
 
 def predictions_table(
@@ -88,15 +71,16 @@ def model_name(beam: int | Decoding, ddi: DDIPolicy = DDIPolicy()) -> str:
 
 def run_evaluation(ckpt, data_dir, options: EvalOptions = EvalOptions()) -> dict:
     """What `cognet evaluate` does: returns {"report": dict, "table": str}."""
-    from cognet.core.schema import read_dataset
-    from cognet.model import checkpoint
-
-    split, baseline, seed = options.split, options.baseline, options.seed
+    split = options.split
+    baseline = options.baseline
+    seed = options.seed
     dataset = read_dataset(data_dir)
     asked = "--ddi-target" if options.ddi_target is not None else "the DDI policy"
     if options.ddi_target is not None or (options.request.ddi and options.request.ddi.active):
         require_pairs(dataset.ddi_pairs, Path(data_dir) / DDI_FILE, asked)
-    ddi, target, trials = options.request.ddi or DDIPolicy(), None, None
+    ddi = options.request.ddi or DDIPolicy()
+    target = None
+    trials = None
     if ckpt:
         model, vocab, config = checkpoint.load(ckpt)
         target = DDITarget.from_json(config.get("ddi_target"))  # checked by checkpoint.load
@@ -105,8 +89,6 @@ def run_evaluation(ckpt, data_dir, options: EvalOptions = EvalOptions()) -> dict
         decoding, ddi = resolve(config, options.request, target)
         head = checkpoint.load_head(ckpt, config) if decoding.name == "marginal" else None
         if decoding.name == "marginal" and head is None:
-            from cognet.core.errors import InputError
-
             raise InputError(
                 f"{ckpt}: --decoding marginal reads a set head and this checkpoint has none "
                 f"(add one: cognet train --data DATA --teacher {ckpt} --out NEW)"
@@ -115,13 +97,9 @@ def run_evaluation(ckpt, data_dir, options: EvalOptions = EvalOptions()) -> dict
         vocab = train_vocabulary(dataset.visits)
     data = load_split(dataset.visits, vocab, split)
     if not data.patients:
-        from cognet.core.errors import InputError
-
         raise InputError(f"{data_dir}: the {split} split has no labelled visit")
     ddi_adj = ddi_matrix(vocab, dataset.ddi_pairs)
     if baseline:
-        from cognet.evaluation.baselines import run_baseline
-
         results = run_baseline(baseline, vocab, dataset.visits, split=split, seed=seed)
         name = baseline
     else:
@@ -147,8 +125,6 @@ def run_evaluation(ckpt, data_dir, options: EvalOptions = EvalOptions()) -> dict
 def _decode_split(model, vocab: Vocab, patients, decoding, ddi, options: EvalOptions, head=None):
     """Decode every patient (with a progress bar) into VisitResults; write the predictions
     Parquet file when `options.predictions` asks for it."""
-    from cognet.core.progress import progress
-
     n_visits = sum(map(len, patients))
     with progress(total=n_visits, desc="decoding", unit="visit", quiet=options.quiet) as bar:
         decoded = decode_patients(model, vocab, patients, decoding, ddi, bar.update, head=head)
@@ -182,8 +158,6 @@ def _decoding_fields(decoding, ddi, target, trials, options: EvalOptions) -> dic
 def _summary_table(name: str, rep: dict, split: str, unknown_codes: int) -> str:
     """The metrics table, the split's ground-truth DDI rate and sizes, and the Jaccard of
     first and later visits."""
-    from cognet.core.metrics import format_table
-
     parts = rep["by_history"]
     return (
         format_table({name: rep}) + f"\nground-truth DDI rate of the {split} split: "
@@ -212,10 +186,6 @@ def _search_target(ckpt, model, vocab, dataset, config: dict, options: EvalOptio
     """The DDI target's pair for `options.ddi_target`, chosen on the validation split
     (`cognet.training.ddi_target`), with the decoding that `options` asks on the checkpoint's, and
     the search's trials."""
-    from cognet.core.errors import InputError
-    from cognet.model import checkpoint
-    from cognet.training.ddi_target import Validation, choose_target
-
     decoding = _asked(lambda: options.request.decoding_on(stored_decoding(config)))
     val = load_split(dataset.visits, vocab, "val").patients
     if decoding.name == "beam" or not val:
@@ -224,7 +194,6 @@ def _search_target(ckpt, model, vocab, dataset, config: dict, options: EvalOptio
         )
     head = checkpoint.load_head(ckpt, config) if decoding.name == "marginal" else None
     adj = ddi_matrix(vocab, dataset.ddi_pairs)
-    from cognet.core.progress import progress
 
     # no total: the search decodes validation once per policy it tries, as many as needed
     desc = f"DDI target {options.ddi_target:g} search"
@@ -233,12 +202,6 @@ def _search_target(ckpt, model, vocab, dataset, config: dict, options: EvalOptio
         return choose_target(
             model, vocab, split, decoding, options.ddi_target, on_batch=bar.update, head=head
         )
-
-
-def stored_decoding(config: dict) -> Decoding:
-    """A checkpoint's own decoding (config.json "decoding"; beam 4 for a model from before
-    set decoding); a bad one is an InputError."""
-    return _asked(lambda: Decoding.from_json(config.get("decoding")))
 
 
 def resolve(
@@ -252,8 +215,6 @@ def resolve(
 
 
 def _asked(get: Callable):
-    from cognet.core.errors import InputError
-
     try:
         return get()
     except ValueError as exc:

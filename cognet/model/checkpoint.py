@@ -24,11 +24,9 @@ import numpy as np
 from safetensors.torch import save_file
 
 from cognet.core import strict_json
-from cognet.core.decoding.ensemble import MAX_MEMBERS
 from cognet.core.errors import InputError, one_line, writing
-from cognet.core.fields import FieldError, show
 from cognet.core.files import atomic_path
-from cognet.core.schemas import HEAD_FILE, MEMBERS
+from cognet.core.schemas import HEAD_FILE
 from cognet.core.vocab import Vocab
 from cognet.model import checkpoint_checks as checks
 from cognet.model.ensemble import Ensemble
@@ -36,7 +34,7 @@ from cognet.model.network import COGNet, ModelConfig
 from cognet.model.set_head import HeadConfig, SetHead
 
 FORMAT_VERSION = 1
-FILES = ("config.json", "vocab.json", "model.safetensors", "graphs.npz")
+FILES = checks.FILES  # defined there, torch-free, for the command lines
 
 
 @dataclass(frozen=True, eq=False)
@@ -137,7 +135,7 @@ def load(path: str | Path, device: str = "cpu") -> tuple[COGNet | Ensemble, Voca
             f"{path / 'config.json'}: unsupported checkpoint format version "
             f"{config.get('format_version')!r} (expected {FORMAT_VERSION})"
         )
-    count = members(path, config)  # its own line, before the other fields
+    count = checks.members(path, config)  # its own line, before the other fields
     checks.check_config(path, config)  # every field, before any is used
     checks.check_hashes(path, config)
     vocab = checks.read_vocab(path)
@@ -182,19 +180,6 @@ def load_head(path: str | Path, config: dict) -> SetHead | None:
     checks.check_weights(path, head.state_dict(), weights, HEAD_FILE)
     head.load_state_dict(weights)
     return head.eval()
-
-
-def members(path: Path, config: dict) -> int:
-    """The number of networks a checkpoint's config.json declares (1 when it names none)."""
-    count = config.get("members", 1)
-    try:
-        MEMBERS.check(count, "members")
-    except FieldError:
-        raise InputError(
-            f"{path / 'config.json'}: members must be an integer in [1, {MAX_MEMBERS}], "
-            f"not {show(count)}"
-        ) from None
-    return count
 
 
 def checkpoint_hash(path: str | Path) -> str:

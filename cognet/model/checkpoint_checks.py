@@ -31,19 +31,34 @@ import numpy as np
 from cognet.core import strict_json
 from cognet.core.ddi import DDITarget
 from cognet.core.decoding import Decoding
+from cognet.core.decoding.ensemble import MAX_MEMBERS
 from cognet.core.errors import InputError, one_line
-from cognet.core.fields import checked
+from cognet.core.fields import FieldError, checked, show
 from cognet.core.files import confined
 from cognet.core.manifest import file_sha256
-from cognet.core.schemas import CONFIG, VOCAB
+from cognet.core.schemas import CONFIG, MEMBERS, VOCAB
 from cognet.core.vocab import Vocab
 
 HASHED = ("vocab.json", "model.safetensors", "graphs.npz")
+FILES = ("config.json", *HASHED)  # a checkpoint's files (the set head's aside)
 
 
 def file_hashes(files: Mapping[str, Path]) -> dict[str, str]:
     """{name: sha256} of the files that config.json vouches for ({name: where it is now})."""
     return {name: file_sha256(where) for name, where in files.items()}
+
+
+def members(path: Path, config: dict) -> int:
+    """The number of networks a checkpoint's config.json declares (1 when it names none)."""
+    count = config.get("members", 1)
+    try:
+        MEMBERS.check(count, "members")
+    except FieldError:
+        raise InputError(
+            f"{path / 'config.json'}: members must be an integer in [1, {MAX_MEMBERS}], "
+            f"not {show(count)}"
+        ) from None
+    return count
 
 
 def read_json(path: Path) -> dict:

@@ -31,7 +31,8 @@ from cognet.model.batching import ddi_adjacency, ehr_adjacency
 from cognet.model.checkpoint_checks import read_graphs
 from cognet.model.ensemble import Ensemble, members_of
 from cognet.model.network import COGNet
-from cognet.training.set_head import HeadRecipe
+from cognet.training.ddi_target import Validation, choose_target
+from cognet.training.set_head import HeadRecipe, teacher_marginals, train_head
 from cognet.training.tuning import set_decoding_for
 
 # what a member's training record may differ in from another member's: its seed and what
@@ -117,7 +118,8 @@ def finish(
         head, decoding = _train_head(model, vocab, ddi > 0, tuning, decoding)
         if tuning.decoding == "marginal" and tuning.ddi_target is not None:
             target = _target_of(model, vocab, ddi > 0, tuning, decoding, head[0], bars)
-    model, json = model.cpu(), decoding.to_json()
+    model = model.cpu()
+    json = decoding.to_json()
     checkpoint.save(out, model, vocab, graphs, info, checkpoint.Tuned(json, target, head))
     write_text(out / "train_log.jsonl", "".join(strict_json.dumps(r) + "\n" for r in history))
     return decoding, target
@@ -129,7 +131,8 @@ def stored_decoding(model, vocab: Vocab, ddi_bool: np.ndarray, tuning: Tuning, p
     phase with a bar over the validation visits it decodes when `progress` is given."""
     val = tuning.val_patients
     n_visits = sum(map(len, val))
-    decoding, record = Decoding(name="beam"), {}
+    decoding = Decoding(name="beam")
+    record = {}
     if tuning.decoding in ("set", "marginal"):
         with bar_of(progress, n_visits, "tuning the set decoding") as bar:
             decoding, record = set_decoding_for(
@@ -144,8 +147,6 @@ def stored_decoding(model, vocab: Vocab, ddi_bool: np.ndarray, tuning: Tuning, p
 def _target_of(model, vocab, ddi_bool, tuning: Tuning, decoding: Decoding, head, progress):
     """The model's default DDI policy and set rule for `tuning.ddi_target`, chosen on
     validation for `decoding` (marginal: over the set `head`'s P(k in S)), as JSON."""
-    from cognet.training.ddi_target import Validation, choose_target
-
     # no total: the search decodes validation once per policy it tries, as many as needed
     with bar_of(progress, None, f"DDI target {tuning.ddi_target:g} search") as bar:
         target, _ = choose_target(
@@ -163,9 +164,8 @@ def _target_of(model, vocab, ddi_bool, tuning: Tuning, decoding: Decoding, head,
 def _train_head(model, vocab: Vocab, ddi_bool: np.ndarray, tuning: Tuning, decoding: Decoding):
     """(the set head learnt from `model`'s P(k in S) and its record, the stored decoding with
     the head's tuned threshold and rule, named "marginal" when that is the default)."""
-    from cognet.training.set_head import teacher_marginals, train_head
-
-    recipe, patients = tuning.head, tuning.train_patients
+    recipe = tuning.head
+    patients = tuning.train_patients
     taught = teacher_marginals(
         model, vocab, patients, tuning.samples, tuning.max_history, tuning.progress
     )

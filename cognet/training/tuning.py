@@ -18,6 +18,7 @@ from cognet.core.metrics import VisitResult, bootstrap_report
 from cognet.core.vocab import Vocab
 from cognet.model.batching import IGNORE, make_batch
 from cognet.model.network import COGNet
+from cognet.model.torch_decoding import decode_patients
 
 # Thresholds tried on P(k in S) (0.15 .. 0.60): the best on validation is kept.
 THRESHOLDS = tuple(round(x, 3) for x in np.arange(0.15, 0.601, 0.025))
@@ -132,8 +133,6 @@ def set_decoding_for(
     """The set decoding of `samples` samples (drawn by this version's estimator) with the
     threshold and the set rule chosen on `patients` (`choose_set_rule`); on_batch(visits)
     after each batch decoded."""
-    from cognet.model.torch_decoding import decode_patients
-
     probe = Decoding(name="set", samples=samples, threshold=1.0, estimator=ESTIMATOR)
     decoded = decode_patients(model, vocab, patients, probe, DDIPolicy(), on_batch)
     marginals = np.stack([d.scores for d in decoded])
