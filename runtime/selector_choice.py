@@ -20,6 +20,7 @@ from cognet.core.ddi import DDIPolicy
 from cognet.core.decoding import Decoding
 from cognet.core.decoding.beam import BeamConfig, BeamResult, beam_search
 from cognet.core.decoding.draws import visit_keys
+from cognet.core.decoding.driver import Visits
 from cognet.core.decoding.ensemble import (
     EnsembleSession,
     decode_ensemble_sets,
@@ -63,23 +64,19 @@ def decode(
 
     on_device: select in the search graphs of `session.search` (`--selection device`), but
     for explanations and beam search's PRAUC scores, which the numpy selectors give."""
-    n = len(visit_ids)
+    keys = visit_keys(visit_ids) if isinstance(cfg, SetConfig) else None
+    asked = {"prauc": prauc, "explain": explain, "attention": attention, "ddi_adj": ddi_adj}
+    visits = Visits(len(visit_ids), keys=keys, **asked)
     graphs = on_device and not explain
     ensemble = isinstance(session, EnsembleSession)
     if isinstance(cfg, SetConfig):
-        keys = visit_keys(visit_ids)
+        marginals = device_selectors.set_marginals if graphs else set_marginals
         if ensemble:
-            marginals = _graph_marginals if graphs else set_marginals
-            return decode_ensemble_sets(
-                session.members, memories, n, cfg, keys, explain, ddi_adj, attention, marginals
-            )
-        if graphs:
-            marginals, _, steps = device_selectors.set_marginals(session, memories, n, cfg, keys)
-            return set_result(marginals, steps, cfg, ddi_adj)
-        return decode_sets(session, memories, n, cfg, keys, explain, ddi_adj, attention)
+            return decode_ensemble_sets(session.members, memories, cfg, visits, marginals)
+        return decode_sets(session, memories, cfg, visits, marginals)
     if graphs and not prauc and (not ensemble or session.search is not None):
-        return device_selectors.beam_search(session, memories, n, cfg, ddi_adj)
-    return beam_search(session, memories, n, cfg, prauc, explain, ddi_adj, attention)
+        return device_selectors.beam_search(session, memories, cfg, visits)
+    return beam_search(session, memories, cfg, visits)
 
 
 def explained_marginal_sets(
@@ -96,20 +93,13 @@ def explained_marginal_sets(
     on the host): each medication's gate, copy share and attention are the means over the
     steps at which samples emitted it; `emitted` says which were (the others have none)."""
     keys = visit_keys(visit_ids)
-    n = len(visit_ids)
+    visits = Visits(len(keys), keys=keys, explain=True, attention=attention, ddi_adj=ddi_adj)
     if isinstance(session, EnsembleSession):
-        args = (session.members, memories, n, cfg, keys, True, ddi_adj, attention)
-        _, sums, steps = ensemble_marginals(*args)
+        _, sums, steps = ensemble_marginals(session.members, memories, cfg, visits)
     else:
-        _, sums, steps = set_marginals(session, memories, n, cfg, keys, True, ddi_adj, attention)
+        _, sums, steps = set_marginals(session, memories, cfg, visits)
     sums = sums or {}
     result = set_result(marginals, steps, cfg, ddi_adj, sums)
     count = sums.get("count", np.zeros(marginals.shape))
     result.emitted = [count[i, m] > 0 for i, m in enumerate(result.meds)]
     return result
-
-
-def _graph_marginals(session, memories, n, cfg, keys, *_) -> tuple[np.ndarray, None, int]:
-    """`device_selectors.set_marginals` with `set_marginals`'s arguments (the DDI rule is in the
-    graphs; explanations never take this path)."""
-    return device_selectors.set_marginals(session, memories, n, cfg, keys)

@@ -18,6 +18,7 @@ from cognet.cli import main
 from cognet.core.decoding import Decoding
 from cognet.core.decoding.beam import BeamConfig, beam_search, mixed_top_k, top_k_stable
 from cognet.core.decoding.draws import visit_keys
+from cognet.core.decoding.driver import Visits
 from cognet.core.decoding.ensemble import (
     MEMBER_LOG_PROBS,
     EnsembleSession,
@@ -115,9 +116,8 @@ def test_set_decoding_averages_the_members_marginals(case):
     want = []
     for i, net in enumerate(members_of(model)):
         session = TorchSession(net)
-        m, _, _ = set_marginals(
-            session, session.memories(batch), len(keys), member_config(cfg, i), keys
-        )
+        visits = Visits(len(keys), keys=keys)
+        m, _, _ = set_marginals(session, session.memories(batch), member_config(cfg, i), visits)
         want.append(m)
     np.testing.assert_allclose(got, np.mean(want, 0), rtol=1e-6, atol=1e-7)
     one = np.stack(
@@ -231,8 +231,8 @@ def test_beam_search_of_an_ensemble_mixes_lazily_and_decides_alike(case):
     assert "log_probs" not in out and len(out[MEMBER_LOG_PROBS]) == 2
     np.testing.assert_array_equal(out["log_probs"], mix_log_probs(out[MEMBER_LOG_PROBS]))
     cfg = BeamConfig(end=vocab.n_med, max_len=20, beam=4)
-    lazy = beam_search(ens, memories, n, cfg)
-    whole = beam_search(ens, memories, n, cfg, prauc=True)
+    lazy = beam_search(ens, memories, cfg, Visits(n))
+    whole = beam_search(ens, memories, cfg, Visits(n, prauc=True))
     assert [m.tolist() for m in lazy.meds] == [m.tolist() for m in whole.meds]
     np.testing.assert_array_equal(lazy.score, whole.score)
     for a, b in zip(lazy.med_probs, whole.med_probs, strict=True):

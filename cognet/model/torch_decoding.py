@@ -23,7 +23,7 @@ from cognet.core.ddi import DDIPolicy
 from cognet.core.decoding import BEAM, MAX_LEN, Decoding
 from cognet.core.decoding.beam import BeamConfig, BeamSelector
 from cognet.core.decoding.draws import visit_keys
-from cognet.core.decoding.driver import run
+from cognet.core.decoding.driver import Visits, run
 from cognet.core.decoding.ensemble import EnsembleSession, decode_ensemble_sets
 from cognet.core.decoding.sampling import SetConfig, decode_sets, set_result
 from cognet.core.head_inputs import patient_head_arrays
@@ -91,13 +91,12 @@ def set_decode(
         raise ValueError(f"{n} visits to decode but {len(visit_ids)} visit ids")
     sessions = [TorchSession(m) for m in members_of(model)]
     cfg = SetConfig.of(decoding, model.cfg.n_med, ddi)
-    keys = visit_keys(visit_ids)
-    adj = _ddi_adjacency(model)
+    visits = Visits(n, keys=visit_keys(visit_ids), ddi_adj=_ddi_adjacency(model))
     if len(sessions) == 1:
-        res = decode_sets(sessions[0], sessions[0].memories(batch), n, cfg, keys, ddi_adj=adj)
+        res = decode_sets(sessions[0], sessions[0].memories(batch), cfg, visits)
     else:
         memories = [s.memories(batch) for s in sessions]
-        res = decode_ensemble_sets(sessions, memories, n, cfg, keys, ddi_adj=adj)
+        res = decode_ensemble_sets(sessions, memories, cfg, visits)
     return _decoded(res, n)
 
 
