@@ -135,7 +135,7 @@ def test_device_selection_of_a_model_without_search_graphs_is_refused(tiny_many,
         manifest["search"].pop(name)
     (old / "manifest.json").write_text(json.dumps(manifest))
     model = OrtModel(load_manifest(old), device="cpu", threads=1, gpu_path=True)
-    assert model.encoder.search is None and model.decoder.select_on_device
+    assert model.encoder.search is None and model.selection == "device"
     table = as_targets(pq.read_table(tiny_many / "data" / "visits.parquet")).slice(0, 400)
     got = _lists(model.manifest, model.encoder, model.decoder, table, batch_size=64)
     host = OrtModel(load_manifest(old), device="cpu", threads=1, selection="host")
@@ -278,7 +278,7 @@ def _bound(model_dir, variant=None):
     manifest = load_manifest(model_dir)
     model = OrtModel(manifest, device="cpu", threads=1, selection="host", variant=variant)
     gpu = OrtModel(manifest, device="cpu", threads=1, variant=variant, gpu_path=True)
-    assert isinstance(gpu.decoder, DeviceDecoder) and gpu.decoder.select_on_device
+    assert isinstance(gpu.decoder, DeviceDecoder) and gpu.selection == "device"
     assert gpu.decoder.search.device == ("cpu", 0) and gpu.providers[0] == "CPUExecutionProvider"
     assert gpu.encoder.search is not None  # the model has the init_gather graphs
     return model, gpu.decoder, gpu.encoder

@@ -225,7 +225,7 @@ def test_ort_cuda_device_selection_equals_torch_reference(real_size, batch_size)
             real_size / "model",
             ScoreOptions.of(device="cuda", batch_size=batch_size, decoding="beam", ddi=policy),
         )
-        assert scorer.decoder.select_on_device
+        assert scorer.decoding_plan.on_device
         assert scorer.encode.search is not None  # encodings written and gathered on the GPU
         out = pa.concat_tables([c.recommendations for c in scorer.score_table(_targets(visits))])
         got = {r["visit_id"]: r["medications"] for r in out.to_pylist()}
@@ -261,7 +261,7 @@ def test_ort_cuda_with_several_host_streams_equals_torch_reference(real_size):
         real_size / "model",
         ScoreOptions.of(device="cuda", batch_size=128, decoding="beam", streams=3),
     )
-    assert scorer.streams == 3 and scorer.decoder.select_on_device
+    assert scorer.streams == 3 and scorer.decoding_plan.on_device
     out = pa.concat_tables([c.recommendations for c in scorer.score_table(_targets(visits))])
     assert {r["visit_id"]: r["medications"] for r in out.to_pylist()} == by_id
 

@@ -108,7 +108,6 @@ class EnsembleSession:
     mixture graph, `graphspec.MIX_GRAPH`), where the members' steps ran (`step_log_probs`)."""
 
     search = None
-    select_on_device = False
     prefix_cache = False  # set decoding runs each member's own session
 
     def __init__(self, members: Sequence[Any]):
