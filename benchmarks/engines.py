@@ -224,13 +224,14 @@ class TorchBatched(_TorchBase):
             tensors = {k: v.to(self.device) for k, v in tensors.items()}
             last = last.to(self.device)
         if self.beam == MARGINAL:  # the head reads every visit; the last ones are scored
+            from cognet.core.decoding.plan import DecodingPlan
             from cognet.core.decoding.request import DecodingRequest
             from cognet.model.torch_decoding import marginal_decode
 
-            decoding, ddi = DecodingRequest(decoding="marginal").resolve(self.set_decoding)
+            marginal = DecodingRequest(decoding="marginal")
+            plan = DecodingPlan.of(marginal, self.set_decoding, end=self.vocab.end)
             # the head stays on the CPU (`SetHead.marginals` feeds it host arrays)
-            args = (self.model, self.vocab, batch.patients, decoding, ddi)
-            decoded = marginal_decode(self.head, *args)
+            decoded = marginal_decode(self.head, self.model, self.vocab, batch.patients, plan)
             return [decoded[i].meds for i in _last_rows(batch.patients)]
         if self.beam == SET:
             from cognet.model.torch_decoding import set_decode

@@ -20,6 +20,7 @@ from cognet.core.ddi import RECOMMENDED_PENALTY, DDIPolicy, ddi_matrix, policy_f
 from cognet.core.decoding import Decoding
 from cognet.core.decoding.beam import BeamConfig, beam_search, ddi_rates
 from cognet.core.decoding.driver import Visits
+from cognet.core.decoding.plan import DecodingPlan
 from cognet.core.decoding.request import DecodingRequest
 from cognet.core.graphspec import INIT_INPUTS
 from cognet.core.history import patients_from_table
@@ -100,7 +101,11 @@ def reference(tiny):
     flat = [v.visit_id for p in patients for v in p]
     adj = ddi_matrix(vocab, config["ddi_pairs"])
     off = dict(
-        zip(flat, decode_patients(model, vocab, patients, decoding=Decoding(beam=4)), strict=True)
+        zip(
+            flat,
+            decode_patients(model, vocab, patients, DecodingPlan(Decoding(beam=4), vocab.end)),
+            strict=True,
+        )
     )
     return {
         "model": model,
@@ -122,9 +127,8 @@ def _rate(adj: np.ndarray, meds) -> float:
 @pytest.mark.parametrize("policy", POLICIES, ids=IDS)
 def test_onnx_runtime_equals_torch_reference(tiny, reference, policy):
     vocab, adj = reference["vocab"], reference["adj"]
-    decoded = decode_patients(
-        reference["model"], vocab, reference["patients"], decoding=Decoding(beam=4), ddi=policy
-    )
+    plan = DecodingPlan(Decoding(beam=4), vocab.end, ddi=policy)
+    decoded = decode_patients(reference["model"], vocab, reference["patients"], plan)
     ref = dict(zip(reference["flat"], decoded, strict=True))
     scorer = Scorer(
         tiny / "model", ScoreOptions.of(device="cpu", batch_size=64, threads=1, ddi=policy)

@@ -15,6 +15,7 @@ from tiny import DDI_IDS, DDI_POLICIES, as_targets
 from cognet.cli import main as cognet_main
 from cognet.core.ddi import DDIPolicy
 from cognet.core.decoding import Decoding, open_samples
+from cognet.core.decoding.plan import DecodingPlan
 from cognet.core.errors import InputError
 from cognet.core.history import patients_from_table
 from cognet.model import checkpoint
@@ -51,7 +52,7 @@ def _reference(root, decoding: Decoding, policy: DDIPolicy) -> tuple[dict, list]
     model, vocab, _ = checkpoint.load(root / "ckpt")
     visits = pq.read_table(root / "data" / "visits.parquet")
     patients = list(patients_from_table(visits, vocab))
-    decoded = decode_patients(model, vocab, patients, decoding=decoding, ddi=policy)
+    decoded = decode_patients(model, vocab, patients, DecodingPlan(decoding, vocab.end, ddi=policy))
     flat = [v.visit_id for p in patients for v in p]
     return dict(zip(flat, decoded, strict=True)), vocab
 

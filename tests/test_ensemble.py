@@ -26,6 +26,7 @@ from cognet.core.decoding.ensemble import (
     member_seed,
     mix_log_probs,
 )
+from cognet.core.decoding.plan import DecodingPlan
 from cognet.core.decoding.sampling import SetConfig, set_marginals
 from cognet.model import checkpoint
 from cognet.model.batching import make_batch
@@ -109,7 +110,8 @@ def test_set_decoding_averages_the_members_marginals(case):
     drawing with seed + i."""
     model, vocab, patients = case
     decoding = Decoding(name="set", samples=8, threshold=0.3, estimator="stratified", seed=5)
-    got = np.stack([d.scores for d in decode_patients(model, vocab, patients, decoding)])
+    plan = DecodingPlan(decoding, vocab.end)
+    got = np.stack([d.scores for d in decode_patients(model, vocab, patients, plan)])
     batch = make_batch(patients, vocab, targets=False)
     keys = visit_keys([v.visit_id for p in patients for v in p])
     cfg = SetConfig.of(decoding, vocab.n_med)
@@ -120,9 +122,7 @@ def test_set_decoding_averages_the_members_marginals(case):
         m, _, _ = set_marginals(session, session.memories(batch), member_config(cfg, i), visits)
         want.append(m)
     np.testing.assert_allclose(got, np.mean(want, 0), rtol=1e-6, atol=1e-7)
-    one = np.stack(
-        [d.scores for d in decode_patients(members_of(model)[0], vocab, patients, decoding)]
-    )
+    one = np.stack([d.scores for d in decode_patients(members_of(model)[0], vocab, patients, plan)])
     assert not np.allclose(got, one)  # the second member counts
 
 
@@ -133,9 +133,9 @@ def test_beam_search_of_identical_members_is_the_member(case):
     net = members_of(model)[0]
     twins = Ensemble([net, copy.deepcopy(net)]).eval()
     for beam in (1, 4):
-        decoding = Decoding(beam=beam)
-        alone = decode_patients(net, vocab, patients, decoding)
-        mixed = decode_patients(twins, vocab, patients, decoding)
+        plan = DecodingPlan(Decoding(beam=beam), vocab.end)
+        alone = decode_patients(net, vocab, patients, plan)
+        mixed = decode_patients(twins, vocab, patients, plan)
         assert [d.meds for d in mixed] == [d.meds for d in alone]
         np.testing.assert_allclose([d.score for d in mixed], [d.score for d in alone], atol=1e-5)
 
@@ -159,7 +159,7 @@ def test_beam_search_steps_on_the_mixture(case):
     ]
     np.testing.assert_allclose(np.exp(out["log_probs"]), np.mean(probs, 0), rtol=1e-5, atol=1e-7)
     first = np.argmax(out["log_probs"][:, 0], -1)
-    greedy = decode_patients(model, vocab, patients[:3], Decoding(beam=1))
+    greedy = decode_patients(model, vocab, patients[:3], DecodingPlan(Decoding(beam=1), vocab.end))
     assert [d.meds[0] if d.meds else vocab.n_med for d in greedy] == first.tolist()
 
 

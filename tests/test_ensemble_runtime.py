@@ -24,6 +24,7 @@ from cognet.core import metrics
 from cognet.core.ddi import ddi_matrix
 from cognet.core.decoding import Decoding
 from cognet.core.decoding.ensemble import EnsembleSession
+from cognet.core.decoding.plan import DecodingPlan
 from cognet.core.graphspec import MIX_GRAPH
 from cognet.core.history import patients_from_table
 from cognet.core.manifest import GRAPHS, load_manifest
@@ -79,7 +80,7 @@ def _visits(root: Path, history: bool) -> pa.Table:
 
 def _torch_lists(model, vocab, table: pa.Table, decoding: Decoding) -> dict:
     patients = list(patients_from_table(table, vocab))
-    decoded = decode_patients(model, vocab, patients, decoding=decoding)
+    decoded = decode_patients(model, vocab, patients, DecodingPlan(decoding, vocab.end))
     flat = [v for p in patients for v in p]
     return {v.visit_id: d for v, d in zip(flat, decoded, strict=True)}
 

@@ -117,6 +117,7 @@ def tradeoff(
     itself uses the model's DDI graph, built from the same pairs. options: the bootstrap
     rounds and seed; decoding: what each policy decodes with (default: the paper's beam
     search); head: the set head that the marginal decoding reads."""
+    from cognet.core.decoding.plan import DecodingPlan
     from cognet.core.metrics import evaluation_report, visit_results
     from cognet.evaluation.evaluate import EvalOptions
     from cognet.model.torch_decoding import decode_patients, reselect
@@ -135,10 +136,12 @@ def tradeoff(
             priced = decoding.with_changes(**{rule: "jaccard"})
             base = DDIPolicy(policy.mode, policy.penalty)
             if base not in steps:
-                steps[base] = decode_patients(model, vocab, patients, decoding, base, head=head)
+                plan = DecodingPlan(decoding, vocab.end, ddi=base)
+                steps[base] = decode_patients(model, vocab, patients, plan, head=head)
             decoded = reselect(model, steps[base], priced, policy)  # same P(k in S)
         else:
-            decoded = decode_patients(model, vocab, patients, decoding, policy, head=head)
+            plan = DecodingPlan(decoding, vocab.end, ddi=policy)
+            decoded = decode_patients(model, vocab, patients, plan, head=head)
             if policy in bases:
                 steps[policy] = decoded
         seconds = time.perf_counter() - started

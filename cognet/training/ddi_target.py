@@ -203,12 +203,14 @@ def choose_target(
     the marginal decoding reads the set head `head` once, since its P(k in S) depend on no
     policy: only the set rules (cap, pair price, threshold or expected-Jaccard rule, hard's
     set rule) are searched, no soft penalty."""
+    from cognet.core.decoding.plan import DecodingPlan
     from cognet.model.torch_decoding import decode_patients
     from cognet.training.tuning import THRESHOLDS
 
     grid = THRESHOLDS if thresholds is None else thresholds
     if decoding.name == "marginal":
-        decoded = decode_patients(model, vocab, patients, decoding, on_batch=on_batch, head=head)
+        plan = DecodingPlan(decoding, vocab.end)
+        decoded = decode_patients(model, vocab, patients, plan, on_batch=on_batch, head=head)
         margins = np.stack([d.scores for d in decoded])
         chosen, trials = search(
             lambda _: margins, patients, ddi_adj, target, grid, ladder=(), refine=0
@@ -219,7 +221,8 @@ def choose_target(
     probe = decoding.with_changes(threshold=1.0)  # the marginals do not depend on it
 
     def marginals_of(policy: DDIPolicy) -> np.ndarray:
-        decoded = decode_patients(model, vocab, patients, probe, policy, on_batch)
+        plan = DecodingPlan(probe, vocab.end, ddi=policy)
+        decoded = decode_patients(model, vocab, patients, plan, on_batch)
         return np.stack([d.scores for d in decoded])
 
     return search(marginals_of, patients, ddi_adj, target, grid)
