@@ -110,7 +110,7 @@ class EnsembleSession:
     search = None
     prefix_cache = False  # set decoding runs each member's own session
 
-    def __init__(self, members: Sequence[Any]):
+    def __init__(self, members: Sequence[DecoderSession]):
         if len(members) < 2:
             raise ValueError("an ensemble needs at least two member sessions")
         self.members = tuple(members)
@@ -159,7 +159,7 @@ class EnsembleSession:
         return tuple(m.take(v, rows) for m, v in zip(self.members, value, strict=True))
 
 
-def member_sessions(session: Any) -> tuple:
+def member_sessions(session: DecoderSession) -> tuple[DecoderSession, ...]:
     """The sessions of a decoder: an `EnsembleSession`'s members, or the one session."""
     return session.members if isinstance(session, EnsembleSession) else (session,)
 

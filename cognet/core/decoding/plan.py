@@ -29,7 +29,7 @@ from cognet.core.ddi import DDIPolicy, DDITarget
 from cognet.core.decoding.beam import BeamConfig, BeamResult, beam_search
 from cognet.core.decoding.defaults import Decoding
 from cognet.core.decoding.draws import visit_keys
-from cognet.core.decoding.driver import COMPACT_AT, DecoderSession, Visits
+from cognet.core.decoding.driver import COMPACT_AT, DecoderSession, DeviceDecoderSession, Visits
 from cognet.core.decoding.ensemble import (
     EnsembleSession,
     decode_ensemble_sets,
@@ -144,11 +144,11 @@ class DeviceSelection(Protocol):
     functions these are), for a plan that selects on the device."""
 
     def beam_search(
-        self, session: Any, memories: Any, cfg: BeamConfig, visits: Visits
+        self, session: DeviceDecoderSession, memories: Any, cfg: BeamConfig, visits: Visits
     ) -> BeamResult: ...
 
     def set_marginals(
-        self, session: Any, memories: Any, cfg: SetConfig, visits: Visits
+        self, session: DeviceDecoderSession, memories: Any, cfg: SetConfig, visits: Visits
     ) -> tuple[np.ndarray, dict | None, int]: ...
 
 
