@@ -49,6 +49,7 @@ import numpy as np
 from cognet.benchmarks.workload import Batch
 from cognet.core.decoding import BEAM, MAX_LEN, Decoding
 from cognet.core.decoding.ensemble import mix_log_probs
+from cognet.core.decoding.plan import DecodingPlan
 from cognet.core.decoding.request import DecodingRequest
 from cognet.core.errors import InputError
 from cognet.core.manifest import load_manifest
@@ -231,9 +232,10 @@ class TorchBatched(_TorchBase):
             tensors = {k: v.to(self.device) for k, v in tensors.items()}
             last = last.to(self.device)
         if self.beam == MARGINAL:  # the head reads every visit; the last ones are scored
-            decoding, ddi = DecodingRequest(decoding="marginal").resolve(self.set_decoding)
+            marginal = DecodingRequest(decoding="marginal")
+            plan = DecodingPlan.of(marginal, self.set_decoding, end=self.vocab.end)
             # the head stays on the CPU (`SetHead.marginals` feeds it host arrays)
-            args = (self.model, self.vocab, batch.patients, decoding, ddi)
+            args = (self.model, self.vocab, batch.patients, plan)
             decoded = torch_decoding.marginal_decode(self.head, *args)
             return [decoded[i].meds for i in _last_rows(batch.patients)]
         if self.beam == SET:

@@ -25,6 +25,7 @@ import pyarrow.parquet as pq
 
 from cognet.core import strict_json
 from cognet.core.decoding.draws import visit_keys
+from cognet.core.decoding.driver import Visits
 from cognet.core.decoding.ensemble import EnsembleSession, ensemble_marginals
 from cognet.core.decoding.sampling import SetConfig, set_marginals
 from cognet.core.manifest import load_manifest
@@ -64,12 +65,12 @@ def marginals(model_dir: Path, table: pa.Table, visits: int, configs, batch: int
             part = pick[lo : lo + step]
             targets, histories = plan.targets[part], plan.histories.take(part)
             memories, _ = init_memories(model.decoder, plan, enc, targets, histories)
-            keys = visit_keys(ids[lo : lo + step])
+            visits = Visits(part.size, keys=visit_keys(ids[lo : lo + step]))
             if isinstance(model.decoder, EnsembleSession):  # the mean of its members'
                 members = model.decoder.members
-                est, _, _ = ensemble_marginals(members, memories, part.size, cfg, keys)
+                est, _, _ = ensemble_marginals(members, memories, cfg, visits)
             else:
-                est, _, _ = set_marginals(model.decoder, memories, part.size, cfg, keys)
+                est, _, _ = set_marginals(model.decoder, memories, cfg, visits)
             rows.append(est)
         out.append(np.concatenate(rows))
     return out

@@ -303,6 +303,7 @@ def onnx_beam_search(
     score) per visit."""
     from cognet.core.decoding.beam import BeamConfig
     from cognet.core.decoding.beam import beam_search as runtime_beam_search
+    from cognet.core.decoding.driver import Visits
     from cognet.core.decoding.ensemble import EnsembleSession
 
     sessions, memories = _host_sessions(graphs, batch, cfg)
@@ -313,8 +314,8 @@ def onnx_beam_search(
     result = runtime_beam_search(
         session,
         memory,
-        len(batch["target"]),
         BeamConfig.of(Decoding("beam", beam=beam, max_len=max_len), end),
+        Visits(len(batch["target"])),
     )
     return [
         (tuple(int(m) for m in meds), float(score))
@@ -349,16 +350,17 @@ def onnx_sets(
     exported graphs and the runtime's set decoding, each visit's draws keyed by its id as
     torch's `set_decode` keys them."""
     from cognet.core.decoding.draws import visit_keys
+    from cognet.core.decoding.driver import Visits
     from cognet.core.decoding.ensemble import decode_ensemble_sets
     from cognet.core.decoding.sampling import SetConfig, decode_sets
 
     sessions, memories = _host_sessions(graphs, batch, cfg)
-    n, keys = len(batch["target"]), visit_keys(visit_ids)
+    visits = Visits(len(batch["target"]), keys=visit_keys(visit_ids))
     set_cfg = SetConfig.of(decoding, cfg.n_med)
     if len(sessions) == 1:
-        result = decode_sets(sessions[0], memories[0], n, set_cfg, keys)
+        result = decode_sets(sessions[0], memories[0], set_cfg, visits)
     else:
-        result = decode_ensemble_sets(sessions, memories, n, set_cfg, keys)
+        result = decode_ensemble_sets(sessions, memories, set_cfg, visits)
     return [tuple(int(m) for m in meds) for meds in result.meds]
 
 

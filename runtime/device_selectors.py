@@ -27,6 +27,7 @@ import onnxruntime as ort
 from cognet.core.ddi import DDIPolicy, check_adjacency
 from cognet.core.decoding import driver
 from cognet.core.decoding.beam import BeamConfig, BeamResult, BeamRule, BeamStep
+from cognet.core.decoding.driver import DeviceDecoderSession, Visits
 from cognet.core.decoding.sampling import SetConfig, SetRule
 from cognet.core.graphspec import (
     BEAM_SELECT_HOST,
@@ -215,17 +216,20 @@ class SetGraphSampler(SetRule):
         )
 
 
-def beam_search(session, memories: Any, n: int, cfg: BeamConfig, ddi_adj=None) -> BeamResult:
+def beam_search(
+    session: DeviceDecoderSession, memories: Any, cfg: BeamConfig, visits: Visits
+) -> BeamResult:
     """`beam.beam_search` (no PRAUC scores, no explanations) with the selection in the
     `beam_select` graphs of `session.search` (a `SearchGraphs`)."""
-    selector = BeamGraphSelector(session.search, cfg, ddi_adj)
-    return driver.run(session, memories, n, selector, cfg)
+    selector = BeamGraphSelector(session.search, cfg, visits.ddi_adj)
+    return driver.run(session, memories, visits.n, selector, cfg)
 
 
 def set_marginals(
-    session, memories: Any, n: int, cfg: SetConfig, keys: np.ndarray
+    session: DeviceDecoderSession, memories: Any, cfg: SetConfig, visits: Visits
 ) -> tuple[np.ndarray, None, int]:
-    """`cognet.core.decoding.sampling.set_marginals` (no explanations) with each sampling step in
-    the
-    `set_select` graphs of `session.search`: (P(k in S) float64 [n, M], None, steps run)."""
-    return driver.run(session, memories, n, SetGraphSampler(session.search, cfg, keys), cfg)
+    """`cognet.core.decoding.sampling.set_marginals` (no explanations) with each sampling
+    step in the `set_select` graphs of `session.search`: (P(k in S) float64 [n, M], None,
+    steps run)."""
+    sampler = SetGraphSampler(session.search, cfg, visits.drawn_keys())
+    return driver.run(session, memories, visits.n, sampler, cfg)

@@ -174,7 +174,7 @@ def explain_visit(
         )
     ]
     earlier = [r for r in table.to_pylist() if r[reader.ROW] != row[reader.ROW]]
-    cfg = scorer.beam_config
+    cfg = scorer.decoding_plan.beam
     diagnoses, procedures = list(row["diagnoses"] or []), list(row["procedures"] or [])
     shown = {
         "diagnosis": diagnoses,

@@ -17,9 +17,12 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields, replace
 
+import numpy as np
+
 from cognet.core.ddi import DDIPolicy, DDITarget
 from cognet.core.decoding import Decoding
 from cognet.core.decoding.driver import COMPACT_AT
+from cognet.core.decoding.plan import DecodingPlan
 from cognet.core.decoding.request import DecodingRequest
 from cognet.core.errors import InputError
 
@@ -118,6 +121,34 @@ class ScoreOptions:
         `target` (`DecodingRequest.resolve`); InputError when the request does not apply."""
         try:
             return self.request.resolve(default, target)
+        except ValueError as exc:
+            raise InputError(str(exc)) from None
+
+    def plan(
+        self,
+        default: Decoding,
+        target: DDITarget | None = None,
+        *,
+        end: int,
+        selection: str = "host",
+        attention: bool = False,
+        ddi_adj: np.ndarray | None = None,
+    ) -> DecodingPlan:
+        """The decoding plan of these options on a model whose own decoding and DDI target
+        are `default` and `target` (`DecodingPlan.of`, with `compact_at`; `selection`: host
+        or device, as the model resolved `--selection`); InputError when the request does
+        not apply."""
+        try:
+            return DecodingPlan.of(
+                self.request,
+                default,
+                target,
+                end=end,
+                compact_at=self.compact_at,
+                selection=selection,
+                attention=attention,
+                ddi_adj=ddi_adj,
+            )
         except ValueError as exc:
             raise InputError(str(exc)) from None
 

@@ -176,14 +176,15 @@ def score(
     totals = total_counts(stats)
     check_rows(totals, files.num_rows)
     last = stats[-1] if stats else {"providers": None, "threads": 0, "batch_size": None}
-    decoding, ddi = score_options.resolve(manifest.default_decoding(), manifest.default_target())
+    end = manifest.special.end
+    plan = score_options.plan(manifest.default_decoding(), manifest.default_target(), end=end)
     setup = Setup(
         score_options,
-        decoding,
+        plan.decoding,
         last["providers"],
         last["threads"] * workers,
         last["batch_size"],
-        ddi,
+        plan.ddi,
     )
     result = run_summary(
         Files(files.source, out, rejects),

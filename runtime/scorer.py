@@ -8,17 +8,17 @@ Each chunk (whole patients, see `reader.chunks`) goes through four stages:
 - plan (`plan.Assembler`): which rows are scored, rejected or skipped, their codes and
   histories;
 - encode (`encoder.encode_plan`): every needed visit once, in calls of similar lengths;
-- decode (`selector_choice.decode`): the visits to score cut into batches of similar history and
-  code lengths (`batches.least_padded` of `Plan.decode_orders`), each batch's decoder
-  init, then beam search or set
-  decoding in the one loop of `cognet.core.decoding.driver`;
+- decode (`cognet.core.decoding.plan.decode`, by the scorer's `DecodingPlan`): the visits to
+  score cut into batches of similar history and code lengths (`batches.least_padded` of
+  `Plan.decode_orders`), each batch's decoder init, then beam search or set decoding in
+  the one loop of `cognet.core.decoding.driver`;
   an ensemble's members each encode and init from their own graphs, and the batch decodes
   by the rules of `cognet.core.decoding.ensemble`;
 - emit (`emit`): the output rows in input order, and the metrics with `--all`.
 The marginal decoding (`--decoding marginal`) plans, then reads each target's P(k in S) from
 the set head's graph (`head.HeadSession`) and its set by the set rules: no encoder nor decoder
 graph runs, but with explanations, which come from COGNet's own set decoding of the same
-visits (`selector_choice.explained_marginal_sets`).
+visits (`cognet.core.decoding.plan.explained_sets`).
 Results come lazily, one `ScoredChunk` at a time, so a caller can write them as they arrive.
 
 What decides the speed (figures: BENCHMARKS.md "Latest results" and "What was tried"):
@@ -47,17 +47,17 @@ from cognet.core.ddi import ddi_matrix, require_pairs
 from cognet.core.decoding import Decoding
 from cognet.core.decoding.beam import BeamResult
 from cognet.core.decoding.ensemble import member_sessions
-from cognet.core.decoding.sampling import SetResult, set_result
+from cognet.core.decoding.plan import decode
+from cognet.core.decoding.sampling import SetResult
 from cognet.core.errors import InputError
 from cognet.core.vocab import Vocab
-from cognet.runtime import emit, reader
+from cognet.runtime import device_selectors, emit, reader
 from cognet.runtime.batches import Budgets, least_padded
 from cognet.runtime.encoder import PlanEncoder, encode_plan, init_memories
 from cognet.runtime.options import ScoreOptions
 from cognet.runtime.outputs import ScoredChunk, rejects_table
 from cognet.runtime.plan import Assembler, Plan
 from cognet.runtime.scoring_model import ScoringModel, open_model
-from cognet.runtime.selector_choice import decode, decoding_configs, explained_marginal_sets
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +77,7 @@ class Scorer:
     The request's fields (`decoding` to `ddi`) left None leave the model's own. A scorer
     with parallel streams owns a thread pool: `close()`, or the end of the `with` block,
     stops it. `options` is the options as given; `settings()` what decides the results,
-    resolved.
+    resolved (`decoding_plan`: what each batch's decoding runs).
     """
 
     def __init__(
@@ -106,14 +106,20 @@ class Scorer:
         )
         # the asked policy, else the model's DDI target (when it has one), else off
         target = manifest.default_target() if manifest is not None else None
-        self.decoding, self.ddi = options.resolve(default, target)
+        self._attention = model.attention and "diag_attention" in model.decoder.step_outputs
+        self.decoding_plan = options.plan(
+            default,
+            target,
+            end=self.vocab.end,
+            selection=model.selection,
+            attention=self._attention,
+            ddi_adj=self._ddi_adj,
+        )
+        self.decoding, self.ddi = self.decoding_plan.decoding, self.decoding_plan.ddi
         policy = options.request.ddi
         if policy is not None and policy.active:  # asked: refused without pairs
             where = manifest.path if manifest is not None else "the model"
             require_pairs(model.ddi_pairs, where, f"the DDI policy {policy.label!r}")
-        self.beam_config, self.set_config = decoding_configs(
-            self.decoding, self.vocab.end, self.ddi, options.compact_at
-        )
         self.head = model.head if self.decoding.name == "marginal" else None
         if self.decoding.name == "marginal" and self.head is None:
             where = manifest.model_dir if manifest is not None else "the model"
@@ -122,7 +128,6 @@ class Scorer:
                 "(train one: cognet train --data DATA --teacher CKPT --out NEW, then "
                 "cognet-export --checkpoint NEW --out MODEL)"
             )
-        self._attention = model.attention and "diag_attention" in model.decoder.step_outputs
         self._pool = ThreadPoolExecutor(self.streams, "cognet-batch") if self.streams > 1 else None
         self._codes = pa.array(self.vocab.medications, pa.string())
         self._diag_codes = np.asarray(self.vocab.diagnoses, dtype=object)
@@ -139,10 +144,20 @@ class Scorer:
     ) -> Scorer:
         """A scorer over any encoder (`encoder.PlanEncoder`; `encoder.HostEncoder` adapts a
         callable) and decoder session (`scoring_model.ScoringModel.decoder`): beam 4, max length 45,
-        `options.streams` or one stream."""
+        `options.streams` or one stream. `options.selection` auto selects on the device
+        where the decoder has the search graphs (`search`: an `OrtModel`'s that selects
+        there), else on the host."""
         options = options or ScoreOptions()
         pairs = tuple((str(a), str(b)) for a, b in ddi_pairs)
-        model = ScoringModel(encode, decoder, vocab, dim, pairs, streams=options.streams or 1)
+        graphs = member_sessions(decoder)[0].search is not None
+        selection = options.selection
+        if selection == "auto":
+            selection = "device" if graphs else "host"
+        if selection == "device" and not graphs:
+            raise InputError("--selection device needs a decoder with the search graphs")
+        model = ScoringModel(
+            encode, decoder, vocab, dim, pairs, streams=options.streams or 1, selection=selection
+        )
         return cls(model, options)
 
     def __enter__(self) -> Scorer:
@@ -174,7 +189,7 @@ class Scorer:
 
     def settings(self) -> dict:
         """Everything that decides the results (a resumed run must use the same)."""
-        cfg, budgets = self.beam_config, self.budgets
+        cfg, budgets = self.decoding_plan.beam, self.budgets
         return {
             "decoding": self.decoding.to_json(),
             "beam": cfg.beam,
@@ -314,8 +329,7 @@ class Scorer:
 
     def _head_sets(self, plan: Plan, part: np.ndarray) -> SetResult:
         """The marginal decoding's sets of the targets `part` (indices into plan.targets)."""
-        marginals = self.head.marginals(plan, part)
-        return set_result(marginals, 0, self.set_config, self._ddi_adj)
+        return self.decoding_plan.read_sets(self.head.marginals(plan, part))
 
     def _decode(
         self, plan: Plan, enc, part: np.ndarray, score_all: bool, explain: bool
@@ -326,22 +340,9 @@ class Scorer:
         targets, histories = plan.targets[part], plan.histories.take(part)
         memories, inputs = init_memories(self.decoder, plan, enc, targets, histories)
         ids = plan.table.column("visit_id").take(targets).to_pylist()
-        if self.head is not None:
-            marginals = self.head.marginals(plan, part)
-            args = (self.set_config, ids, self._ddi_adj, self._attention)
-            return explained_marginal_sets(self.decoder, memories, marginals, *args), inputs
-        result = decode(
-            self.decoder,
-            memories,
-            self.set_config or self.beam_config,
-            ids,
-            on_device=member_sessions(self.decoder)[0].select_on_device,
-            prauc=score_all,
-            explain=explain,
-            ddi_adj=self._ddi_adj,
-            attention=self._attention,
-        )
-        return result, inputs
+        marginals = None if self.head is None else self.head.marginals(plan, part)
+        asked = self.decoding_plan.asking(prauc=score_all, explain=explain)
+        return decode(self.decoder, memories, asked, ids, device_selectors, marginals), inputs
 
     def _map(self, func, items) -> Iterable:
         """func over items, on the parallel streams when there are several (in order)."""

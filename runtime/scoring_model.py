@@ -19,9 +19,9 @@ from cognet.runtime.session import OrtModel, default_threads
 @dataclass(frozen=True)
 class ScoringModel:
     """An encoder (`encoder.PlanEncoder`), a decoder session (`cognet.core.decoding.driver`'s
-    `DecoderSession`, with the runtime's `search` and `select_on_device`: `session.HostDecoder`
-    and `DeviceDecoder`; for an ensemble, `encoder.EnsembleEncoder` and an `EnsembleSession`
-    over such decoders) and what the model says about itself."""
+    `DecoderSession`: `session.HostDecoder` and `DeviceDecoder`; for an ensemble,
+    `encoder.EnsembleEncoder` and an `EnsembleSession` over such decoders), where candidate
+    selection runs, and what the model says about itself."""
 
     encode: PlanEncoder
     decoder: Any
@@ -32,6 +32,8 @@ class ScoringModel:
     max_len: int = MAX_LEN
     attention: bool = True  # diagnosis attention means something (not `no-diagnoses`)
     on_device: bool = False  # memories and caches live on a GPU
+    # where candidate selection runs: host, or device (the search graphs of `decoder.search`)
+    selection: str = "host"
     providers: tuple[str, ...] = ("custom",)
     threads: int | None = None  # intra-op threads of each stream's sessions
     streams: int = 1  # batches decoded in parallel
@@ -70,6 +72,7 @@ def open_model(
         max_len=manifest.max_len,
         attention=manifest.ablation != "no-diagnoses",
         on_device=model.on_device,
+        selection=model.selection,
         providers=tuple(model.providers),
         threads=model.threads,
         streams=streams,

@@ -193,10 +193,8 @@ class OrtModel:
         search = None
         if self.selection == "device" or (self.on_device and self.manifest.search):
             search = SearchGraphs(self._search(opts, gpu), bound if self.on_device else None)
-        for decoder in decoders:
+        for decoder in decoders:  # on a GPU the take graphs run there whatever the selection
             decoder.search = search
-            # select on the device: always for the take graphs on a GPU, per step when chosen
-            decoder.select_on_device = self.selection == "device"
         encoders = [
             Encoder(
                 m["encoder"],
@@ -212,7 +210,6 @@ class OrtModel:
             self.decoder, self.encoder = EnsembleSession(decoders), EnsembleEncoder(encoders)
             if search is not None and MIX_GRAPH in search.sessions:  # mixed where it ran
                 self.decoder.search = search
-                self.decoder.select_on_device = self.selection == "device"
 
     def _open(self, opts, variant: str | None, member: int) -> dict[str, ort.InferenceSession]:
         """The checked sessions of one member's three graphs, and of its encoder parts where
@@ -325,7 +322,6 @@ class HostDecoder:
         # what `step` can return (models exported before `diag_attention` lack it)
         self.step_outputs = tuple(o.name for o in step.get_outputs())
         self.search: SearchGraphs | None = None  # the search graphs, on the CPU provider
-        self.select_on_device = False  # select in the search graphs (--selection device)
         # the cache is the token prefix: set decoding steps only its open rows
         # (`cognet.core.decoding.open_samples`)
         self.prefix_cache = not self._cache.kv
@@ -378,7 +374,6 @@ class DeviceDecoder:
         self._cache = StepCache(step, manifest.dims.heads, manifest.dims.head_dim)
         self.step_outputs = tuple(o.name for o in step.get_outputs())
         self.search: SearchGraphs | None = None  # the search graphs, on the device
-        self.select_on_device = False  # select in the search graphs (--selection device)
         self.prefix_cache = False  # handles on the device: every row steps
 
     def _to_device(self, array: np.ndarray) -> ort.OrtValue:

@@ -19,6 +19,8 @@ from cognet.cli import main as cognet_main
 from cognet.core.ddi import RECOMMENDED_PENALTY, DDIPolicy, ddi_matrix, policy_from_options
 from cognet.core.decoding import Decoding
 from cognet.core.decoding.beam import BeamConfig, beam_search, ddi_rates
+from cognet.core.decoding.driver import Visits
+from cognet.core.decoding.plan import DecodingPlan
 from cognet.core.decoding.request import DecodingRequest
 from cognet.core.graphspec import INIT_INPUTS
 from cognet.core.history import patients_from_table
@@ -73,7 +75,7 @@ def test_driver_equals_torch_reference(policy, compact_at):
     memories = session.init({k: v.numpy() for k, v in zip(INIT_INPUTS, inputs, strict=True)})
     adj = (model.ddi_gcn.adj > 0).numpy() & ~np.eye(vocab.n_med, dtype=bool)
     cfg = BeamConfig(end=vocab.end, compact_at=compact_at, ddi=policy)
-    ours = beam_search(session, memories, len(ref), cfg, prauc=True, ddi_adj=adj)
+    ours = beam_search(session, memories, cfg, Visits(len(ref), prauc=True, ddi_adj=adj))
     for i, r in enumerate(ref):
         assert tuple(ours.meds[i].tolist()) == r.meds
         assert ours.score[i] == np.float32(r.score)
@@ -85,7 +87,7 @@ def test_an_active_policy_needs_the_adjacency():
     model, vocab, patients = make_case(seed=1, n_patients=2)
     session = TorchSession(model)
     with pytest.raises(ValueError, match="adjacency"):
-        beam_search(session, None, 2, BeamConfig(end=vocab.end, ddi=DDIPolicy("hard")))
+        beam_search(session, None, BeamConfig(end=vocab.end, ddi=DDIPolicy("hard")), Visits(2))
 
 
 # -- ONNX runtime vs torch reference on >= 200 visits ---------------------------------------------
@@ -99,7 +101,11 @@ def reference(tiny):
     flat = [v.visit_id for p in patients for v in p]
     adj = ddi_matrix(vocab, config["ddi_pairs"])
     off = dict(
-        zip(flat, decode_patients(model, vocab, patients, decoding=Decoding(beam=4)), strict=True)
+        zip(
+            flat,
+            decode_patients(model, vocab, patients, DecodingPlan(Decoding(beam=4), vocab.end)),
+            strict=True,
+        )
     )
     return {
         "model": model,
@@ -121,9 +127,8 @@ def _rate(adj: np.ndarray, meds) -> float:
 @pytest.mark.parametrize("policy", POLICIES, ids=IDS)
 def test_onnx_runtime_equals_torch_reference(tiny, reference, policy):
     vocab, adj = reference["vocab"], reference["adj"]
-    decoded = decode_patients(
-        reference["model"], vocab, reference["patients"], decoding=Decoding(beam=4), ddi=policy
-    )
+    plan = DecodingPlan(Decoding(beam=4), vocab.end, ddi=policy)
+    decoded = decode_patients(reference["model"], vocab, reference["patients"], plan)
     ref = dict(zip(reference["flat"], decoded, strict=True))
     scorer = Scorer(
         tiny / "model", ScoreOptions.of(device="cpu", batch_size=64, threads=1, ddi=policy)

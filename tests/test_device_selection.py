@@ -15,6 +15,7 @@ from tiny import DDI_IDS, DDI_POLICIES, as_targets
 from cognet.cli import main as cognet_main
 from cognet.core.ddi import DDIPolicy
 from cognet.core.decoding import Decoding, open_samples
+from cognet.core.decoding.plan import DecodingPlan
 from cognet.core.errors import InputError
 from cognet.core.history import patients_from_table
 from cognet.model import checkpoint
@@ -51,7 +52,7 @@ def _reference(root, decoding: Decoding, policy: DDIPolicy) -> tuple[dict, list]
     model, vocab, _ = checkpoint.load(root / "ckpt")
     visits = pq.read_table(root / "data" / "visits.parquet")
     patients = list(patients_from_table(visits, vocab))
-    decoded = decode_patients(model, vocab, patients, decoding=decoding, ddi=policy)
+    decoded = decode_patients(model, vocab, patients, DecodingPlan(decoding, vocab.end, ddi=policy))
     flat = [v.visit_id for p in patients for v in p]
     return dict(zip(flat, decoded, strict=True)), vocab
 
@@ -135,7 +136,7 @@ def test_device_selection_of_a_model_without_search_graphs_is_refused(tiny_many,
         manifest["search"].pop(name)
     (old / "manifest.json").write_text(json.dumps(manifest))
     model = OrtModel(load_manifest(old), device="cpu", threads=1, gpu_path=True)
-    assert model.encoder.search is None and model.decoder.select_on_device
+    assert model.encoder.search is None and model.selection == "device"
     table = as_targets(pq.read_table(tiny_many / "data" / "visits.parquet")).slice(0, 400)
     got = _lists(model.manifest, model.encoder, model.decoder, table, batch_size=64)
     host = OrtModel(load_manifest(old), device="cpu", threads=1, selection="host")
@@ -278,7 +279,7 @@ def _bound(model_dir, variant=None):
     manifest = load_manifest(model_dir)
     model = OrtModel(manifest, device="cpu", threads=1, selection="host", variant=variant)
     gpu = OrtModel(manifest, device="cpu", threads=1, variant=variant, gpu_path=True)
-    assert isinstance(gpu.decoder, DeviceDecoder) and gpu.decoder.select_on_device
+    assert isinstance(gpu.decoder, DeviceDecoder) and gpu.selection == "device"
     assert gpu.decoder.search.device == ("cpu", 0) and gpu.providers[0] == "CPUExecutionProvider"
     assert gpu.encoder.search is not None  # the model has the init_gather graphs
     return model, gpu.decoder, gpu.encoder

@@ -18,6 +18,7 @@ from cognet.cli import main
 from cognet.core.decoding import Decoding
 from cognet.core.decoding.beam import BeamConfig, beam_search, mixed_top_k, top_k_stable
 from cognet.core.decoding.draws import visit_keys
+from cognet.core.decoding.driver import Visits
 from cognet.core.decoding.ensemble import (
     MEMBER_LOG_PROBS,
     EnsembleSession,
@@ -25,6 +26,7 @@ from cognet.core.decoding.ensemble import (
     member_seed,
     mix_log_probs,
 )
+from cognet.core.decoding.plan import DecodingPlan
 from cognet.core.decoding.sampling import SetConfig, set_marginals
 from cognet.model import checkpoint
 from cognet.model.batching import make_batch
@@ -108,21 +110,19 @@ def test_set_decoding_averages_the_members_marginals(case):
     drawing with seed + i."""
     model, vocab, patients = case
     decoding = Decoding(name="set", samples=8, threshold=0.3, estimator="stratified", seed=5)
-    got = np.stack([d.scores for d in decode_patients(model, vocab, patients, decoding)])
+    plan = DecodingPlan(decoding, vocab.end)
+    got = np.stack([d.scores for d in decode_patients(model, vocab, patients, plan)])
     batch = make_batch(patients, vocab, targets=False)
     keys = visit_keys([v.visit_id for p in patients for v in p])
     cfg = SetConfig.of(decoding, vocab.n_med)
     want = []
     for i, net in enumerate(members_of(model)):
         session = TorchSession(net)
-        m, _, _ = set_marginals(
-            session, session.memories(batch), len(keys), member_config(cfg, i), keys
-        )
+        visits = Visits(len(keys), keys=keys)
+        m, _, _ = set_marginals(session, session.memories(batch), member_config(cfg, i), visits)
         want.append(m)
     np.testing.assert_allclose(got, np.mean(want, 0), rtol=1e-6, atol=1e-7)
-    one = np.stack(
-        [d.scores for d in decode_patients(members_of(model)[0], vocab, patients, decoding)]
-    )
+    one = np.stack([d.scores for d in decode_patients(members_of(model)[0], vocab, patients, plan)])
     assert not np.allclose(got, one)  # the second member counts
 
 
@@ -133,9 +133,9 @@ def test_beam_search_of_identical_members_is_the_member(case):
     net = members_of(model)[0]
     twins = Ensemble([net, copy.deepcopy(net)]).eval()
     for beam in (1, 4):
-        decoding = Decoding(beam=beam)
-        alone = decode_patients(net, vocab, patients, decoding)
-        mixed = decode_patients(twins, vocab, patients, decoding)
+        plan = DecodingPlan(Decoding(beam=beam), vocab.end)
+        alone = decode_patients(net, vocab, patients, plan)
+        mixed = decode_patients(twins, vocab, patients, plan)
         assert [d.meds for d in mixed] == [d.meds for d in alone]
         np.testing.assert_allclose([d.score for d in mixed], [d.score for d in alone], atol=1e-5)
 
@@ -159,7 +159,7 @@ def test_beam_search_steps_on_the_mixture(case):
     ]
     np.testing.assert_allclose(np.exp(out["log_probs"]), np.mean(probs, 0), rtol=1e-5, atol=1e-7)
     first = np.argmax(out["log_probs"][:, 0], -1)
-    greedy = decode_patients(model, vocab, patients[:3], Decoding(beam=1))
+    greedy = decode_patients(model, vocab, patients[:3], DecodingPlan(Decoding(beam=1), vocab.end))
     assert [d.meds[0] if d.meds else vocab.n_med for d in greedy] == first.tolist()
 
 
@@ -231,8 +231,8 @@ def test_beam_search_of_an_ensemble_mixes_lazily_and_decides_alike(case):
     assert "log_probs" not in out and len(out[MEMBER_LOG_PROBS]) == 2
     np.testing.assert_array_equal(out["log_probs"], mix_log_probs(out[MEMBER_LOG_PROBS]))
     cfg = BeamConfig(end=vocab.n_med, max_len=20, beam=4)
-    lazy = beam_search(ens, memories, n, cfg)
-    whole = beam_search(ens, memories, n, cfg, prauc=True)
+    lazy = beam_search(ens, memories, cfg, Visits(n))
+    whole = beam_search(ens, memories, cfg, Visits(n, prauc=True))
     assert [m.tolist() for m in lazy.meds] == [m.tolist() for m in whole.meds]
     np.testing.assert_array_equal(lazy.score, whole.score)
     for a, b in zip(lazy.med_probs, whole.med_probs, strict=True):

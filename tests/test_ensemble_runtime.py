@@ -24,6 +24,7 @@ from cognet.core import metrics
 from cognet.core.ddi import ddi_matrix
 from cognet.core.decoding import Decoding
 from cognet.core.decoding.ensemble import EnsembleSession
+from cognet.core.decoding.plan import DecodingPlan
 from cognet.core.graphspec import MIX_GRAPH
 from cognet.core.history import patients_from_table
 from cognet.core.manifest import GRAPHS, load_manifest
@@ -80,7 +81,7 @@ def _visits(root: Path, history: bool) -> pa.Table:
 
 def _torch_lists(model, vocab, table: pa.Table, decoding: Decoding) -> dict:
     patients = list(patients_from_table(table, vocab))
-    decoded = decode_patients(model, vocab, patients, decoding=decoding)
+    decoded = decode_patients(model, vocab, patients, DecodingPlan(decoding, vocab.end))
     flat = [v for p in patients for v in p]
     return {v.visit_id: d for v, d in zip(flat, decoded, strict=True)}
 
@@ -172,9 +173,9 @@ def test_search_graphs_decode_the_ensemble_like_torch(ensemble, name, path):
         assert scorer.encode.search is not None  # every member's encodings gathered there
     else:
         scorer = Scorer(ensemble / "model", opts.with_fields(selection="device"))
-    assert all(m.select_on_device for m in scorer.decoder.members)
+    assert scorer.decoding_plan.on_device
     # beam search selects in the graphs too: the members' steps mixed by the mixture graph
-    assert scorer.decoder.select_on_device and scorer.decoder.search is not None
+    assert scorer.decoder.search is not None
     # every visit a target of its own patient: without --all, whose beam search PRAUC
     # scores are the host path's
     out = pa.concat_tables([c.recommendations for c in scorer.score_table(as_targets(table))])

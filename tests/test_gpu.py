@@ -9,6 +9,7 @@ import torch
 from tiny import make_tiny
 
 from cognet.core.decoding import Decoding
+from cognet.core.decoding.plan import DecodingPlan
 from cognet.core.history import load_split
 from cognet.model import checkpoint
 from cognet.model.torch_decoding import decode_patients
@@ -23,8 +24,9 @@ def test_beam_search_on_cuda_equals_cpu(tmp_path):
     data, ckpt = make_tiny(tmp_path, n_patients=60)
     model, vocab, _ = checkpoint.load(ckpt)
     patients = load_split(pq.read_table(data / "visits.parquet"), vocab, "test").patients
-    cpu = decode_patients(model, vocab, patients, decoding=Decoding(beam=4))
-    gpu = decode_patients(model.to("cuda"), vocab, patients, decoding=Decoding(beam=4))
+    beam4 = DecodingPlan(Decoding(beam=4), vocab.end)
+    cpu = decode_patients(model, vocab, patients, beam4)
+    gpu = decode_patients(model.to("cuda"), vocab, patients, beam4)
     assert [d.meds for d in gpu] == [d.meds for d in cpu]
     assert max(abs(a.score - b.score) for a, b in zip(gpu, cpu, strict=True)) < 1e-3
 
@@ -73,7 +75,9 @@ def _reference(root, device: str) -> tuple[list, dict]:
     model, vocab, _ = checkpoint.load(root / "ckpt")
     visits = pq.read_table(root / "data" / "visits.parquet")
     patients = list(patients_from_table(visits, vocab))
-    decoded = decode_patients(model.to(device), vocab, patients, decoding=Decoding(beam=4))
+    decoded = decode_patients(
+        model.to(device), vocab, patients, DecodingPlan(Decoding(beam=4), vocab.end)
+    )
     flat = [v for p in patients for v in p]
     by_id = {v.visit_id: vocab.med_codes(d.meds) for v, d in zip(flat, decoded, strict=True)}
     return visits, by_id
@@ -149,7 +153,7 @@ def test_ort_cuda_set_decoding_agrees_with_torch(real_size):
     from cognet.core.history import patients_from_table
 
     patients = list(patients_from_table(visits, vocab))
-    decoded = decode_patients(model, vocab, patients, decoding=decoding)
+    decoded = decode_patients(model, vocab, patients, DecodingPlan(decoding, vocab.end))
     flat = [v for p in patients for v in p]
     ref = {v.visit_id: vocab.med_codes(d.meds) for v, d in zip(flat, decoded, strict=True)}
     scorer = Scorer(real_size / "model", ScoreOptions.of(device="cuda", batch_size=512))
@@ -216,7 +220,9 @@ def test_ort_cuda_device_selection_equals_torch_reference(real_size, batch_size)
 
             model, vocab, _ = checkpoint.load(real_size / "ckpt")
             patients = list(patients_from_table(visits, vocab))
-            decoded = decode_patients(model, vocab, patients, decoding=Decoding(beam=4), ddi=policy)
+            decoded = decode_patients(
+                model, vocab, patients, DecodingPlan(Decoding(beam=4), vocab.end, ddi=policy)
+            )
             flat = [v for p in patients for v in p]
             ref = {v.visit_id: vocab.med_codes(d.meds) for v, d in zip(flat, decoded, strict=True)}
         else:
@@ -225,7 +231,7 @@ def test_ort_cuda_device_selection_equals_torch_reference(real_size, batch_size)
             real_size / "model",
             ScoreOptions.of(device="cuda", batch_size=batch_size, decoding="beam", ddi=policy),
         )
-        assert scorer.decoder.select_on_device
+        assert scorer.decoding_plan.on_device
         assert scorer.encode.search is not None  # encodings written and gathered on the GPU
         out = pa.concat_tables([c.recommendations for c in scorer.score_table(_targets(visits))])
         got = {r["visit_id"]: r["medications"] for r in out.to_pylist()}
@@ -261,7 +267,7 @@ def test_ort_cuda_with_several_host_streams_equals_torch_reference(real_size):
         real_size / "model",
         ScoreOptions.of(device="cuda", batch_size=128, decoding="beam", streams=3),
     )
-    assert scorer.streams == 3 and scorer.decoder.select_on_device
+    assert scorer.streams == 3 and scorer.decoding_plan.on_device
     out = pa.concat_tables([c.recommendations for c in scorer.score_table(_targets(visits))])
     assert {r["visit_id"]: r["medications"] for r in out.to_pylist()} == by_id
 

@@ -13,6 +13,7 @@ from tiny import DDI_IDS, DDI_POLICIES, make_case
 from cognet.core.ddi import DDIPolicy
 from cognet.core.decoding import Decoding
 from cognet.core.decoding.beam import BeamConfig, beam_search, top_k_stable
+from cognet.core.decoding.driver import Visits
 from cognet.core.graphspec import INIT_INPUTS
 from cognet.model.batching import make_batch
 from cognet.model.network import history_inputs
@@ -31,7 +32,8 @@ def run_both(model, vocab, patients, beam, max_len, compact_at, prauc=True, expl
     session = TorchSession(model)
     memories = session.init({k: v.numpy() for k, v in zip(INIT_INPUTS, inputs, strict=True)})
     cfg = BeamConfig(end=vocab.end, beam=beam, max_len=max_len, compact_at=compact_at)
-    ours = beam_search(session, memories, len(batch["target"]), cfg, prauc=prauc, explain=explain)
+    visits = Visits(len(batch["target"]), prauc=prauc, explain=explain)
+    ours = beam_search(session, memories, cfg, visits)
     return ref, ours
 
 

@@ -16,6 +16,7 @@ from cognet.core import metrics
 from cognet.core import metrics as evaluation  # runtime/evaluation.py merged into metrics
 from cognet.core.ddi import ddi_matrix
 from cognet.core.decoding import Decoding
+from cognet.core.decoding.plan import DecodingPlan
 from cognet.core.errors import InputError
 from cognet.core.graphspec import ENCODER_PARTS
 from cognet.core.history import patients_from_table
@@ -35,7 +36,7 @@ def reference(tiny):
     model, vocab, config = checkpoint.load(tiny / "ckpt")
     visits = pq.read_table(tiny / "data" / "visits.parquet")
     patients = list(patients_from_table(visits, vocab))
-    decoded = decode_patients(model, vocab, patients, decoding=Decoding(beam=4))
+    decoded = decode_patients(model, vocab, patients, DecodingPlan(Decoding(beam=4), vocab.end))
     ddi = ddi_matrix(vocab, config["ddi_pairs"])
     flat = [v for p in patients for v in p]
     return {
@@ -276,7 +277,7 @@ def test_beam_option_and_greedy(tiny, reference):
     _, out = _score(scorer, reference["visits"].slice(0, 40), score_all=True)
     model, vocab, _ = checkpoint.load(tiny / "ckpt")
     patients = list(patients_from_table(reference["visits"].slice(0, 40), vocab))
-    greedy = decode_patients(model, vocab, patients, decoding=Decoding(beam=1))
+    greedy = decode_patients(model, vocab, patients, DecodingPlan(Decoding(beam=1), vocab.end))
     assert out["medications"].to_pylist() == [vocab.med_codes(d.meds) for d in greedy]
 
 

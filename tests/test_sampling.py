@@ -10,6 +10,7 @@ import pytest
 
 from cognet.core.ddi import DDIPolicy
 from cognet.core.decoding.draws import uniforms, visit_keys
+from cognet.core.decoding.driver import Visits
 from cognet.core.decoding.sampling import SetConfig, _step_distribution, decode_sets, set_marginals
 from cognet.core.decoding.set_rules import select_sets
 
@@ -85,7 +86,7 @@ def test_marginals_are_unbiased(seed):
     q[:, -1] = np.maximum(q[:, -1], 0.08)
     q /= q.sum(1, keepdims=True)
     cfg = SetConfig(end=4, samples=3000, seed=seed, max_len=10)
-    est, _, _ = set_marginals(FixedSession(q), np.arange(3), 3, cfg, visit_keys("xyz"))
+    est, _, _ = set_marginals(FixedSession(q), np.arange(3), cfg, Visits(3, keys=visit_keys("xyz")))
     exact = np.stack([exact_inclusion(row) for row in q])
     assert np.abs(est - exact).max() < 0.02
     # counting the samples that hold k is unbiased too, with more variance
@@ -97,11 +98,10 @@ def test_a_visit_does_not_depend_on_its_batch_mates():
     q = rng.dirichlet(np.ones(9), size=6)
     cfg = SetConfig(end=8, samples=16, threshold=0.3, max_len=12)
     ids = [f"V{i}" for i in range(6)]
-    together = decode_sets(FixedSession(q), np.arange(6), 6, cfg, visit_keys(ids))
+    together = decode_sets(FixedSession(q), np.arange(6), cfg, Visits(6, keys=visit_keys(ids)))
     for i in (0, 4):
-        alone = decode_sets(
-            FixedSession(q[i : i + 1]), np.arange(1), 1, cfg, visit_keys(ids[i : i + 1])
-        )
+        visits = Visits(1, keys=visit_keys(ids[i : i + 1]))
+        alone = decode_sets(FixedSession(q[i : i + 1]), np.arange(1), cfg, visits)
         assert np.array_equal(alone.meds[0], together.meds[i])
         assert np.allclose(alone.prauc_scores[0], together.prauc_scores[i], atol=0, rtol=0)
 
@@ -134,7 +134,7 @@ def test_hard_sampling_never_emits_a_clash_within_a_sample():
     adj[0, 1] = adj[1, 0] = True
     cfg = SetConfig(end=4, samples=200, max_len=6, ddi=DDIPolicy(mode="hard"))
     session = FixedSession(q)
-    res = decode_sets(session, np.arange(2), 2, cfg, visit_keys("ab"), ddi_adj=adj)
+    res = decode_sets(session, np.arange(2), cfg, Visits(2, keys=visit_keys("ab"), ddi_adj=adj))
     # P(0 in S) + P(1 in S) counts the samples holding either; never both: <= 1
     assert (res.prauc_scores[:, 0] + res.prauc_scores[:, 1] <= 1 + 1e-6).all()
 
@@ -171,7 +171,8 @@ def test_kept_clash_counts_equal_the_product_at_every_step():
 def test_explanations_average_the_emitting_steps():
     q = np.full((1, 4), 0.25)
     cfg = SetConfig(end=3, samples=8, threshold=0.05, max_len=5)
-    res = decode_sets(FixedSession(q), np.arange(1), 1, cfg, visit_keys("a"), explain=True)
+    visits = Visits(1, keys=visit_keys("a"), explain=True)
+    res = decode_sets(FixedSession(q), np.arange(1), cfg, visits)
     assert len(res.gates[0]) == len(res.meds[0]) > 0
     assert np.allclose(res.gates[0], 0.25)
     assert res.copies[0].shape == (len(res.meds[0]), 3)
@@ -221,12 +222,12 @@ def test_every_estimator_is_unbiased_and_batch_independent(estimator):
     q[:, -1] = np.maximum(q[:, -1], 0.08)
     q /= q.sum(1, keepdims=True)
     cfg = SetConfig(end=4, samples=3000, seed=2, max_len=10, estimator=estimator)
-    est, _, _ = set_marginals(FixedSession(q), np.arange(3), 3, cfg, visit_keys("xyz"))
+    est, _, _ = set_marginals(FixedSession(q), np.arange(3), cfg, Visits(3, keys=visit_keys("xyz")))
     exact = np.stack([exact_inclusion(row) for row in q])
     assert np.abs(est - exact).max() < 0.02
     small = SetConfig(end=4, samples=16, threshold=0.3, max_len=10, estimator=estimator)
-    together = decode_sets(FixedSession(q), np.arange(3), 3, small, visit_keys("xyz"))
-    alone = decode_sets(FixedSession(q[1:2]), np.arange(1), 1, small, visit_keys("y"))
+    together = decode_sets(FixedSession(q), np.arange(3), small, Visits(3, keys=visit_keys("xyz")))
+    alone = decode_sets(FixedSession(q[1:2]), np.arange(1), small, Visits(1, keys=visit_keys("y")))
     assert np.array_equal(alone.prauc_scores[0], together.prauc_scores[1])
 
 
@@ -241,7 +242,7 @@ def test_stratified_and_tree_draws_have_less_error_than_plain_ones():
     error = {}
     for estimator in ("plain", "stratified", "tree"):
         cfg = SetConfig(end=5, samples=16, max_len=10, estimator=estimator)
-        est, _, _ = set_marginals(FixedSession(q), np.arange(300), 300, cfg, keys)
+        est, _, _ = set_marginals(FixedSession(q), np.arange(300), cfg, Visits(300, keys=keys))
         error[estimator] = np.abs(est - exact).mean()
     assert error["tree"] < error["stratified"] < error["plain"]
 
@@ -283,7 +284,9 @@ def test_skipping_finished_samples_changes_no_marginal(estimator, mode):
     ddi = DDIPolicy(mode, penalty=1.5) if mode == "soft" else DDIPolicy()
     cfg = SetConfig(end=8, samples=16, seed=4, max_len=9, estimator=estimator, ddi=ddi)
     keys = visit_keys([f"V{i}" for i in range(40)])
-    est, _, _ = set_marginals(FixedSession(q), np.arange(40), 40, cfg, keys, ddi_adj=adj)
+    est, _, _ = set_marginals(
+        FixedSession(q), np.arange(40), cfg, Visits(40, keys=keys, ddi_adj=adj)
+    )
     want = _every_row_marginals(q, cfg, keys, adj if mode == "soft" else None)
     assert np.abs(est - want).max() <= 1e-15
     assert (est > 0).sum() > 100  # the samples emitted medications

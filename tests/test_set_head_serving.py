@@ -19,6 +19,7 @@ from click.testing import CliRunner
 from tiny import make_tiny, random_checkpoint
 
 from cognet.core.ddi import DDIPolicy
+from cognet.core.decoding.plan import DecodingPlan
 from cognet.core.decoding.request import DecodingRequest
 from cognet.core.errors import InputError
 from cognet.core.head_inputs import HEAD_INPUTS, HEAD_OUTPUT, patient_head_arrays
@@ -195,7 +196,9 @@ def test_runtime_marginal_sets_equal_torch(headed, head, name):
     patients = list(patients_from_table(table, vocab))
     request = REQUESTS[name]
     decoding, ddi = request.resolve(Scorer(headed.model, ScoreOptions.of(device="cpu")).decoding)
-    want = decode_patients(model, vocab, patients, decoding, ddi, head=head)
+    want = decode_patients(
+        model, vocab, patients, DecodingPlan(decoding, vocab.end, ddi=ddi), head=head
+    )
     with Scorer(headed.model, ScoreOptions.of(request=request, device="cpu", threads=1)) as scorer:
         assert scorer.decoding == decoding and scorer.ddi == ddi
         chunks = list(scorer.score_table(table, score_all=True))

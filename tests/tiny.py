@@ -386,6 +386,7 @@ def set_agreement(a: dict, b: dict) -> float:
 def torch_sets(root, decoding, split: str | None = None, ddi: DDIPolicy = DDIPolicy()) -> dict:
     """visit_id -> medication codes: the torch reference's answers for the visits of
     `root/data` (a `make_tiny` folder; one split when given) from `root/ckpt`."""
+    from cognet.core.decoding.plan import DecodingPlan
     from cognet.core.history import patients_from_table
     from cognet.model import checkpoint
     from cognet.model.torch_decoding import decode_patients
@@ -395,7 +396,7 @@ def torch_sets(root, decoding, split: str | None = None, ddi: DDIPolicy = DDIPol
     if split:
         table = table.filter(pa.compute.equal(table["split"], split))
     patients = list(patients_from_table(table, vocab))
-    decoded = decode_patients(model, vocab, patients, decoding, ddi)
+    decoded = decode_patients(model, vocab, patients, DecodingPlan(decoding, vocab.end, ddi=ddi))
     flat = [v for p in patients for v in p]
     return {v.visit_id: vocab.med_codes(d.meds) for v, d in zip(flat, decoded, strict=True)}
 

@@ -29,6 +29,7 @@ import numpy as np
 
 from cognet.core.ddi import DDIPolicy, ddi_matrix, require_pairs
 from cognet.core.decoding import Decoding
+from cognet.core.decoding.plan import DecodingPlan
 from cognet.core.errors import InputError
 from cognet.core.files import atomic_path
 from cognet.core.history import load_split
@@ -134,10 +135,12 @@ def tradeoff(
             priced = decoding.with_changes(**{rule: "jaccard"})
             base = DDIPolicy(policy.mode, policy.penalty)
             if base not in steps:
-                steps[base] = decode_patients(model, vocab, patients, decoding, base, head=head)
+                plan = DecodingPlan(decoding, vocab.end, ddi=base)
+                steps[base] = decode_patients(model, vocab, patients, plan, head=head)
             decoded = reselect(model, steps[base], priced, policy)  # same P(k in S)
         else:
-            decoded = decode_patients(model, vocab, patients, decoding, policy, head=head)
+            plan = DecodingPlan(decoding, vocab.end, ddi=policy)
+            decoded = decode_patients(model, vocab, patients, plan, head=head)
             if policy in bases:
                 steps[policy] = decoded
         seconds = time.perf_counter() - started

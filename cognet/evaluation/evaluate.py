@@ -13,6 +13,7 @@ import pyarrow as pa
 
 from cognet.core.ddi import DDIPolicy, DDITarget, ddi_matrix, require_pairs
 from cognet.core.decoding import Decoding
+from cognet.core.decoding.plan import DecodingPlan
 from cognet.core.decoding.request import DecodingRequest
 from cognet.core.errors import InputError
 from cognet.core.files import atomic_path
@@ -86,7 +87,8 @@ def run_evaluation(ckpt, data_dir, options: EvalOptions = EvalOptions()) -> dict
         target = DDITarget.from_json(config.get("ddi_target"))  # checked by checkpoint.load
         if options.ddi_target is not None:
             target, trials = _search_target(ckpt, model, vocab, dataset, config, options)
-        decoding, ddi = resolve(config, options.request, target)
+        plan = decoding_plan(config, options.request, vocab.end, target)
+        decoding, ddi = plan.decoding, plan.ddi
         head = checkpoint.load_head(ckpt, config) if decoding.name == "marginal" else None
         if decoding.name == "marginal" and head is None:
             raise InputError(
@@ -103,7 +105,7 @@ def run_evaluation(ckpt, data_dir, options: EvalOptions = EvalOptions()) -> dict
         results = run_baseline(baseline, vocab, dataset.visits, split=split, seed=seed)
         name = baseline
     else:
-        results = _decode_split(model, vocab, data.patients, decoding, ddi, options, head)
+        results = _decode_split(model, vocab, data.patients, plan, options, head)
         name = model_name(decoding, ddi)
     rep = evaluation_report(results, ddi_adj, rounds=options.rounds, seed=seed)
     rep["by_history"] = by_history(results, ddi_adj)
@@ -122,12 +124,12 @@ def run_evaluation(ckpt, data_dir, options: EvalOptions = EvalOptions()) -> dict
     return {"report": rep, "table": table}
 
 
-def _decode_split(model, vocab: Vocab, patients, decoding, ddi, options: EvalOptions, head=None):
+def _decode_split(model, vocab: Vocab, patients, plan, options: EvalOptions, head=None):
     """Decode every patient (with a progress bar) into VisitResults; write the predictions
     Parquet file when `options.predictions` asks for it."""
     n_visits = sum(map(len, patients))
     with progress(total=n_visits, desc="decoding", unit="visit", quiet=options.quiet) as bar:
-        decoded = decode_patients(model, vocab, patients, decoding, ddi, bar.update, head=head)
+        decoded = decode_patients(model, vocab, patients, plan, bar.update, head=head)
     results = visit_results(patients, decoded)
     if options.predictions:
         _write_parquet(
@@ -204,14 +206,14 @@ def _search_target(ckpt, model, vocab, dataset, config: dict, options: EvalOptio
         )
 
 
-def resolve(
-    config: dict, request: DecodingRequest, target: DDITarget | None = None
-) -> tuple[Decoding, DDIPolicy]:
-    """The decoding and DDI policy to run: `request` on top of a checkpoint's `config` and
-    its DDI `target` (`DecodingRequest.resolve`); a request that does not apply is an
-    InputError."""
+def decoding_plan(
+    config: dict, request: DecodingRequest, end: int, target: DDITarget | None = None
+) -> DecodingPlan:
+    """The decoding plan to run: `request` on top of a checkpoint's `config` and its DDI
+    `target` (`DecodingPlan.of`; `end`: the END id of its vocabulary); a request that does
+    not apply is an InputError."""
     stored = stored_decoding(config)
-    return _asked(lambda: request.resolve(stored, target))
+    return _asked(lambda: DecodingPlan.of(request, stored, target, end=end))
 
 
 def _asked(get: Callable):

@@ -25,7 +25,7 @@ class EvalOptions:
     it whole."""
 
     split: str = "test"
-    # the decoding and DDI policy asked on top of the checkpoint's own (`evaluate.resolve`)
+    # the decoding and DDI policy asked on top of the checkpoint's own (`evaluate.decoding_plan`)
     request: DecodingRequest = DecodingRequest()
     # choose a DDI target's pair on the validation split for this rate
     # (`cognet.training.ddi_target`) and evaluate with it, instead of the checkpoint's own

@@ -2,30 +2,28 @@
 marginal decoding (the set head's one pass, then the set rules), and `decode_patients` over
 whole patients (what evaluation, tuning and the benchmarks call).
 
-Beam search and set decoding run the one decoding loop (`cognet.core.decoding.driver.run`)
-with the host selectors the runtime uses (`cognet.core.decoding.beam.BeamSelector`,
-`cognet.core.decoding.sampling.SetSampler`) over `TorchSession`, the torch model's
-KV-cached decoder step; so torch and the runtime differ only by their float32 rounding. The
-rules: docs/DESIGN.md "Beam search" and "Set decoding", `cognet.core.ddi` for the DDI
-policies, `cognet.core.decoding.defaults` for the defaults (beam 4, max length 45). An
-`Ensemble` decodes by the rules of `cognet.core.decoding.ensemble`, over one `TorchSession`
-per member."""
+A `DecodingPlan` (`cognet.core.decoding.plan`) says what runs; beam search and set decoding
+go through the runtime's dispatch (`cognet.core.decoding.plan.decode`) into the one
+decoding loop (`cognet.core.decoding.driver.run`) with the host selectors the runtime uses
+(`cognet.core.decoding.beam.BeamSelector`, `cognet.core.decoding.sampling.SetSampler`) over
+`TorchSession`, the torch model's KV-cached decoder step; so torch and the runtime differ
+only by their float32 rounding. The rules: docs/DESIGN.md "Beam search" and "Set decoding",
+`cognet.core.ddi` for the DDI policies, `cognet.core.decoding.defaults` for the defaults
+(beam 4, max length 45). An `Ensemble` decodes by the rules of
+`cognet.core.decoding.ensemble`, over one `TorchSession` per member (an `EnsembleSession`)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
 
 from cognet.core.ddi import DDIPolicy
 from cognet.core.decoding import BEAM, MAX_LEN, Decoding
-from cognet.core.decoding.beam import BeamConfig, BeamSelector
-from cognet.core.decoding.draws import visit_keys
-from cognet.core.decoding.driver import run
-from cognet.core.decoding.ensemble import EnsembleSession, decode_ensemble_sets
-from cognet.core.decoding.sampling import SetConfig, decode_sets, set_result
+from cognet.core.decoding.ensemble import EnsembleSession
+from cognet.core.decoding.plan import DecodingPlan, decode
 from cognet.core.head_inputs import patient_head_arrays
 from cognet.core.history import Visit
 from cognet.core.vocab import Vocab
@@ -57,19 +55,11 @@ def beam_search(
 ) -> list[Decoded]:
     """Beam search (greedy: beam 1) of the visits `rows` (default: every `target`) of a
     `make_batch` batch, with the PRAUC scores."""
-    model.eval()
     if rows is not None:
         batch = select_rows(batch, rows)
-    sessions = [TorchSession(m) for m in members_of(model)]
-    memories = tuple(s.memories(batch) for s in sessions)
-    session, memories = (
-        (sessions[0], memories[0]) if len(sessions) == 1 else (EnsembleSession(sessions), memories)
-    )
-    n = len(batch["target"])
-    cfg = BeamConfig.of(Decoding("beam", beam=beam, max_len=max_len), model.cfg.n_med, ddi)
-    adj = _ddi_adjacency(model) if ddi.active else None
-    res = run(session, memories, n, BeamSelector(cfg, prauc=True, ddi_adj=adj), cfg)
-    return _decoded(res, n)
+    plan = DecodingPlan(Decoding("beam", beam=beam, max_len=max_len), model.cfg.n_med, ddi=ddi)
+    # beam search draws nothing: the visits' ids are not read, only their number
+    return _decode(model, batch, _for_model(model, plan), [""] * len(batch["target"]))
 
 
 @torch.no_grad()
@@ -83,48 +73,36 @@ def set_decode(
 ) -> list[Decoded]:
     """The set of each visit `rows` (default: every `target`) of a `make_batch` batch;
     `visit_ids` name those visits (their random streams)."""
-    model.eval()
     if rows is not None:
         batch = select_rows(batch, rows)
     n = len(batch["target"])
     if n != len(visit_ids):
         raise ValueError(f"{n} visits to decode but {len(visit_ids)} visit ids")
-    sessions = [TorchSession(m) for m in members_of(model)]
-    cfg = SetConfig.of(decoding, model.cfg.n_med, ddi)
-    keys = visit_keys(visit_ids)
-    adj = _ddi_adjacency(model)
-    if len(sessions) == 1:
-        res = decode_sets(sessions[0], sessions[0].memories(batch), n, cfg, keys, ddi_adj=adj)
-    else:
-        memories = [s.memories(batch) for s in sessions]
-        res = decode_ensemble_sets(sessions, memories, n, cfg, keys, ddi_adj=adj)
-    return _decoded(res, n)
+    plan = DecodingPlan(decoding, model.cfg.n_med, ddi=ddi)
+    return _decode(model, batch, _for_model(model, plan), visit_ids)
 
 
 def decode_patients(
     model: COGNet | Ensemble,
     vocab: Vocab,
     patients: Sequence[Sequence[Visit]],
-    decoding: Decoding = Decoding(),
-    ddi: DDIPolicy = DDIPolicy(),
+    plan: DecodingPlan | None = None,
     on_batch: Callable[[int], None] | None = None,
     batch_patients: int = 128,
     head: SetHead | None = None,
 ) -> list[Decoded]:
-    """Decode every visit of `patients` (history: the earlier visits' true medications) with
-    `decoding` (default: the paper's beam search, beam 4) under the DDI policy `ddi`; the
-    marginal decoding reads the set head `head`."""
-    if decoding.name == "marginal":
-        return marginal_decode(head, model, vocab, patients, decoding, ddi, on_batch)
+    """Decode every visit of `patients` (history: the earlier visits' true medications) by
+    `plan` (its decoding and DDI policy; default: the paper's beam search, beam 4, DDI off;
+    its DDI adjacency: the model's unless it names one); the marginal decoding reads the set
+    head `head`."""
+    plan = _for_model(model, DecodingPlan(Decoding(), vocab.end) if plan is None else plan)
+    if plan.decoding.name == "marginal":
+        return marginal_decode(head, model, vocab, patients, plan, on_batch)
     out: list[Decoded] = []
     for i in range(0, len(patients), batch_patients):
         chunk = patients[i : i + batch_patients]
         batch = make_batch(chunk, vocab, targets=False)
-        if decoding.name == "beam":
-            out.extend(beam_search(model, batch, decoding.beam, decoding.max_len, ddi=ddi))
-        else:
-            ids = [v.visit_id for p in chunk for v in p]
-            out.extend(set_decode(model, batch, ids, decoding, ddi=ddi))
+        out.extend(_decode(model, batch, plan, [v.visit_id for p in chunk for v in p]))
         if on_batch:
             on_batch(sum(map(len, chunk)))
     return out
@@ -135,18 +113,16 @@ def marginal_decode(
     model: COGNet | Ensemble,
     vocab: Vocab,
     patients: Sequence[Sequence[Visit]],
-    decoding: Decoding,
-    ddi: DDIPolicy = DDIPolicy(),
+    plan: DecodingPlan,
     on_batch: Callable[[int], None] | None = None,
 ) -> list[Decoded]:
-    """The marginal decoding of every visit of `patients`: the set rules of `decoding`
-    (`Decoding.selection`) and the set rules of `ddi` read from the set head's P(k in S)."""
+    """The marginal decoding of every visit of `patients`: the set rules of the plan's
+    decoding (`Decoding.selection`) and DDI policy read from the set head's P(k in S)."""
     if head is None:
         raise ValueError("the marginal decoding reads a set head: this checkpoint has none")
     pads = (vocab.n_diag, vocab.n_proc, vocab.n_med)
     marginals = head.marginals(patient_head_arrays(patients, pads, vocab.n_med))
-    cfg = SetConfig.of(decoding, vocab.n_med, ddi)
-    out = _decoded(set_result(marginals, 1, cfg, _ddi_adjacency(model)), len(marginals))
+    out = _decoded(_for_model(model, plan).read_sets(marginals), len(marginals))
     if on_batch:
         on_batch(len(out))
     return out
@@ -160,8 +136,37 @@ def reselect(
     only (a cap, a pair price) beyond the step policy (mode, penalty) those answers were
     decoded with, which alone changes P(k in S)."""
     marginals = np.stack([d.scores for d in decoded])
-    cfg = SetConfig.of(decoding, model.cfg.n_med, ddi)
-    return _decoded(set_result(marginals, 0, cfg, _ddi_adjacency(model)), len(decoded))
+    plan = DecodingPlan(decoding, model.cfg.n_med, ddi=ddi)
+    return _decoded(_for_model(model, plan).read_sets(marginals), len(decoded))
+
+
+@torch.no_grad()
+def _decode(
+    model: COGNet | Ensemble,
+    batch: dict[str, torch.Tensor],
+    plan: DecodingPlan,
+    visit_ids: Sequence[str],
+) -> list[Decoded]:
+    """The plan's decoding of every target of a `make_batch` batch by the one dispatch
+    (`cognet.core.decoding.plan.decode`) over a `TorchSession` of the network, or an
+    `EnsembleSession` over one per member."""
+    model.eval()
+    sessions = [TorchSession(m) for m in members_of(model)]
+    memories = tuple(s.memories(batch) for s in sessions)
+    if len(sessions) == 1:
+        result = decode(sessions[0], memories[0], plan, visit_ids)
+    else:
+        result = decode(EnsembleSession(sessions), memories, plan, visit_ids)
+    return _decoded(result, len(visit_ids))
+
+
+def _for_model(model: COGNet | Ensemble, plan: DecodingPlan) -> DecodingPlan:
+    """The plan as torch runs it on `model`: with the PRAUC scores (`Decoded.scores`), no
+    explanations, and the model's DDI pairs unless the plan names its own."""
+    if plan.end != model.cfg.n_med:
+        raise ValueError(f"a plan for {plan.end} medications, a model of {model.cfg.n_med}")
+    adj = _ddi_adjacency(model) if plan.ddi_adj is None else plan.ddi_adj
+    return replace(plan, prauc=True, explain=False, ddi_adj=adj)
 
 
 def _ddi_adjacency(model: COGNet | Ensemble) -> np.ndarray:

@@ -39,6 +39,7 @@ import numpy as np
 
 from cognet.core.ddi import RATE_TOLERANCE, DDIPolicy, DDITarget
 from cognet.core.decoding import Decoding
+from cognet.core.decoding.plan import DecodingPlan
 from cognet.core.decoding.set_rules import select_sets
 from cognet.core.history import Visit
 from cognet.core.metrics import ddi_rate_of_sets, jaccard
@@ -224,7 +225,8 @@ def choose_target(
 
     patients, grid = split.patients, Grid(THRESHOLDS)
     if decoding.name == "marginal":
-        decoded = decode_patients(model, vocab, patients, decoding, on_batch=on_batch, head=head)
+        plan = DecodingPlan(decoding, vocab.end)
+        decoded = decode_patients(model, vocab, patients, plan, on_batch=on_batch, head=head)
         margins = np.stack([d.scores for d in decoded])
         chosen, trials = search(lambda _: margins, split, target, grid, ladder=(), refine=0)
         return replace(chosen, decoding="marginal"), trials
@@ -233,7 +235,8 @@ def choose_target(
     probe = decoding.with_changes(threshold=1.0)  # the marginals do not depend on it
 
     def marginals_of(policy: DDIPolicy) -> np.ndarray:
-        decoded = decode_patients(model, vocab, patients, probe, policy, on_batch)
+        plan = DecodingPlan(probe, vocab.end, ddi=policy)
+        decoded = decode_patients(model, vocab, patients, plan, on_batch)
         return np.stack([d.scores for d in decoded])
 
     return search(marginals_of, split, target, grid)

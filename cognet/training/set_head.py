@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from cognet.core.decoding import ESTIMATOR, Decoding
+from cognet.core.decoding.plan import DecodingPlan
 from cognet.core.head_inputs import HEAD_INPUTS, patient_head_arrays
 from cognet.core.history import Visit
 from cognet.core.vocab import Vocab
@@ -81,11 +82,12 @@ def teacher_marginals(
     alone = [[v] for v, h in zip(visits, has, strict=True) if h]  # each as a first visit
     bar = progress(total=len(visits) + len(alone), desc="teacher P(k in S)") if progress else None
     step = bar.update if bar is not None else None
-    decoded = decode_patients(model, vocab, patients, probe, on_batch=step)
+    plan = DecodingPlan(probe, vocab.end)
+    decoded = decode_patients(model, vocab, patients, plan, on_batch=step)
     with_history = np.stack([d.scores for d in decoded]).astype(np.float32)
     without = with_history.copy()
     if alone:
-        decoded = decode_patients(model, vocab, alone, probe, on_batch=step)
+        decoded = decode_patients(model, vocab, alone, plan, on_batch=step)
         without[has] = np.stack([d.scores for d in decoded]).astype(np.float32)
     if bar is not None:
         bar.close()

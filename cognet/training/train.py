@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from cognet.core.ddi import require_pairs
 from cognet.core.decoding import DECODINGS, SAMPLES, Decoding
 from cognet.core.decoding.ensemble import MAX_MEMBERS, member_seed
+from cognet.core.decoding.plan import DecodingPlan
 from cognet.core.errors import InputError
 from cognet.core.files import writable_folder
 from cognet.core.metrics import evaluation_report, visit_results
@@ -455,9 +456,8 @@ def _validation(model: COGNet, vocab: Vocab, val_patients, ddi_bool, select: str
     record = {"val_nll": validation_nll(model, vocab, val_patients)}
     if select == "jaccard":
         on_batch = bar.update if bar is not None else None
-        decoded = decode_patients(
-            model, vocab, val_patients, decoding=Decoding(beam=1), on_batch=on_batch
-        )
+        greedy = DecodingPlan(Decoding(beam=1), vocab.end)
+        decoded = decode_patients(model, vocab, val_patients, greedy, on_batch=on_batch)
         val = evaluation_report(visit_results(val_patients, decoded), ddi_bool, rounds=1)
         for k in ("jaccard", "f1", "prauc", "ddi", "avg_drugs"):
             record[f"val_{k}"] = val[k]["mean"]

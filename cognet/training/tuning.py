@@ -10,8 +10,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from cognet.core.ddi import DDIPolicy
 from cognet.core.decoding import ESTIMATOR, Decoding
+from cognet.core.decoding.plan import DecodingPlan
 from cognet.core.decoding.set_rules import select_sets
 from cognet.core.history import Visit
 from cognet.core.metrics import VisitResult, bootstrap_report
@@ -134,7 +134,7 @@ def set_decoding_for(
     threshold and the set rule chosen on `patients` (`choose_set_rule`); on_batch(visits)
     after each batch decoded."""
     probe = Decoding(name="set", samples=samples, threshold=1.0, estimator=ESTIMATOR)
-    decoded = decode_patients(model, vocab, patients, probe, DDIPolicy(), on_batch)
+    decoded = decode_patients(model, vocab, patients, DecodingPlan(probe, vocab.end), on_batch)
     marginals = np.stack([d.scores for d in decoded])
     tau, rule, info = choose_set_rule(patients, marginals, ddi_adj)
     return probe.with_changes(threshold=tau, rule=rule), info

@@ -41,7 +41,13 @@ from cognet.core.ddi import (
 )
 from cognet.core.decoding import BEAM, Decoding, driver
 from cognet.core.decoding.attribution import beam_shares
-from cognet.core.decoding.driver import COMPACT_AT, DecoderSession, LoopConfig, step_outputs
+from cognet.core.decoding.driver import (
+    COMPACT_AT,
+    DecoderSession,
+    LoopConfig,
+    Visits,
+    step_outputs,
+)
 from cognet.core.decoding.ensemble import MEMBER_LOG_PROBS, mix_log_probs
 
 NEG_INF = np.float32(-np.inf)
@@ -346,24 +352,16 @@ class BeamSelector(BeamRule):
 
 
 def beam_search(
-    session: DecoderSession,
-    memories: Any,
-    n: int,
-    cfg: BeamConfig,
-    prauc: bool = False,
-    explain: bool = False,
-    ddi_adj: np.ndarray | None = None,
-    attention: bool = False,
+    session: DecoderSession, memories: Any, cfg: BeamConfig, visits: Visits
 ) -> BeamResult:
-    """Decode the n visits whose memories come from `session.init`.
-
-    prauc: also return the PRAUC scores; explain: also return the gates and copy
-    distributions along the best hypothesis, and with `attention` the diagnosis attention
-    (the step output `diag_attention`); ddi_adj: bool/0-1 [M, M] symmetric DDI adjacency
-    over medication ids with a zero diagonal, needed when `cfg.ddi` is active.
+    """Decode the `visits.n` visits whose memories come from `session.init`, with what
+    `visits` asks beside the answers: the PRAUC scores (`prauc`), the gates and copy
+    distributions along the best hypothesis (`explain`), with `attention` the diagnosis
+    attention (the step output `diag_attention`); `ddi_adj` is needed when `cfg.ddi` is
+    active.
     """
-    selector = BeamSelector(cfg, prauc, explain, ddi_adj, attention)
-    return driver.run(session, memories, n, selector, cfg)
+    selector = BeamSelector(cfg, visits.prauc, visits.explain, visits.ddi_adj, visits.attention)
+    return driver.run(session, memories, visits.n, selector, cfg)
 
 
 def _penalise(

@@ -129,6 +129,28 @@ class LoopConfig:
             raise ValueError("compact_at must be in (0, 1]")
 
 
+@dataclass(frozen=True, eq=False)
+class Visits:
+    """The visits of one decoding call and what it returns beside each visit's answer: what
+    beam search, set decoding and an ensemble's pass along together with the session, the
+    memories and the driver's configuration (`cognet.core.decoding.plan` builds it)."""
+
+    n: int  # visits to decode, whose memories come from `session.init`
+    _: KW_ONLY
+    keys: np.ndarray | None = None  # uint64 [n]: their random streams (set decoding's draws)
+    prauc: bool = False  # beam search: the PRAUC scores too (set decoding's: its P(k in S))
+    explain: bool = False  # the gates and copy distributions too
+    attention: bool = False  # with `explain`: the diagnosis attention (`diag_attention`)
+    # bool/0-1 [M, M]: the DDI pairs (symmetric, zero diagonal); needed by an active policy
+    ddi_adj: np.ndarray | None = None
+
+    def drawn_keys(self) -> np.ndarray:
+        """The visits' keys, which set decoding draws from (ValueError when not given)."""
+        if self.keys is None:
+            raise ValueError("set decoding draws from the visits' keys: give Visits.keys")
+        return self.keys
+
+
 def run(session: DecoderSession, memories: Any, n: int, selector: Selector, cfg: LoopConfig) -> Any:
     """Decode the n visits whose memories come from `session.init` with `selector`'s rule
     (`session`: a `DecoderSession`; a `DeviceDecoderSession` for a selector on the device)."""

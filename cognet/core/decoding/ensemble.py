@@ -20,13 +20,20 @@ steps by 0.0014 Jaccard, and beat one network with twice the samples by 0.0012.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
 import numpy as np
 
-from cognet.core.decoding.sampling import SetConfig, SetResult, set_marginals, set_result
+from cognet.core.decoding.driver import DecoderSession, Visits
+from cognet.core.decoding.sampling import (
+    Marginals,
+    SetConfig,
+    SetResult,
+    set_marginals,
+    set_result,
+)
 from cognet.core.graphspec import MIX_GRAPH, MIX_OUTPUT, mix_inputs
 
 # An ensemble step's outputs carry its members' log-probabilities under this name, beside their
@@ -101,10 +108,9 @@ class EnsembleSession:
     mixture graph, `graphspec.MIX_GRAPH`), where the members' steps ran (`step_log_probs`)."""
 
     search = None
-    select_on_device = False
     prefix_cache = False  # set decoding runs each member's own session
 
-    def __init__(self, members: Sequence[Any]):
+    def __init__(self, members: Sequence[DecoderSession]):
         if len(members) < 2:
             raise ValueError("an ensemble needs at least two member sessions")
         self.members = tuple(members)
@@ -153,32 +159,25 @@ class EnsembleSession:
         return tuple(m.take(v, rows) for m, v in zip(self.members, value, strict=True))
 
 
-def member_sessions(session: Any) -> tuple:
+def member_sessions(session: DecoderSession) -> tuple[DecoderSession, ...]:
     """The sessions of a decoder: an `EnsembleSession`'s members, or the one session."""
     return session.members if isinstance(session, EnsembleSession) else (session,)
 
 
 def ensemble_marginals(
-    sessions: Sequence[Any],
+    sessions: Sequence[DecoderSession],
     memories: Sequence[Any],
-    n: int,
     cfg: SetConfig,
-    keys: np.ndarray,
-    explain: bool = False,
-    ddi_adj: np.ndarray | None = None,
-    attention: bool = False,
-    marginals: Callable[..., tuple[np.ndarray, dict | None, int]] = set_marginals,
+    visits: Visits,
+    marginals: Marginals = set_marginals,
 ) -> tuple[np.ndarray, dict | None, int]:
     """(P(k in S) float64 [n, M], the explanation sums or None, decoder steps run) of the
     members' sequence-level mixture: the mean of each member's `marginals` (`set_marginals`,
-    or the runtime's search graphs with its signature; member i with `member_config(cfg,
-    i)`); the explanation sums are pooled (their counts add). One member gives its own
-    marginals exactly."""
+    or the runtime's search graphs; member i with `member_config(cfg, i)`); the explanation
+    sums are pooled (their counts add). One member gives its own marginals exactly."""
     total, pooled, steps = None, None, 0
     for i, (session, mem) in enumerate(zip(sessions, memories, strict=True)):
-        m, sums, s = marginals(
-            session, mem, n, member_config(cfg, i), keys, explain, ddi_adj, attention
-        )
+        m, sums, s = marginals(session, mem, member_config(cfg, i), visits)
         total = m if total is None else total + m
         pooled = _pool(pooled, sums)
         steps += s
@@ -187,22 +186,17 @@ def ensemble_marginals(
 
 
 def decode_ensemble_sets(
-    sessions: Sequence[Any],
+    sessions: Sequence[DecoderSession],
     memories: Sequence[Any],
-    n: int,
     cfg: SetConfig,
-    keys: np.ndarray,
-    explain: bool = False,
-    ddi_adj: np.ndarray | None = None,
-    attention: bool = False,
-    marginals: Callable[..., tuple[np.ndarray, dict | None, int]] = set_marginals,
+    visits: Visits,
+    marginals: Marginals = set_marginals,
 ) -> SetResult:
     """The set of each of the n visits under the ensemble (`ensemble_marginals`), with what
     `sampling.decode_sets` gives for one network."""
-    mean, sums, steps = ensemble_marginals(
-        sessions, memories, n, cfg, keys, explain, ddi_adj, attention, marginals
-    )
-    return set_result(mean, steps, cfg, ddi_adj, (sums or {}) if explain else None)
+    mean, sums, steps = ensemble_marginals(sessions, memories, cfg, visits, marginals)
+    explained = (sums or {}) if visits.explain else None
+    return set_result(mean, steps, cfg, visits.ddi_adj, explained)
 
 
 def _pool(a: dict | None, b: dict | None) -> dict | None:

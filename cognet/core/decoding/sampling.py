@@ -34,6 +34,7 @@ lift the set's DDI rate above R.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,7 +44,13 @@ from cognet.core.ddi import DDIPolicy, apply_step_penalty, check_adjacency
 from cognet.core.decoding import SAMPLES, SET_RULES, Decoding, driver, open_samples
 from cognet.core.decoding.attribution import add_emissions, set_explanations
 from cognet.core.decoding.draws import Draws
-from cognet.core.decoding.driver import COMPACT_AT, LoopConfig, step_outputs
+from cognet.core.decoding.driver import (
+    COMPACT_AT,
+    DecoderSession,
+    LoopConfig,
+    Visits,
+    step_outputs,
+)
 from cognet.core.decoding.set_rules import select_sets
 
 
@@ -225,20 +232,17 @@ class SetSampler(SetRule):
 
 
 def set_marginals(
-    session: Any,
-    memories: Any,
-    n: int,
-    cfg: SetConfig,
-    keys: np.ndarray,
-    explain: bool = False,
-    ddi_adj: np.ndarray | None = None,
-    attention: bool = False,
+    session: DecoderSession, memories: Any, cfg: SetConfig, visits: Visits
 ) -> tuple[np.ndarray, dict | None, int]:
-    """(P(k in S) float64 [n, M], the explanation sums or None, steps run) of the n visits
-    whose memories come from `session.init` (a `cognet.core.decoding.driver.DecoderSession`)."""
-    sampler = SetSampler(cfg, keys, ddi_adj, explain, attention)
+    """(P(k in S) float64 [n, M], the explanation sums or None, steps run) of the
+    `visits.n` visits whose memories come from `session.init`, drawn from `visits.keys`."""
+    sampler = SetSampler(cfg, visits.drawn_keys(), visits.ddi_adj, visits.explain, visits.attention)
     loop = open_samples.run if open_samples.applies(session, sampler) else driver.run
-    return loop(session, memories, n, sampler, cfg)
+    return loop(session, memories, visits.n, sampler, cfg)
+
+
+# what gives a set decoding's marginals: `set_marginals`, or the runtime's search graphs
+Marginals = Callable[[DecoderSession, Any, SetConfig, Visits], tuple[np.ndarray, dict | None, int]]
 
 
 _TINY = 2.0**-100  # a row whose unshifted exponentials sum below this is shifted first
@@ -298,20 +302,17 @@ def _logits(log_probs, used, finished, end, policy, ddi_adj, clashes=None) -> np
 
 
 def decode_sets(
-    session: Any,
+    session: DecoderSession,
     memories: Any,
-    n: int,
     cfg: SetConfig,
-    keys: np.ndarray,
-    explain: bool = False,
-    ddi_adj: np.ndarray | None = None,
-    attention: bool = False,
+    visits: Visits,
+    marginals: Marginals = set_marginals,
 ) -> SetResult:
-    """The set of each of the n visits, with what `BeamResult` carries for a hypothesis."""
-    marginals, sums, steps = set_marginals(
-        session, memories, n, cfg, keys, explain, ddi_adj, attention
-    )
-    return set_result(marginals, steps, cfg, ddi_adj, (sums or {}) if explain else None)
+    """The set of each of the `visits.n` visits, with what `BeamResult` carries for a
+    hypothesis, from their `marginals` (`set_marginals`, or the runtime's search graphs)."""
+    found, sums, steps = marginals(session, memories, cfg, visits)
+    explained = (sums or {}) if visits.explain else None
+    return set_result(found, steps, cfg, visits.ddi_adj, explained)
 
 
 def set_result(
