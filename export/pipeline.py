@@ -25,9 +25,10 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
+from cognet.core import progress as bars
 from cognet.core import strict_json
 from cognet.core.ddi import ddi_matrix
-from cognet.core.decoding import BEAM, MAX_LEN
+from cognet.core.decoding import BEAM, MAX_LEN, Decoding
 from cognet.core.decoding.ensemble import MAX_MEMBERS
 from cognet.core.errors import InputError, ParityError, one_line, writing
 from cognet.core.files import remove, write_text
@@ -42,6 +43,7 @@ from cognet.core.manifest import (
     check_manifest,
     write_manifest,
 )
+from cognet.export.graphs import tensor_specs
 from cognet.export.onnx_export import (
     OPSET,
     export_graph,
@@ -53,6 +55,9 @@ from cognet.export.onnx_export import (
     write_int8,
 )
 from cognet.export.search_graphs import SEARCH_FILES, write_search_graphs
+from cognet.export.tensorrt import build_engines, require_tensorrt
+from cognet.model import checkpoint as ckpt
+from cognet.model.ensemble import members_of
 
 log = logging.getLogger(__name__)
 
@@ -119,8 +124,6 @@ def export(
     """
 
     if options.tensorrt:
-        from cognet.export.tensorrt import require_tensorrt
-
         require_tensorrt()
     model, vocab, config = _load_checkpoint(Path(checkpoint))
     out = Path(out)
@@ -144,18 +147,12 @@ def export(
 
 
 def _no_bar(**_):
-    from cognet.core.progress import progress
-
-    return progress(quiet=True)
+    return bars.progress(quiet=True)
 
 
 def _export(model, vocab, config, checkpoint, out: Path, options: ExportOptions, progress):
     """`export` once the checkpoint is loaded and OUT is ready."""
     fp16, int8 = options.fp16, options.int8
-    from cognet.core.decoding import Decoding
-    from cognet.model import checkpoint as ckpt
-    from cognet.model.ensemble import members_of
-
     head = ckpt.load_head(checkpoint, config)  # a damaged head fails before any graph is written
     # each member's graphs and variants, and their paths ({variant: {graph: path}})
     nets = members_of(model)
@@ -172,6 +169,8 @@ def _export(model, vocab, config, checkpoint, out: Path, options: ExportOptions,
 
     parity = None
     if options.validate:
+        # onnxruntime (the [cpu] or [gpu] extra, not [train]): lazy, so that an export
+        # without validation runs without it
         from cognet.export.validate import Exported, check, parity_steps
         from cognet.export.validate import validate as run_validation
 
@@ -232,8 +231,6 @@ def _export(model, vocab, config, checkpoint, out: Path, options: ExportOptions,
         model_dir=out,
     )
     if options.tensorrt:
-        from cognet.export.tensorrt import build_engines
-
         manifest = build_engines(manifest, fp16=fp16)
     check_manifest(manifest)  # the runtime's checks: never write a model it would refuse
     write_manifest(out, manifest)
@@ -247,8 +244,6 @@ def _export_member(
     code (`write_encoder_parts`) and the variants asked:
     their manifest entries, and their paths by variant (None: float32)."""
     import torch
-
-    from cognet.export.graphs import tensor_specs
 
     specs = tensor_specs(net)
     paths = {None: {name: out / file for name, file in graph_files(member).items()}}
@@ -276,8 +271,6 @@ def _export_member(
 
 def _load_checkpoint(path: Path):
     from safetensors import SafetensorError
-
-    from cognet.model import checkpoint as ckpt
 
     try:
         return ckpt.load(path)

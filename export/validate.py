@@ -49,6 +49,12 @@ import onnxruntime as ort
 import torch
 
 from cognet.core.decoding import BEAM, MAX_LEN, Decoding
+from cognet.core.decoding.beam import BeamConfig
+from cognet.core.decoding.beam import beam_search as runtime_beam_search
+from cognet.core.decoding.draws import visit_keys
+from cognet.core.decoding.driver import Visits
+from cognet.core.decoding.ensemble import EnsembleSession, decode_ensemble_sets
+from cognet.core.decoding.sampling import SetConfig, decode_sets
 from cognet.core.errors import ParityError
 from cognet.core.graphspec import ENCODER_INPUTS, ENCODER_OUTPUTS, INIT_INPUTS
 from cognet.core.history import Visit
@@ -63,9 +69,10 @@ from cognet.export.graphs import (
     example_inputs,
     head_example,
 )
+from cognet.model.batching import make_batch
 from cognet.model.ensemble import Ensemble, members_of
 from cognet.model.network import COGNet, ModelConfig, history_inputs
-from cognet.model.torch_decoding import beam_search
+from cognet.model.torch_decoding import beam_search, set_decode
 
 FLOAT32_ATOL = 1e-4
 # float32 `log_probs` are compared clipped below at log(LOG_FLOOR): under it, the float32
@@ -301,11 +308,6 @@ def onnx_beam_search(
     the driver and sessions that serve the model are the ones validated. The decoder-init
     inputs are assembled as for the torch model (`history_inputs`). Returns (medications,
     score) per visit."""
-    from cognet.core.decoding.beam import BeamConfig
-    from cognet.core.decoding.beam import beam_search as runtime_beam_search
-    from cognet.core.decoding.driver import Visits
-    from cognet.core.decoding.ensemble import EnsembleSession
-
     sessions, memories = _host_sessions(graphs, batch, cfg)
     if len(sessions) == 1:
         session, memory = sessions[0], memories[0]
@@ -325,6 +327,7 @@ def onnx_beam_search(
 
 def _host_sessions(graphs: Graphs | Sequence[Graphs], batch: dict, cfg: ModelConfig):
     """(the runtime's decoder session of each member's graphs, its memories of `batch`)."""
+    # the runtime: export imports it inside functions only (DESIGN.md §1)
     from cognet.runtime.session import HostDecoder
 
     sessions, memories = [], []
@@ -349,11 +352,6 @@ def onnx_sets(
     """The sets of `decoding` (set decoding, DDI off) of the targets of `batch`, through the
     exported graphs and the runtime's set decoding, each visit's draws keyed by its id as
     torch's `set_decode` keys them."""
-    from cognet.core.decoding.draws import visit_keys
-    from cognet.core.decoding.driver import Visits
-    from cognet.core.decoding.ensemble import decode_ensemble_sets
-    from cognet.core.decoding.sampling import SetConfig, decode_sets
-
     sessions, memories = _host_sessions(graphs, batch, cfg)
     visits = Visits(len(batch["target"]), keys=visit_keys(visit_ids))
     set_cfg = SetConfig.of(decoding, cfg.n_med)
@@ -374,9 +372,6 @@ def compare_sets(
     chunk: int = 256,
 ) -> dict:
     """The sets of torch's `set_decode` vs those decoded through the graphs (`onnx_sets`)."""
-    from cognet.model.batching import make_batch
-    from cognet.model.torch_decoding import set_decode
-
     same = total = 0
     mismatches: list[dict] = []
     for start in range(0, len(patients), chunk):
@@ -410,8 +405,6 @@ def compare_decoding(
 ) -> dict:
     """Medication lists of the torch reference vs the ONNX-driven beam search, per beam size
     (an ensemble: one `Graphs` per member)."""
-    from cognet.model.batching import make_batch
-
     report = {}
     for beam in beams:
         same = total = 0

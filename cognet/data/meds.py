@@ -42,6 +42,7 @@ import pyarrow.parquet as pq
 
 from cognet.core.atc import atc3
 from cognet.core.errors import InputError, one_line, where
+from cognet.data.mimic3 import read_ndc_rxnorm, read_rxnorm_atc4
 from cognet.data.tables import (
     Report,
     SourceTable,
@@ -158,8 +159,6 @@ def read_medication_map(
 ) -> dict[str, tuple[str, ...]]:
     """Medication code -> its ATC-3 classes (sorted); codes that map to none are absent."""
     import meds
-
-    from cognet.data.mimic3 import read_ndc_rxnorm, read_rxnorm_atc4
 
     ndc_rxcui = read_ndc_rxnorm(Path(ndc_rxnorm)) if ndc_rxnorm else {}
     rxcui_atc4 = read_rxnorm_atc4(Path(rxnorm_atc)) if rxnorm_atc else {}

@@ -220,6 +220,7 @@ def choose_target(
     decodes them under each policy; the marginal decoding reads the set head `head` once,
     since its P(k in S) depend on no policy: only the set rules (cap, pair price, threshold
     or expected-Jaccard rule, hard's set rule) are searched, no soft penalty."""
+    # torch: lazy, so that `cognet train --help` (which imports `describe`) runs without it
     from cognet.model.torch_decoding import decode_patients
     from cognet.training.tuning import THRESHOLDS
 
