@@ -24,13 +24,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from cognet.core import strict_json
+from cognet.core.dataset import split_rows
 from cognet.core.decoding.draws import visit_keys
 from cognet.core.decoding.driver import Visits
 from cognet.core.decoding.ensemble import EnsembleSession, ensemble_marginals
 from cognet.core.decoding.sampling import SetConfig, set_marginals
 from cognet.core.manifest import load_manifest
 from cognet.core.metrics import summary_of
-from cognet.core.schema import split_rows
 from cognet.runtime import ScoreOptions, Scorer, reader
 from cognet.runtime.batches import encoder_budget
 from cognet.runtime.encoder import encode_plan, init_memories

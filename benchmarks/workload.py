@@ -23,8 +23,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from cognet.core.dataset import read_visits
 from cognet.core.history import Visit, patients_from_table
-from cognet.core.schema import read_visits
 from cognet.core.vocab import Vocab
 from cognet.data.synth import generate
 

@@ -14,9 +14,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from cognet.core.code_names import CodeNames
+from cognet.core.dataset import read_dataset, split_rows
 from cognet.core.decoding.attribution import COPIED_FROM
 from cognet.core.files import atomic_path
-from cognet.core.schema import read_dataset, split_rows
 
 
 def make_input(data_dir: str, out: str, split: str = "test") -> int:

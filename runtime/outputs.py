@@ -14,10 +14,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import pyarrow as pa
 
+from cognet.core.dataset import PREDICTIONS_SCHEMA
 from cognet.core.decoding.attribution import copy_share_and_source, most_attended
 from cognet.core.decoding.sampling import SetResult
 from cognet.core.metrics import PATIENT_COLUMNS
-from cognet.core.schema import PREDICTIONS_SCHEMA
 from cognet.runtime import reader
 from cognet.runtime.plan import REASONS, REJECTED, Plan
 

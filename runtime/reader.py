@@ -28,8 +28,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from cognet.core.dataset import check_text, check_visits_columns, parquet_file
 from cognet.core.errors import InputError, one_line, where
-from cognet.core.schema import check_text, check_visits_columns, parquet_file
 
 log = logging.getLogger(__name__)
 

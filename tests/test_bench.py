@@ -17,8 +17,8 @@ from cognet.benchmarks.cli import main
 from cognet.benchmarks.guard import Guard
 from cognet.benchmarks.perpatient import decode_perpatient
 from cognet.benchmarks.report import markdown, ratios
+from cognet.core.dataset import read_dataset
 from cognet.core.history import load_split
-from cognet.core.schema import read_dataset
 from cognet.model import checkpoint
 from cognet.model.batching import make_batch
 from cognet.model.torch_decoding import beam_search

@@ -9,8 +9,8 @@ import torch
 
 from cognet.benchmarks import interleaved_runs
 from cognet.benchmarks.guard import Guard
+from cognet.core.dataset import read_dataset
 from cognet.core.history import load_split
-from cognet.core.schema import read_dataset
 from cognet.model.batching import make_batch
 from cognet.model.torch_decoding import beam_search
 

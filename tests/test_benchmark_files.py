@@ -43,8 +43,8 @@ from pickle_ops import (
 )
 
 from cognet.cli.data import data
+from cognet.core.dataset import read_dataset
 from cognet.core.errors import InputError
-from cognet.core.schema import read_dataset
 from cognet.data.benchmark import split_names
 from cognet.data.pickles import load
 

@@ -1,6 +1,6 @@
 """Issue 48 items 6, 7 and 8 (ensembles), `make failures`: every JSON field of a checkpoint
 (config.json, vocab.json) and of a manifest is checked by type and value when read
-(`cognet.core.schemas`): a field of the wrong JSON type or out of its set exits 2 from
+(`cognet.core.file_schemas`): a field of the wrong JSON type or out of its set exits 2 from
 every command that reads it, with one line naming the file and the field, and nothing
 written; the exporter never writes a manifest the runtime refuses; files of earlier
 versions still load; `cognet ensemble` refuses one run given twice, whatever the path.
@@ -323,13 +323,13 @@ def test_a_checkpoint_and_a_model_of_the_first_format_still_load(made, tmp_path)
 
 
 def test_the_schemas_declare_every_field_of_the_dataclasses():
-    from cognet.core.schemas import MODEL_FIELDS, TRAIN
+    from cognet.core.file_schemas import MODEL_FIELDS, TRAIN
     from cognet.model.network import ModelConfig
     from cognet.training.train import TrainConfig
 
     assert set(MODEL_FIELDS) == {f.name for f in dataclasses.fields(ModelConfig)}
     assert {f.name for f in dataclasses.fields(TrainConfig)} <= set(TRAIN.fields)
-    from cognet.core.schemas import HEAD_CONFIG, HEAD_RECIPE
+    from cognet.core.file_schemas import HEAD_CONFIG, HEAD_RECIPE
     from cognet.model.set_head import HeadConfig
     from cognet.training.set_head import HeadRecipe
 

@@ -24,9 +24,9 @@ from click.testing import CliRunner
 from tiny import make_tiny
 
 from cognet.cli import main as cognet_main
+from cognet.core.dataset import PREDICTIONS_SCHEMA
 from cognet.core.lock import claim
 from cognet.core.manifest import file_sha256
-from cognet.core.schema import PREDICTIONS_SCHEMA
 from cognet.export.cli import main as export_main
 from cognet.runtime.cli import main as batch_main
 

@@ -17,8 +17,8 @@ from cohort import DRUGS, make_cohort, to_omop, token_pairs, write_mappings, wri
 from omop_tables import write_table
 
 from cognet.cli import main
+from cognet.core.dataset import read_dataset
 from cognet.core.errors import InputError
-from cognet.core.schema import read_dataset
 from cognet.data.meds import MedicationMaps, build_meds
 from cognet.data.omop import build_omop
 

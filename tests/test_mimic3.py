@@ -31,8 +31,8 @@ from mimic_tables import (
 )
 
 from cognet.cli.data import mimic3_command
+from cognet.core.dataset import read_dataset
 from cognet.core.errors import InputError
-from cognet.core.schema import read_dataset
 from cognet.data.mimic3 import SafeDrugFiles, build_mimic3, load_prescriptions, ranked_codes
 from cognet.data.tables import Report
 

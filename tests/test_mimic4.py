@@ -27,8 +27,8 @@ from mimic_tables import (
 from mimic_tables import write_csv as write_plain_csv
 
 from cognet.cli import main
+from cognet.core.dataset import read_dataset
 from cognet.core.errors import InputError
-from cognet.core.schema import read_dataset
 from cognet.data.mimic3 import SafeDrugFiles
 from cognet.data.mimic4 import build_mimic4, icd_token
 from cognet.data.tables import Report

@@ -12,8 +12,7 @@ import pytest
 from click.testing import CliRunner
 
 from cognet.cli.data import data
-from cognet.core.errors import InputError
-from cognet.core.schema import (
+from cognet.core.dataset import (
     DDI_SCHEMA,
     SPLITS,
     VISITS_SCHEMA,
@@ -23,6 +22,7 @@ from cognet.core.schema import (
     write_ddi,
     write_visits,
 )
+from cognet.core.errors import InputError
 
 CODES = pa.list_(pa.string())
 

@@ -11,7 +11,7 @@ import pytest
 from click.testing import CliRunner
 
 from cognet.cli.data import data
-from cognet.core.schema import read_dataset, write_ddi, write_visits
+from cognet.core.dataset import read_dataset, write_ddi, write_visits
 from cognet.data.stats import compute_stats, format_stats
 
 

@@ -13,7 +13,7 @@ import pytest
 from click.testing import CliRunner
 
 from cognet.cli.data import data
-from cognet.core.schema import VISITS_SCHEMA, read_dataset
+from cognet.core.dataset import VISITS_SCHEMA, read_dataset
 from cognet.data.synth import MEDICATIONS, generate
 
 ICD9_DIAGNOSIS = re.compile(r"(\d{3}(\.\d{1,2})?|V\d{2}(\.\d{1,2})?|E\d{3}(\.\d)?)")

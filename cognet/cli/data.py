@@ -10,8 +10,8 @@ import click
 
 from cognet.core import strict_json
 from cognet.core.commandline import count_option, db_timeout_options, handle_errors, setup_logging
+from cognet.core.dataset import read_dataset
 from cognet.core.files import DATASET_FILES, Reads, guarded
-from cognet.core.schema import read_dataset
 from cognet.data.benchmark import build_benchmark
 from cognet.data.meds import MedicationMaps, MedsCodes, build_meds
 from cognet.data.mimic3 import DDI_TYPES, SafeDrugFiles, build_mimic3

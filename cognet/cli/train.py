@@ -17,9 +17,9 @@ from cognet.core.ddi import DDITarget
 from cognet.core.decoding import (
     Decoding,
 )
+from cognet.core.file_schemas import HEAD_FILE
 from cognet.core.files import Reads, guarded
 from cognet.core.progress import progress
-from cognet.core.schemas import HEAD_FILE
 from cognet.model.checkpoint_checks import FILES
 from cognet.training.ddi_target import describe
 

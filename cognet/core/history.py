@@ -12,8 +12,8 @@ from dataclasses import dataclass
 import numpy as np
 import pyarrow as pa
 
+from cognet.core.dataset import split_rows
 from cognet.core.ragged import Ragged
-from cognet.core.schema import split_rows
 from cognet.core.vocab import Vocab
 
 

@@ -9,7 +9,7 @@ API (stable; the runtime codes against it):
   Raises `cognet.core.errors.InputError` (one line naming the file) when the directory or the
   manifest is missing or malformed, when `format_version` is not `FORMAT_VERSION` (an
   ensemble's: `ENSEMBLE_FORMAT_VERSION`), when a field is not of the type and range of
-  `cognet.core.schemas.MANIFEST` (one line naming the field), or - with `verify` - when a
+  `cognet.core.file_schemas.MANIFEST` (one line naming the field), or - with `verify` - when a
   graph file (of the main graphs and of every variant) is missing or its sha256 differs from
   the manifest's.
 - `write_manifest(model_dir, manifest) -> Path`: check against the schema, then write
@@ -56,9 +56,17 @@ from cognet.core import strict_json
 from cognet.core.ddi import DDITarget
 from cognet.core.decoding import Decoding
 from cognet.core.errors import InputError, one_line
-from cognet.core.fields import checked
+from cognet.core.file_schemas import (  # noqa: F401 - LIMIT, MAX_BEAM, MAX_STEPS: part of this API
+    GRAPHS,
+    LIMIT,
+    MANIFEST,
+    MAX_BEAM,
+    MAX_STEPS,
+    VARIANTS,
+)
 from cognet.core.files import confined, write_text
 from cognet.core.graphspec import ENCODER_PARTS
+from cognet.core.json_schema import checked
 from cognet.core.manifest_graphs import (  # noqa: F401 - DTYPES and TensorSpec: part of this API
     DTYPES,
     GraphSpec,
@@ -67,20 +75,12 @@ from cognet.core.manifest_graphs import (  # noqa: F401 - DTYPES and TensorSpec:
     specs_from_json,
     specs_json,
 )
-from cognet.core.schemas import (  # noqa: F401 - LIMIT, MAX_BEAM, MAX_STEPS: part of this API
-    GRAPHS,
-    LIMIT,
-    MANIFEST,
-    MAX_BEAM,
-    MAX_STEPS,
-    VARIANTS,
-)
 from cognet.core.vocab import Vocab
 
 FORMAT_VERSION = 1
 ENSEMBLE_FORMAT_VERSION = 2  # older runtimes refuse it rather than serve member 0 alone
 MANIFEST_FILE = "manifest.json"
-# what a manifest that does not fit its schema (`cognet.core.schemas.MANIFEST`) needs
+# what a manifest that does not fit its schema (`cognet.core.file_schemas.MANIFEST`) needs
 REEXPORT = " (malformed manifest: re-export the model with cognet-export)"
 
 
@@ -298,7 +298,7 @@ def load_manifest(model_dir: str | Path, verify: bool = True) -> Manifest:
 
 def check_manifest(manifest: Manifest) -> None:
     """InputError naming manifest.json and the field, before any graph is opened, unless
-    every field has the type and range of its schema (`cognet.core.schemas.MANIFEST`) and
+    every field has the type and range of its schema (`cognet.core.file_schemas.MANIFEST`) and
     they agree with each other: heads x head_dim = dim, out_size = n_med + 1, the special
     ids, the vocabulary's sizes, the members and their graphs, the default decoding and DDI
     target (`Decoding`'s and `DDITarget`'s ranges), every file a plain name inside the
@@ -390,7 +390,7 @@ def verify_graphs(manifest: Manifest) -> None:
 
 def write_manifest(model_dir: str | Path, manifest: Manifest) -> Path:
     """Write `model_dir/manifest.json` atomically; returns its path. What it writes is
-    checked against the schema first (`cognet.core.schemas.MANIFEST`): an InputError, and
+    checked against the schema first (`cognet.core.file_schemas.MANIFEST`): an InputError, and
     nothing written, where the runtime would refuse a field."""
     obj = manifest.to_json()
     checked(obj, MANIFEST, Path(model_dir) / MANIFEST_FILE, REEXPORT)

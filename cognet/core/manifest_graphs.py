@@ -1,7 +1,7 @@
 """The graph entries of a model's manifest (`cognet.core.manifest`): each tensor's name,
 type and shape (`TensorSpec`), each graph's file, sha256, inputs and outputs (`GraphSpec`),
 and the graphs of one more member of an ensemble (`MemberGraphs`). Torch-free. Their types
-and ranges are checked by the manifest's schema (`cognet.core.schemas.MANIFEST`) before
+and ranges are checked by the manifest's schema (`cognet.core.file_schemas.MANIFEST`) before
 `from_json` reads them."""
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ class TensorSpec:
 
     @classmethod
     def from_json(cls, obj: dict) -> TensorSpec:
-        """A tensor entry that `cognet.core.schemas.MANIFEST` took (so are the ones below)."""
+        """A tensor entry that `cognet.core.file_schemas.MANIFEST` took (so are the ones below)."""
         return cls(obj["name"], obj["dtype"], tuple(obj["shape"]))
 
 

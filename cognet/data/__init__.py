@@ -1,5 +1,5 @@
 """cognet.data: dataset builders. Each writes the dataset contract of DESIGN.md §2
-(`cognet.core.schema`: visits.parquet + ddi.parquet) from one source:
+(`cognet.core.dataset`: visits.parquet + ddi.parquet) from one source:
 
 - `synth`: synthetic patients shaped like the processed MIMIC-III benchmark (its latent
   world in `synth_world`); `synth_omop`: synthetic OMOP CDM extracts of any size;

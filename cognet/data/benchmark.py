@@ -29,8 +29,8 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
+from cognet.core.dataset import CODE_COLUMNS, VISITS_SCHEMA
 from cognet.core.errors import InputError
-from cognet.core.schema import CODE_COLUMNS, VISITS_SCHEMA
 from cognet.data.pickle_bounds import printable, shown
 from cognet.data.pickles import Voc, describe, load
 from cognet.data.tables import Report, Step, dataset_counts, write_dataset

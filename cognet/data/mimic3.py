@@ -51,8 +51,8 @@ from pathlib import Path
 import pandas as pd
 import pyarrow as pa
 
+from cognet.core.dataset import VISITS_SCHEMA
 from cognet.core.errors import InputError, one_line, where
-from cognet.core.schema import VISITS_SCHEMA
 from cognet.data.tables import (
     Report,
     Step,

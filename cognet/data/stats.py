@@ -12,7 +12,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from cognet.core.schema import Dataset
+from cognet.core.dataset import Dataset
 
 _ROWS_PER_CHUNK = 65536  # bounds the dense visit x medication matrix of the DDI count
 

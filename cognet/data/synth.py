@@ -31,7 +31,7 @@ Defaults reproduce the paper's MIMIC-III statistics at 6,350 patients. Patients 
 generated one by one from their own seeded random stream (patient i is the same whatever the
 cohort size) and written in row groups of whole patients, so memory stays bounded for any
 N. `visits.parquet` carries a `split`
-column, `cognet.core.schema.split_patients(N, seed)`: what `read_dataset(split_seed=seed)` would
+column, `cognet.core.dataset.split_patients(N, seed)`: what `read_dataset(split_seed=seed)` would
 draw for a file without one.
 
 The world (codes, conditions, sites and their knobs) is drawn by `cognet.data.synth_world`;
@@ -50,7 +50,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-from cognet.core.schema import (
+from cognet.core.dataset import (
     DDI_FILE,
     SPLITS,
     VISITS_FILE,

@@ -29,9 +29,9 @@ import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 
 from cognet.core import strict_json
+from cognet.core.dataset import DDI_FILE, VISITS_FILE, write_ddi, write_visits
 from cognet.core.errors import InputError, one_line, where
 from cognet.core.files import target_of, write_text
-from cognet.core.schema import DDI_FILE, VISITS_FILE, write_ddi, write_visits
 
 log = logging.getLogger(__name__)
 

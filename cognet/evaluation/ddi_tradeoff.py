@@ -27,6 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
+from cognet.core.dataset import DDI_FILE, read_dataset
 from cognet.core.ddi import DDIPolicy, ddi_matrix, require_pairs
 from cognet.core.decoding import Decoding
 from cognet.core.decoding.plan import DecodingPlan
@@ -34,7 +35,6 @@ from cognet.core.errors import InputError
 from cognet.core.files import atomic_path
 from cognet.core.history import load_split
 from cognet.core.metrics import evaluation_report, visit_results
-from cognet.core.schema import DDI_FILE, read_dataset
 from cognet.evaluation.options import EvalOptions, ground_truth_ddi, stored_decoding
 
 # fine between 0.25 and 1, where the frontier bends on real data (docs/guide/ddi.md)

@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
+from cognet.core.dataset import DDI_FILE, PREDICTIONS_SCHEMA, read_dataset
 from cognet.core.ddi import DDIPolicy, DDITarget, ddi_matrix, require_pairs
 from cognet.core.decoding import Decoding
 from cognet.core.decoding.plan import DecodingPlan
@@ -26,7 +27,6 @@ from cognet.core.metrics import (
     visit_results,
 )
 from cognet.core.progress import progress
-from cognet.core.schema import DDI_FILE, PREDICTIONS_SCHEMA, read_dataset
 from cognet.core.vocab import Vocab
 from cognet.evaluation.baselines import run_baseline
 from cognet.evaluation.options import EvalOptions, ground_truth_ddi, stored_decoding
@@ -44,7 +44,7 @@ def predictions_table(
     vocab: Vocab,
     probabilities: Sequence[Sequence[float]] | None = None,
 ) -> pa.Table:
-    """The `cognet-batch score` output schema (`cognet.core.schema.PREDICTIONS_SCHEMA`):
+    """The `cognet-batch score` output schema (`cognet.core.dataset.PREDICTIONS_SCHEMA`):
     patient_id, visit_id, medications, score and probabilities (each medication's; a
     baseline's are null)."""
     visits = [v for p in patients for v in p]

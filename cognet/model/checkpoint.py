@@ -25,8 +25,8 @@ from safetensors.torch import save_file
 
 from cognet.core import strict_json
 from cognet.core.errors import InputError, one_line, writing
+from cognet.core.file_schemas import HEAD_FILE
 from cognet.core.files import atomic_path
-from cognet.core.schemas import HEAD_FILE
 from cognet.core.vocab import Vocab
 from cognet.model import checkpoint_checks as checks
 from cognet.model.ensemble import Ensemble

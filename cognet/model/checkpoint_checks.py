@@ -11,7 +11,7 @@ instead of a raw exception or, worse, a model that silently answers differently.
 - The vocabulary's sizes match the model's (`check_sizes`) and every weight has the shape the
   model needs (`check_weights`): a vocabulary cut by a few codes would shift every id.
 - Every field of config.json and vocab.json has the type and range of its schema
-  (`cognet.core.schemas`: `CONFIG`, `VOCAB`; `check_config` adds what ties fields together)
+  (`cognet.core.file_schemas`: `CONFIG`, `VOCAB`; `check_config` adds what ties fields together)
   and the model's sizes fit the weights file before the model is built (`check_capacity`:
   `dim: 1e7` is refused, not allocated).
 - Every file is a plain name inside the checkpoint directory once symlinks are resolved
@@ -33,10 +33,10 @@ from cognet.core.ddi import DDITarget
 from cognet.core.decoding import Decoding
 from cognet.core.decoding.ensemble import MAX_MEMBERS
 from cognet.core.errors import InputError, one_line
-from cognet.core.fields import FieldError, checked, show
+from cognet.core.file_schemas import CONFIG, MEMBERS, VOCAB
 from cognet.core.files import confined
+from cognet.core.json_schema import FieldError, checked, show
 from cognet.core.manifest import file_sha256
-from cognet.core.schemas import CONFIG, MEMBERS, VOCAB
 from cognet.core.vocab import Vocab
 
 HASHED = ("vocab.json", "model.safetensors", "graphs.npz")
@@ -86,7 +86,7 @@ def check_hashes(path: Path, config: Mapping) -> None:
 
 def check_config(path: Path, config: Mapping) -> None:
     """InputError naming config.json and the field unless every field has the type and range
-    of its schema (`cognet.core.schemas.CONFIG`) and they agree: heads divide dim, the stored
+    of its schema (`cognet.core.file_schemas.CONFIG`) and they agree: heads divide dim, the stored
     decoding and DDI target have their own ranges (`Decoding`, `DDITarget`)."""
     file = path / "config.json"
     checked(config, CONFIG, file)

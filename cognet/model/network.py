@@ -31,8 +31,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from cognet.core.file_schemas import ABLATIONS
 from cognet.core.graphspec import NEG, PROB_FLOOR, cache_shapes
-from cognet.core.schemas import ABLATIONS
 
 FORMAT_VERSION = 1
 

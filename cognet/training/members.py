@@ -19,12 +19,12 @@ from pathlib import Path
 import numpy as np
 
 from cognet.core import strict_json
+from cognet.core.dataset import read_dataset
 from cognet.core.decoding import Decoding
 from cognet.core.decoding.ensemble import MAX_MEMBERS
 from cognet.core.errors import InputError
 from cognet.core.files import write_text
 from cognet.core.history import load_split, train_vocabulary
-from cognet.core.schema import read_dataset
 from cognet.core.vocab import Vocab
 from cognet.model import checkpoint
 from cognet.model.batching import ddi_adjacency, ehr_adjacency

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from cognet.core.dataset import DDI_FILE
 from cognet.core.ddi import require_pairs
 from cognet.core.decoding import DECODINGS, SAMPLES, Decoding
 from cognet.core.decoding.ensemble import MAX_MEMBERS, member_seed
@@ -25,7 +26,6 @@ from cognet.core.decoding.plan import DecodingPlan
 from cognet.core.errors import InputError
 from cognet.core.files import writable_folder
 from cognet.core.metrics import evaluation_report, visit_results
-from cognet.core.schema import DDI_FILE
 from cognet.core.strict_json import finite
 from cognet.core.vocab import Vocab
 from cognet.model.batching import IGNORE, ddi_adjacency, ehr_adjacency, make_batch

@@ -1,5 +1,5 @@
 """The JSON schemas of a checkpoint and a model directory (torch-free), in the language of
-`cognet.core.fields`: each field's type and range declared once, checked when the file is
+`cognet.core.json_schema`: each field's type and range declared once, checked when the file is
 read (`cognet.model.checkpoint.load`, `cognet.core.manifest.load_manifest`) and before a
 manifest is written (`cognet.core.manifest.write_manifest`).
 
@@ -25,7 +25,8 @@ from cognet.core.ddi import DDIPolicy, DDITarget
 from cognet.core.decoding import DECODINGS, Decoding
 from cognet.core.decoding.defaults import LIMITS
 from cognet.core.decoding.ensemble import MAX_MEMBERS
-from cognet.core.fields import (
+from cognet.core.graphspec import ENCODER_PARTS
+from cognet.core.json_schema import (
     ANY,
     SHA256,
     AnyOf,
@@ -40,7 +41,6 @@ from cognet.core.fields import (
     Record,
     Str,
 )
-from cognet.core.graphspec import ENCODER_PARTS
 from cognet.core.manifest_graphs import DTYPES
 
 LIMIT = 10_000_000  # above any size, id or opset a model has

@@ -9,7 +9,7 @@ fields, values left to the dataclass's own checks). `check(value, spec)` raises
 `FieldError(field, why)`, field a dotted path such as `dims.heads` or
 `member_graphs.1.graphs.encoder.file`; `checked(obj, spec, file)` turns it into the
 `InputError` line `FILE: field 'F': WHY`. The schemas themselves are in
-`cognet.core.schemas`.
+`cognet.core.file_schemas`.
 
 Values in messages are shown by `show`: a bounded repr (control characters escaped, cut to
 a few dozen characters), since the file being refused is not trusted.
