@@ -14,7 +14,7 @@ set decoding, one network or an `EnsembleSession`, the numpy selectors or, where
 selects on the device, the runtime's search graphs (`DeviceSelection`: core imports no
 runtime, so the runtime hands them in), and the marginal decoding's explained sets.
 Explanations and beam search's PRAUC scores always take the numpy selectors (the graphs do
-not return the step outputs they need); DESIGN.md §8 "Dispatch".
+not return the step outputs they need); DESIGN.md §8 ("One plan, one dispatch").
 """
 
 from __future__ import annotations
