@@ -32,7 +32,7 @@ from cognet.model import checkpoint
 from cognet.model.batching import make_batch
 from cognet.model.ensemble import Ensemble, members_of
 from cognet.model.session import TorchSession
-from cognet.model.torch_decoding import decode_patients
+from cognet.model.torch_decoding import decode_patients, set_marginals_of
 
 TINY = ["--epochs", "2", "--dim", "16", "--threads", "1", "--quiet"]
 TIMINGS = ("train_s", "epoch_s")
@@ -124,6 +124,25 @@ def test_set_decoding_averages_the_members_marginals(case):
     np.testing.assert_allclose(got, np.mean(want, 0), rtol=1e-6, atol=1e-7)
     one = np.stack([d.scores for d in decode_patients(members_of(model)[0], vocab, patients, plan)])
     assert not np.allclose(got, one)  # the second member counts
+
+
+@pytest.mark.parametrize("members, batch_patients", [(1, 3), (2, 4), (2, 128)])
+def test_teacher_marginals_are_set_decodings_scores(case, members, batch_patients):
+    """`set_marginals_of` (the set head's teacher) gives the P(k in S) that set decoding's
+    answers carry, without reading their sets, batched alike."""
+    model, vocab, patients = case
+    model = model if members == 2 else members_of(model)[0]
+    decoding = Decoding(name="set", samples=8, threshold=0.3, estimator="stratified", seed=5)
+    plan = DecodingPlan(decoding, vocab.end)
+    decoded = decode_patients(model, vocab, patients, plan, batch_patients=batch_patients)
+    want = np.stack([d.scores for d in decoded])
+    seen = []
+    got = set_marginals_of(model, vocab, patients, plan, seen.append, batch_patients)
+    assert got.dtype == np.float32
+    np.testing.assert_array_equal(got, want)
+    assert sum(seen) == len(want) and len(seen) == -(-len(patients) // batch_patients)
+    with pytest.raises(ValueError, match="set decoding"):
+        set_marginals_of(model, vocab, patients, DecodingPlan(Decoding(), vocab.end))
 
 
 def test_beam_search_of_identical_members_is_the_member(case):

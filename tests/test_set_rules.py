@@ -13,7 +13,8 @@ from cognet.core.decoding.request import DecodingRequest, with_target
 from cognet.core.decoding.sampling import SetConfig, set_result
 from cognet.core.decoding.set_rules import jaccard_sizes, select_sets
 from cognet.core.history import Visit
-from cognet.training.tuning import choose_set_rule
+from cognet.core.metrics import VisitResult, bootstrap_report
+from cognet.training.tuning import choose_set_rule, validation_jaccard
 
 
 def _expected_jaccard(p: np.ndarray, chosen: np.ndarray) -> float:
@@ -127,11 +128,37 @@ def test_train_keeps_the_rule_that_scores_better_on_validation():
     # visits of very different certainty, their true sets drawn from the probabilities
     marg = rng.beta(0.3, 0.3, size=(n, m)) * rng.uniform(0.3, 1.0, size=(n, 1))
     drawn = [set(np.flatnonzero(rng.random(m) < row).tolist()) for row in marg]
-    tau, rule, info = choose_set_rule(_patients(drawn), marg, np.zeros((m, m), bool))
+    tau, rule, info = choose_set_rule(_patients(drawn), marg)
     assert rule == "jaccard"
     assert info["val_jaccard_jaccard_rule"] > max(info["val_jaccard_by_threshold"].values())
     # true sets that are exactly a threshold's: the threshold rule wins
     cut = [set(np.flatnonzero(row >= 0.4).tolist()) for row in marg]
-    tau, rule, info = choose_set_rule(_patients(cut), marg, np.zeros((m, m), bool))
+    tau, rule, info = choose_set_rule(_patients(cut), marg)
     assert (tau, rule) == (0.4, "threshold")
     assert info["val_jaccard_by_threshold"][0.4] == 1.0
+
+
+@pytest.mark.parametrize("rule", [{"threshold": 0.3}, {"threshold": None, "rule": "jaccard"}])
+def test_validation_jaccard_is_what_evaluate_reports(rule):
+    """The tuning's Jaccard (multi-hot rows) = `cognet evaluate`'s patient-averaged Jaccard,
+    with empty predictions and visits whose medications are unknown or empty."""
+    rng = np.random.default_rng(4)
+    m, patients = 15, []
+    for i in range(40):
+        visits = []
+        for j in range(int(rng.integers(1, 6))):
+            truth = tuple(sorted(rng.choice(m, int(rng.integers(0, 6)), replace=False).tolist()))
+            visits.append(Visit(f"p{i}", f"p{i}-{j}", (), (), None if j == 2 else truth))
+        patients.append(visits)
+    visits = [v for p in patients for v in p]
+    marg = rng.beta(0.3, 0.5, size=(len(visits), m)) * rng.uniform(0.1, 1.0, (len(visits), 1))
+    sets = select_sets(marg, **rule)
+    assert any(not v.meds for v in visits)
+    assert any(len(s) == 0 for s in sets) == ("rule" not in rule)  # expected-Jaccard: >= 1
+    results = [
+        VisitResult(v.patient_id, tuple(s.tolist()), tuple(v.meds or ()), p)
+        for v, s, p in zip(visits, sets, marg, strict=True)
+    ]
+    want = bootstrap_report(results, np.zeros((m, m), bool), rounds=1, fraction=1.0)
+    got = validation_jaccard(patients, marg, **rule)
+    assert got == pytest.approx(want["jaccard"]["mean"], rel=1e-12, abs=1e-12)

@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from cognet.core.head_inputs import HEAD_INPUTS
@@ -83,18 +84,22 @@ class SetHead(nn.Module):
         past_meds: Tensor,
         has_history: Tensor,
     ) -> Tensor:
-        h = (
-            self.diagnoses(diagnoses).sum(1)  # (N, hidden)
-            + self.procedures(procedures).sum(1)
-            + self.last_meds(last_meds).sum(1)
-            + self.past_meds(past_meds).sum(1)
-            + has_history.unsqueeze(1) * self.history
-            + self.bias
-        )
-        return self.out(self.dropout(torch.relu(h)))  # (N, M)
+        """The logits [N, M] as torch computes them (training, `marginals`): each kind's rows
+        summed by one embedding_bag, no [N, L, hidden] gather to build and scatter back."""
+        return self._logits(_bag_sum, diagnoses, procedures, last_meds, past_meds, has_history)
 
     def forward(self, diagnoses, procedures, last_meds, past_meds, has_history) -> Tensor:
-        return torch.sigmoid(self.logits(diagnoses, procedures, last_meds, past_meds, has_history))
+        """P(k in S) [N, M] as the exported graph computes it: the rows gathered, then summed
+        (the same sums as `logits`, in another order: ONNX's embedding_bag is a loop)."""
+        ids = (diagnoses, procedures, last_meds, past_meds)
+        return torch.sigmoid(self._logits(_gather_sum, *ids, has_history))
+
+    def _logits(self, summed, diagnoses, procedures, last_meds, past_meds, has_history) -> Tensor:
+        tables = (self.diagnoses, self.procedures, self.last_meds, self.past_meds)
+        ids = (diagnoses, procedures, last_meds, past_meds)
+        d, p, last, past = (summed(t, i) for t, i in zip(tables, ids, strict=True))
+        h = d + p + last + past + has_history.unsqueeze(1) * self.history + self.bias  # (N, hidden)
+        return self.out(self.dropout(torch.relu(h)))  # (N, M)
 
     @torch.no_grad()
     def marginals(self, arrays: dict[str, np.ndarray], chunk: int = 4096) -> np.ndarray:
@@ -105,5 +110,15 @@ class SetHead(nn.Module):
         for i in range(0, n, chunk):
             rows = slice(i, i + chunk)
             part = [torch.from_numpy(np.ascontiguousarray(arrays[k][rows])) for k in HEAD_INPUTS]
-            out[rows] = self(*part).double().numpy()
+            out[rows] = torch.sigmoid(self.logits(*part)).double().numpy()
         return out
+
+
+def _gather_sum(table: nn.Embedding, ids: Tensor) -> Tensor:
+    """The sum over each row of `ids` [N, L] of `table`'s rows (PAD's is zero): (N, hidden)."""
+    return table(ids).sum(1)
+
+
+def _bag_sum(table: nn.Embedding, ids: Tensor) -> Tensor:
+    """`_gather_sum` by one embedding_bag: the same sums, summed in another order."""
+    return F.embedding_bag(ids, table.weight, mode="sum", padding_idx=table.padding_idx)

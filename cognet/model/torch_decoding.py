@@ -22,7 +22,7 @@ import torch
 
 from cognet.core.ddi import DDIPolicy
 from cognet.core.decoding import BEAM, MAX_LEN, Decoding
-from cognet.core.decoding.ensemble import EnsembleSession
+from cognet.core.decoding.ensemble import EnsembleSession, ensemble_marginals
 from cognet.core.decoding.plan import DecodingPlan, decode
 from cognet.core.head_inputs import patient_head_arrays
 from cognet.core.history import Visit
@@ -32,6 +32,10 @@ from cognet.model.ensemble import Ensemble, members_of
 from cognet.model.network import COGNet
 from cognet.model.session import TorchSession
 from cognet.model.set_head import SetHead
+
+# patients a batch of `set_marginals_of`: fewer than `decode_patients`' 128, as the decoding
+# alone runs faster on one core at this size (BENCHMARKS.md "What the head costs at training")
+MARGINALS_BATCH = 32
 
 
 @dataclass(frozen=True)
@@ -106,6 +110,35 @@ def decode_patients(
         if on_batch:
             on_batch(sum(map(len, chunk)))
     return out
+
+
+@torch.no_grad()
+def set_marginals_of(
+    model: COGNet | Ensemble,
+    vocab: Vocab,
+    patients: Sequence[Sequence[Visit]],
+    plan: DecodingPlan,
+    on_batch: Callable[[int], None] | None = None,
+    batch_patients: int = MARGINALS_BATCH,
+) -> np.ndarray:
+    """float32 [V, M]: P(k in S) of every visit of `patients` (patient order) under the
+    plan's set decoding, the members' mean; what `decode_patients` gives as `Decoded.scores`,
+    without reading sets or PRAUC scores from it (the set head's teacher)."""
+    if plan.sets is None:
+        raise ValueError(f"P(k in S) comes from set decoding, not {plan.decoding.name}")
+    model.eval()
+    sessions = [TorchSession(m) for m in members_of(model)]
+    out = []
+    for i in range(0, len(patients), batch_patients):
+        chunk = patients[i : i + batch_patients]
+        batch = make_batch(chunk, vocab, targets=False)
+        memories = [s.memories(batch) for s in sessions]
+        visits = plan.visits([v.visit_id for p in chunk for v in p])
+        mean, _, _ = ensemble_marginals(sessions, memories, plan.sets, visits)
+        out.append(mean.astype(np.float32))
+        if on_batch:
+            on_batch(sum(map(len, chunk)))
+    return np.concatenate(out) if out else np.zeros((0, vocab.n_med), np.float32)
 
 
 def marginal_decode(

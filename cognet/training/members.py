@@ -115,7 +115,7 @@ def finish(
     info.update(tuned)
     head = None
     if tuning.head is not None:
-        head, decoding = _train_head(model, vocab, ddi > 0, tuning, decoding)
+        head, decoding = _train_head(model, vocab, tuning, decoding)
         if tuning.decoding == "marginal" and tuning.ddi_target is not None:
             target = _target_of(model, vocab, ddi > 0, tuning, decoding, head[0], bars)
     model = model.cpu()
@@ -135,9 +135,7 @@ def stored_decoding(model, vocab: Vocab, ddi_bool: np.ndarray, tuning: Tuning, p
     record = {}
     if tuning.decoding in ("set", "marginal"):
         with bar_of(progress, n_visits, "tuning the set decoding") as bar:
-            decoding, record = set_decoding_for(
-                model, vocab, val, ddi_bool, tuning.samples, bar.update
-            )
+            decoding, record = set_decoding_for(model, vocab, val, tuning.samples, bar.update)
     target = None
     if tuning.ddi_target is not None and tuning.decoding != "marginal":  # the head's: after it
         target = _target_of(model, vocab, ddi_bool, tuning, decoding, None, progress)
@@ -161,7 +159,7 @@ def _target_of(model, vocab, ddi_bool, tuning: Tuning, decoding: Decoding, head,
     return target.to_json()
 
 
-def _train_head(model, vocab: Vocab, ddi_bool: np.ndarray, tuning: Tuning, decoding: Decoding):
+def _train_head(model, vocab: Vocab, tuning: Tuning, decoding: Decoding):
     """(the set head learnt from `model`'s P(k in S) and its record, the stored decoding with
     the head's tuned threshold and rule, named "marginal" when that is the default)."""
     recipe = tuning.head
@@ -176,7 +174,6 @@ def _train_head(model, vocab: Vocab, ddi_bool: np.ndarray, tuning: Tuning, decod
             patients,
             taught,
             tuning.val_patients,
-            ddi_bool,
             tuning.seed,
             tuning.history_dropout,
             tuning.max_history,

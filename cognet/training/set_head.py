@@ -29,7 +29,7 @@ from cognet.core.head_inputs import HEAD_INPUTS, patient_head_arrays
 from cognet.core.history import Visit
 from cognet.core.vocab import Vocab
 from cognet.model.set_head import HeadConfig, SetHead
-from cognet.model.torch_decoding import decode_patients
+from cognet.model.torch_decoding import MARGINALS_BATCH, set_marginals_of
 from cognet.training.tuning import choose_set_rule, validation_jaccard
 
 JACCARD = "jaccard"  # the epoch's score: expected-Jaccard sets, a rule with no parameter
@@ -83,12 +83,10 @@ def teacher_marginals(
     bar = progress(total=len(visits) + len(alone), desc="teacher P(k in S)") if progress else None
     step = bar.update if bar is not None else None
     plan = DecodingPlan(probe, vocab.end)
-    decoded = decode_patients(model, vocab, patients, plan, on_batch=step)
-    with_history = np.stack([d.scores for d in decoded]).astype(np.float32)
+    with_history = set_marginals_of(model, vocab, patients, plan, step)
     without = with_history.copy()
-    if alone:
-        decoded = decode_patients(model, vocab, alone, plan, on_batch=step)
-        without[has] = np.stack([d.scores for d in decoded]).astype(np.float32)
+    if alone:  # one visit a patient: twice the patients for about as many visits
+        without[has] = set_marginals_of(model, vocab, alone, plan, step, 2 * MARGINALS_BATCH)
     if bar is not None:
         bar.close()
     return TeacherMarginals(with_history, without)
@@ -100,7 +98,6 @@ def train_head(
     patients: Sequence[Sequence[Visit]],
     teacher: TeacherMarginals,
     val_patients: Sequence[Sequence[Visit]],
-    ddi_adj: np.ndarray,
     seed: int,
     history_dropout: float,
     max_history: int | None = None,
@@ -129,7 +126,7 @@ def train_head(
         target = recipe.mix * soft + (1.0 - recipe.mix) * truth
         loss = _epoch(head, optim, inputs, target, recipe.batch_size, rng)
         marginals = head.marginals(val_arrays)
-        jaccard = validation_jaccard(val_patients, marginals, ddi_adj, threshold=None, rule=JACCARD)
+        jaccard = validation_jaccard(val_patients, marginals, threshold=None, rule=JACCARD)
         record = {"epoch": epoch, "loss": loss, "val_jaccard": jaccard}
         improved = best is None or jaccard > best["val_jaccard"]
         record["best"] = improved
@@ -146,7 +143,7 @@ def train_head(
     head.load_state_dict(best_state)
     head.eval()
     marginals = head.marginals(val_arrays)
-    tau, rule, tuned = choose_set_rule(val_patients, marginals, ddi_adj)
+    tau, rule, tuned = choose_set_rule(val_patients, marginals)
     decoding = Decoding(name="marginal", head_threshold=tau, head_rule=rule)
     record = {
         **asdict(recipe),

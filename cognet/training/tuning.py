@@ -14,11 +14,10 @@ from cognet.core.decoding import ESTIMATOR, Decoding
 from cognet.core.decoding.plan import DecodingPlan
 from cognet.core.decoding.set_rules import select_sets
 from cognet.core.history import Visit
-from cognet.core.metrics import VisitResult, bootstrap_report
 from cognet.core.vocab import Vocab
 from cognet.model.batching import IGNORE, make_batch
 from cognet.model.network import COGNet
-from cognet.model.torch_decoding import decode_patients
+from cognet.model.torch_decoding import set_marginals_of
 
 # Thresholds tried on P(k in S) (0.15 .. 0.60): the best on validation is kept.
 THRESHOLDS = tuple(round(x, 3) for x in np.arange(0.15, 0.601, 0.025))
@@ -82,42 +81,43 @@ def choose_average(
     return best_state, best_info
 
 
-def validation_jaccard(
-    patients: Sequence[Sequence[Visit]], marginals: np.ndarray, ddi_adj: np.ndarray, **rule
-) -> float:
-    """Patient-averaged Jaccard of the sets `select_sets(marginals, **rule)` reads."""
+def validation_jaccard(patients: Sequence[Sequence[Visit]], marginals: np.ndarray, **rule) -> float:
+    """Patient-averaged Jaccard (`cognet evaluate`'s) of the sets `select_sets(marginals,
+    **rule)` reads, against the visits' medications, on multi-hot rows."""
+    n, m = marginals.shape
+    picked = np.zeros((n, m), bool)
+    truth = np.zeros((n, m), bool)
     visits = [v for p in patients for v in p]
-    sets = select_sets(marginals, **rule)
-    results = [
-        VisitResult(v.patient_id, tuple(s.tolist()), tuple(v.meds or ()), m)
-        for v, s, m in zip(visits, sets, marginals, strict=True)
-    ]
-    return bootstrap_report(results, ddi_adj, rounds=1, fraction=1.0)["jaccard"]["mean"]
+    for i, (v, s) in enumerate(zip(visits, select_sets(marginals, **rule), strict=True)):
+        picked[i, s] = True
+        truth[i, list(v.meds or ())] = True
+    union = (picked | truth).sum(1)
+    per_visit = np.where(union > 0, (picked & truth).sum(1) / np.maximum(union, 1), 1.0)
+    lengths = np.array([len(p) for p in patients if p])
+    per_patient = np.add.reduceat(per_visit, np.cumsum(lengths) - lengths) / lengths
+    return float(per_patient.mean())
 
 
 def tune_threshold(
     patients: Sequence[Sequence[Visit]],
     marginals: np.ndarray,
-    ddi_adj: np.ndarray,
     thresholds: Sequence[float] = THRESHOLDS,
 ) -> tuple[float, dict[float, float]]:
     """The threshold on P(k in S) of highest patient-averaged validation Jaccard (ties: the
     lower), and the Jaccard of each one tried."""
-    scores = {
-        tau: validation_jaccard(patients, marginals, ddi_adj, threshold=tau) for tau in thresholds
-    }
+    scores = {tau: validation_jaccard(patients, marginals, threshold=tau) for tau in thresholds}
     best = max(scores, key=lambda t: (scores[t], -t))
     return best, scores
 
 
 def choose_set_rule(
-    patients: Sequence[Sequence[Visit]], marginals: np.ndarray, ddi_adj: np.ndarray
+    patients: Sequence[Sequence[Visit]], marginals: np.ndarray
 ) -> tuple[float, str, dict]:
     """The tuned threshold (`tune_threshold`) and the set rule of higher validation Jaccard
     (`cognet.core.decoding.SET_RULES`: that threshold, or expected-Jaccard sets; ties: the
     threshold), with the Jaccard of each."""
-    tau, scores = tune_threshold(patients, marginals, ddi_adj)
-    expected = validation_jaccard(patients, marginals, ddi_adj, threshold=tau, rule="jaccard")
+    tau, scores = tune_threshold(patients, marginals)
+    expected = validation_jaccard(patients, marginals, threshold=tau, rule="jaccard")
     rule = "jaccard" if expected > scores[tau] else "threshold"
     return tau, rule, {"val_jaccard_by_threshold": scores, "val_jaccard_jaccard_rule": expected}
 
@@ -126,7 +126,6 @@ def set_decoding_for(
     model: COGNet,
     vocab: Vocab,
     patients: Sequence[Sequence[Visit]],
-    ddi_adj: np.ndarray,
     samples: int,
     on_batch=None,
 ) -> tuple[Decoding, dict]:
@@ -134,7 +133,6 @@ def set_decoding_for(
     threshold and the set rule chosen on `patients` (`choose_set_rule`); on_batch(visits)
     after each batch decoded."""
     probe = Decoding(name="set", samples=samples, threshold=1.0, estimator=ESTIMATOR)
-    decoded = decode_patients(model, vocab, patients, DecodingPlan(probe, vocab.end), on_batch)
-    marginals = np.stack([d.scores for d in decoded])
-    tau, rule, info = choose_set_rule(patients, marginals, ddi_adj)
+    marginals = set_marginals_of(model, vocab, patients, DecodingPlan(probe, vocab.end), on_batch)
+    tau, rule, info = choose_set_rule(patients, marginals)
     return probe.with_changes(threshold=tau, rule=rule), info
