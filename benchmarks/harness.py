@@ -78,6 +78,7 @@ def run_all(
         "series": {"past_visits": [], "input_size": []},
         "profile": None,
         "set_profile": None,
+        "marginal_profile": None,
         "notes": ctx.notes,
     }
     # first: what a user calling the runtime waits
@@ -115,6 +116,7 @@ def run_all(
     if settings.profile:
         results["profile"] = profile_best(ctx, settings, runs, say)
         results["set_profile"] = profile_best(ctx, settings, runs, say, eng.SET)
+        results["marginal_profile"] = profile_best(ctx, settings, runs, say, eng.MARGINAL)
     results["machine"]["load_average_end"] = loadavg()
     return results
 
@@ -272,7 +274,8 @@ def profile_best(
     ctx: Context, settings: Settings, runs: list[dict], say, beam: int | None = None
 ) -> dict | None:
     """Profile the runtime at its best batch size (and mode) for a decoding: the widest beam
-    measured by default, or `beam` (eng.SET: the set decoding). ort-cuda where it ran, else
+    measured by default, or `beam` (eng.SET: the set decoding, eng.MARGINAL: the set head's
+    one pass). ort-cuda where it ran, else
     ort-cpu, else ort-cpu-gpupath (the GPU path's host side: `--engines ort-cpu-gpupath`
     profiles it). None when no such run was measured."""
     ran = {r["engine"] for r in runs}
@@ -303,7 +306,8 @@ def profile_best(
     graphs = ", ".join(f"{g} {v['share']:.0%}" for g, v in out["graphs"].items())
     say(
         f"profile {_label(engine, best['mode'])} {eng.decoding_label(beam)} batch {bs}: "
-        f"{graphs}, Python {out['python_share']:.0%}"
+        f"{graphs}, Python {out['python_share']:.0%} "
+        f"({out['host_us_per_visit']:,.1f} us a visit)"
     )
     return out
 

@@ -8,7 +8,12 @@ Three passes over the same batches with a fresh `cognet.runtime.Scorer` each:
    history assembly, Arrow in and out) add up to the wall time of the pass;
 2. operators: ONNX Runtime's own profiler on every session, summed per operator type;
 3. Python: cProfile, the functions with the most own time, as shares of the Python time
-   (cProfile slows Python code down, so compare them with each other, not with pass 1).
+   (cProfile slows Python code down, so compare them with each other, not with pass 1);
+   on a GPU's code path (a CUDA provider, or `gpu_path` on the CPU) the same pass counts the
+   copies between host and device the runtime asks for, per visit.
+
+The host's time per visit (pass 1's time outside the graphs) bounds a GPU's visits/s: a
+visit cannot be scored faster than the host prepares it and reads its answer.
 
 Only onnxruntime's public classes are hooked, never the runtime's internals.
 """
@@ -22,9 +27,10 @@ import tempfile
 import time
 from collections import defaultdict
 from collections.abc import Sequence
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
+import numpy as np
 import onnxruntime as ort
 
 from cognet.benchmarks.engines import DECODING_NAMES, score_options
@@ -53,14 +59,14 @@ def profile_ort(
         list(s.score_table(batches[0].table))  # warm-up
         return s
 
-    def score(s) -> None:
-        for b in batches:
-            list(s.score_table(b.table))
+    def score(s) -> int:
+        """The visits scored."""
+        return sum(c.rows_scored for b in batches for c in s.score_table(b.table))
 
     s = scorer()
     with _timed_runs() as graph_s:
         started = time.perf_counter()
-        score(s)
+        visits = score(s)
         total = time.perf_counter() - started
     del s
     in_graphs = sum(graph_s.values())
@@ -72,24 +78,28 @@ def profile_ort(
     with tempfile.TemporaryDirectory() as tmp, _ort_profiling(Path(tmp)) as sessions:
         s = scorer()
         score(s)
-        ops = _operator_totals(sessions, top)
+        # only the graphs the pass ran: a model's load checks every graph once
+        ops = {g: v for g, v in _operator_totals(sessions, top).items() if g in graphs}
         del s
 
     prof = cProfile.Profile()
     s = scorer()
-    prof.enable()
-    score(s)
-    prof.disable()
+    with _counted_copies() as copies:
+        prof.enable()
+        score(s)
+        prof.disable()
     return {
         "engine": "ort-cpu-gpupath" if gpu_path else f"ort-{device}",
         "beam": beam,
         "batch_size": batch_size,
-        "visits": sum(len(b) for b in batches),
+        "visits": visits,
         "threads": threads,
         "wall_s": total,
         "graphs": graphs,
         "python_s": total - in_graphs,
         "python_share": (total - in_graphs) / total,
+        "host_us_per_visit": (total - in_graphs) / visits * 1e6,
+        "copies": _per_visit(copies, visits) if gpu_path or device != "cpu" else None,
         "operators": ops,
         "python_functions": _hotspots(prof, top),
     }
@@ -115,13 +125,93 @@ def _timed_runs():
 
         return run
 
-    for name, original in originals.items():
-        setattr(ort.InferenceSession, name, timed(original))
-    try:
-        yield totals
-    finally:
+    with ExitStack() as stack:
         for name, original in originals.items():
-            setattr(ort.InferenceSession, name, original)
+            stack.enter_context(_patched(ort.InferenceSession, name, timed(original)))
+        yield totals
+
+
+@contextmanager
+def _counted_copies():
+    """{"to_device" / "to_host": [calls, bytes]} of the transfers the runtime asks onnxruntime
+    for: numpy feeds of `InferenceSession.run` and its results, `IOBinding.bind_cpu_input`,
+    `OrtValue.ortvalue_from_numpy` / `update_inplace` (to the device), `OrtValue.numpy()`
+    (to the host). On the CPU provider nothing moves, but the same calls name what a GPU
+    copies."""
+    counts = {"to_device": [0, 0], "to_host": [0, 0]}
+
+    def add(way: str, value) -> None:
+        if isinstance(value, np.ndarray):
+            counts[way][0] += 1
+            counts[way][1] += value.nbytes
+
+    def run(original):
+        def wrapped(self, *args, **kwargs):
+            feed = args[1] if len(args) > 1 else kwargs.get("input_feed", {})
+            for value in feed.values():
+                add("to_device", value)
+            out = original(self, *args, **kwargs)
+            for value in out:
+                add("to_host", value)
+            return out
+
+        return wrapped
+
+    def feeding(original, at: int):
+        def wrapped(*args, **kwargs):
+            add("to_device", args[at])
+            return original(*args, **kwargs)
+
+        return wrapped
+
+    def reading(original):
+        def wrapped(self, *args, **kwargs):
+            out = original(self, *args, **kwargs)
+            add("to_host", out)
+            return out
+
+        return wrapped
+
+    from_numpy = ort.OrtValue.__dict__["ortvalue_from_numpy"].__func__  # a classmethod's
+    hooks = [
+        (ort.InferenceSession, "run", run(ort.InferenceSession.run)),
+        (ort.IOBinding, "bind_cpu_input", feeding(ort.IOBinding.bind_cpu_input, 2)),
+        (ort.OrtValue, "update_inplace", feeding(ort.OrtValue.update_inplace, 1)),
+        (ort.OrtValue, "numpy", reading(ort.OrtValue.numpy)),
+        (ort.OrtValue, "ortvalue_from_numpy", classmethod(feeding(from_numpy, 1))),
+    ]
+    with ExitStack() as stack:
+        for cls, name, hook in hooks:
+            stack.enter_context(_patched(cls, name, hook))
+        yield counts
+
+
+@contextmanager
+def _patched(cls: type, name: str, value):
+    """`cls.name` is `value` inside; what it was (its own or inherited) after."""
+    own = name in cls.__dict__
+    before = cls.__dict__.get(name)
+    setattr(cls, name, value)
+    try:
+        yield
+    finally:
+        if own:
+            setattr(cls, name, before)
+        else:
+            delattr(cls, name)
+
+
+def _per_visit(counts: dict, visits: int) -> dict:
+    """Each way's calls and bytes, in all and per visit."""
+    return {
+        way: {
+            "calls": calls,
+            "bytes": size,
+            "calls_per_visit": calls / visits,
+            "bytes_per_visit": size / visits,
+        }
+        for way, (calls, size) in counts.items()
+    }
 
 
 @contextmanager

@@ -84,7 +84,7 @@ def markdown(results: dict) -> str:
     lines += _engines_table(results["engines"])
     lines += _past_visits_section(results)
     lines += _input_size_section(results)
-    for key in ("profile", "set_profile"):
+    for key in ("profile", "set_profile", "marginal_profile"):
         if results.get(key):
             lines += _profile_section(results[key])
     lines += _over_budget_lines(results.get("runs_over_budget") or [])
@@ -286,6 +286,19 @@ def _profile_section(prof: dict) -> list[str]:
         f"| Python (decoding driver, assembly, Arrow) | {prof['python_s']:.2f} | "
         f"{prof['python_share']:.0%} |"
     )
+    lines += ["", f"Host time per visit (outside the graphs): {_host_us(prof)}."]
+    copies = prof.get("copies")
+    if copies:
+        lines += [
+            "",
+            "Copies between host and device per visit (the GPU's code path): "
+            + "; ".join(
+                f"{way.replace('_', ' ')} {c['calls_per_visit']:.3g} calls, "
+                f"{c['bytes_per_visit']:,.0f} bytes"
+                for way, c in copies.items()
+            )
+            + ".",
+        ]
     for graph, ops in prof["operators"].items():
         lines += [
             "",
@@ -301,6 +314,13 @@ def _profile_section(prof: dict) -> list[str]:
         + ".",
     ]
     return lines
+
+
+def _host_us(prof: dict) -> str:
+    """The host's microseconds per visit and the visits/s they allow at most (a profile of
+    an older version has no such field: recomputed)."""
+    us = prof.get("host_us_per_visit", prof["python_s"] / prof["visits"] * 1e6)
+    return f"{us:,.1f} us, at most {1e6 / us:,.0f} visits/s on this host" if us else "0 us"
 
 
 def _over_budget_lines(skipped: list[dict]) -> list[str]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from click.testing import CliRunner
@@ -343,6 +344,31 @@ def test_profile_of_the_gpu_path_on_the_cpu(tiny):
     assert out["engine"] == "ort-cpu-gpupath"
     assert {"init_gather_float32", "beam_select_split", "decoder_step"} <= set(out["graphs"])
     assert 0 < out["python_share"] < 1
+    assert out["host_us_per_visit"] == pytest.approx(out["python_s"] / out["visits"] * 1e6)
+    # what crosses between host and device on a GPU: inputs each step, lists back
+    for way in ("to_device", "to_host"):
+        assert out["copies"][way]["calls"] > 0 and out["copies"][way]["bytes"] > 0
+        assert out["copies"][way]["bytes_per_visit"] == out["copies"][way]["bytes"] / out["visits"]
+    cpu = profile_ort(tiny / "model", [Batch(table, [], [])], 4, 64, 1, top=3)
+    assert cpu["copies"] is None  # the CPU's own path copies nothing
+
+
+def test_copies_are_counted_by_way_and_bytes_and_the_hooks_come_off():
+    import onnxruntime as ort
+
+    from cognet.benchmarks.profile import _counted_copies
+
+    before = (ort.OrtValue.numpy, ort.OrtValue.ortvalue_from_numpy, ort.InferenceSession.run)
+    with _counted_copies() as counts:
+        value = ort.OrtValue.ortvalue_from_numpy(np.zeros((3, 4), np.float32))
+        value.update_inplace(np.ones((3, 4), np.float32))
+        assert value.numpy().sum() == 12
+    assert counts == {"to_device": [2, 96], "to_host": [1, 48]}
+    ort.OrtValue.ortvalue_from_numpy(np.zeros(5, np.float32)).numpy()  # no longer counted
+    assert counts == {"to_device": [2, 96], "to_host": [1, 48]}
+    after = (ort.OrtValue.numpy, ort.OrtValue.ortvalue_from_numpy, ort.InferenceSession.run)
+    assert after == before
+    assert "run" not in ort.InferenceSession.__dict__  # inherited again, not shadowed
 
 
 def test_profile_of_set_decoding(tiny, tmp_path):
