@@ -101,13 +101,21 @@ def encode_codes(
     known = ids >= 0
     unknown = given - np.bincount(parent[known], minlength=n)
     parent, ids = parent[known], ids[known]
-    key = parent * (len(codes) + 1) + ids
-    _, first = np.unique(key, return_index=True)  # first occurrence of each (row, id)
-    first.sort()
-    parent, ids = parent[first], ids[first]
-    if order is not None:  # one stable sort on (row, rank): far faster than np.lexsort
-        by = np.argsort(parent * (order.size + 1) + order[ids], kind="stable")
-        parent, ids = parent[by], ids[by]
+    # one stable sort on (row, id), or (row, rank) when ordered: far faster than np.lexsort;
+    # a repeated (row, id) lands right after its first occurrence, which stays
+    key = (
+        parent * (len(codes) + 1) + ids if order is None else parent * (order.size + 1) + order[ids]
+    )
+    by = np.argsort(key, kind="stable")
+    repeat = np.zeros(key.size, bool)
+    repeat[1:] = key[by[1:]] == key[by[:-1]]
+    if order is None:  # first occurrence order
+        dropped = np.zeros(key.size, bool)
+        dropped[by[repeat]] = True
+        keep = np.flatnonzero(~dropped)
+    else:
+        keep = by[~repeat]
+    parent, ids = parent[keep], ids[keep]
     offsets = np.zeros(n + 1, np.int64)
     np.cumsum(np.bincount(parent, minlength=n), out=offsets[1:])
     return Ragged(ids, offsets), unknown, given

@@ -25,7 +25,12 @@ from cognet.training.members import read_splits
 from cognet.training.set_head import HeadRecipe, TeacherMarginals, train_head
 
 
-def test_history_meds_equal_a_loop_over_visits():
+@pytest.mark.parametrize("marks", [True, False])
+def test_history_meds_equal_a_loop_over_visits(marks, monkeypatch):
+    """Both ways of listing each visit's past medications once: marks in a bool matrix,
+    or a sort when the matrix would be too large."""
+    if not marks:
+        monkeypatch.setattr("cognet.core.head_inputs.SEEN_CELLS", 0)
     rng = np.random.default_rng(0)
     n_med, rows = 9, 40
     meds = ragged(

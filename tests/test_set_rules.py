@@ -10,8 +10,8 @@ import pytest
 from cognet.core.ddi import DDIPolicy, DDITarget
 from cognet.core.decoding import Decoding
 from cognet.core.decoding.request import DecodingRequest, with_target
-from cognet.core.decoding.sampling import SetConfig, set_result
-from cognet.core.decoding.set_rules import jaccard_sizes, select_sets
+from cognet.core.decoding.sampling import SetConfig, set_probabilities, set_result
+from cognet.core.decoding.set_rules import jaccard_sizes, select_sets, threshold_sets
 from cognet.core.history import Visit
 from cognet.core.metrics import VisitResult, bootstrap_report
 from cognet.training.tuning import choose_set_rule, validation_jaccard
@@ -54,6 +54,39 @@ def test_select_sets_reads_the_rule_in_probability_order_under_ddi():
     assert hard[0].tolist() == [2, 3]  # the rule's set, then the policy's filter
     with pytest.raises(ValueError, match="unknown set rule"):
         select_sets(marg, 0.5, rule="median")
+
+
+@pytest.mark.parametrize("shape", [(0, 7), (5, 0), (300, 40), (64, 131)])
+def test_threshold_sets_are_each_visits_sorted_reading(shape):
+    """One sort for every visit reads what a visit-by-visit reading does: P >= threshold,
+    decreasing, equal P by smaller id (rounded values make many ties), NaN never in."""
+    rng = np.random.default_rng(shape[0])
+    marg = np.round(rng.random(shape) ** 3, 2)
+    marg[rng.random(shape) < 0.05] = np.nan
+    for threshold in (0.0, 0.2, 0.5, 1.0):
+        got = threshold_sets(marg, threshold)
+        assert len(got) == shape[0]
+        for row, ids in zip(marg, got, strict=True):
+            want = sorted(
+                (k for k in range(row.size) if row[k] >= threshold), key=lambda k: (-row[k], k)
+            )
+            assert ids.dtype == np.int64 and ids.tolist() == want
+
+
+def test_set_probabilities_are_each_sets_probabilities_and_mean():
+    rng = np.random.default_rng(3)
+    marg = rng.random((50, 20)) ** 4
+    meds = select_sets(marg, 0.7)
+    assert any(m.size == 0 for m in meds) and any(m.size > 1 for m in meds)
+    probs, score = set_probabilities(marg, meds)
+    assert score.dtype == np.float32 and len(probs) == 50
+    for i, m in enumerate(meds):
+        assert probs[i].dtype == np.float32
+        assert probs[i].tolist() == marg[i, m].astype(np.float32).tolist()
+        want = marg[i, m].astype(np.float32).astype(np.float64).mean() if m.size else 0.0
+        assert score[i] == np.float32(want)
+    empty_probs, empty_score = set_probabilities(marg[:0], [])
+    assert empty_probs == [] and empty_score.shape == (0,)
 
 
 def test_set_result_follows_the_configs_rule():

@@ -24,6 +24,9 @@ from cognet.core.ragged import Ragged
 
 HEAD_INPUTS = ("diagnoses", "procedures", "last_meds", "past_meds", "has_history")
 HEAD_OUTPUT = "marginals"  # [N, M] float32: P(k in S) of every medication
+# visits x medications at most for which `history_meds` marks each visit's past medications
+# in a bool matrix (16 MB) instead of sorting them; above it, np.unique sorts them
+SEEN_CELLS = 1 << 24
 
 
 def ragged(rows: Sequence[Sequence[int]]) -> Ragged:
@@ -59,10 +62,16 @@ def history_meds(meds: Ragged, histories: Ragged, n_med: int) -> tuple[Ragged, R
     everything = take_rows(meds, histories.values)  # each history row's medications
     owner = np.repeat(np.arange(n), histories.lengths)  # the visit of each history row
     visit = np.repeat(owner, everything.lengths)
-    key = np.unique(visit * (n_med + 1) + everything.values)  # (visit, id) once, sorted
+    if n * (n_med + 1) <= SEEN_CELLS:  # (visit, id) once, sorted: marks, no sort
+        seen = np.zeros((n, n_med + 1), bool)
+        seen[visit, everything.values] = True
+        visit, ids = np.nonzero(seen)
+    else:
+        key = np.unique(visit * (n_med + 1) + everything.values)
+        visit, ids = key // (n_med + 1), key % (n_med + 1)
     past = np.zeros(n + 1, np.int64)
-    np.cumsum(np.bincount(key // (n_med + 1), minlength=n), out=past[1:])
-    return last, Ragged(key % (n_med + 1), past)
+    np.cumsum(np.bincount(visit, minlength=n), out=past[1:])
+    return last, Ragged(ids.astype(np.int64, copy=False), past)
 
 
 def head_arrays(
