@@ -4,7 +4,9 @@ the head's graph (`--decoding marginal`, `cognet.core.head_inputs`), no encoder 
 Per chunk, the targets are cut into calls of similar list lengths (`HeadSession.batches`):
 the graph gathers one embedding row per padded id before summing them, so a call's memory is
 its visits x its longest list of each kind; `HEAD_CELLS` bounds that product, as the
-decoder's budgets bound its batches (`cognet.runtime.batches`).
+decoder's budgets bound its batches (`cognet.runtime.batches`). A GPU takes calls 16 times
+larger (`GPU_HEAD_BATCH`, `GPU_HEAD_CELLS`): each call costs it a launch and a wait that
+the graph's own work, a few gathers and products, does not hide.
 """
 
 from __future__ import annotations
@@ -24,11 +26,15 @@ HEAD_BATCH = 1024  # visits per call at most
 # visits x the longest list of a kind per call at most: the gathered embedding rows of a
 # kind are that many x the head's width floats (2^15 x 1024 wide: 128 MB)
 HEAD_CELLS = 1 << 15
+GPU_HEAD_BATCH, GPU_HEAD_CELLS = 1 << 14, 1 << 19  # 2 GB of rows a kind at 1024 wide
 
 
-def open_head(manifest: Manifest, opts: ort.SessionOptions, providers: list) -> HeadSession | None:
+def open_head(
+    manifest: Manifest, opts: ort.SessionOptions, providers: list, gpu: bool = False
+) -> HeadSession | None:
     """The checked session of a model directory's set head, or None for a model without one;
-    InputError naming the graph file when it cannot load or is not the head's graph."""
+    InputError naming the graph file when it cannot load or is not the head's graph. `gpu`:
+    the GPU's call sizes (on a GPU, or its code path on the CPU)."""
     spec = manifest.head
     if spec is None:
         return None
@@ -44,20 +50,31 @@ def open_head(manifest: Manifest, opts: ort.SessionOptions, providers: list) -> 
             f"{path}: not the set head's graph (its inputs are {', '.join(got)}; the head "
             f"takes {', '.join(HEAD_INPUTS)}); re-export the model"
         )
-    return HeadSession(session, manifest.dims.n_diag, manifest.dims.n_proc, manifest.dims.n_med)
+    dims = manifest.dims
+    budget = (GPU_HEAD_BATCH, GPU_HEAD_CELLS) if gpu else (HEAD_BATCH, HEAD_CELLS)
+    return HeadSession(session, dims.n_diag, dims.n_proc, dims.n_med, budget)
 
 
 class HeadSession:
-    """The head's ONNX Runtime session and the vocabulary sizes its inputs pad with."""
+    """The head's ONNX Runtime session, the vocabulary sizes its inputs pad with and its
+    calls' budget: (visits, visits x longest list of a kind) at most."""
 
-    def __init__(self, session: ort.InferenceSession, n_diag: int, n_proc: int, n_med: int):
+    def __init__(
+        self,
+        session: ort.InferenceSession,
+        n_diag: int,
+        n_proc: int,
+        n_med: int,
+        budget: tuple[int, int] = (HEAD_BATCH, HEAD_CELLS),
+    ):
         self.session = session
         self.pads = (n_diag, n_proc, n_med)
         self.n_med = n_med
+        self.budget = budget
 
     def batches(self, plan: Plan) -> list[np.ndarray]:
         """The plan's targets (indices into `plan.targets`) cut into calls: in order of
-        history length then code count, each call's padded lists within `HEAD_CELLS`."""
+        history length then code count, each call within the budget."""
         rows = plan.targets
         diag, proc = plan.diag.lengths[rows], plan.proc.lengths[rows]
         slots = plan.histories.sums(plan.meds.lengths)  # an upper bound of the past list
@@ -66,7 +83,8 @@ class HeadSession:
         last[has] = plan.meds.lengths[plan.histories.rows[plan.histories.end[has] - 1]]
         order = np.lexsort((diag + proc, slots))
         widths = [w[order] for w in (diag, proc, last, np.minimum(slots, self.n_med))]
-        return cut_padded(order, widths, [HEAD_CELLS] * 4, HEAD_BATCH)
+        visits, cells = self.budget
+        return cut_padded(order, widths, [cells] * 4, visits)
 
     def marginals(self, plan: Plan, part: np.ndarray) -> np.ndarray:
         """float64 [len(part), M]: P(k in S) of the targets `part` (indices into

@@ -189,7 +189,8 @@ class OrtModel:
         self.selection = self._selection(selection)
         # the set head (`--decoding marginal`): one graph of its own, no engine (no profile)
         cuda = (CUDA, {"device_id": 0, "use_tf32": "0"})  # full float32, as the decoder's
-        self.head = open_head(manifest, opts, [CPU] if self.device == "cpu" else [cuda, CPU])
+        providers = [CPU] if self.device == "cpu" else [cuda, CPU]
+        self.head = open_head(manifest, opts, providers, gpu=self.on_device)
         search = None
         if self.selection == "device" or (self.on_device and self.manifest.search):
             search = SearchGraphs(self._search(opts, gpu), bound if self.on_device else None)

@@ -233,6 +233,43 @@ def test_marginal_scoring_runs_no_encoder_nor_decoder(headed, monkeypatch):
     assert sum(c.visits_evaluated for c in chunks) == len(table)
 
 
+def test_a_gpus_path_calls_the_head_in_its_budget_and_reads_the_same_rows(headed, monkeypatch):
+    """The GPU's call sizes (here on the CPU provider, its code path): far fewer calls than
+    the CPU's budget makes (a small one here), the same rows but for float rounding."""
+    from cognet.runtime import head as head_module
+    from cognet.runtime.scoring_model import open_model
+
+    monkeypatch.setattr(head_module, "HEAD_BATCH", 16)
+    calls = {}
+    real = head_module.HeadSession.marginals
+
+    def counted(self, plan, part):
+        calls[self.budget] = calls.get(self.budget, 0) + 1
+        return real(self, plan, part)
+
+    monkeypatch.setattr(head_module.HeadSession, "marginals", counted)
+    table = pq.read_table(headed.data / "visits.parquet")
+    options = ScoreOptions.of(decoding="marginal", device="cpu", threads=1)
+    rows = {}
+    for gpu_path in (False, True):
+        with Scorer(open_model(headed.model, options, gpu_path), options) as scorer:
+            rows[gpu_path] = [
+                r
+                for c in scorer.score_table(table, score_all=True)
+                for r in c.recommendations.to_pylist()
+            ]
+    assert len(rows[True]) == len(rows[False]) == len(table)
+    same = 0
+    for a, b in zip(rows[False], rows[True], strict=True):
+        assert a["visit_id"] == b["visit_id"]
+        same += a["medications"] == b["medications"]
+        if a["medications"] == b["medications"]:  # another call's padding: float rounding
+            np.testing.assert_allclose(a["probabilities"], b["probabilities"], atol=HEAD_ATOL)
+    assert same / len(table) >= 0.995, f"{same} of {len(table)} sets equal"
+    gpu = (head_module.GPU_HEAD_BATCH, head_module.GPU_HEAD_CELLS)
+    assert calls[(16, head_module.HEAD_CELLS)] >= len(table) // 16 > calls[gpu] >= 1
+
+
 def test_marginal_explanations_come_from_set_decoding(headed):
     """The sets are the head's; each medication's copy share and source come from the set
     decoding's samples of the visit, null where they never emitted it."""
