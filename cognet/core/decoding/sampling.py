@@ -321,14 +321,19 @@ def set_probabilities(
 ) -> tuple[list[np.ndarray], np.ndarray]:
     """(per visit, P(k in S) float32 of its set's medications; float32 [n], their mean, 0 for
     an empty set), gathered once for all visits rather than visit by visit (the host's time
-    per visit bounds a GPU's visits/s). The mean is summed in float64."""
+    per visit bounds a GPU's visits/s). The means of the sets of one size are one [sets,
+    size] mean: numpy sums each row as it sums one visit's array, so a score is the same
+    float32 as that visit's own mean."""
     n = len(meds)
     lengths = np.fromiter(map(len, meds), np.int64, n)
     rows = np.repeat(np.arange(n), lengths)
     flat = marginals[rows, np.concatenate([np.zeros(0, np.int64), *meds])].astype(np.float32)
-    sums = np.bincount(rows, flat.astype(np.float64), minlength=n)
-    score = (sums / np.maximum(lengths, 1)).astype(np.float32)
-    return Ragged.of_lengths(flat, lengths).rows(), score
+    sets = Ragged.of_lengths(flat, lengths)
+    score = np.zeros(n, np.float32)
+    for size in np.unique(lengths[lengths > 0]).tolist():
+        same = np.flatnonzero(lengths == size)
+        score[same] = flat[sets.offsets[same, None] + np.arange(size)].mean(axis=1)
+    return sets.rows(), score
 
 
 def set_result(
