@@ -17,7 +17,9 @@
 #   6. with SCORE_VISITS, scores that file with the default decoding and beam 4, float32 and
 #      float16 (the float16 bars);
 #   7. writes results-<gpu>-first.* and results-<gpu>-onepass.* (step 3, with where ort-cuda's
-#      time goes), results-<gpu>.* and results-<gpu>-set.* (step 5), gpu-mem.csv (the GPU's memory in use, each second) and
+#      time goes for beam 4 and the one pass: per graph, the host's µs a visit, the copies
+#      between host and device a visit), results-<gpu>.* and results-<gpu>-set.* (step 5),
+#      gpu-mem.csv (the GPU's memory in use, each second) and
 #      the logs under $OUT (default gpu-check/). Each step has a time limit (FIRST_S, BENCH_S,
 #      BENCH2_S, SCORE_S, PYTEST_S seconds) and each run of a bench one (RUN_S, RUN2_S).
 #
