@@ -10,7 +10,7 @@
 #      (the correctness reference, untimed), with the profile; then the one-pass decoding
 #      alone at batch 65,536 (it has no decoding loop);
 #   4. runs `pytest -m gpu` (ort-cuda on both selections, TopK ties on CUDA, set decoding and
-#      torch-cuda against the torch reference, the CLI);
+#      torch-cuda against the torch reference, the one pass against the CPU runtime, the CLI);
 #   5. with LEVERS=1, the levers: beam 4 over 65,536 visits, batch sizes 4,096 / 16,384 /
 #      65,536: ort-cuda, ort-cuda-streams (4 host threads feeding the GPU), ort-cuda-fp16 and
 #      ort-cuda-fp16-streams (BENCH_ENGINES), and set decoding on 16,384 visits;
