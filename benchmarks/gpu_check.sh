@@ -83,6 +83,8 @@ from cognet.runtime.session import OrtModel
 from cognet.core.manifest import load_manifest
 model = OrtModel(load_manifest(sys.argv[1]), device="cuda")
 sessions = {**model.sessions, **(model.decoder.search.sessions if model.decoder.search else {})}
+if model.head is not None:  # the one pass's graph, the default decoding's
+    sessions["head"] = model.head.session
 for name, sess in sessions.items():
     print(f"session {name}: get_providers() = {sess.get_providers()}")
 print("decoder:", type(model.decoder).__name__, "selection:", model.selection,
