@@ -128,6 +128,8 @@ class Scorer:
                 "(train one: cognet train --data DATA --teacher CKPT --out NEW, then "
                 "cognet-export --checkpoint NEW --out MODEL)"
             )
+        if self.head is not None:  # the graph the one pass runs: where it really ran
+            self.providers = list(self.head.session.get_providers())
         self._pool = ThreadPoolExecutor(self.streams, "cognet-batch") if self.streams > 1 else None
         self._codes = pa.array(self.vocab.medications, pa.string())
         self._diag_codes = np.asarray(self.vocab.diagnoses, dtype=object)

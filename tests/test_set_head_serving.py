@@ -270,6 +270,31 @@ def test_a_gpus_path_calls_the_head_in_its_budget_and_reads_the_same_rows(headed
     assert calls[(16, head_module.HEAD_CELLS)] >= len(table) // 16 > calls[gpu] >= 1
 
 
+def test_the_one_pass_reports_the_providers_of_the_head_graph(headed):
+    """onnxruntime falls back to the CPU silently: the marginal decoding's providers are
+    read back from the head's session, the only graph it runs."""
+    from cognet.runtime.scoring_model import open_model
+
+    class Fallen:  # a head session that did not get the provider asked for
+        def __init__(self, session):
+            self.session = session
+
+        def get_providers(self):
+            return ["FallenBackExecutionProvider"]
+
+        def __getattr__(self, name):
+            return getattr(self.session, name)
+
+    for decoding, want in (
+        ("marginal", ["FallenBackExecutionProvider"]),
+        ("beam", ["CPUExecutionProvider"]),
+    ):
+        options = ScoreOptions.of(decoding=decoding, device="cpu", threads=1)
+        model = open_model(headed.model, options)
+        model.head.session = Fallen(model.head.session)
+        assert Scorer(model, options).providers == want
+
+
 def test_marginal_explanations_come_from_set_decoding(headed):
     """The sets are the head's; each medication's copy share and source come from the set
     decoding's samples of the visit, null where they never emitted it."""
