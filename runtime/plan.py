@@ -107,8 +107,9 @@ def encode_codes(
         parent * (len(codes) + 1) + ids if order is None else parent * (order.size + 1) + order[ids]
     )
     by = np.argsort(key, kind="stable")
+    ranked = key[by]
     repeat = np.zeros(key.size, bool)
-    repeat[1:] = key[by[1:]] == key[by[:-1]]
+    repeat[1:] = ranked[1:] == ranked[:-1]
     if order is None:  # first occurrence order
         dropped = np.zeros(key.size, bool)
         dropped[by[repeat]] = True

@@ -69,9 +69,8 @@ def history_meds(meds: Ragged, histories: Ragged, n_med: int) -> tuple[Ragged, R
     else:
         key = np.unique(visit * (n_med + 1) + everything.values)
         visit, ids = key // (n_med + 1), key % (n_med + 1)
-    past = np.zeros(n + 1, np.int64)
-    np.cumsum(np.bincount(visit, minlength=n), out=past[1:])
-    return last, Ragged(ids.astype(np.int64, copy=False), past)
+    past = Ragged.of_lengths(ids.astype(np.int64, copy=False), np.bincount(visit, minlength=n))
+    return last, past
 
 
 def head_arrays(
