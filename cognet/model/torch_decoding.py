@@ -34,7 +34,8 @@ from cognet.model.session import TorchSession
 from cognet.model.set_head import SetHead
 
 # patients a batch of `set_marginals_of`: fewer than `decode_patients`' 128, as the decoding
-# alone runs faster on one core at this size (BENCHMARKS.md "What the set head costs at training")
+# alone runs faster on one core at this size
+# (docs/benchmarks/history/2026-12-07-set-head-training-cost.md)
 MARGINALS_BATCH = 32
 
 
